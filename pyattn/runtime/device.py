@@ -1,0 +1,207 @@
+"""GPU discovery: driver initialisation, devices, their primary contexts and arch strings.
+
+Nothing here runs at import. The first call to :func:`get_device` initialises the driver;
+devices are then cached per ordinal for the life of the process (a device and its retained
+primary context are process-wide facts, like the driver's own).
+
+Thread safety: :func:`get_device` is safe to call from several threads; a :class:`Device`
+is immutable after construction, and :meth:`Device.activate` only sets the calling thread's
+current context.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from .errors import NoDeviceError, check
+
+__all__ = ["Device", "get_device", "device_count", "driver_version", "arch_for_capability", "SUPPORTED_ARCHS"]
+
+# Archs we compile for. The "a" suffix selects the arch-specific instruction set (wgmma,
+# setmaxnreg, tcgen05), which only runs on exactly that arch; cubins are never shared across archs.
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+
+_lock = threading.Lock()
+_devices: dict[int, "Device"] = {}
+_initialised = False
+_driver_module = None
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """Map a compute capability to the arch pyattn compiles for.
+
+    Parameters
+    ----------
+    major, minor : int
+        The device's compute capability.
+
+    Returns
+    -------
+    str
+        One of :data:`SUPPORTED_ARCHS`.
+
+    Raises
+    ------
+    PyattnError
+        For a capability with no supported arch. We never silently compile for a
+        different arch: sm_87 (Orin) and sm_120 (consumer Blackwell) differ in shared
+        memory size and instruction set enough that a kernel tuned elsewhere may not launch.
+    """
+    from .errors import PyattnError
+
+    table = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a"}
+    try:
+        return table[(major, minor)]
+    except KeyError:
+        raise PyattnError(
+            f"compute capability {major}.{minor} is not supported; pyattn builds for "
+            f"{', '.join(SUPPORTED_ARCHS)} (capabilities 8.0, 8.6, 8.9, 9.0, 10.0)"
+        ) from None
+
+
+def _driver():
+    """Import the driver bindings and initialise the driver once, or raise NoDeviceError."""
+    global _initialised, _driver_module
+    if _initialised:  # hot path: every op activates its device
+        return _driver_module
+    from cuda.bindings import driver
+
+    if not _initialised:
+        with _lock:
+            if not _initialised:
+                try:
+                    check(driver.cuInit(0), "cuInit")
+                except NoDeviceError:
+                    raise
+                except Exception as exc:  # the driver library itself is missing (no NVIDIA driver)
+                    raise NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", str(exc), "cuInit") from exc
+                _driver_module = driver
+                _initialised = True
+    return driver
+
+
+def device_count() -> int:
+    """Return the number of CUDA devices, 0 when there is no driver or no GPU."""
+    try:
+        driver = _driver()
+        return int(check(driver.cuDeviceGetCount(), "cuDeviceGetCount"))
+    except NoDeviceError:
+        return 0
+
+
+def driver_version() -> tuple[int, int]:
+    """Return the driver's CUDA version as ``(major, minor)``."""
+    driver = _driver()
+    v = int(check(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+    return v // 1000, (v % 1000) // 10
+
+
+@dataclass(frozen=True, eq=False)
+class Device:
+    """One CUDA device and its retained primary context.
+
+    Obtain instances through :func:`get_device`; they live as long as the process.
+
+    Attributes
+    ----------
+    ordinal : int
+    name : str
+    capability : tuple of int
+    sm_count : int
+    max_shared_per_block_optin : int
+        Bytes of shared memory a block may use after opting in.
+    l2_bytes : int
+    """
+
+    ordinal: int
+    name: str
+    capability: tuple
+    sm_count: int
+    max_shared_per_block_optin: int
+    l2_bytes: int
+    handle: object
+    context: object
+
+    @property
+    def _context_ptr(self) -> int:
+        return int(self.context)
+
+    @property
+    def arch(self) -> str:
+        """The arch kernels are compiled for; raises ``PyattnError`` on an unsupported GPU."""
+        return arch_for_capability(*self.capability)
+
+    def activate(self) -> None:
+        """Make this device's primary context current on the calling thread (cheap when it already is)."""
+        driver = _driver()
+        err, current = driver.cuCtxGetCurrent()
+        if err or int(current) != self._context_ptr:
+            check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def synchronize(self) -> None:
+        """Wait for all work on this device. Prefer ``Stream.synchronize``; this is for tests and teardown."""
+        self.activate()
+        check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def __repr__(self) -> str:
+        cc = "%d.%d" % self.capability
+        return f"<pyattn.Device {self.ordinal}: {self.name} (compute {cc}, {self.sm_count} SMs)>"
+
+
+def _attribute(driver, dev, attr) -> int:
+    return int(check(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+
+
+def get_device(ordinal: int | None = None) -> Device:
+    """Return the :class:`Device` for ``ordinal`` (default: the current context's device, else 0).
+
+    Parameters
+    ----------
+    ordinal : int, optional
+        CUDA device ordinal.
+
+    Raises
+    ------
+    NoDeviceError
+        When no driver or no device is present.
+    ValueError
+        When ``ordinal`` is out of range.
+    """
+    driver = _driver()
+    if ordinal is None:
+        ctx = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        ordinal = int(check(driver.cuCtxGetDevice(), "cuCtxGetDevice")) if int(ctx) else 0
+    dev = _devices.get(ordinal)
+    if dev is not None:
+        return dev
+    with _lock:
+        if ordinal in _devices:
+            return _devices[ordinal]
+        count = int(check(driver.cuDeviceGetCount(), "cuDeviceGetCount"))
+        if count == 0:
+            raise NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", "the driver reports no CUDA device", "cuDeviceGetCount")
+        if not 0 <= ordinal < count:
+            raise ValueError(f"device: expected an ordinal in [0, {count}), got {ordinal}")
+        handle = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+        A = driver.CUdevice_attribute
+        major = _attribute(driver, handle, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = _attribute(driver, handle, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        raw_name = check(driver.cuDeviceGetName(256, handle), "cuDeviceGetName")
+        # Retained for the process lifetime: releasing it while arrays or modules live would
+        # destroy them under the user's feet, and the driver tears it down at exit anyway.
+        context = check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+        dev = Device(
+            ordinal=ordinal,
+            name=raw_name.split(b"\0", 1)[0].decode(),
+            capability=(major, minor),
+            sm_count=_attribute(driver, handle, A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            max_shared_per_block_optin=_attribute(
+                driver, handle, A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            ),
+            l2_bytes=_attribute(driver, handle, A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+            handle=handle,
+            context=context,
+        )
+        _devices[ordinal] = dev
+        return dev

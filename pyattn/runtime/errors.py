@@ -1,0 +1,155 @@
+"""The one place where CUDA driver and NVRTC status codes become Python exceptions.
+
+Every call into ``cuda.bindings.driver`` or ``cuda.bindings.nvrtc`` goes through
+:func:`check` (driver) or :func:`check_nvrtc` (NVRTC), so that a failure always
+carries the error's symbolic name, NVIDIA's description string and, for
+compilation, the compiler log and the numbered source.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PyattnError",
+    "CudaError",
+    "NvrtcError",
+    "CompileError",
+    "NoDeviceError",
+    "check",
+    "check_nvrtc",
+]
+
+
+class PyattnError(RuntimeError):
+    """Base class of every error pyattn raises for a failure outside the user's input."""
+
+
+class CudaError(PyattnError):
+    """A CUDA driver call failed.
+
+    Attributes
+    ----------
+    code : int
+        The numeric ``CUresult``.
+    name : str
+        Its symbolic name, e.g. ``"CUDA_ERROR_OUT_OF_MEMORY"``.
+    description : str
+        The driver's description of the error.
+    call : str
+        What pyattn was doing when the call failed.
+    """
+
+    def __init__(self, code: int, name: str, description: str, call: str = ""):
+        self.code, self.name, self.description, self.call = int(code), name, description, call
+        where = f" in {call}" if call else ""
+        super().__init__(f"{name} ({int(code)}){where}: {description}")
+
+
+class NoDeviceError(CudaError):
+    """No usable CUDA driver or device was found (the driver library is missing or reports no GPU)."""
+
+
+class NvrtcError(PyattnError):
+    """An NVRTC call other than compilation itself failed (program creation, queries)."""
+
+    def __init__(self, code: int, name: str, description: str, call: str = ""):
+        self.code, self.name, self.description, self.call = int(code), name, description, call
+        where = f" in {call}" if call else ""
+        super().__init__(f"{name} ({int(code)}){where}: {description}")
+
+
+class CompileError(PyattnError):
+    """NVRTC rejected a kernel translation unit.
+
+    Attributes
+    ----------
+    name : str
+        The NVRTC status name (normally ``"NVRTC_ERROR_COMPILATION"``).
+    log : str
+        The full compiler log.
+    source : str
+        The translation unit that was compiled.
+    options : tuple of str
+        The compiler options used.
+    kernel : str
+        The kernel spec's identifier, to reproduce the failure.
+    """
+
+    def __init__(self, name: str, log: str, source: str, options=(), kernel: str = ""):
+        self.name, self.log, self.source = name, log, source
+        self.options, self.kernel = tuple(options), kernel
+        head = f"{name} while compiling {kernel or 'a kernel'}"
+        super().__init__(f"{head}\n--- NVRTC log ---\n{log.strip()}\n(see .dump() for the numbered source)")
+
+    def numbered_source(self) -> str:
+        """Return the translation unit with line numbers, to match the log's ``(line)`` references."""
+        lines = self.source.splitlines()
+        width = len(str(len(lines)))
+        return "\n".join(f"{i:>{width}} | {line}" for i, line in enumerate(lines, 1))
+
+    def dump(self, file=None) -> None:
+        """Print options, log and numbered source to ``file`` (default ``sys.stderr``)."""
+        import sys
+
+        out = file if file is not None else sys.stderr
+        print(f"options: {' '.join(self.options)}", file=out)
+        print(self.log, file=out)
+        print(self.numbered_source(), file=out)
+
+
+def _driver_error_text(code) -> tuple[str, str]:
+    from cuda.bindings import driver
+
+    err, name = driver.cuGetErrorName(code)
+    name = name.decode() if err == driver.CUresult.CUDA_SUCCESS and name else f"CUresult {int(code)}"
+    err, desc = driver.cuGetErrorString(code)
+    desc = desc.decode() if err == driver.CUresult.CUDA_SUCCESS and desc else "unknown error"
+    return name, desc
+
+
+_NO_DEVICE_CODES = {100, 35, 999}  # NO_DEVICE, INSUFFICIENT_DRIVER, UNKNOWN (no /dev/nvidia*)
+
+
+def check(result, call: str = ""):
+    """Unwrap a ``cuda.bindings.driver`` return tuple, raising :class:`CudaError` on failure.
+
+    Parameters
+    ----------
+    result : tuple or CUresult
+        What the binding returned: ``(CUresult, value...)`` or a bare ``CUresult``.
+    call : str, optional
+        A short description of the call for the message (e.g. ``"cuModuleLoadData"``).
+
+    Returns
+    -------
+    object
+        ``None``, the single value, or a tuple of the values after the status.
+    """
+    if isinstance(result, tuple):
+        code, values = result[0], result[1:]
+    else:
+        code, values = result, ()
+    if int(code) != 0:
+        name, desc = _driver_error_text(code)
+        cls = NoDeviceError if int(code) in _NO_DEVICE_CODES and call.startswith("cuInit") else CudaError
+        raise cls(int(code), name, desc, call)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def check_nvrtc(result, call: str = ""):
+    """Unwrap a ``cuda.bindings.nvrtc`` return tuple, raising :class:`NvrtcError` on failure.
+
+    Compilation failures are turned into :class:`CompileError` by the compiler module, which
+    has the log and source; this function handles every other NVRTC call.
+    """
+    from cuda.bindings import nvrtc
+
+    code, values = result[0], result[1:]
+    if int(code) != 0:
+        err, desc = nvrtc.nvrtcGetErrorString(code)
+        desc = desc.decode() if desc else "unknown error"
+        raise NvrtcError(int(code), getattr(code, "name", f"nvrtcResult {int(code)}"), desc, call)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values

@@ -1,0 +1,272 @@
+"""Device memory (a caching, stream-ordered pool), pinned host staging, and copies.
+
+Device allocations come from a private driver memory pool (``cuMemPoolCreate``) whose release
+threshold is unbounded: freed blocks stay cached in the pool and are handed out again without a
+``cudaMalloc``-style synchronisation. Allocation and free are stream-ordered, so a block freed on
+stream S may be reused by later work on S at once and by other streams only after S reaches the
+free. A private pool (rather than the device's default pool) leaves other libraries' memory
+behaviour untouched.
+
+Host<->device copies go through page-locked (pinned) staging buffers, so the DMA engine reads
+and writes them asynchronously; copies from pageable NumPy memory would be serialised by the
+driver through its own small bounce buffer.
+
+Thread safety: pools and the staging pool are guarded by locks; an :class:`Allocation` must not
+be freed by two threads at once (its finalizer runs once).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from .device import Device
+from .errors import check
+
+__all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool", "get_staging",
+           "copy_to_device", "copy_to_host", "memset_async"]
+
+_pools: dict[int, "DevicePool"] = {}
+_staging: dict[int, "StagingPool"] = {}
+_lock = threading.Lock()
+
+
+_driver = None
+
+
+def _drv():
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver as _driver
+    return _driver
+
+
+class Allocation:
+    """A block of device memory from a :class:`DevicePool`, freed (stream-ordered) when dropped.
+
+    Attributes
+    ----------
+    ptr : int
+        Device address (0 for a zero-byte allocation).
+    nbytes : int
+    stream : Stream
+        The stream the block was allocated on; its free is ordered on this stream.
+    """
+
+    __slots__ = ("ptr", "nbytes", "stream", "_used_on")
+
+    def __init__(self, ptr: int, nbytes: int, stream):
+        self.ptr, self.nbytes, self.stream = ptr, nbytes, stream
+        self._used_on = None  # {stream ptr: Stream} of other streams that used the block
+
+    def record_stream(self, stream) -> None:
+        """Note that ``stream`` uses this block, so the free waits for that stream's work too."""
+        if stream.ptr != self.stream.ptr:
+            if self._used_on is None:
+                self._used_on = {}
+            self._used_on[stream.ptr] = stream
+
+    def free(self) -> None:
+        """Return the block to its pool now (ordered after the work queued on its streams)."""
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            _free_async(ptr, self.stream, self._used_on)
+
+    # __del__ rather than weakref.finalize: one of these is made per op call, and a finalizer
+    # object costs more than the free itself.
+    __del__ = free
+
+
+def _free_async(ptr, stream, used_on) -> None:
+    try:
+        driver = _drv()
+        for other in (used_on or {}).values():
+            # Make the freeing stream wait for the other users before the block can be reused.
+            _, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            driver.cuEventRecord(ev, other.handle)
+            driver.cuStreamWaitEvent(stream.handle, ev, 0)
+            driver.cuEventDestroy(ev)
+        driver.cuMemFreeAsync(driver.CUdeviceptr(ptr), stream.handle)
+    except Exception:  # interpreter shutdown: the context may already be gone
+        pass
+
+
+class DevicePool:
+    """A caching, stream-ordered device memory pool for one device.
+
+    Parameters
+    ----------
+    device : Device
+    """
+
+    def __init__(self, device: Device):
+        driver = _drv()
+        self.device = device
+        props = driver.CUmemPoolProps()
+        props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = device.ordinal
+        device.activate()
+        self.handle = check(driver.cuMemPoolCreate(props), "cuMemPoolCreate")
+        # Keep freed memory cached in the pool instead of returning it to the driver at each sync.
+        threshold = driver.cuuint64_t(2**64 - 1)
+        check(driver.cuMemPoolSetAttribute(
+            self.handle, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold),
+            "cuMemPoolSetAttribute")
+
+    def allocate(self, nbytes: int, stream) -> Allocation:
+        """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised."""
+        if nbytes <= 0:
+            return Allocation(0, 0, stream)
+        err, ptr = _drv().cuMemAllocFromPoolAsync(nbytes, self.handle, stream.handle)
+        if err:
+            check((err,), f"cuMemAllocFromPoolAsync({nbytes} bytes)")
+        return Allocation(int(ptr), nbytes, stream)
+
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Release cached memory above ``keep_bytes`` back to the driver."""
+        check(_drv().cuMemPoolTrimTo(self.handle, keep_bytes), "cuMemPoolTrimTo")
+
+
+def get_pool(device: Device) -> DevicePool:
+    """Return the process's pool for ``device``, created on first use."""
+    pool = _pools.get(device.ordinal)
+    if pool is None:
+        with _lock:
+            pool = _pools.get(device.ordinal)
+            if pool is None:
+                pool = _pools[device.ordinal] = DevicePool(device)
+    return pool
+
+
+class _HostView:
+    """Exposes a raw host address to NumPy through ``__array_interface__`` (no ctypes needed)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self._owner = owner  # keeps the pinned block alive as long as any NumPy view of it
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class PinnedBuffer:
+    """Page-locked host memory, usable as a NumPy ``uint8`` array via :meth:`array`.
+
+    Parameters
+    ----------
+    nbytes : int
+    """
+
+    def __init__(self, nbytes: int):
+        driver = _drv()
+        flags = driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every context, not just the current one
+        self.nbytes = max(int(nbytes), 1)
+        self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
+        self._finalizer = weakref.finalize(self, _free_host, self.ptr)
+
+    def array(self, dtype, shape) -> np.ndarray:
+        """A NumPy view of the first ``prod(shape) * itemsize`` bytes."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if n > self.nbytes:
+            raise ValueError(f"pinned buffer of {self.nbytes} bytes cannot hold {n}")
+        return np.asarray(_HostView(self.ptr, n, self)).view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        """Free the pinned memory (its NumPy views must not be used afterwards)."""
+        self._finalizer()
+
+
+def _free_host(ptr) -> None:
+    try:
+        _drv().cuMemFreeHost(ptr)
+    except Exception:
+        pass
+
+
+class StagingPool:
+    """Reusable pinned staging buffers; a buffer returns to the pool with an event that marks
+    when its last copy finishes, and is not handed out again before that event completes.
+
+    Parameters
+    ----------
+    device : Device
+    """
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._free: list[tuple[PinnedBuffer, object]] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> PinnedBuffer:
+        """Return a pinned buffer of at least ``nbytes`` whose previous copies have completed."""
+        driver = _drv()
+        with self._lock:
+            for i, (buf, ev) in enumerate(self._free):
+                if buf.nbytes >= nbytes and (ev is None or int(driver.cuEventQuery(ev)[0]) == 0):
+                    del self._free[i]
+                    if ev is not None:
+                        driver.cuEventDestroy(ev)
+                    return buf
+        # Round up to a power of two so buffers get reused across slightly different sizes.
+        return PinnedBuffer(1 << max(int(nbytes) - 1, 4095).bit_length())
+
+    def release(self, buf: PinnedBuffer, stream=None) -> None:
+        """Give ``buf`` back; with ``stream``, it is reusable once the work queued there is done."""
+        driver = _drv()
+        ev = None
+        if stream is not None:
+            ev = check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            check(driver.cuEventRecord(ev, stream.handle), "cuEventRecord")
+        with self._lock:
+            self._free.append((buf, ev))
+            if len(self._free) > 8:  # bound the pinned memory kept around
+                old, old_ev = self._free.pop(0)
+                if old_ev is not None:
+                    driver.cuEventSynchronize(old_ev)
+                    driver.cuEventDestroy(old_ev)
+                old.close()
+
+
+def get_staging(device: Device) -> StagingPool:
+    """Return the process's staging pool for ``device``."""
+    pool = _staging.get(device.ordinal)
+    if pool is None:
+        with _lock:
+            pool = _staging.setdefault(device.ordinal, StagingPool(device))
+    return pool
+
+
+def copy_to_device(dst_ptr: int, host: np.ndarray, stream) -> None:
+    """Copy a C-contiguous host array to ``dst_ptr`` asynchronously on ``stream``.
+
+    The host data is first copied into a pinned staging buffer, so ``host`` may be modified or
+    freed as soon as this returns.
+    """
+    nbytes = host.nbytes
+    if nbytes == 0:
+        return
+    staging = get_staging(stream.device)
+    buf = staging.acquire(nbytes)
+    np.copyto(buf.array(host.dtype, host.shape), host, casting="no")
+    check(_drv().cuMemcpyHtoDAsync(dst_ptr, buf.ptr, nbytes, stream.handle), "cuMemcpyHtoDAsync")
+    staging.release(buf, stream)
+
+
+def copy_to_host(host: np.ndarray, src_ptr: int, stream) -> None:
+    """Copy device memory at ``src_ptr`` into the C-contiguous array ``host``; returns when done."""
+    nbytes = host.nbytes
+    if nbytes == 0:
+        return
+    staging = get_staging(stream.device)
+    buf = staging.acquire(nbytes)
+    check(_drv().cuMemcpyDtoHAsync(buf.ptr, src_ptr, nbytes, stream.handle), "cuMemcpyDtoHAsync")
+    stream.synchronize()
+    np.copyto(host, buf.array(host.dtype, host.shape), casting="no")
+    staging.release(buf)
+
+
+def memset_async(ptr: int, byte: int, nbytes: int, stream) -> None:
+    """Fill ``nbytes`` at ``ptr`` with ``byte`` on ``stream`` (tests poison outputs with 0xFF = NaN)."""
+    if nbytes:
+        check(_drv().cuMemsetD8Async(ptr, byte, nbytes, stream.handle), "cuMemsetD8Async")

@@ -1,0 +1,111 @@
+"""Loaded modules and their kernels.
+
+A :class:`Module` wraps a cubin (or, as a stated fallback, PTX) loaded into one device's primary
+context; a :class:`Kernel` is one ``__global__`` entry point in it with its resource attributes.
+
+Thread safety: loading is done under the caller's lock (see ``pyattn.kernels.registry``); a
+loaded Kernel is immutable apart from :meth:`Kernel.set_max_dynamic_shared`, which is idempotent.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .device import Device
+from .errors import check
+
+__all__ = ["Module", "Kernel"]
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+class Module:
+    """A code image loaded into ``device``'s primary context.
+
+    Parameters
+    ----------
+    device : Device
+    image : bytes
+        A cubin, or NUL-terminated PTX.
+    """
+
+    def __init__(self, device: Device, image: bytes):
+        self.device = device
+        device.activate()
+        self.handle = check(_drv().cuModuleLoadData(image), "cuModuleLoadData")
+        self._finalizer = weakref.finalize(self, _unload, self.handle)
+
+    def kernel(self, name: str) -> "Kernel":
+        """Return the kernel with the (lowered) symbol ``name``."""
+        fn = check(_drv().cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name})")
+        return Kernel(self, fn, name)
+
+    def close(self) -> None:
+        """Unload the module; kernels obtained from it become invalid."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _unload(handle) -> None:
+    try:
+        _drv().cuModuleUnload(handle)
+    except Exception:
+        pass
+
+
+class Kernel:
+    """One entry point of a :class:`Module`.
+
+    Attributes
+    ----------
+    name : str
+    handle : CUfunction
+    num_regs, max_threads_per_block, static_shared_bytes, local_bytes : int
+        The compiler's resource usage, read from the loaded image.
+    """
+
+    def __init__(self, module: Module, handle, name: str):
+        A = _drv().CUfunction_attribute
+        self.module, self.handle, self.name = module, handle, name
+        self.num_regs = self._get(A.CU_FUNC_ATTRIBUTE_NUM_REGS)
+        self.max_threads_per_block = self._get(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        self.static_shared_bytes = self._get(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        self.local_bytes = self._get(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+        self._max_dynamic_shared = 48 * 1024
+
+    def _get(self, attr) -> int:
+        return int(check(_drv().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))
+
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        """Opt in to ``nbytes`` of dynamic shared memory per block (needed above 48 KiB).
+
+        Raises
+        ------
+        PyattnError
+            When the device cannot give that much (checked against its opt-in limit).
+        """
+        from .errors import PyattnError
+
+        if nbytes <= self._max_dynamic_shared:
+            return
+        limit = self.module.device.max_shared_per_block_optin - self.static_shared_bytes
+        if nbytes > limit:
+            raise PyattnError(f"kernel {self.name} needs {nbytes} bytes of dynamic shared memory; "
+                              f"{self.module.device.name} allows {limit}")
+        A = _drv().CUfunction_attribute
+        check(_drv().cuFuncSetAttribute(self.handle, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+              "cuFuncSetAttribute")
+        self._max_dynamic_shared = nbytes
+
+    def __repr__(self) -> str:
+        return (f"<pyattn.Kernel {self.name}: {self.num_regs} regs, {self.static_shared_bytes} B static smem, "
+                f"{self.local_bytes} B local>")

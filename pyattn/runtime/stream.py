@@ -1,0 +1,189 @@
+"""Streams and events.
+
+Every launch and copy in pyattn names a stream. Users may pass a :class:`Stream`, any object
+with the ``__cuda_stream__`` protocol (cuda.core, CuPy, recent PyTorch), or a raw ``CUstream``
+handle as an ``int``; :func:`as_stream` normalises them. ``None`` means pyattn's own
+non-blocking stream for that device, created on first use.
+
+Thread safety: a Stream may be used from several threads (the driver serialises work on
+it); creating and closing one is not synchronised against concurrent use of the same object.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from .device import Device, get_device
+from .errors import check
+
+__all__ = ["Stream", "Event", "as_stream", "default_stream"]
+
+_default_streams: dict[int, "Stream"] = {}
+_default_lock = threading.Lock()
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+class Stream:
+    """A CUDA stream, owned (created here) or borrowed (a handle from elsewhere).
+
+    Parameters
+    ----------
+    device : Device, optional
+        Device to create the stream on (default: :func:`get_device`).
+    handle : int, optional
+        Wrap an existing ``CUstream`` instead of creating one; it is then never destroyed here.
+    owner : object, optional
+        Object kept alive with a borrowed handle (e.g. the foreign stream object).
+
+    Notes
+    -----
+    Owned streams are created non-blocking, so they never serialise against the legacy
+    default stream used by other libraries. Use as a context manager or call :meth:`close`;
+    a finalizer destroys a forgotten owned stream.
+    """
+
+    def __init__(self, device: Device | None = None, *, handle: int | None = None, owner=None):
+        driver = _drv()
+        self.device = device if device is not None else get_device()
+        self._owner = owner
+        if handle is None:
+            self.device.activate()
+            flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self.handle = check(driver.cuStreamCreate(flags), "cuStreamCreate")
+            self._finalizer = weakref.finalize(self, _destroy_stream, self.handle)
+        else:
+            self.handle = driver.CUstream(int(handle))
+            self._finalizer = None
+        self.ptr = int(self.handle)
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream has finished."""
+        check(_drv().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def wait(self, event: "Event") -> None:
+        """Make later work on this stream wait for ``event`` (no host block)."""
+        check(_drv().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
+    def record(self, event: "Event | None" = None, *, timing: bool = False) -> "Event":
+        """Record ``event`` (a new one if None) on this stream and return it."""
+        event = event if event is not None else Event(self.device, timing=timing)
+        check(_drv().cuEventRecord(event.handle, self.handle), "cuEventRecord")
+        return event
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+    def close(self) -> None:
+        """Destroy an owned stream (after the work queued on it completes); no-op for borrowed ones."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<pyattn.Stream 0x{self.ptr:x} on device {self.device.ordinal}>"
+
+
+def _destroy_stream(handle) -> None:
+    try:
+        _drv().cuStreamDestroy(handle)
+    except Exception:  # interpreter shutdown: the driver may already be gone
+        pass
+
+
+class Event:
+    """A CUDA event, for ordering between streams and for timing.
+
+    Parameters
+    ----------
+    device : Device, optional
+    timing : bool
+        Enable timing (slightly more expensive); required for :meth:`elapsed_ms`.
+    """
+
+    def __init__(self, device: Device | None = None, *, timing: bool = False):
+        driver = _drv()
+        self.device = device if device is not None else get_device()
+        self.device.activate()
+        flags = 0 if timing else driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(driver.cuEventCreate(flags), "cuEventCreate")
+        self._finalizer = weakref.finalize(self, _destroy_event, self.handle)
+
+    def synchronize(self) -> None:
+        """Block until the work before this event has completed."""
+        check(_drv().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds between this event and ``end`` (both recorded, with ``timing=True``)."""
+        end.synchronize()
+        return float(check(_drv().cuEventElapsedTime(self.handle, end.handle), "cuEventElapsedTime"))
+
+    def close(self) -> None:
+        """Destroy the event."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _destroy_event(handle) -> None:
+    try:
+        _drv().cuEventDestroy(handle)
+    except Exception:
+        pass
+
+
+def default_stream(device: Device) -> Stream:
+    """Return pyattn's own non-blocking stream for ``device``, created on first use."""
+    s = _default_streams.get(device.ordinal)
+    if s is None:
+        with _default_lock:
+            s = _default_streams.get(device.ordinal)
+            if s is None:
+                s = _default_streams[device.ordinal] = Stream(device)
+    return s
+
+
+def as_stream(stream, device: Device) -> Stream:
+    """Normalise a user's ``stream=`` argument.
+
+    Parameters
+    ----------
+    stream : None, Stream, int, or object with ``__cuda_stream__``
+        ``None`` selects :func:`default_stream`. An ``int`` is a raw ``CUstream`` handle
+        (0 is the legacy default stream).
+    device : Device
+        The device the work runs on.
+
+    Raises
+    ------
+    TypeError
+        For anything else.
+    """
+    if stream is None:
+        return default_stream(device)
+    if isinstance(stream, Stream):
+        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return Stream(device, handle=stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        _, ptr = proto() if callable(proto) else proto
+        return Stream(device, handle=int(ptr), owner=stream)
+    raise TypeError(
+        f"stream: expected None, a pyattn.Stream, an int CUstream handle or an object with "
+        f"__cuda_stream__, got {type(stream).__name__}"
+    )
