@@ -1,0 +1,36 @@
+// pyattn common device helpers: element types, conversions, warp reductions.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace pyattn {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): scores are kept in base 2 so exp2f is one MUFU op
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts the base-2 log-sum-exp back to natural log
+constexpr unsigned kFullMask = 0xffffffffu;
+// +inf without <cmath> (NVRTC has no INFINITY macro without the host headers).
+__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round-to-nearest-even conversions back to the storage type.
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+}  // namespace pyattn

@@ -1,0 +1,100 @@
+"""Run-time compilation: render -> NVRTC -> disk cache.
+
+:func:`build` turns a :class:`~pyattn.kernels.specs.KernelSpec` into a code image, through the
+disk cache; :func:`build_many` does it for a list (``pyattn warmup``, CI), in parallel threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .._version import __version__
+from .cache import KernelCache
+from .headers import check_headers_match_nvrtc, cuda_include_dir, nvrtc_identity
+from .nvrtc import compile_source
+from .source import kernel_headers, render, sources_digest
+
+__all__ = ["toolchain_fingerprint", "get_cache", "build", "build_many", "compile_spec"]
+
+log = logging.getLogger("pyattn.jit")
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain_fingerprint() -> str:
+    """Everything besides the spec that changes the compiled bytes: the NVRTC library, the header
+    version and directory, the kernel-source digest and the pyattn version."""
+    inc, hv = cuda_include_dir()
+    return f"nvrtc={nvrtc_identity()};headers={hv[0]}.{hv[1]}@{inc};src={sources_digest()};pyattn={__version__}"
+
+
+_caches: dict = {}
+
+
+def get_cache() -> KernelCache:
+    """The disk cache for the current ``PYATTN_CACHE_DIR`` (looked up at each call, so tests and
+    users can redirect it at run time; instances are reused per directory)."""
+    from .cache import default_cache_dir
+
+    d = default_cache_dir()
+    cache = _caches.get(d)
+    if cache is None:
+        cache = _caches.setdefault(d, KernelCache(d))
+    return cache
+
+
+def compile_spec(spec) -> tuple[bytes, dict]:
+    """Compile ``spec`` now, bypassing the cache; returns ``(image, meta)``."""
+    inc = check_headers_match_nvrtc()
+    options = spec.compile_options((str(inc),))
+    t0 = time.perf_counter()
+    image, compile_log = compile_source(render(spec), kernel_headers(), options, name=spec.describe(), ptx=spec.ptx)
+    meta = {"entry": spec.entry_name, "spec": spec.describe(), "format": "ptx" if spec.ptx else "cubin",
+            "compile_seconds": round(time.perf_counter() - t0, 4), "log": compile_log}
+    return image, meta
+
+
+def build(spec) -> tuple[bytes, dict, bool]:
+    """Return ``(image, meta, compiled_now)`` for ``spec``, compiling on a cache miss."""
+    key = spec.cache_key(toolchain_fingerprint())
+
+    def _compile():
+        log.info("pyattn: compiling 1 kernel (%s)", spec.describe())
+        return compile_spec(spec)
+
+    return get_cache().get_or_build(key, _compile)
+
+
+def build_many(specs, *, workers: int | None = None, progress=None) -> list:
+    """Build every spec (cache hits are cheap), compiling misses on ``workers`` threads.
+
+    NVRTC releases the GIL while compiling, so threads give real parallelism.
+
+    Parameters
+    ----------
+    specs : sequence of KernelSpec
+    workers : int, optional
+        Default: the CPU count.
+    progress : callable, optional
+        Called as ``progress(done, total, spec, compiled_now)`` after each spec.
+
+    Returns
+    -------
+    list of (spec, meta, compiled_now)
+    """
+    specs = list(specs)
+    cache, fp = get_cache(), toolchain_fingerprint()
+    missing = [s for s in specs if cache.get(s.cache_key(fp)) is None]
+    if missing:
+        log.info("pyattn: compiling %d kernels", len(missing))
+    results, done = [], 0
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        for spec, (image, meta, built) in zip(specs, pool.map(build, specs)):
+            done += 1
+            results.append((spec, meta, built))
+            if progress is not None:
+                progress(done, len(specs), spec, built)
+    return results

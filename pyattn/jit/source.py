@@ -1,0 +1,54 @@
+"""Render a kernel spec into one NVRTC translation unit.
+
+The templates in ``kernels_src/`` are handed to NVRTC as in-memory headers, so what is compiled
+is exactly what the digest covers. In a wheel they are package data (``pyattn/kernels_src``);
+in a source checkout they sit at the repository root.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+__all__ = ["kernel_source_dir", "kernel_headers", "sources_digest", "render"]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_dir() -> Path:
+    """Locate the ``*.cuh`` templates: package data first, then the checkout's ``kernels_src/``."""
+    here = Path(__file__).resolve().parent.parent  # the pyattn package
+    for candidate in (here / "kernels_src", here.parent / "kernels_src"):
+        if (candidate / "attention_fwd.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"pyattn kernel sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_headers() -> tuple:
+    """All template headers as ``((name, text), ...)``, sorted by name."""
+    return tuple((p.name, p.read_text()) for p in sorted(kernel_source_dir().glob("*.cuh")))
+
+
+@functools.lru_cache(maxsize=None)
+def sources_digest() -> str:
+    """sha256 over every template header: any edit to a kernel source changes every cache key."""
+    h = hashlib.sha256()
+    for name, text in kernel_headers():
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def render(spec) -> str:
+    """Return the translation unit for ``spec``: the generated params struct, the template
+    header, and one ``extern "C"`` entry point instantiating ``spec.template_id``."""
+    return (
+        f"// pyattn kernel {spec.describe()} (generated; edit kernels_src/{spec.header} instead)\n"
+        f'#include "common.cuh"\n'
+        f"namespace pyattn {{\n{spec.params.c_declaration()}}}  // namespace pyattn\n"
+        f'#include "{spec.header}"\n\n'
+        f'extern "C" __global__ void __launch_bounds__({spec.threads})\n'
+        f"{spec.entry_name}(const __grid_constant__ pyattn::{spec.params.name} params) {{\n"
+        f"  {spec.template_id}(params);\n"
+        f"}}\n"
+    )

@@ -1,0 +1,43 @@
+"""Loaded kernels, by spec and device: the in-memory layer above the disk cache.
+
+``get_kernel(spec, device)`` is the hot-path lookup of every op: a dict hit after the first call.
+A miss builds the image (disk cache or NVRTC), loads it into the device's context, and opts the
+kernel into the dynamic shared memory its spec needs.
+
+Thread safety: lookups are lock-free dict reads; misses are serialised by one lock, so two threads
+never load the same module twice.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..runtime.module import Module
+
+__all__ = ["get_kernel", "loaded_kernels"]
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+def get_kernel(spec, device):
+    """Return the loaded :class:`~pyattn.runtime.module.Kernel` for ``spec`` on ``device``."""
+    key = (device.ordinal, spec)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    from .. import jit
+
+    with _lock:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            image, meta, _ = jit.build(spec)
+            kernel = Module(device, image).kernel(meta["entry"])
+            kernel.set_max_dynamic_shared(spec.shared_bytes)
+            _kernels[key] = kernel
+    return kernel
+
+
+def loaded_kernels() -> dict:
+    """A snapshot of the loaded kernels, ``{(ordinal, spec): Kernel}``."""
+    return dict(_kernels)
