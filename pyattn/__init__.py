@@ -1,0 +1,31 @@
+"""pyattn: fast GPU attention from pure Python.
+
+CUDA C++ templates are compiled at run time with NVRTC for the GPU found, cached on disk, and
+launched through NVIDIA's cuda-python bindings. Importing pyattn touches no GPU, creates no
+directory and starts no thread; the driver is initialised by the first call that needs it.
+"""
+
+from ._version import __version__
+from .array import DeviceArray, asarray, empty
+from .ops.attention import attention
+from .runtime.device import Device, device_count, get_device
+from .runtime.errors import CompileError, CudaError, NoDeviceError, NvrtcError, PyattnError
+from .runtime.stream import Event, Stream
+
+__all__ = [
+    "__version__",
+    "attention",
+    "DeviceArray",
+    "asarray",
+    "empty",
+    "Device",
+    "get_device",
+    "device_count",
+    "Stream",
+    "Event",
+    "PyattnError",
+    "CudaError",
+    "NoDeviceError",
+    "NvrtcError",
+    "CompileError",
+]
