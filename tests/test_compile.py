@@ -1,0 +1,298 @@
+"""NVRTC compilation of every kernel variant, compile errors and the header/toolchain checks.
+
+CPU only: NVRTC needs no GPU or driver. Compiling all 5 archs x 24 variants happens once per
+session (into ``session_cache_dir``, which ``test_cli``'s ``demo`` reuses), then reads are cheap.
+
+What a cubin says about its arch, checked empirically with NVRTC 13.x:
+
+* it is an ELF64 file for ``EM_CUDA`` (machine 190);
+* the SM number sits in ``e_flags``: bits 8..15 when ``e_ident[EI_ABIVERSION] >= 8`` (CUDA 12.8+
+  cubins; e.g. sm_90a -> 0x..5a..), bits 0..7 in the older ABI. The flags do not distinguish
+  sm_90 from sm_90a;
+* NVRTC records its target in a note as the text ``-arch sm_90a `` (with the trailing space), which
+  does distinguish the ``a`` variants.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pathlib
+import re
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyattn.jit as jit
+from pyattn import CompileError, PyattnError
+from pyattn.jit.cache import KernelCache
+from pyattn.jit.headers import cuda_include_dir, header_version, nvrtc_identity, nvrtc_version
+from pyattn.jit.nvrtc import compile_source
+from pyattn.jit.source import kernel_headers, render, sources_digest
+from pyattn.kernels.params import ParamStruct
+from pyattn.kernels.specs import KernelSpec, standard_specs
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+EM_CUDA = 190
+
+
+def _all_specs():
+    return [s for a in ARCHS for s in standard_specs(a)]
+
+
+def _elf_sm(image: bytes) -> int:
+    """The SM number a cubin's ELF header declares (see the module docstring)."""
+    (e_flags,) = struct.unpack_from("<I", image, 48)
+    return (e_flags >> 8) & 0xFF if image[8] >= 8 else e_flags & 0xFF
+
+
+@pytest.fixture(scope="module")
+def built(session_cache_dir):
+    """build_many over every standard variant of every arch, once; returns [(spec, meta, built, image)]."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+        specs = _all_specs()
+        results = jit.build_many(specs, workers=2)
+        cache = KernelCache(session_cache_dir)
+        fp = jit.toolchain_fingerprint()
+        out = []
+        for spec, meta, was_built in results:
+            hit = cache.get(spec.cache_key(fp))
+            assert hit is not None, f"{spec.describe()} missing from the cache after build_many"
+            out.append((spec, meta, was_built, hit[0]))
+        return out
+
+
+def test_build_many_returns_one_result_per_spec_in_order(built):
+    specs = _all_specs()
+    assert len(specs) == 120
+    assert [s for s, *_ in built] == specs
+
+
+def test_every_variant_is_a_cubin_for_its_arch(built):
+    for spec, meta, _, image in built:
+        what = spec.describe()
+        assert meta["format"] == "cubin", what
+        assert meta["entry"] == spec.entry_name and meta["spec"] == what
+        assert image[:4] == b"\x7fELF", what
+        assert image[4] == 2, what  # ELFCLASS64
+        assert struct.unpack_from("<H", image, 18)[0] == EM_CUDA, what
+        assert _elf_sm(image) == int(re.match(r"sm_(\d+)", spec.arch).group(1)), what
+        assert f"-arch {spec.arch} ".encode() in image, what
+        others = [a for a in ARCHS if a != spec.arch]
+        assert not any(f"-arch {a} ".encode() in image for a in others), what
+        assert spec.entry_name.encode() + b"\0" in image, what  # the extern "C" symbol, unmangled
+
+
+def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatch):
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    again = jit.build_many(_all_specs(), workers=2)
+    assert len(again) == 120
+    assert [b for _, _, b in again] == [False] * 120
+    assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
+
+
+def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
+    specs = [KernelSpec("attn_fwd_simt", "f16", 64, "sm_89"), KernelSpec("attn_fwd_simt", "bf16", 256, "sm_100a")]
+    first = [jit.build(s) for s in specs]
+    assert [b for *_, b in first] == [True, True]
+    assert jit.get_cache().directory == cache_dir
+    assert len(jit.get_cache().entries()) == 2
+    second = [jit.build(s) for s in specs]
+    assert [b for *_, b in second] == [False, False]
+    assert [img for img, *_ in second] == [img for img, *_ in first]
+    progress = []
+    res = jit.build_many(specs, progress=lambda done, total, spec, b: progress.append((done, total, spec, b)))
+    assert [b for *_, b in res] == [False, False]
+    assert progress == [(1, 2, specs[0], False), (2, 2, specs[1], False)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_ptx_spec_yields_nul_terminated_ptx(arch, cache_dir, caplog):
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, arch, ptx=True)
+    with caplog.at_level(logging.WARNING, logger="pyattn.jit"):
+        image, meta, was_built = jit.build(spec)
+    assert was_built and meta["format"] == "ptx"
+    assert image.endswith(b"\0") and image.count(b"\0") == 1
+    text = image[:-1].decode()
+    assert re.search(rf"^\.target {arch}$", text, re.M), text[:400]
+    assert re.search(r"^\.version \d+\.\d+$", text, re.M)
+    assert re.search(rf"\.visible \.entry {spec.entry_name}\(", text)
+    assert any("emitting PTX" in r.getMessage() for r in caplog.records)  # PTX is a warned fallback
+    assert spec.cache_key(jit.toolchain_fingerprint()) != KernelSpec("attn_fwd_simt", "f16", 64, arch).cache_key(
+        jit.toolchain_fingerprint())
+
+
+BROKEN = """// a deliberately broken kernel
+extern "C" __global__ void broken_kernel(int* out) {
+  out[0] = undefined_symbol;
+}
+"""
+
+
+def test_compile_error_carries_log_and_numbered_source():
+    with pytest.raises(CompileError) as info:
+        compile_source(BROKEN, (), ("-arch=sm_90a", "-std=c++17"), name="broken")
+    e = info.value
+    assert e.name == "NVRTC_ERROR_COMPILATION"
+    assert re.search(r"broken\.cu\(3\): error: .*undefined_symbol", e.log), e.log
+    assert e.source == BROKEN and e.options == ("-arch=sm_90a", "-std=c++17") and e.kernel == "broken"
+    numbered = e.numbered_source().splitlines()
+    assert numbered[0] == "1 | // a deliberately broken kernel"
+    assert numbered[2] == "3 |   out[0] = undefined_symbol;"
+    assert len(numbered) == len(BROKEN.splitlines())
+    assert "NVRTC_ERROR_COMPILATION while compiling broken" in str(e) and "undefined_symbol" in str(e)
+    buf = io.StringIO()
+    e.dump(buf)
+    dumped = buf.getvalue()
+    assert "options: -arch=sm_90a -std=c++17" in dumped and "3 |   out[0] = undefined_symbol;" in dumped
+    assert isinstance(e, PyattnError)
+
+
+def test_compile_error_in_a_kernel_header_names_the_header():
+    spec = KernelSpec("attn_fwd_simt", "f32", 32, "sm_80")
+    inc, _ = cuda_include_dir()
+    headers = [(n, t + "\n#error deliberately broken header\n" if n == spec.header else t)
+               for n, t in kernel_headers()]
+    with pytest.raises(CompileError) as info:
+        compile_source(render(spec), headers, spec.compile_options((str(inc),)), name=spec.describe())
+    assert re.search(rf"{re.escape(spec.header)}\(\d+\): .*error.*deliberately broken header", info.value.log)
+
+
+def test_virtual_arch_without_ptx_flag_is_refused():
+    with pytest.raises(CompileError) as info:
+        compile_source('extern "C" __global__ void k() {}', (), ("-arch=compute_90a",), name="virt")
+    assert info.value.name == "NO_CUBIN"
+
+
+def test_toolchain_fingerprint_names_its_inputs():
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    assert int(err) == 0
+    assert nvrtc_version() == (major, minor)
+    fp = jit.toolchain_fingerprint()
+    inc, hv = cuda_include_dir()
+    # NVRTC is identified by its version, or (pip wheel, to avoid loading it on a warm start) by the
+    # library file's path, size and mtime: either way a different NVRTC gives a different key.
+    ident = nvrtc_identity()
+    assert f"nvrtc={ident};" in fp
+    if ident.startswith("wheel:"):
+        path, size, mtime_ns = ident[len("wheel:"):].rsplit(":", 2)
+        st = pathlib.Path(path).stat()
+        assert "nvrtc" in pathlib.Path(path).name and (st.st_size, st.st_mtime_ns) == (int(size), int(mtime_ns))
+    else:
+        assert ident == f"{major}.{minor}"
+    assert f"headers={hv[0]}.{hv[1]}@{inc};" in fp
+    assert f"src={sources_digest()};" in fp
+    assert fp.endswith(f"pyattn={jit.__version__}")
+    assert hv[0] == major and hv <= (major, minor)  # the installed headers fit this NVRTC
+
+
+# --------------------------------------------------------------------------------------------
+# Header discovery / version check
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_include(tmp_path, monkeypatch):
+    """A PYATTN_CUDA_INCLUDE directory; the lru caches are cleared around the test."""
+    d = tmp_path / "include"
+    d.mkdir()
+    monkeypatch.setenv("PYATTN_CUDA_INCLUDE", str(d))
+    cuda_include_dir.cache_clear()
+    jit.toolchain_fingerprint.cache_clear()
+    yield d
+    monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
+    cuda_include_dir.cache_clear()
+    jit.toolchain_fingerprint.cache_clear()
+
+
+def _write_headers(d, cudart_version, fp16=True):
+    (d / "cuda_runtime_api.h").write_text(f"#pragma once\n#define CUDART_VERSION {cudart_version}\n")
+    if fp16:
+        (d / "cuda_fp16.h").write_text("")
+
+
+@pytest.mark.parametrize("which", ["newer major", "older major", "newer minor"])
+def test_headers_that_do_not_fit_nvrtc_are_refused_before_compiling(fake_include, cache_dir, which):
+    major, minor = nvrtc_version()
+    version = {"newer major": 99000, "older major": (major - 1) * 1000,
+               "newer minor": major * 1000 + (minor + 1) * 10}[which]
+    _write_headers(fake_include, version)
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    for attempt in (lambda: jit.compile_spec(spec), lambda: jit.build(spec)):
+        with pytest.raises(PyattnError, match=r"CUDA headers \d+\.\d+ in .* do not fit NVRTC") as info:
+            attempt()
+        assert str(fake_include) in str(info.value)
+        assert f"nvidia-cuda-runtime=={major}.{minor}.*" in str(info.value)  # the fix, spelled out
+    assert not cache_dir.exists() or jit.get_cache().entries() == []
+
+
+def test_fitting_override_headers_are_used(fake_include):
+    major, _ = nvrtc_version()
+    _write_headers(fake_include, major * 1000)  # same major, minor 0: older is fine
+    assert cuda_include_dir() == (fake_include, (major, 0))
+    assert f"headers={major}.0@{fake_include};" in jit.toolchain_fingerprint()
+
+
+def test_override_without_cuda_fp16_is_refused(fake_include):
+    major, minor = nvrtc_version()
+    _write_headers(fake_include, major * 1000 + minor * 10, fp16=False)
+    with pytest.raises(PyattnError, match=r"has no cuda_fp16\.h"):
+        cuda_include_dir()
+
+
+def test_override_without_cudart_version_is_refused(fake_include):
+    (fake_include / "cuda_runtime_api.h").write_text("/* no version here */\n")
+    (fake_include / "cuda_fp16.h").write_text("")
+    with pytest.raises(PyattnError, match=r"cannot read CUDART_VERSION"):
+        cuda_include_dir()
+
+
+def test_header_version_parses_cudart_version(tmp_path):
+    (tmp_path / "cuda_runtime_api.h").write_text("#define  CUDART_VERSION   12080\n")
+    assert header_version(tmp_path) == (12, 8)
+
+
+def test_include_dir_cache_is_restored_after_override_tests():
+    """Runs after the override tests in file order: the real headers are found again."""
+    inc, hv = cuda_include_dir()
+    assert (inc / "cuda_fp16.h").is_file() and (inc / "cuda_bf16.h").is_file()
+    assert hv[0] == nvrtc_version()[0]
+
+
+# --------------------------------------------------------------------------------------------
+# ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
+# --------------------------------------------------------------------------------------------
+_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+
+
+def _layout_check_source(p: ParamStruct) -> str:
+    codes = "".join(_CODES[k] for _, k in p.fields)
+    lines = [p.c_declaration()]
+    for i, (name, kind) in enumerate(p.fields):
+        offset = struct.calcsize("@" + codes[:i + 1]) - struct.calcsize("@" + codes[i])
+        lines.append(f'static_assert(__builtin_offsetof({p.name}, {name}) == {offset}, "{name}");')
+    return "\n".join(lines) + "\n"
+
+
+def _compile_layout(p: ParamStruct):
+    compile_source(_layout_check_source(p), (), ("-arch=sm_80", "-std=c++17"), name="layout")
+
+
+def test_attn_params_layout_matches_c():
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_80")
+    _compile_layout(spec.params)  # raises CompileError if a size or offset static_assert fails
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(sorted(_CODES)), min_size=1, max_size=10)
+       .filter(lambda kinds: any(_CODES[k] in "Qq" for k in kinds)))
+def test_param_struct_layout_matches_c(kinds):
+    """Any struct with at least one 8-byte member (see the xfail below for the others)."""
+    _compile_layout(ParamStruct("S", tuple((f"f{i}", k) for i, k in enumerate(kinds))))
+
+
+def test_param_struct_of_4_byte_members_matches_c():
+    _compile_layout(ParamStruct("S", (("a", "i32"), ("b", "f32"), ("c", "i32"))))

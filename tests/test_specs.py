@@ -1,0 +1,349 @@
+"""Kernel specs, parameter structs, arch mapping and source rendering (CPU only, no compiler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyattn.kernels.specs as specs_mod
+from pyattn import PyattnError
+from pyattn.jit.source import render
+from pyattn.kernels.params import ATTN_FWD_PARAMS, ParamStruct
+from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, KernelSpec, TileConfig,
+                                  select_attention_spec, standard_specs)
+from pyattn.runtime.device import SUPPORTED_ARCHS, arch_for_capability
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# Opt-in shared memory per block (bytes), from the CUDA programming guide's per-capability table.
+OPTIN_SMEM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
+              "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+TOOLCHAIN = "nvrtc=13.0;headers=13.0@/x;src=abc;pyattn=0.0"
+
+
+def test_supported_archs_are_the_documented_ones():
+    assert tuple(SUPPORTED_ARCHS) == ARCHS
+
+
+# --------------------------------------------------------------------------------------------
+# Spec selection
+# --------------------------------------------------------------------------------------------
+def test_head_dim_buckets_fit_the_kernel():
+    assert list(HEAD_DIM_BUCKETS) == sorted(set(HEAD_DIM_BUCKETS))
+    assert MAX_HEAD_DIM == HEAD_DIM_BUCKETS[-1] == 256
+    assert all(b % 32 == 0 for b in HEAD_DIM_BUCKETS)  # kernel: static_assert(HEAD_DIM % 32 == 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
+    for d in range(8, 257, 8):
+        spec = select_attention_spec(dtype_name, d, arch)
+        assert spec.head_dim == min(b for b in HEAD_DIM_BUCKETS if b >= d), d
+        assert spec.head_dim >= d and spec.head_dim - d < 32
+        assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, "attn_fwd_simt")
+        assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
+
+
+def test_select_spot_values_and_ptx_flag():
+    assert select_attention_spec("float16", 8, "sm_80").head_dim == 32
+    assert select_attention_spec("float16", 32, "sm_80").head_dim == 32
+    assert select_attention_spec("float16", 40, "sm_80").head_dim == 64
+    assert select_attention_spec("float32", 136, "sm_89").head_dim == 160
+    assert select_attention_spec("bfloat16", 256, "sm_100a").head_dim == 256
+    spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
+    assert spec == KernelSpec("attn_fwd_simt", "bf16", 96, "sm_90a", ptx=True)
+
+
+@pytest.mark.parametrize("d", [257, 264, 512])
+def test_select_rejects_head_dim_above_max(d):
+    with pytest.raises(ValueError, match=rf"^head_dim: at most 256 is supported, got {d}"):
+        select_attention_spec("float16", d, "sm_90a")
+
+
+def test_select_rejects_unsupported_arch():
+    with pytest.raises(ValueError, match=r"^arch:"):
+        select_attention_spec("float16", 64, "sm_75")
+
+
+# --------------------------------------------------------------------------------------------
+# KernelSpec validation and derived facts
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    ({"family": "attn_fwd_wgmma"}, r"^family: unknown kernel family 'attn_fwd_wgmma'"),
+    ({"dtype": "f64"}, r"^dtype: expected one of \['bf16', 'f16', 'f32'\], got 'f64'"),
+    ({"dtype": "float16"}, r"^dtype:"),  # the NumPy name is not a spec tag
+    ({"head_dim": 48}, r"^head_dim: expected one of"),
+    ({"head_dim": 0}, r"^head_dim:"),
+    ({"head_dim": 288}, r"^head_dim:"),
+    ({"arch": "sm_75"}, r"^arch: expected one of"),
+    ({"arch": "sm_90"}, r"^arch:"),  # sm_90a only: the 'a' features never run elsewhere
+    ({"arch": "sm_120"}, r"^arch:"),
+    ({"arch": "compute_90a"}, r"^arch:"),
+])
+def test_spec_validation(kwargs, match):
+    base = {"family": "attn_fwd_simt", "dtype": "f16", "head_dim": 64, "arch": "sm_90a"}
+    with pytest.raises(ValueError, match=match):
+        KernelSpec(**{**base, **kwargs})
+
+
+def test_spec_is_frozen_and_hashable():
+    a = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    b = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.head_dim = 128
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_standard_specs_cover_every_dtype_and_bucket(arch):
+    specs = standard_specs(arch)
+    assert len(specs) == len(DTYPES) * len(HEAD_DIM_BUCKETS) == 24
+    assert {(s.dtype, s.head_dim) for s in specs} == {(t, d) for t, _ in DTYPES.values() for d in HEAD_DIM_BUCKETS}
+    assert all(s.arch == arch and not s.ptx for s in specs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_entry_names_are_unique_c_identifiers(arch):
+    names = [s.entry_name for s in standard_specs(arch)]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
+    everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
+    assert len(set(everything)) == len(everything) == 24 * len(ARCHS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiles_satisfy_the_kernel_static_asserts(arch):
+    for s in standard_specs(arch):
+        t = s.tiles
+        assert isinstance(t, TileConfig) and t.reason
+        assert t.block_n == 32 and t.block_m % t.warps == 0
+        assert s.threads == 32 * t.warps and 32 <= s.threads <= 1024
+
+
+def test_shared_bytes_fit_every_supported_arch():
+    smallest = min(OPTIN_SMEM.values())
+    assert smallest == 101376
+    for arch in ARCHS:
+        for s in standard_specs(arch):
+            t, d = s.tiles, s.head_dim
+            # Q tile + padded K tile + V tile, fp32 (the layout attention_fwd.cuh carves out)
+            assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+            assert s.shared_bytes <= OPTIN_SMEM[arch], s.describe()
+            assert s.shared_bytes <= smallest, s.describe()
+
+
+@pytest.mark.parametrize("seqlen_q, blocks", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (1000, 63), (1024, 64)])
+def test_grid_rounds_query_tiles_up(seqlen_q, blocks):
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    assert spec.tiles.block_m == 16
+    assert spec.grid(3, 8, seqlen_q) == (blocks, 8, 3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(b=st.integers(1, 65535), h=st.integers(1, 65535), s=st.integers(0, 2**31 - 1),
+       arch=st.sampled_from(ARCHS))
+def test_grid_covers_every_query_once(b, h, s, arch):
+    spec = KernelSpec("attn_fwd_simt", "f32", 128, arch)
+    x, y, z = spec.grid(b, h, s)
+    bm = spec.tiles.block_m
+    assert (y, z) == (h, b)
+    assert x * bm >= s and (x - 1) * bm < max(s, 1)
+    assert x <= 2**31 - 1
+
+
+def test_compile_options():
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    opts = spec.compile_options(("/inc/a", "/inc/b"))
+    assert opts[0] == "-arch=sm_90a"
+    assert opts[-2:] == ("-I/inc/a", "-I/inc/b")
+    assert "-std=c++17" in opts
+    assert dataclasses.replace(spec, ptx=True).compile_options()[0] == "-arch=compute_90a"
+    assert KernelSpec("attn_fwd_simt", "f16", 64, "sm_100a", True).compile_options()[0] == "-arch=compute_100a"
+
+
+def test_describe_names_the_variant():
+    assert KernelSpec("attn_fwd_simt", "bf16", 96, "sm_89").describe() == "attn_fwd_simt[bf16, d=96, sm_89]"
+    assert KernelSpec("attn_fwd_simt", "bf16", 96, "sm_89", True).describe().endswith(", ptx]")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache keys
+# --------------------------------------------------------------------------------------------
+def test_cache_key_is_stable():
+    a = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    key = a.cache_key(TOOLCHAIN)
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert key == a.cache_key(TOOLCHAIN) == KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a").cache_key(TOOLCHAIN)
+
+
+def test_cache_key_differs_for_every_field_and_toolchain():
+    base = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    variants = [base, dataclasses.replace(base, dtype="bf16"), dataclasses.replace(base, dtype="f32"),
+                dataclasses.replace(base, head_dim=96), dataclasses.replace(base, arch="sm_100a"),
+                dataclasses.replace(base, ptx=True)]
+    keys = {v.cache_key(TOOLCHAIN) for v in variants}
+    keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
+             base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),
+             base.cache_key(TOOLCHAIN.replace("pyattn=0.0", "pyattn=0.1"))}
+    assert len(keys) == len(variants) + 3
+
+
+def test_cache_key_keys_are_unique_across_all_standard_specs():
+    keys = [s.cache_key(TOOLCHAIN) for a in ARCHS for s in standard_specs(a)]
+    assert len(set(keys)) == len(keys)
+
+
+def test_cache_key_changes_with_compile_options(monkeypatch):
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    before = spec.cache_key(TOOLCHAIN)
+    original = KernelSpec.compile_options
+    monkeypatch.setattr(KernelSpec, "compile_options", lambda self, inc=(): original(self, inc) + ("-use_fast_math",))
+    assert spec.cache_key(TOOLCHAIN) != before
+
+
+def test_cache_key_changes_with_the_rendered_source(monkeypatch):
+    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+    before_key, before_src = spec.cache_key(TOOLCHAIN), render(spec)
+    monkeypatch.setitem(specs_mod._TILES, ("attn_fwd_simt", "sm_90a"), TileConfig(32, 32, 8, "test"))
+    assert render(spec) != before_src  # what NVRTC compiles changed ...
+    assert spec.cache_key(TOOLCHAIN) != before_key  # ... so the key must too
+
+
+# --------------------------------------------------------------------------------------------
+# Compute capability -> arch
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cc, arch", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"),
+                                      ((9, 0), "sm_90a"), ((10, 0), "sm_100a")])
+def test_arch_for_capability(cc, arch):
+    assert arch_for_capability(*cc) == arch
+
+
+@pytest.mark.parametrize("cc", [(7, 5), (7, 0), (8, 7), (9, 1), (10, 3), (12, 0), (12, 1)])
+def test_arch_for_unsupported_capability_raises(cc):
+    with pytest.raises(PyattnError, match=rf"compute capability {cc[0]}\.{cc[1]} is not supported"):
+        arch_for_capability(*cc)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter structs
+# --------------------------------------------------------------------------------------------
+C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "i64": "long long", "i32": "int",
+           "f32": "float"}
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+
+
+def _calc_size(fields):
+    return (struct.calcsize("@" + "".join(CODES[k] for _, k in fields)) + 7) // 8 * 8
+
+
+def test_attn_params_layout():
+    p = ATTN_FWD_PARAMS
+    assert p.size == _calc_size(p.fields) == struct.calcsize("@" + p.format[1:] + "0q")
+    names = [n for n, _ in p.fields]
+    assert len(set(names)) == len(names)
+    for required in ("q", "k", "v", "o", "lse", "q_stride_b", "o_stride_h", "heads_kv", "group", "causal",
+                     "scale_log2", "scale"):
+        assert required in names
+
+
+@pytest.mark.parametrize("fields, size", [
+    ((("a", "ptr"), ("b", "i32")), 16),              # trailing padding to 8
+    ((("a", "i32"), ("b", "ptr")), 16),              # interior padding before the pointer
+    ((("a", "i32"), ("b", "f32"), ("c", "i64")), 16),
+    ((("a", "f32_ptr"),), 8),
+    ((("a", "i32"), ("b", "i64"), ("c", "i32")), 24),
+])
+def test_param_struct_size_and_padding(fields, size):
+    p = ParamStruct("S", fields)
+    assert p.size == size == _calc_size(fields)
+    assert len(p.pack({n: 1 for n, _ in fields})) == size
+
+
+def test_c_declaration_lists_every_field_and_asserts_the_size():
+    p = ATTN_FWD_PARAMS
+    decl = p.c_declaration()
+    assert decl.startswith("struct AttnFwdParams {")
+    body = decl[decl.index("{") + 1:decl.index("};")]
+    declared = re.findall(r"^\s+(.+?)\s+(\w+);$", body, re.M)
+    assert declared == [(C_TYPES[k], n) for n, k in p.fields]  # every field, in order, with its C type
+    assert f"static_assert(sizeof(AttnFwdParams) == {p.size}," in decl
+
+
+def _value(kind):
+    return {
+        "ptr": st.integers(0, 2**64 - 1), "mut_ptr": st.integers(0, 2**64 - 1), "f32_ptr": st.integers(0, 2**64 - 1),
+        "i64": st.integers(-2**63, 2**63 - 1), "i32": st.integers(-2**31, 2**31 - 1),
+        "f32": st.floats(width=32, allow_nan=False),
+    }[kind]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_attn_params_pack_round_trips(data):
+    p = ATTN_FWD_PARAMS
+    values = {n: data.draw(_value(k), label=n) for n, k in p.fields}
+    raw = p.pack(values)
+    assert len(raw) == p.size
+    got = struct.unpack(p.format, raw[:struct.calcsize(p.format)])
+    assert list(got) == [values[n] for n, _ in p.fields]
+    assert raw[struct.calcsize(p.format):] == b"\0" * (p.size - struct.calcsize(p.format))
+
+
+FIELD_LISTS = st.lists(st.sampled_from(sorted(CODES)), min_size=1, max_size=12).map(
+    lambda kinds: tuple((f"f{i}", k) for i, k in enumerate(kinds)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(fields=FIELD_LISTS, data=st.data())
+def test_any_param_struct_pack_round_trips(fields, data):
+    p = ParamStruct("S", fields)
+    values = {n: data.draw(_value(k), label=n) for n, k in fields}
+    raw = p.pack(values)
+    align = max(struct.calcsize("@" + code) for code in p.format[1:])  # C pads to the widest member
+    assert len(raw) == p.size and p.size % align == 0
+    assert p.size >= struct.calcsize(p.format)
+    assert list(struct.unpack(p.format, raw[:struct.calcsize(p.format)])) == [values[n] for n, _ in fields]
+
+
+def test_pack_refuses_missing_and_out_of_range_values():
+    p = ATTN_FWD_PARAMS
+    good = {n: 0 for n, _ in p.fields}
+    with pytest.raises(KeyError):
+        p.pack({k: v for k, v in good.items() if k != "seqlen_k"})
+    with pytest.raises(struct.error):
+        p.pack({**good, "seqlen_q": 2**31})  # an i32 must not wrap silently
+    with pytest.raises(struct.error):
+        p.pack({**good, "q": -1})
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_render_contains_entry_template_and_struct(arch):
+    for spec in standard_specs(arch):
+        src = render(spec)
+        assert f'extern "C" __global__ void __launch_bounds__({spec.threads})\n{spec.entry_name}(' in src
+        assert f"  {spec.template_id}(params);" in src
+        assert spec.params.c_declaration() in src
+        assert f"static_assert(sizeof({spec.params.name}) == {spec.params.size}" in src
+        assert f"const __grid_constant__ pyattn::{spec.params.name} params" in src
+        # the struct is declared before the template header that uses it
+        assert src.index("struct AttnFwdParams") < src.index(f'#include "{spec.header}"')
+        assert src.index('#include "common.cuh"') < src.index(f'#include "{spec.header}"')
+
+
+def test_template_id_encodes_the_spec():
+    spec = KernelSpec("attn_fwd_simt", "bf16", 160, "sm_80")
+    t = spec.tiles
+    assert spec.template_id == (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<__nv_bfloat16, 160, "
+                                f"{t.block_m}, {t.block_n}, {t.warps}>>")
+    assert "float, 32," in KernelSpec("attn_fwd_simt", "f32", 32, "sm_80").template_id
+    assert "__half, 64," in KernelSpec("attn_fwd_simt", "f16", 64, "sm_80").template_id
