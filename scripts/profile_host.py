@@ -1,0 +1,73 @@
+"""Where does the host time of a small device-resident ``attention`` call go?
+
+Usage: PYTHONPATH=. python scripts/profile_host.py
+Prints a cProfile of many tiny calls (sorted by own time) and a step-by-step timing of a warm
+kernel load in this process (what a new process pays before its first launch).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+
+def warm_load_steps() -> None:
+    t = time.perf_counter()
+    import pyattn
+    from pyattn import jit
+    from pyattn.jit.headers import cuda_include_dir, nvrtc_version
+    from pyattn.kernels.registry import get_kernel
+    from pyattn.kernels.specs import select_attention_spec
+
+    steps = [("import pyattn", time.perf_counter() - t)]
+
+    def step(name, fn):
+        t0 = time.perf_counter()
+        val = fn()
+        steps.append((name, time.perf_counter() - t0))
+        return val
+
+    dev = step("get_device + activate", lambda: (pyattn.get_device(), pyattn.get_device().activate())[0])
+    step("nvrtc_version (loads libnvrtc)", nvrtc_version)
+    step("cuda_include_dir", cuda_include_dir)
+    step("toolchain_fingerprint (rest)", jit.toolchain_fingerprint)
+    spec = select_attention_spec("float16", 64, dev.arch)
+    key = spec.cache_key(jit.toolchain_fingerprint())
+    step("cache.get (read + checksum)", lambda: jit.get_cache().get(key))
+    step("get_kernel (load module)", lambda: get_kernel(spec, dev))
+    for name, dt in steps:
+        print(f"  {name:34} {dt * 1e3:8.2f} ms")
+
+
+def profile_calls(n: int = 3000) -> None:
+    import pyattn
+
+    q = pyattn.asarray(np.random.default_rng(0).standard_normal((1, 4, 1, 64)).astype(np.float16))
+    s = pyattn.Stream()
+    for _ in range(100):
+        pyattn.attention(q, q, q, stream=s)
+    s.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        pyattn.attention(q, q, q, stream=s)
+    prof.disable()
+    dt = time.perf_counter() - t0
+    s.synchronize()
+    print(f"  {dt / n * 1e6:.1f} us/call under cProfile")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        pyattn.attention(q, q, q, stream=s)
+    print(f"  {(time.perf_counter() - t0) / n * 1e6:.1f} us/call without profiler")
+
+
+if __name__ == "__main__":
+    print("== warm load, step by step (cache must be warm: run twice)")
+    warm_load_steps()
+    print("== tiny device-resident calls")
+    profile_calls()
