@@ -15,12 +15,9 @@ import numpy as np
 
 
 def warm_load_steps() -> None:
+    """Run in a fresh process with a warm disk cache: what the first get_kernel costs, step by step."""
     t = time.perf_counter()
     import pyattn
-    from pyattn import jit
-    from pyattn.jit.headers import cuda_include_dir, nvrtc_version
-    from pyattn.kernels.registry import get_kernel
-    from pyattn.kernels.specs import select_attention_spec
 
     steps = [("import pyattn", time.perf_counter() - t)]
 
@@ -30,16 +27,25 @@ def warm_load_steps() -> None:
         steps.append((name, time.perf_counter() - t0))
         return val
 
-    dev = step("get_device + activate", lambda: (pyattn.get_device(), pyattn.get_device().activate())[0])
-    step("nvrtc_version (loads libnvrtc)", nvrtc_version)
+    dev = step("get_device + activate (driver init)", lambda: (pyattn.get_device(), pyattn.get_device().activate())[0])
+    from pyattn import jit
+    from pyattn.jit.headers import cuda_include_dir, nvrtc_identity
+    from pyattn.jit.source import sources_digest
+    from pyattn.kernels.registry import get_kernel
+    from pyattn.kernels.specs import select_attention_spec
+
+    step("nvrtc_identity", nvrtc_identity)
     step("cuda_include_dir", cuda_include_dir)
-    step("toolchain_fingerprint (rest)", jit.toolchain_fingerprint)
+    step("sources_digest", sources_digest)
+    fp = step("toolchain_fingerprint (rest)", jit.toolchain_fingerprint)
     spec = select_attention_spec("float16", 64, dev.arch)
-    key = spec.cache_key(jit.toolchain_fingerprint())
+    key = step("cache_key (renders the unit)", lambda: spec.cache_key(fp))
     step("cache.get (read + checksum)", lambda: jit.get_cache().get(key))
-    step("get_kernel (load module)", lambda: get_kernel(spec, dev))
+    step("get_kernel (load module + attrs)", lambda: get_kernel(spec, dev))
     for name, dt in steps:
-        print(f"  {name:34} {dt * 1e3:8.2f} ms")
+        print(f"  {name:36} {dt * 1e3:8.2f} ms")
+    total = sum(dt for name, dt in steps[2:])
+    print(f"  {'warm load total (after driver init)':36} {total * 1e3:8.2f} ms")
 
 
 def profile_calls(n: int = 3000) -> None:

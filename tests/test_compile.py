@@ -278,7 +278,14 @@ def _layout_check_source(p: ParamStruct) -> str:
 
 
 def _compile_layout(p: ParamStruct):
-    compile_source(_layout_check_source(p), (), ("-arch=sm_80", "-std=c++17"), name="layout")
+    try:
+        compile_source(_layout_check_source(p), (), ("-arch=sm_80", "-std=c++17"), name="layout")
+    except CompileError as exc:
+        if '"__builtin_offsetof" is undefined' in exc.log:
+            # NVRTC 13.0 lacks the builtin (13.5, CI's, has it); the size static_assert in every
+            # rendered kernel still guards the layout there.
+            pytest.skip("this NVRTC has no __builtin_offsetof")
+        raise
 
 
 def test_attn_params_layout_matches_c():

@@ -10,7 +10,6 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from .._version import __version__
 from .cache import KernelCache
@@ -85,6 +84,8 @@ def build_many(specs, *, workers: int | None = None, progress=None) -> list:
     -------
     list of (spec, meta, compiled_now)
     """
+    from concurrent.futures import ThreadPoolExecutor  # not at import: warm starts never need it
+
     specs = list(specs)
     cache, fp = get_cache(), toolchain_fingerprint()
     missing = [s for s in specs if cache.get(s.cache_key(fp)) is None]

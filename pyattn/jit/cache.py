@@ -24,7 +24,6 @@ import os
 import pathlib
 import re
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -263,6 +262,7 @@ class KernelCache:
         tmp_name = None
         try:
             # mkstemp makes the file 0o600 whatever the umask; same dir keeps replace atomic.
+            import tempfile  # here, not at import: warm starts only read the cache
             fd, tmp_name = tempfile.mkstemp(prefix=f".{key}.", suffix=_TMP_SUFFIX, dir=self._dir)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

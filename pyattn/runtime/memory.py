@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 
 from .device import Device
+from ._resource import per_device, release_quietly
 from .errors import check
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool", "get_staging",
@@ -30,7 +31,6 @@ __all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool"
 
 _pools: dict[int, "DevicePool"] = {}
 _staging: dict[int, "StagingPool"] = {}
-_lock = threading.Lock()
 
 
 _driver = None
@@ -132,13 +132,7 @@ class DevicePool:
 
 def get_pool(device: Device) -> DevicePool:
     """Return the process's pool for ``device``, created on first use."""
-    pool = _pools.get(device.ordinal)
-    if pool is None:
-        with _lock:
-            pool = _pools.get(device.ordinal)
-            if pool is None:
-                pool = _pools[device.ordinal] = DevicePool(device)
-    return pool
+    return per_device(_pools, device, DevicePool)
 
 
 class _HostView:
@@ -162,7 +156,7 @@ class PinnedBuffer:
         flags = driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every context, not just the current one
         self.nbytes = max(int(nbytes), 1)
         self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
-        self._finalizer = weakref.finalize(self, _free_host, self.ptr)
+        self._finalizer = weakref.finalize(self, release_quietly, "cuMemFreeHost", self.ptr)
 
     def array(self, dtype, shape) -> np.ndarray:
         """A NumPy view of the first ``prod(shape) * itemsize`` bytes."""
@@ -175,13 +169,6 @@ class PinnedBuffer:
     def close(self) -> None:
         """Free the pinned memory (its NumPy views must not be used afterwards)."""
         self._finalizer()
-
-
-def _free_host(ptr) -> None:
-    try:
-        _drv().cuMemFreeHost(ptr)
-    except Exception:
-        pass
 
 
 class StagingPool:
@@ -230,11 +217,7 @@ class StagingPool:
 
 def get_staging(device: Device) -> StagingPool:
     """Return the process's staging pool for ``device``."""
-    pool = _staging.get(device.ordinal)
-    if pool is None:
-        with _lock:
-            pool = _staging.setdefault(device.ordinal, StagingPool(device))
-    return pool
+    return per_device(_staging, device, StagingPool)
 
 
 def copy_to_device(dst_ptr: int, host: np.ndarray, stream) -> None:

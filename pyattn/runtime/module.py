@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 
 from .device import Device
+from ._resource import Closeable, release_quietly
 from .errors import check
 
 __all__ = ["Module", "Kernel"]
@@ -23,7 +24,7 @@ def _drv():
     return driver
 
 
-class Module:
+class Module(Closeable):
     """A code image loaded into ``device``'s primary context.
 
     Parameters
@@ -37,7 +38,7 @@ class Module:
         self.device = device
         device.activate()
         self.handle = check(_drv().cuModuleLoadData(image), "cuModuleLoadData")
-        self._finalizer = weakref.finalize(self, _unload, self.handle)
+        self._finalizer = weakref.finalize(self, release_quietly, "cuModuleUnload", self.handle)
 
     def kernel(self, name: str) -> "Kernel":
         """Return the kernel with the (lowered) symbol ``name``."""
@@ -47,19 +48,6 @@ class Module:
     def close(self) -> None:
         """Unload the module; kernels obtained from it become invalid."""
         self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _unload(handle) -> None:
-    try:
-        _drv().cuModuleUnload(handle)
-    except Exception:
-        pass
 
 
 class Kernel:

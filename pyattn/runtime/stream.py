@@ -11,16 +11,15 @@ it); creating and closing one is not synchronised against concurrent use of the 
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 from .device import Device, get_device
+from ._resource import Closeable, per_device, release_quietly
 from .errors import check
 
 __all__ = ["Stream", "Event", "as_stream", "default_stream"]
 
 _default_streams: dict[int, "Stream"] = {}
-_default_lock = threading.Lock()
 
 
 def _drv():
@@ -29,7 +28,7 @@ def _drv():
     return driver
 
 
-class Stream:
+class Stream(Closeable):
     """A CUDA stream, owned (created here) or borrowed (a handle from elsewhere).
 
     Parameters
@@ -56,7 +55,7 @@ class Stream:
             self.device.activate()
             flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
             self.handle = check(driver.cuStreamCreate(flags), "cuStreamCreate")
-            self._finalizer = weakref.finalize(self, _destroy_stream, self.handle)
+            self._finalizer = weakref.finalize(self, release_quietly, "cuStreamDestroy", self.handle)
         else:
             self.handle = driver.CUstream(int(handle))
             self._finalizer = None
@@ -84,24 +83,11 @@ class Stream:
         if self._finalizer is not None:
             self._finalizer()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self) -> str:
         return f"<pyattn.Stream 0x{self.ptr:x} on device {self.device.ordinal}>"
 
 
-def _destroy_stream(handle) -> None:
-    try:
-        _drv().cuStreamDestroy(handle)
-    except Exception:  # interpreter shutdown: the driver may already be gone
-        pass
-
-
-class Event:
+class Event(Closeable):
     """A CUDA event, for ordering between streams and for timing.
 
     Parameters
@@ -117,7 +103,7 @@ class Event:
         self.device.activate()
         flags = 0 if timing else driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(driver.cuEventCreate(flags), "cuEventCreate")
-        self._finalizer = weakref.finalize(self, _destroy_event, self.handle)
+        self._finalizer = weakref.finalize(self, release_quietly, "cuEventDestroy", self.handle)
 
     def synchronize(self) -> None:
         """Block until the work before this event has completed."""
@@ -132,29 +118,10 @@ class Event:
         """Destroy the event."""
         self._finalizer()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _destroy_event(handle) -> None:
-    try:
-        _drv().cuEventDestroy(handle)
-    except Exception:
-        pass
-
 
 def default_stream(device: Device) -> Stream:
     """Return pyattn's own non-blocking stream for ``device``, created on first use."""
-    s = _default_streams.get(device.ordinal)
-    if s is None:
-        with _default_lock:
-            s = _default_streams.get(device.ordinal)
-            if s is None:
-                s = _default_streams[device.ordinal] = Stream(device)
-    return s
+    return per_device(_default_streams, device, Stream)
 
 
 def as_stream(stream, device: Device) -> Stream:
