@@ -188,3 +188,20 @@ def test_events_time_a_kernel():
     pyattn.attention(q, k, v, stream=s)
     end = s.record(timing=True)
     assert 0 < start.elapsed_ms(end) < 1000
+
+
+def test_arrays_outlive_a_closed_stream():
+    """Closing a stream while arrays allocated on it live: reading and freeing them later is safe
+    (regression: their free once ran cuMemFreeAsync on the destroyed CUstream and segfaulted)."""
+    import gc
+
+    rng = np.random.default_rng(7)
+    q, k, v = _inputs(rng, 1, 64, 80, 2, 1, 64, "float16")
+    with pyattn.Stream() as s:
+        d = [pyattn.asarray(x, stream=s) for x in (q, k, v)]
+        out = pyattn.attention(*d, stream=s)
+    assert s.ptr == 0  # a closed stream stands for the NULL stream
+    _check(out.numpy(), None, q, k, v)
+    del out, d
+    gc.collect()
+    pyattn.get_device().synchronize()

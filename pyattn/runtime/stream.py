@@ -79,9 +79,18 @@ class Stream(Closeable):
         return (0, self.ptr)
 
     def close(self) -> None:
-        """Destroy an owned stream (after the work queued on it completes); no-op for borrowed ones."""
-        if self._finalizer is not None:
+        """Wait for the stream's work, destroy it (owned streams only), and from then on stand
+        for the NULL stream.
+
+        Arrays allocated on this stream may outlive it: their frees, copies and protocol exports
+        then go to the NULL stream, which is safe because this stream's work has finished.
+        Borrowed streams are left alone.
+        """
+        if self._finalizer is not None and self._finalizer.alive:
+            self.synchronize()
             self._finalizer()
+            self.handle = _drv().CUstream(0)
+            self.ptr = 0
 
     def __repr__(self) -> str:
         return f"<pyattn.Stream 0x{self.ptr:x} on device {self.device.ordinal}>"
