@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import pyattn.kernels.specs as specs_mod
 from pyattn import PyattnError
-from pyattn.jit.source import render
+from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels.params import ATTN_FWD_PARAMS, ParamStruct
 from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, KernelSpec, TileConfig,
-                                  select_attention_spec, standard_specs)
+                                  select_attention_spec, standard_specs, tile_config)
 from pyattn.runtime.device import SUPPORTED_ARCHS, arch_for_capability
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -23,6 +23,12 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # Opt-in shared memory per block (bytes), from the CUDA programming guide's per-capability table.
 OPTIN_SMEM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
               "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+# Resident threads per SM, same table.
+MAX_THREADS_PER_SM = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90a": 2048, "sm_100a": 2048}
+# Which family serves which dtype: fp32 stays on CUDA cores, 16-bit inputs go to the tensor cores.
+FAMILY_FOR = {"float32": "attn_fwd_simt", "float16": "attn_fwd_mma", "bfloat16": "attn_fwd_mma"}
+HEADER_FOR = {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh"}
+TRAITS_FOR = {"attn_fwd_simt": "AttnFwdSimtTraits", "attn_fwd_mma": "AttnFwdMmaTraits"}
 TOOLCHAIN = "nvrtc=13.0;headers=13.0@/x;src=abc;pyattn=0.0"
 
 
@@ -46,7 +52,8 @@ def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
         spec = select_attention_spec(dtype_name, d, arch)
         assert spec.head_dim == min(b for b in HEAD_DIM_BUCKETS if b >= d), d
         assert spec.head_dim >= d and spec.head_dim - d < 32
-        assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, "attn_fwd_simt")
+        assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False,
+                                                                  FAMILY_FOR[dtype_name])
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
 
 
@@ -57,7 +64,11 @@ def test_select_spot_values_and_ptx_flag():
     assert select_attention_spec("float32", 136, "sm_89").head_dim == 160
     assert select_attention_spec("bfloat16", 256, "sm_100a").head_dim == 256
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
-    assert spec == KernelSpec("attn_fwd_simt", "bf16", 96, "sm_90a", ptx=True)
+    assert spec == KernelSpec("attn_fwd_mma", "bf16", 96, "sm_90a", ptx=True)
+    assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
+    assert select_attention_spec("float32", 64, "sm_86") == KernelSpec("attn_fwd_simt", "f32", 64, "sm_86")
+    assert select_attention_spec("float32", 200, "sm_90a", ptx=True) == KernelSpec("attn_fwd_simt", "f32", 224,
+                                                                                    "sm_90a", ptx=True)
 
 
 @pytest.mark.parametrize("d", [257, 264, 512])
@@ -69,13 +80,27 @@ def test_select_rejects_head_dim_above_max(d):
 def test_select_rejects_unsupported_arch():
     with pytest.raises(ValueError, match=r"^arch:"):
         select_attention_spec("float16", 64, "sm_75")
+    with pytest.raises(ValueError, match=r"^arch:"):
+        select_attention_spec("float32", 64, "sm_75")
+
+
+def test_select_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match=r"^dtype: expected one of"):
+        select_attention_spec("float64", 64, "sm_90a")
+    with pytest.raises(ValueError, match=r"^dtype:"):
+        select_attention_spec("f16", 64, "sm_90a")  # the spec tag is not a NumPy name
 
 
 # --------------------------------------------------------------------------------------------
 # KernelSpec validation and derived facts
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    ({"family": "attn_fwd_wgmma"}, r"^family: unknown kernel family 'attn_fwd_wgmma'"),
+    ({"family": "attn_fwd_wgmma"}, r"^family: expected one of .*got 'attn_fwd_wgmma'"),
+    ({"family": "attn_fwd"}, r"^family:"),
+    ({"family": "attn_fwd_mma", "dtype": "f32"}, r"^dtype:"),  # tensor cores take 16-bit inputs only
+    ({"family": "attn_fwd_mma", "dtype": "f64"}, r"^dtype:"),
+    ({"family": "attn_fwd_mma", "head_dim": 48}, r"^head_dim: expected one of"),
+    ({"family": "attn_fwd_mma", "arch": "sm_75"}, r"^arch: expected one of"),
     ({"dtype": "f64"}, r"^dtype: expected one of \['bf16', 'f16', 'f32'\], got 'f64'"),
     ({"dtype": "float16"}, r"^dtype:"),  # the NumPy name is not a spec tag
     ({"head_dim": 48}, r"^head_dim: expected one of"),
@@ -92,19 +117,36 @@ def test_spec_validation(kwargs, match):
         KernelSpec(**{**base, **kwargs})
 
 
+@pytest.mark.parametrize("family, dtype", [("attn_fwd_simt", "f32"), ("attn_fwd_simt", "f16"),
+                                           ("attn_fwd_simt", "bf16"), ("attn_fwd_mma", "f16"),
+                                           ("attn_fwd_mma", "bf16")])
+def test_spec_accepts_every_family_dtype_pair_the_kernels_compile(family, dtype):
+    # the SIMT kernel still compiles for every dtype; only selection keeps it to fp32
+    spec = KernelSpec(family, dtype, 128, "sm_90a")
+    assert (spec.family, spec.dtype) == (family, dtype)
+    assert spec.header == HEADER_FOR[family]
+
+
 def test_spec_is_frozen_and_hashable():
-    a = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
-    b = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
-    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        a.head_dim = 128
+    for family in ("attn_fwd_simt", "attn_fwd_mma"):
+        a = KernelSpec(family, "f16", 64, "sm_90a")
+        b = KernelSpec(family, "f16", 64, "sm_90a")
+        assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            a.head_dim = 128
+    assert KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a") != KernelSpec("attn_fwd_mma", "f16", 64, "sm_90a")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
-    assert len(specs) == len(DTYPES) * len(HEAD_DIM_BUCKETS) == 24
-    assert {(s.dtype, s.head_dim) for s in specs} == {(t, d) for t, _ in DTYPES.values() for d in HEAD_DIM_BUCKETS}
+    assert len(specs) == len(set(specs)) == len(DTYPES) * len(HEAD_DIM_BUCKETS) == 24
+    assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
+        (FAMILY_FOR[name], DTYPES[name][0], d) for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS}
+    by_kind = {}
+    for s in specs:
+        by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
+    assert by_kind == {("attn_fwd_simt", "f32"): 8, ("attn_fwd_mma", "f16"): 8, ("attn_fwd_mma", "bf16"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
 
@@ -122,9 +164,42 @@ def test_entry_names_are_unique_c_identifiers(arch):
 def test_tiles_satisfy_the_kernel_static_asserts(arch):
     for s in standard_specs(arch):
         t = s.tiles
-        assert isinstance(t, TileConfig) and t.reason
-        assert t.block_n == 32 and t.block_m % t.warps == 0
+        assert isinstance(t, TileConfig) and t.reason, s.describe()
+        assert t == tile_config(s.family, arch, s.head_dim)
+        if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
+            assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
+        else:  # AttnFwdMmaTraits: the kernel derives BLOCK_M itself, so the grid must agree with it
+            assert s.family == "attn_fwd_mma"
+            assert s.head_dim % 32 == 0 and t.block_n % 16 == 0, s.describe()
+            assert t.m_tiles >= 1 and t.block_m == 16 * t.m_tiles * t.warps, s.describe()
         assert s.threads == 32 * t.warps and 32 <= s.threads <= 1024
+        # __launch_bounds__(threads, min_blocks) must ask for a residency the SM can hold
+        assert isinstance(t.min_blocks, int) and t.min_blocks >= 1, s.describe()
+        assert t.min_blocks * s.threads <= MAX_THREADS_PER_SM[arch], s.describe()
+
+
+def test_simt_tiles_are_the_same_on_every_arch():
+    for d in HEAD_DIM_BUCKETS:
+        assert len({tile_config("attn_fwd_simt", a, d) for a in ARCHS}) == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mma_tile_table_covers_every_bucket(arch):
+    for d in HEAD_DIM_BUCKETS:
+        t = tile_config("attn_fwd_mma", arch, d)
+        assert t.m_tiles >= 1 and t.block_m == 16 * t.m_tiles * t.warps and t.block_n % 16 == 0
+    with pytest.raises(ValueError, match=r"^head_dim:"):
+        tile_config("attn_fwd_mma", arch, MAX_HEAD_DIM + 32)
+
+
+def test_tile_config_rejects_unsupported_arch():
+    for family in ("attn_fwd_simt", "attn_fwd_mma"):
+        with pytest.raises(ValueError, match=r"^arch:"):
+            tile_config(family, "sm_75", 64)
+
+
+def test_optin_limits_are_the_documented_ones():
+    assert OPTIN_SMEM == {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}
 
 
 def test_shared_bytes_fit_every_supported_arch():
@@ -133,10 +208,15 @@ def test_shared_bytes_fit_every_supported_arch():
     for arch in ARCHS:
         for s in standard_specs(arch):
             t, d = s.tiles, s.head_dim
-            # Q tile + padded K tile + V tile, fp32 (the layout attention_fwd.cuh carves out)
-            assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
-            assert s.shared_bytes <= OPTIN_SMEM[arch], s.describe()
-            assert s.shared_bytes <= smallest, s.describe()
+            if s.family == "attn_fwd_simt":
+                # Q tile + padded K tile + V tile, fp32 (the layout attention_fwd.cuh carves out)
+                assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+                # the SIMT tiles are the same everywhere, so they must fit the smallest arch too
+                assert s.shared_bytes <= smallest, s.describe()
+            else:
+                # AttnFwdMmaTraits::kSmemElems: Q + 2 stages of K and V, rows padded by 8 16-bit elements
+                assert s.shared_bytes == 2 * (16 * t.m_tiles * t.warps + 4 * t.block_n) * (d + 8)
+            assert 0 < s.shared_bytes <= OPTIN_SMEM[arch], s.describe()
 
 
 @pytest.mark.parametrize("seqlen_q, blocks", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (1000, 63), (1024, 64)])
@@ -146,11 +226,23 @@ def test_grid_rounds_query_tiles_up(seqlen_q, blocks):
     assert spec.grid(3, 8, seqlen_q) == (blocks, 8, 3)
 
 
+def test_mma_grid_uses_its_own_block_m():
+    spec = KernelSpec("attn_fwd_mma", "f16", 64, "sm_90a")
+    bm = spec.tiles.block_m
+    assert bm == 16 * spec.tiles.m_tiles * spec.tiles.warps
+    assert spec.grid(2, 4, 0) == (0, 4, 2)
+    assert spec.grid(2, 4, 1) == (1, 4, 2)
+    assert spec.grid(2, 4, bm) == (1, 4, 2)
+    assert spec.grid(2, 4, bm + 1) == (2, 4, 2)
+
+
 @settings(max_examples=100, deadline=None)
 @given(b=st.integers(1, 65535), h=st.integers(1, 65535), s=st.integers(0, 2**31 - 1),
-       arch=st.sampled_from(ARCHS))
-def test_grid_covers_every_query_once(b, h, s, arch):
-    spec = KernelSpec("attn_fwd_simt", "f32", 128, arch)
+       arch=st.sampled_from(ARCHS), spec_args=st.sampled_from([("attn_fwd_simt", "f32"), ("attn_fwd_mma", "f16"),
+                                                             ("attn_fwd_mma", "bf16")]),
+       d=st.sampled_from(HEAD_DIM_BUCKETS))
+def test_grid_covers_every_query_once(b, h, s, arch, spec_args, d):
+    spec = KernelSpec(*spec_args, d, arch)
     x, y, z = spec.grid(b, h, s)
     bm = spec.tiles.block_m
     assert (y, z) == (h, b)
@@ -166,28 +258,35 @@ def test_compile_options():
     assert "-std=c++17" in opts
     assert dataclasses.replace(spec, ptx=True).compile_options()[0] == "-arch=compute_90a"
     assert KernelSpec("attn_fwd_simt", "f16", 64, "sm_100a", True).compile_options()[0] == "-arch=compute_100a"
+    mma = KernelSpec("attn_fwd_mma", "bf16", 128, "sm_80")
+    assert mma.compile_options()[0] == "-arch=sm_80"
+    assert dataclasses.replace(mma, ptx=True).compile_options()[0] == "-arch=compute_80"
 
 
 def test_describe_names_the_variant():
     assert KernelSpec("attn_fwd_simt", "bf16", 96, "sm_89").describe() == "attn_fwd_simt[bf16, d=96, sm_89]"
     assert KernelSpec("attn_fwd_simt", "bf16", 96, "sm_89", True).describe().endswith(", ptx]")
+    assert KernelSpec("attn_fwd_mma", "f16", 256, "sm_90a").describe() == "attn_fwd_mma[f16, d=256, sm_90a]"
 
 
 # --------------------------------------------------------------------------------------------
 # Cache keys
 # --------------------------------------------------------------------------------------------
-def test_cache_key_is_stable():
-    a = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
+@pytest.mark.parametrize("family", ["attn_fwd_simt", "attn_fwd_mma"])
+def test_cache_key_is_stable(family):
+    a = KernelSpec(family, "f16", 64, "sm_90a")
     key = a.cache_key(TOOLCHAIN)
     assert re.fullmatch(r"[0-9a-f]{64}", key)
-    assert key == a.cache_key(TOOLCHAIN) == KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a").cache_key(TOOLCHAIN)
+    assert key == a.cache_key(TOOLCHAIN) == KernelSpec(family, "f16", 64, "sm_90a").cache_key(TOOLCHAIN)
 
 
 def test_cache_key_differs_for_every_field_and_toolchain():
     base = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
     variants = [base, dataclasses.replace(base, dtype="bf16"), dataclasses.replace(base, dtype="f32"),
                 dataclasses.replace(base, head_dim=96), dataclasses.replace(base, arch="sm_100a"),
-                dataclasses.replace(base, ptx=True)]
+                dataclasses.replace(base, ptx=True), dataclasses.replace(base, family="attn_fwd_mma")]
+    # every field of the spec is covered above
+    assert {f.name for f in dataclasses.fields(KernelSpec)} == {"family", "dtype", "head_dim", "arch", "ptx"}
     keys = {v.cache_key(TOOLCHAIN) for v in variants}
     keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
              base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),
@@ -211,9 +310,26 @@ def test_cache_key_changes_with_compile_options(monkeypatch):
 def test_cache_key_changes_with_the_rendered_source(monkeypatch):
     spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
     before_key, before_src = spec.cache_key(TOOLCHAIN), render(spec)
-    monkeypatch.setitem(specs_mod._TILES, ("attn_fwd_simt", "sm_90a"), TileConfig(32, 32, 8, "test"))
+    monkeypatch.setattr(specs_mod, "_SIMT", TileConfig(32, 32, 8, "test"))
     assert render(spec) != before_src  # what NVRTC compiles changed ...
     assert spec.cache_key(TOOLCHAIN) != before_key  # ... so the key must too
+
+
+@pytest.mark.parametrize("change", ["block_n", "warps", "m_tiles", "min_blocks"])
+def test_mma_cache_key_changes_with_the_tile_table(monkeypatch, change):
+    spec = KernelSpec("attn_fwd_mma", "bf16", 128, "sm_90a")
+    t = spec.tiles
+    before_key, before_src = spec.cache_key(TOOLCHAIN), render(spec)
+    new = {"block_n": t.block_n, "warps": t.warps, "m_tiles": t.m_tiles, "min_blocks": t.min_blocks}
+    new[change] += 16 if change == "block_n" else 1
+    # table entries: (max head_dim, block_n, warps, m_tiles, min_blocks, reason)
+    table = ((MAX_HEAD_DIM, new["block_n"], new["warps"], new["m_tiles"], new["min_blocks"], "test"),)
+    monkeypatch.setitem(specs_mod._MMA, "sm_90a", table)
+    assert dataclasses.astuple(spec.tiles)[:3] + (spec.tiles.min_blocks, spec.tiles.m_tiles) != (
+        t.block_m, t.block_n, t.warps, t.min_blocks, t.m_tiles)  # the patch took effect
+    assert render(spec) != before_src
+    assert spec.cache_key(TOOLCHAIN) != before_key
+    assert KernelSpec("attn_fwd_mma", "bf16", 128, "sm_80").cache_key(TOOLCHAIN) != before_key
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +446,13 @@ def test_pack_refuses_missing_and_out_of_range_values():
 def test_render_contains_entry_template_and_struct(arch):
     for spec in standard_specs(arch):
         src = render(spec)
-        assert f'extern "C" __global__ void __launch_bounds__({spec.threads})\n{spec.entry_name}(' in src
+        t = spec.tiles
+        assert (f'extern "C" __global__ void __launch_bounds__({32 * t.warps}, {t.min_blocks})\n'
+                f'{spec.entry_name}(') in src
+        assert f'#include "{HEADER_FOR[spec.family]}"' in src
+        other = HEADER_FOR["attn_fwd_mma" if spec.family == "attn_fwd_simt" else "attn_fwd_simt"]
+        assert f'#include "{other}"' not in src
+        assert f"pyattn::{spec.family}<pyattn::{TRAITS_FOR[spec.family]}<" in spec.template_id
         assert f"  {spec.template_id}(params);" in src
         assert spec.params.c_declaration() in src
         assert f"static_assert(sizeof({spec.params.name}) == {spec.params.size}" in src
@@ -347,3 +469,29 @@ def test_template_id_encodes_the_spec():
                                 f"{t.block_m}, {t.block_n}, {t.warps}>>")
     assert "float, 32," in KernelSpec("attn_fwd_simt", "f32", 32, "sm_80").template_id
     assert "__half, 64," in KernelSpec("attn_fwd_simt", "f16", 64, "sm_80").template_id
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mma_template_id_encodes_the_spec(arch):
+    for dtype, ctype in (("f16", "__half"), ("bf16", "__nv_bfloat16")):
+        for d in HEAD_DIM_BUCKETS:
+            spec = KernelSpec("attn_fwd_mma", dtype, d, arch)
+            t = spec.tiles
+            # AttnFwdMmaTraits<T, HEAD_DIM, BLOCK_N, WARPS, M_TILES>: BLOCK_M is derived, not passed
+            assert spec.template_id == (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {d}, "
+                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>>")
+            assert spec.entry_name == f"pyattn_attn_fwd_mma_{dtype}_d{d}_m{t.block_m}n{t.block_n}w{t.warps}"
+
+
+@pytest.mark.parametrize("family", ["attn_fwd_simt", "attn_fwd_mma"])
+def test_template_id_matches_the_header_signature(family):
+    # the included header defines the traits with as many template parameters as the id passes
+    headers = dict(kernel_headers())
+    text = headers[HEADER_FOR[family]]
+    m = re.search(rf"template <([^>]*)>\s*struct {TRAITS_FOR[family]}\b", text)
+    assert m, f"{TRAITS_FOR[family]} not defined in {HEADER_FOR[family]}"
+    assert re.search(rf"__device__[^(]*\b{family}\(", text)
+    n_params = len(m.group(1).split(","))
+    spec = KernelSpec(family, "f16", 64, "sm_90a")
+    args = spec.template_id[spec.template_id.index(f"{TRAITS_FOR[family]}<") + len(TRAITS_FOR[family]) + 1:-2]
+    assert len(args.split(",")) == n_params

@@ -45,9 +45,10 @@ def render(spec) -> str:
     return (
         f"// pyattn kernel {spec.describe()} (generated; edit kernels_src/{spec.header} instead)\n"
         f'#include "common.cuh"\n'
+        f'#include "mma.cuh"\n'
         f"namespace pyattn {{\n{spec.params.c_declaration()}}}  // namespace pyattn\n"
         f'#include "{spec.header}"\n\n'
-        f'extern "C" __global__ void __launch_bounds__({spec.threads})\n'
+        f'extern "C" __global__ void __launch_bounds__({spec.threads}, {spec.tiles.min_blocks})\n'
         f"{spec.entry_name}(const __grid_constant__ pyattn::{spec.params.name} params) {{\n"
         f"  {spec.template_id}(params);\n"
         f"}}\n"

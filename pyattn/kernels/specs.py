@@ -24,6 +24,7 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+FAMILIES = ("attn_fwd_mma", "attn_fwd_simt")
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
@@ -35,6 +36,8 @@ class TileConfig:
     block_n: int
     warps: int
     reason: str
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM: caps registers so that many fit
+    m_tiles: int = 1  # MMA kernel: m16 row tiles per warp (block_m = 16 * m_tiles * warps)
 
 
 # The SIMT kernel (fp32 FMA; correct for every dtype, tensor cores come with the prefill work).
@@ -42,15 +45,39 @@ class TileConfig:
 # 4 rows per warp keep the output accumulator at <= 32 floats per lane at head_dim 256.
 # Not yet tuned per arch: the same shape everywhere until measurements say otherwise.
 _SIMT = TileConfig(16, 32, 4, "baseline SIMT: 1 key/lane, 4 rows/warp; unmeasured, same on every arch")
-_TILES = {("attn_fwd_simt", arch): _SIMT for arch in SUPPORTED_ARCHS}
+
+# The tensor-core kernel: 16 * m_tiles query rows per warp, K/V double-buffered in shared memory,
+# so a block needs (16*m_tiles*warps + 4*block_n) * (head_dim + 8) * 2 bytes. Per arch, by
+# head-dim bucket (the first entry whose bound >= head_dim).
+# Entries: (max head_dim, block_n, warps, m_tiles, min_blocks, reason).
+_MMA_BIG_SMEM = (  # sm_80 (163 KiB per block), sm_90a / sm_100a (227 KiB); measured on H200 (scripts/tune_mma.py)
+    (64, 64, 4, 2, 1, "best of 5 variants at d=64: 260 / 220 TFLOP/s (non-causal / causal); 8 warps x 1 tile: 231"),
+    (128, 64, 8, 2, 1, "best of 5 variants at d=128: 281 / 190 TFLOP/s; 8 warps x 1 row tile: 244 (smem-bound); "
+                       "255 registers, 52 B spill; 139 KiB"),
+    (256, 32, 8, 1, 1, "2 row tiles would need 256 accumulator registers at d=256; 32-key tiles keep 135 KiB, "
+                       "under sm_80's 163 KiB; 242 registers, no spill"),
+)
+_MMA_SMALL_SMEM = (  # sm_86 / sm_89: 99 KiB per block
+    (64, 64, 4, 2, 1, "55 KiB at d=64; unmeasured (no sm_86/89 machine here)"),
+    (128, 32, 4, 2, 1, "70 KiB at d=128, under 99 KiB; unmeasured"),
+    (256, 16, 4, 1, 1, "68 KiB at d=256 (32 keys x 4 warps would need exactly the 99 KiB limit); unmeasured"),
+)
+_MMA = {"sm_80": _MMA_BIG_SMEM, "sm_86": _MMA_SMALL_SMEM, "sm_89": _MMA_SMALL_SMEM,
+        "sm_90a": _MMA_BIG_SMEM, "sm_100a": _MMA_BIG_SMEM}
 
 
-def tile_config(family: str, arch: str) -> TileConfig:
-    """Return the tile table entry for ``family`` on ``arch``."""
-    try:
-        return _TILES[(family, arch)]
-    except KeyError:
-        raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}") from None
+def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
+    """Return the tile table entry for ``family`` on ``arch`` at ``head_dim`` (a bucket)."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
+    if family == "attn_fwd_simt":
+        return _SIMT
+    if family != "attn_fwd_mma":
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    for bound, block_n, warps, m_tiles, min_blocks, reason in _MMA[arch]:
+        if head_dim <= bound:
+            return TileConfig(16 * m_tiles * warps, block_n, warps, reason, min_blocks, m_tiles)
+    raise ValueError(f"head_dim: no {family} tile for {head_dim} on {arch}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +87,7 @@ class KernelSpec:
     Parameters
     ----------
     family : str
-        Kernel family (``"attn_fwd_simt"``); names the template header and the parameter struct.
+        ``"attn_fwd_mma"`` (tensor cores, fp16/bf16) or ``"attn_fwd_simt"`` (CUDA cores, any dtype).
     dtype : str
         Element type tag: ``"f32"``, ``"f16"`` or ``"bf16"``.
     head_dim : int
@@ -78,8 +105,10 @@ class KernelSpec:
     ptx: bool = False
 
     def __post_init__(self):
-        if self.family != "attn_fwd_simt":
-            raise ValueError(f"family: unknown kernel family {self.family!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
+        if self.family == "attn_fwd_mma" and self.dtype == "f32":
+            raise ValueError("dtype: the tensor-core family takes f16 or bf16, got 'f32'")
         if self.dtype not in _CTYPE:
             raise ValueError(f"dtype: expected one of {sorted(_CTYPE)}, got {self.dtype!r}")
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -90,11 +119,11 @@ class KernelSpec:
     # -- derived facts -------------------------------------------------------------------
     @property
     def tiles(self) -> TileConfig:
-        return tile_config(self.family, self.arch)
+        return tile_config(self.family, self.arch, self.head_dim)
 
     @property
     def header(self) -> str:
-        return "attention_fwd.cuh"
+        return "attention_fwd.cuh" if self.family == "attn_fwd_simt" else "attention_fwd_mma.cuh"
 
     @property
     def params(self):
@@ -112,15 +141,24 @@ class KernelSpec:
 
     @property
     def template_id(self) -> str:
-        t = self.tiles
-        return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{_CTYPE[self.dtype]}, "
-                f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>>")
+        t, ctype = self.tiles, _CTYPE[self.dtype]
+        if self.family == "attn_fwd_simt":
+            return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
+                    f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>>")
+        return (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {self.head_dim}, {t.block_n}, "
+                f"{t.warps}, {t.m_tiles}>>")
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory per block: fp32 Q tile, K tile padded by one word per row, V tile."""
+        """Dynamic shared memory per block.
+
+        SIMT: fp32 Q tile, K tile padded by one word per row, V tile. MMA: Q tile and two
+        stages of K and V tiles in the input type, rows padded by 8 elements.
+        """
         t, d = self.tiles, self.head_dim
-        return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+        if self.family == "attn_fwd_simt":
+            return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+        return 2 * (t.block_m + 4 * t.block_n) * (d + 8)
 
     def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple:
         """Launch grid: query tiles x query heads x batch."""
@@ -171,9 +209,11 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
     if bucket is None:
         raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
-    return KernelSpec("attn_fwd_simt", DTYPES[dtype_name][0], bucket, arch, ptx)
+    tag = DTYPES[dtype_name][0]
+    # fp32 stays exact (CUDA-core FMA); 16-bit inputs go to the tensor cores.
+    return KernelSpec("attn_fwd_simt" if tag == "f32" else "attn_fwd_mma", tag, bucket, arch, ptx)
 
 
 def standard_specs(arch: str) -> list:
     """Every variant ``attention`` can select on ``arch``: what ``pyattn warmup`` precompiles."""
-    return [KernelSpec("attn_fwd_simt", tag, d, arch) for tag, _ in DTYPES.values() for d in HEAD_DIM_BUCKETS]
+    return [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
