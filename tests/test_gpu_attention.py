@@ -205,3 +205,21 @@ def test_arrays_outlive_a_closed_stream():
     del out, d
     gc.collect()
     pyattn.get_device().synchronize()
+
+
+@needs_torch
+def test_misaligned_device_inputs_are_rejected_before_launch():
+    """The tensor-core kernel reads 16-byte chunks: an address or stride it cannot read is a
+    ValueError naming the argument, never a device fault (the context stays usable after)."""
+    big = torch.randn(1, 64, 2, 72, device="cuda", dtype=torch.float16)
+    ok = big[..., :64]  # strides (9216, 144, 72, 1): multiples of 8, aligned
+    shifted = big[..., 1:65]  # same strides, address off by 2 bytes
+    odd_stride = torch.randn(1, 64, 2, 68, device="cuda", dtype=torch.float16)[..., :64]  # 68 % 8 != 0
+    with pytest.raises(ValueError, match=r"^q: .*16-byte aligned"):
+        pyattn.attention(shifted, ok, ok)
+    with pytest.raises(ValueError, match=r"^k: .*multiples of 8"):
+        pyattn.attention(ok, odd_stride, ok)
+    out = pyattn.attention(ok, ok, ok)  # still works afterwards
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (ok, ok, ok)))
+    np.testing.assert_allclose(torch.from_dlpack(out).float().cpu().numpy(),
+                               ref.transpose(1, 2).float().cpu().numpy(), atol=5e-3)

@@ -53,6 +53,15 @@ class _Plan(NamedTuple):
     lse_shape: tuple
     dtype: np.dtype
     empty: bool  # nothing to launch (a zero-size dimension)
+    align_mask: int  # q/k/v addresses must have these bits clear (16-byte cp.async in the MMA kernel)
+
+
+def _check_alignment(dq, dk, dv, mask: int) -> None:
+    """Reject, before launch, q/k/v addresses the kernel's 16-byte loads cannot read."""
+    if (dq.ptr | dk.ptr | dv.ptr) & mask:
+        bad = next(name for name, a in (("q", dq), ("k", dk), ("v", dv)) if a.ptr & mask)  # for the message
+        raise ValueError(f"{bad}: the tensor-core kernel reads 16-byte chunks; the data address must be "
+                         f"16-byte aligned (copy the array to make it aligned)")
 
 
 _plans: dict = {}
@@ -65,6 +74,12 @@ def _bsh(elem_strides: tuple, layout: str) -> tuple:
 
 
 def _make_plan(P, spec, kernel, dq, dk, dv) -> _Plan:
+    align_mask = 15 if spec.family == "attn_fwd_mma" else 0
+    if align_mask:
+        for name, a in (("q", dq), ("k", dk), ("v", dv)):
+            if any(st % 8 for st in a.elem_strides[:3]):
+                raise ValueError(f"{name}: the tensor-core kernel reads 16-byte chunks; strides must be multiples "
+                                 f"of 8 elements, got {a.elem_strides} (copy the array to make it contiguous)")
     out_shape = P.out_shape()
     out_elem = _c_strides(out_shape, 1)
     qs, ks, vs, os_ = (_bsh(a, P.layout) for a in (dq.elem_strides, dk.elem_strides, dv.elem_strides, out_elem))
@@ -81,11 +96,13 @@ def _make_plan(P, spec, kernel, dq, dk, dv) -> _Plan:
     n_out = P.batch * P.heads_q * P.seqlen_q * P.head_dim
     return _Plan(kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
                  packer, out_shape, tuple(e * itemsize for e in out_elem), out_elem, n_out * itemsize,
-                 (P.batch, P.heads_q, P.seqlen_q), dq.dtype, n_out == 0)
+                 (P.batch, P.heads_q, P.seqlen_q), dq.dtype, n_out == 0, align_mask)
 
 
 def _run(plan: _Plan, dq, dk, dv, return_lse: bool, s: Stream):
     """Allocate outputs and launch a planned call on stream ``s``; returns DeviceArrays."""
+    if plan.align_mask:
+        _check_alignment(dq, dk, dv, plan.align_mask)
     device = dq.device
     out = allocate(device, s, plan.out_shape, plan.dtype, plan.out_strides, plan.out_elem_strides, plan.out_nbytes)
     lse = None
