@@ -144,8 +144,7 @@ class DeviceArray:
             Stream(self.device, handle=stream).wait(self.stream.record())
         lo, hi = self._byte_extent()
         buf = Buffer.from_handle(self.ptr + lo, max(hi - lo, 1), owner=self)
-        view = StridedMemoryView.from_buffer(
-            buf, self.shape, tuple(s // self.itemsize for s in self.strides), dtype=self.dtype)
+        view = StridedMemoryView.from_buffer(buf, self.shape, self.elem_strides, dtype=self.dtype)
         kwargs = {} if max_version is None else {"max_version": max_version}
         try:
             return view.__dlpack__(stream=-1, **kwargs)
@@ -238,9 +237,8 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
     device = device if device is not None else get_device()
     dtype = np.dtype(dtype)
     shape = tuple(int(n) for n in shape)
-    strides = _c_strides(shape, dtype.itemsize)
-    return allocate(device, as_stream(stream, device), shape, dtype, strides,
-                    tuple(st // dtype.itemsize for st in strides), math.prod(shape) * dtype.itemsize)
+    return allocate(device, as_stream(stream, device), shape, dtype, _c_strides(shape, dtype.itemsize),
+                    _c_strides(shape, 1), math.prod(shape) * dtype.itemsize)
 
 
 def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:

@@ -88,7 +88,10 @@ def build_many(specs, *, workers: int | None = None, progress=None) -> list:
 
     specs = list(specs)
     cache, fp = get_cache(), toolchain_fingerprint()
-    missing = [s for s in specs if cache.get(s.cache_key(fp)) is None]
+    # Only for the log line: a directory listing, not a read and checksum of every entry
+    # (build() verifies each entry once anyway).
+    cached = {e.key for e in cache.entries()}
+    missing = [s for s in specs if s.cache_key(fp) not in cached]
     if missing:
         log.info("pyattn: compiling %d kernels", len(missing))
     results, done = [], 0

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..array import _c_strides
+
 __all__ = ["AttentionProblem", "describe_input", "make_problem", "SUPPORTED_DTYPES", "LAYOUTS"]
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -48,17 +50,9 @@ def describe_input(name: str, x) -> _Input:
         return _Input(name, shape, dtype, strides, True)
     if isinstance(x, np.ndarray):
         # Host arrays are copied to the device contiguously, so their strides do not matter.
-        return _Input(name, x.shape, x.dtype, _c_strides(x.shape), False)
+        return _Input(name, x.shape, x.dtype, _c_strides(x.shape, 1), False)
     raise TypeError(f"{name}: expected a NumPy array or a CUDA device array "
                     f"(__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
-
-
-def _c_strides(shape) -> tuple:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(out))
 
 
 def _foreign_meta(name, x):
@@ -76,7 +70,7 @@ def _foreign_meta(name, x):
         if strides is not None and any(s % dtype.itemsize for s in strides):
             raise ValueError(f"{name}: strides must be multiples of the item size {dtype.itemsize}, "
                              f"got byte strides {tuple(strides)}")
-        strides = _c_strides(shape) if strides is None else tuple(s // dtype.itemsize for s in strides)
+        strides = _c_strides(shape, 1) if strides is None else tuple(s // dtype.itemsize for s in strides)
         return shape, dtype, strides
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name}: cannot tell the dtype of {type(x).__name__}: its array interface has an "
@@ -88,7 +82,7 @@ def _foreign_meta(name, x):
     elif getattr(x, "strides", None) is not None:  # array-API style: byte strides
         strides = tuple(int(s) // dtype.itemsize for s in x.strides)
     else:  # JAX arrays are always dense row-major
-        strides = _c_strides(shape)
+        strides = _c_strides(shape, 1)
     return shape, dtype, strides
 
 
