@@ -8,6 +8,7 @@
 // key n0+l of the current tile for S = Q K^T, and head-dim elements l, l+32, ... for O += P V.
 // Requires pyattn::AttnFwdParams (rendered by pyattn.jit.source) and common.cuh.
 #pragma once
+#include "attention_mask.cuh"
 
 namespace pyattn {
 
@@ -28,7 +29,7 @@ struct AttnFwdSimtTraits {
   static_assert(BLOCK_M_ % WARPS_ == 0, "rows must split evenly across warps");
 };
 
-template <class Traits>
+template <class Traits, class Mods>
 __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
   using T = typename Traits::T;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
@@ -40,23 +41,28 @@ __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
   float* sV = sK + BN * KS;      // [BN][D]
 
   const int m0 = blockIdx.x * BM, head = blockIdx.y, batch = blockIdx.z;
+  const SeqInfo seq = seq_info(p, batch);
+  const int sq = seq.sq, sk = seq.sk;
+  if (m0 >= sq) return;  // varlen: this sequence is shorter than the longest (whole block exits)
   const int kv_head = head / p.group;  // GQA/MQA: `group` query heads share one KV head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h;
-  T* o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h;
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h + seq.q_row0 * p.q_stride_s;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
+  T* o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
 
-  // Bottom-right causal alignment: query i sees keys j <= i + diag.
-  const int diag = p.seqlen_k - p.seqlen_q;
-  int n_end = p.seqlen_k;
-  if (p.causal) n_end = min(n_end, m0 + BM + diag);  // tiles past the last row's diagonal are skipped
+  const Band band = make_band(p, sq, sk);
+  int n_begin, n_end;  // key tiles outside every row's band are skipped
+  band_key_range<BN>(band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
+  const ModState mods = make_mod_state<Mods>(p, batch, head, sq, sk);
+  // Q is pre-scaled into log2 units, unless the modifiers need the natural-unit score first.
+  const float q_scale = Mods::kAny ? 1.f : p.scale_log2;
 
   // -- load the Q tile (zero outside the problem, so padded rows and dims contribute nothing)
   for (int i = threadIdx.x; i < BM * D; i += Traits::kThreads) {
     const int r = i / D, d = i % D;
     float x = 0.f;
-    if (m0 + r < p.seqlen_q && d < p.head_dim) x = to_float(q[(m0 + r) * p.q_stride_s + d]) * p.scale_log2;
+    if (m0 + r < sq && d < p.head_dim) x = to_float(q[(m0 + r) * p.q_stride_s + d]) * q_scale;
     sQ[i] = x;
   }
 
@@ -70,12 +76,12 @@ __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
     for (int j = 0; j < DPL; ++j) acc[r][j] = 0.f;
   }
 
-  for (int n0 = 0; n0 < n_end; n0 += BN) {
+  for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     __syncthreads();  // every warp is done reading the previous K/V tile (and sQ is written)
     // -- load K and V tiles
     for (int i = threadIdx.x; i < BN * D; i += Traits::kThreads) {
       const int r = i / D, d = i % D;
-      const bool ok = n0 + r < p.seqlen_k && d < p.head_dim;
+      const bool ok = n0 + r < sk && d < p.head_dim;
       sK[r * KS + d] = ok ? to_float(k[(n0 + r) * p.k_stride_s + d]) : 0.f;
       sV[r * D + d] = ok ? to_float(v[(n0 + r) * p.v_stride_s + d]) : 0.f;
     }
@@ -92,12 +98,14 @@ __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
       for (int r = 0; r < ROWS; ++r) s[r] = fmaf(sQ[(warp * ROWS + r) * D + d], kd, s[r]);
     }
 
-    // -- mask keys past the end and, if causal, past the row's diagonal
+    // -- score modifiers, then keys past the end or outside the row's band
     const int key = n0 + lane;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int row = m0 + warp * ROWS + r;
-      if (key >= p.seqlen_k || (p.causal && key > row + diag)) s[r] = -inf();
+      const bool ok = key < sk && row < sq && band.allows(row, key);
+      if constexpr (Mods::kAny) s[r] = ok ? score_mod<Mods>(p, mods, s[r], row, key) : -inf();
+      else if (!ok) s[r] = -inf();
     }
 
     // -- online softmax update: rescale what was accumulated under the old max
@@ -133,7 +141,7 @@ __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int row = m0 + warp * ROWS + r;
-    if (row >= p.seqlen_q) continue;
+    if (row >= sq) continue;
     const bool empty = row_sum[r] == 0.f;
     const float inv = empty ? 0.f : 1.f / row_sum[r];
 #pragma unroll
@@ -142,7 +150,7 @@ __device__ __forceinline__ void attn_fwd_simt(const AttnFwdParams& p) {
       if (d < p.head_dim) o[row * p.o_stride_s + d] = from_float<T>(acc[r][c] * inv);
     }
     if (p.lse != nullptr && lane == 0) {
-      const long long idx = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q + row;
+      const long long idx = batch * p.lse_stride_b + head * p.lse_stride_h + seq.q_row0 + row;
       p.lse[idx] = empty ? -inf() : (row_max[r] + log2f(row_sum[r])) * kLn2;
     }
   }

@@ -7,8 +7,11 @@
 // cp.async pipeline (tile j+1 loads while tile j is used). Per tile, each warp computes
 // S = Q K^T with mma.m16n8k16, updates the online softmax in registers, converts S into the
 // A fragments of P in registers (no shared-memory round trip) and accumulates O += P V.
+// Causal/window bands skip the key tiles no row of the block can see and mask only the tiles that
+// cross a band edge; the score modifiers (Mods: mask tensor, soft-cap, ALiBi) are compile-time.
 // Requires pyattn::AttnFwdParams, common.cuh and mma.cuh.
 #pragma once
+#include "attention_mask.cuh"
 
 namespace pyattn {
 
@@ -42,7 +45,7 @@ __device__ __forceinline__ void load_tile(typename Tr::T* dst, const typename Tr
   }
 }
 
-template <class Tr>
+template <class Tr, class Mods>
 __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kStride;
@@ -58,24 +61,28 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   // Causal blocks near the end of the sequence do the most work: start them first.
   const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  const SeqInfo seq = seq_info(p, batch);
+  const int sq = seq.sq, sk = seq.sk;
+  if (m0 >= sq) return;  // varlen: this sequence is shorter than the longest (whole block exits)
   const int kv_head = head / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h;
-  T* o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h;
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h + seq.q_row0 * p.q_stride_s;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
+  T* o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
 
-  const int diag = p.seqlen_k - p.seqlen_q;  // bottom-right causal: row i sees keys j <= i + diag
-  int n_end = p.seqlen_k;
-  if (p.causal) n_end = max(0, min(n_end, m0 + BM + diag));
-  const int n_blocks = (n_end + BN - 1) / BN;
+  const Band band = make_band(p, sq, sk);
+  int n_begin, n_end;  // key tiles some row of this block can see
+  band_key_range<BN>(band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
+  const int n_blocks = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
+  const ModState mods = make_mod_state<Mods>(p, batch, head, sq, sk);
 
   // -- prologue: Q and the first K/V tile in flight
-  load_tile<Tr>(sQ, q, p.q_stride_s, BM, m0, p.seqlen_q, p.head_dim);
+  load_tile<Tr>(sQ, q, p.q_stride_s, BM, m0, sq, p.head_dim);
   if (n_blocks > 0) {
-    load_tile<Tr>(sK, k, p.k_stride_s, BN, 0, p.seqlen_k, p.head_dim);
-    load_tile<Tr>(sV, v, p.v_stride_s, BN, 0, p.seqlen_k, p.head_dim);
+    load_tile<Tr>(sK, k, p.k_stride_s, BN, n_begin, sk, p.head_dim);
+    load_tile<Tr>(sV, v, p.v_stride_s, BN, n_begin, sk, p.head_dim);
   }
   cp_async_commit();
 
@@ -87,17 +94,18 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   float row_max[MT][2], row_sum[MT][2];  // rows g and g + 8 of each row tile
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) row_max[mi][0] = row_max[mi][1] = -inf(), row_sum[mi][0] = row_sum[mi][1] = 0.f;
-  const float sl2 = p.scale_log2;
+  // With score modifiers, s is already final and in log2 units when the softmax sees it.
+  const float sl2 = Mods::kAny ? 1.f : p.scale_log2;
   const int warp_row = warp * 16 * MT;       // first row of this warp within the block
   const int row0 = m0 + warp_row + g;        // this thread's row in tile 0; tile mi adds 16*mi, half h adds 8
 
   for (int j = 0; j < n_blocks; ++j) {
-    const int n0 = j * BN, stage = j & 1;
+    const int n0 = n_begin + j * BN, stage = j & 1;
     cp_async_wait<0>();
     __syncthreads();  // tile j landed for everyone, and every warp is done with tile j-1
     if (j + 1 < n_blocks) {  // prefetch tile j+1 into the stage tile j-1 used
-      load_tile<Tr>(sK + (stage ^ 1) * BN * LD, k, p.k_stride_s, BN, n0 + BN, p.seqlen_k, p.head_dim);
-      load_tile<Tr>(sV + (stage ^ 1) * BN * LD, v, p.v_stride_s, BN, n0 + BN, p.seqlen_k, p.head_dim);
+      load_tile<Tr>(sK + (stage ^ 1) * BN * LD, k, p.k_stride_s, BN, n0 + BN, sk, p.head_dim);
+      load_tile<Tr>(sV + (stage ^ 1) * BN * LD, v, p.v_stride_s, BN, n0 + BN, sk, p.head_dim);
     }
     cp_async_commit();
     const T* tK = sK + stage * BN * LD;
@@ -127,9 +135,8 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
       }
     }
 
-    // -- mask keys past the end and past the causal diagonal (only tiles that cross them)
-    const bool edge = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + warp_row + diag);
-    if (edge) {
+    // -- score modifiers (compiled in only when used); rows past the end never read the mask
+    if constexpr (Mods::kAny) {
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -137,7 +144,19 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = n0 + nt * 8 + 2 * t + (e & 1), row = row0 + mi * 16 + (e >> 1) * 8;
-            if (key >= p.seqlen_k || (p.causal && key > row + diag)) s[mi][nt][e] = -inf();
+            s[mi][nt][e] = row < sq && key < sk ? score_mod<Mods>(p, mods, s[mi][nt][e], row, key) : -inf();
+          }
+    }
+    // -- mask keys past the end and outside the band (only tiles that cross an edge)
+    if (!band_tile_full<BN>(band, m0 + warp_row, m0 + warp_row + 16 * MT - 1, n0, sk)) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = n0 + nt * 8 + 2 * t + (e & 1), row = row0 + mi * 16 + (e >> 1) * 8;
+            if (key >= sk || !band.allows(row, key)) s[mi][nt][e] = -inf();
           }
     }
 
@@ -205,7 +224,7 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
       sum += __shfl_xor_sync(kFullMask, sum, 1);
       sum += __shfl_xor_sync(kFullMask, sum, 2);
       const int row = row0 + mi * 16 + 8 * h;
-      if (row >= p.seqlen_q) continue;
+      if (row >= sq) continue;
       const bool empty = sum == 0.f;
       const float inv = empty ? 0.f : 1.f / sum;
       T* orow = o + row * p.o_stride_s;
@@ -217,7 +236,7 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
               pack2<T>(acc[mi][dt][2 * h] * inv, acc[mi][dt][2 * h + 1] * inv);
       }
       if (p.lse != nullptr && t == 0) {
-        const long long idx = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q + row;
+        const long long idx = batch * p.lse_stride_b + head * p.lse_stride_h + seq.q_row0 + row;
         p.lse[idx] = empty ? -inf() : (row_max[mi][h] * sl2 + log2f(sum)) * kLn2;
       }
     }

@@ -94,6 +94,25 @@ def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatc
     assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
 
 
+def _modifier_specs(arch):
+    """Score-modifier variants for ``arch``: every family/dtype with soft-cap + ALiBi and a mask kind
+    (all four kinds across the list), at the smallest and largest head-dim buckets."""
+    kinds = ("bool", "f16", "bf16", "f32")
+    pairs = [("attn_fwd_mma", "f16"), ("attn_fwd_mma", "bf16"), ("attn_fwd_simt", "f32"), ("attn_fwd_simt", "bf16")]
+    return [KernelSpec(fam, dt, d, arch, mask=kinds[(i + j) % 4], softcap=True, alibi=True)
+            for i, (fam, dt) in enumerate(pairs) for j, d in enumerate((32, 256))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    specs = _modifier_specs(arch)
+    assert {s.mask for s in specs} == {"bool", "f16", "bf16", "f32"}
+    for spec, meta, _ in jit.build_many(specs, workers=2):
+        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+        assert spec.entry_name.endswith(f"_mask{spec.mask}_softcap_alibi")
+
+
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
     specs = [KernelSpec("attn_fwd_simt", "f16", 64, "sm_89"), KernelSpec("attn_fwd_simt", "bf16", 256, "sm_100a")]
     first = [jit.build(s) for s in specs]
@@ -265,7 +284,7 @@ def test_include_dir_cache_is_restored_after_override_tests():
 # --------------------------------------------------------------------------------------------
 # ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
 # --------------------------------------------------------------------------------------------
-_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
 
 
 def _layout_check_source(p: ParamStruct) -> str:

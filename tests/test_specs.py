@@ -284,9 +284,12 @@ def test_cache_key_differs_for_every_field_and_toolchain():
     base = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
     variants = [base, dataclasses.replace(base, dtype="bf16"), dataclasses.replace(base, dtype="f32"),
                 dataclasses.replace(base, head_dim=96), dataclasses.replace(base, arch="sm_100a"),
-                dataclasses.replace(base, ptx=True), dataclasses.replace(base, family="attn_fwd_mma")]
+                dataclasses.replace(base, ptx=True), dataclasses.replace(base, family="attn_fwd_mma"),
+                dataclasses.replace(base, mask="bool"), dataclasses.replace(base, mask="f32"),
+                dataclasses.replace(base, softcap=True), dataclasses.replace(base, alibi=True)]
     # every field of the spec is covered above
-    assert {f.name for f in dataclasses.fields(KernelSpec)} == {"family", "dtype", "head_dim", "arch", "ptx"}
+    assert {f.name for f in dataclasses.fields(KernelSpec)} == {"family", "dtype", "head_dim", "arch", "ptx",
+                                                                 "mask", "softcap", "alibi"}
     keys = {v.cache_key(TOOLCHAIN) for v in variants}
     keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
              base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),
@@ -350,9 +353,10 @@ def test_arch_for_unsupported_capability_raises(cc):
 # --------------------------------------------------------------------------------------------
 # Parameter structs
 # --------------------------------------------------------------------------------------------
-C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "i64": "long long", "i32": "int",
-           "f32": "float"}
-CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "f32_cptr": "const float*",
+           "i32_cptr": "const int*", "i64": "long long", "i32": "int", "f32": "float"}
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i",
+         "f32": "f"}
 
 
 def _calc_size(fields):
@@ -395,6 +399,7 @@ def test_c_declaration_lists_every_field_and_asserts_the_size():
 def _value(kind):
     return {
         "ptr": st.integers(0, 2**64 - 1), "mut_ptr": st.integers(0, 2**64 - 1), "f32_ptr": st.integers(0, 2**64 - 1),
+        "f32_cptr": st.integers(0, 2**64 - 1), "i32_cptr": st.integers(0, 2**64 - 1),
         "i64": st.integers(-2**63, 2**63 - 1), "i32": st.integers(-2**31, 2**31 - 1),
         "f32": st.floats(width=32, allow_nan=False),
     }[kind]
@@ -466,7 +471,10 @@ def test_template_id_encodes_the_spec():
     spec = KernelSpec("attn_fwd_simt", "bf16", 160, "sm_80")
     t = spec.tiles
     assert spec.template_id == (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<__nv_bfloat16, 160, "
-                                f"{t.block_m}, {t.block_n}, {t.warps}>>")
+                                f"{t.block_m}, {t.block_n}, {t.warps}>, pyattn::ScoreMods<0, false, false>>")
+    mods = KernelSpec("attn_fwd_simt", "f32", 32, "sm_80", mask="bf16", softcap=True, alibi=True)
+    assert mods.template_id.endswith(", pyattn::ScoreMods<3, true, true>>")
+    assert mods.entry_name.endswith("_maskbf16_softcap_alibi")
     assert "float, 32," in KernelSpec("attn_fwd_simt", "f32", 32, "sm_80").template_id
     assert "__half, 64," in KernelSpec("attn_fwd_simt", "f16", 64, "sm_80").template_id
 
@@ -479,7 +487,7 @@ def test_mma_template_id_encodes_the_spec(arch):
             t = spec.tiles
             # AttnFwdMmaTraits<T, HEAD_DIM, BLOCK_N, WARPS, M_TILES>: BLOCK_M is derived, not passed
             assert spec.template_id == (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {d}, "
-                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>>")
+                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>, pyattn::ScoreMods<0, false, false>>")
             assert spec.entry_name == f"pyattn_attn_fwd_mma_{dtype}_d{d}_m{t.block_m}n{t.block_n}w{t.warps}"
 
 
@@ -493,5 +501,6 @@ def test_template_id_matches_the_header_signature(family):
     assert re.search(rf"__device__[^(]*\b{family}\(", text)
     n_params = len(m.group(1).split(","))
     spec = KernelSpec(family, "f16", 64, "sm_90a")
-    args = spec.template_id[spec.template_id.index(f"{TRAITS_FOR[family]}<") + len(TRAITS_FOR[family]) + 1:-2]
+    args = spec.template_id[spec.template_id.index(f"{TRAITS_FOR[family]}<") + len(TRAITS_FOR[family]) + 1:]
+    args = args[:args.index(">")]
     assert len(args.split(",")) == n_params

@@ -135,7 +135,7 @@ BAD = {
     "layout upper case": _case(host(Q), host(KV), host(KV), ValueError, r"^layout:", layout="BSHD"),
     "layout None": _case(host(Q), host(KV), host(KV), ValueError, r"^layout:", layout=None),
     "causal int": _case(host(Q), host(KV), host(KV), TypeError, r"^causal: expected a bool", causal=1),
-    "causal str": _case(host(Q), host(KV), host(KV), TypeError, r"^causal: expected a bool", causal="yes"),
+    "causal str": _case(host(Q), host(KV), host(KV), ValueError, r"^causal: expected False, True", causal="yes"),
     "causal None": _case(host(Q), host(KV), host(KV), TypeError, r"^causal: expected a bool", causal=None),
     "scale 0": _case(host(Q), host(KV), host(KV), ValueError, r"^scale: expected a finite positive", scale=0.0),
     "scale int 0": _case(host(Q), host(KV), host(KV), ValueError, r"^scale:", scale=0),
@@ -344,7 +344,7 @@ def test_make_problem_fields_bshd():
     assert isinstance(p, AttentionProblem)
     assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim) == (2, 4, 2, 5, 7, 64)
     assert p.group == 2 and p.dtype == "float16" and p.layout == "bshd" and p.on_device is False
-    assert p.causal is True and type(p.causal) is bool
+    assert p.causal == 1 and type(p.causal) is int  # the kernel's code: 1 = bottom-right
     assert p.scale == pytest.approx(1 / 8) and type(p.scale) is float
     assert p.out_shape() == Q
     assert p.q_strides == (5 * 4 * 64, 4 * 64, 64)  # (batch, seq, head), elements
@@ -356,7 +356,7 @@ def test_make_problem_fields_bhsd():
     q, kv = host((3, 6, 5, 96), BF16), host((3, 2, 9, 96), BF16)
     p, _ = make_problem(q, kv, kv, layout="bhsd", scale=2)
     assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim) == (3, 6, 2, 5, 9, 96)
-    assert p.group == 3 and p.dtype == "bfloat16" and p.layout == "bhsd" and p.causal is False
+    assert p.group == 3 and p.dtype == "bfloat16" and p.layout == "bhsd" and p.causal == 0
     assert p.scale == 2.0 and type(p.scale) is float
     assert p.out_shape() == (3, 6, 5, 96)
     assert p.q_strides == (6 * 5 * 96, 96, 5 * 96)  # (batch, seq, head) of a bhsd buffer

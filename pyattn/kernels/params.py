@@ -10,13 +10,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ParamStruct", "ATTN_FWD_PARAMS"]
+__all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
     "ptr": ("Q", "const void*"),
     "mut_ptr": ("Q", "void*"),
     "f32_ptr": ("Q", "float*"),
+    "f32_cptr": ("Q", "const float*"),
+    "i32_cptr": ("Q", "const int*"),
     "i64": ("q", "long long"),
     "i32": ("i", "int"),
     "f32": ("f", "float"),
@@ -32,7 +34,8 @@ class ParamStruct:
     name : str
         The C++ struct name (inside ``namespace pyattn``).
     fields : tuple of (str, str)
-        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``i64``, ``i32``, ``f32``).
+        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``i64``,
+        ``i32``, ``f32``).
     """
 
     name: str
@@ -98,12 +101,39 @@ def _strides(prefix: str):
     return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("b", "s", "h"))
 
 
-# Strides are in elements; the head dimension is always contiguous (stride 1).
+# Strides are in elements; the head dimension is always contiguous (stride 1). Optional inputs
+# (mask, alibi, cu_seqlens) are null when unused. The mask is read as mask[b, h, i, j] with
+# stride 0 on broadcast axes. Varlen (cu_seqlens_q non-null): sequence b owns rows
+# cu_seqlens[b]:cu_seqlens[b+1] of the packed arrays, q/k/v/o stride_b is 0 and seqlen_q/k are
+# the maxima. LSE element (b, h, i) lives at lse[b * lse_stride_b + h * lse_stride_h + row0 + i],
+# row0 = cu_seqlens_q[b] for varlen, else 0. causal: 0 none, 1 bottom-right, 2 top-left;
+# window_left/right: -1 = unbounded (both relative to the bottom-right diagonal).
 ATTN_FWD_PARAMS = ParamStruct(
     "AttnFwdParams",
-    (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"))
+    (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"),
+     ("mask", "ptr"), ("alibi", "f32_cptr"), ("cu_seqlens_q", "i32_cptr"), ("cu_seqlens_k", "i32_cptr"))
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+    + (("mask_stride_b", "i64"), ("mask_stride_h", "i64"), ("mask_stride_q", "i64"), ("mask_stride_k", "i64"),
+       ("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
     + (("batch", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"),
-       ("scale_log2", "f32"), ("scale", "f32")),
+       ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
+       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32")),
+)
+
+# merge_states: out = LSE-weighted combination of state a and the n_b states of stack b.
+# Rows are addressed by up to three leading indices (i0, i1, i2) (shapes left-padded with 1s), so
+# strided views (a transposed LSE, a bshd output) are read in place; stride_n steps through b's
+# states. Strides are in elements; the head_dim axis is contiguous.
+def _strides3(prefix: str):
+    return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("0", "1", "2"))
+
+
+MERGE_STATES_PARAMS = ParamStruct(
+    "MergeStatesParams",
+    (("o_a", "ptr"), ("lse_a", "f32_cptr"), ("o_b", "ptr"), ("lse_b", "f32_cptr"), ("out", "mut_ptr"),
+     ("out_lse", "f32_ptr"))
+    + _strides3("o_a") + _strides3("o_b") + (("o_b_stride_n", "i64"),) + _strides3("out")
+    + _strides3("lse_a") + _strides3("lse_b") + (("lse_b_stride_n", "i64"),) + _strides3("out_lse")
+    + (("dim0", "i32"), ("dim1", "i32"), ("dim2", "i32"), ("head_dim", "i32"), ("n_b", "i32")),
 )

@@ -12,9 +12,9 @@ import json
 from dataclasses import asdict, dataclass
 
 from ..runtime.device import SUPPORTED_ARCHS
-from .params import ATTN_FWD_PARAMS
+from .params import ATTN_FWD_PARAMS, MERGE_STATES_PARAMS
 
-__all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
+__all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
            "select_attention_spec", "standard_specs", "tile_config"]
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
@@ -24,7 +24,10 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-FAMILIES = ("attn_fwd_mma", "attn_fwd_simt")
+FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "merge_states")
+_ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt")
+# Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
+MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
@@ -62,6 +65,9 @@ _MMA_SMALL_SMEM = (  # sm_86 / sm_89: 99 KiB per block
     (128, 32, 4, 2, 1, "70 KiB at d=128, under 99 KiB; unmeasured"),
     (256, 16, 4, 1, 1, "68 KiB at d=256 (32 keys x 4 warps would need exactly the 99 KiB limit); unmeasured"),
 )
+# merge_states: one warp per row, 4 warps per block (memory-bound; rows are independent).
+_MERGE = TileConfig(4, 0, 4, "memory-bound elementwise combine: one warp per row, 4 rows per block")
+
 _MMA = {"sm_80": _MMA_BIG_SMEM, "sm_86": _MMA_SMALL_SMEM, "sm_89": _MMA_SMALL_SMEM,
         "sm_90a": _MMA_BIG_SMEM, "sm_100a": _MMA_BIG_SMEM}
 
@@ -72,6 +78,8 @@ def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
         raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
     if family == "attn_fwd_simt":
         return _SIMT
+    if family == "merge_states":
+        return _MERGE
     if family != "attn_fwd_mma":
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     for bound, block_n, warps, m_tiles, min_blocks, reason in _MMA[arch]:
@@ -96,6 +104,10 @@ class KernelSpec:
         Target arch, one of :data:`SUPPORTED_ARCHS`.
     ptx : bool
         Emit PTX for ``compute_XX`` instead of a cubin (the opt-in fallback; see ``pyattn.jit.nvrtc``).
+    mask : str
+        Attention only: element type of the mask tensor, one of :data:`MASK_KINDS` (``"none"``).
+    softcap, alibi : bool
+        Attention only: compile in the soft-cap / ALiBi score modifiers.
     """
 
     family: str
@@ -103,6 +115,9 @@ class KernelSpec:
     head_dim: int
     arch: str
     ptx: bool = False
+    mask: str = "none"
+    softcap: bool = False
+    alibi: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -115,6 +130,14 @@ class KernelSpec:
             raise ValueError(f"head_dim: expected one of {HEAD_DIM_BUCKETS}, got {self.head_dim}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {self.arch!r}")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"mask: expected one of {tuple(MASK_KINDS)}, got {self.mask!r}")
+        if self.family not in _ATTN_FAMILIES and self.has_mods:
+            raise ValueError(f"mask/softcap/alibi: only attention families take score modifiers, got {self.family!r}")
+
+    @property
+    def has_mods(self) -> bool:
+        return self.mask != "none" or self.softcap or self.alibi
 
     # -- derived facts -------------------------------------------------------------------
     @property
@@ -123,11 +146,12 @@ class KernelSpec:
 
     @property
     def header(self) -> str:
-        return "attention_fwd.cuh" if self.family == "attn_fwd_simt" else "attention_fwd_mma.cuh"
+        return {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
+                "merge_states": "merge_states.cuh"}[self.family]
 
     @property
     def params(self):
-        return ATTN_FWD_PARAMS
+        return MERGE_STATES_PARAMS if self.family == "merge_states" else ATTN_FWD_PARAMS
 
     @property
     def threads(self) -> int:
@@ -137,16 +161,22 @@ class KernelSpec:
     def entry_name(self) -> str:
         """The ``extern "C"`` symbol: readable in profilers, no name mangling to look up."""
         t = self.tiles
-        return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
+        mods = (f"_mask{self.mask}" if self.mask != "none" else "") + ("_softcap" if self.softcap else "") \
+            + ("_alibi" if self.alibi else "")
+        return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{mods}"
 
     @property
     def template_id(self) -> str:
         t, ctype = self.tiles, _CTYPE[self.dtype]
+        if self.family == "merge_states":
+            return f"pyattn::merge_states<{ctype}, {self.head_dim}, {t.warps}>"
+        mods = (f"pyattn::ScoreMods<{MASK_KINDS[self.mask]}, {str(self.softcap).lower()}, "
+                f"{str(self.alibi).lower()}>")
         if self.family == "attn_fwd_simt":
             return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
-                    f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>>")
+                    f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>, {mods}>")
         return (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {self.head_dim}, {t.block_n}, "
-                f"{t.warps}, {t.m_tiles}>>")
+                f"{t.warps}, {t.m_tiles}>, {mods}>")
 
     @property
     def shared_bytes(self) -> int:
@@ -156,6 +186,8 @@ class KernelSpec:
         stages of K and V tiles in the input type, rows padded by 8 elements.
         """
         t, d = self.tiles, self.head_dim
+        if self.family == "merge_states":
+            return 0
         if self.family == "attn_fwd_simt":
             return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
         return 2 * (t.block_m + 4 * t.block_n) * (d + 8)
@@ -189,10 +221,13 @@ class KernelSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
     def describe(self) -> str:
-        return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{', ptx' if self.ptx else ''}]"
+        mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
+                                               ("softcap", self.softcap), ("alibi", self.alibi)) if on)
+        return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 
-def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False) -> KernelSpec:
+def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
+                          softcap: bool = False, alibi: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -203,6 +238,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         The problem's head dim (a multiple of 8, at most :data:`MAX_HEAD_DIM`).
     arch : str
     ptx : bool
+    mask : str
+        Mask tensor element type (:data:`MASK_KINDS`), ``"none"`` without a mask tensor.
+    softcap, alibi : bool
+        Whether the call uses a soft-cap / ALiBi slopes.
     """
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
@@ -211,7 +250,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
     tag = DTYPES[dtype_name][0]
     # fp32 stays exact (CUDA-core FMA); 16-bit inputs go to the tensor cores.
-    return KernelSpec("attn_fwd_simt" if tag == "f32" else "attn_fwd_mma", tag, bucket, arch, ptx)
+    return KernelSpec("attn_fwd_simt" if tag == "f32" else "attn_fwd_mma", tag, bucket, arch, ptx,
+                      mask, bool(softcap), bool(alibi))
 
 
 def standard_specs(arch: str) -> list:
