@@ -190,3 +190,30 @@ def test_varlen_equals_per_sequence_dense_calls(lens, dtype, D, causal, window, 
     assert np.array_equal(np.isneginf(lse), ~finite)
     if finite.any():
         assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3 * max(1.0, np.abs(ref_lse[finite]).max())
+
+
+@SETTINGS
+@given(B=st.integers(1, 2), Sq=LENGTHS, Sk=LENGTHS, Hkv=st.integers(1, 2), group=st.sampled_from([1, 3]),
+       D=st.sampled_from([8, 32, 64, 72, 128, 160, 256]), causal=st.sampled_from([False, True, "top_left"]),
+       window=st.sampled_from([None, (32, 8)]), mods=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_allow_tf32(B, Sq, Sk, Hkv, group, D, causal, window, mods, seed):
+    """TF32 rounds q, k, v and P to a 10-bit mantissa, as float16 does (with fp32's range), so the
+    yardstick is the naive float16 computation against the float32 inputs' exact result."""
+    from pyattn.reference import attention_lowp
+
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, B, Sq, Sk, Hkv * group, Hkv, D, "float32")
+    opts = dict(causal=causal, window=window)
+    if mods:
+        opts.update(softcap=20.0, mask=rng.random((Sq, Sk)) > 0.1)
+    out, lse = pyattn.attention(q, k, v, allow_tf32=True, return_lse=True, **opts)
+    assert out.dtype == np.float32
+    ref, ref_lse = attention_ref(q, k, v, return_lse=True, **opts)
+    naive = attention_lowp(*(x.astype(np.float16) for x in (q, k, v)), **opts)
+    bound = 2 * np.abs(naive - ref).max(initial=0) + 1e-3
+    assert not np.isnan(out).any()
+    assert np.abs(out - ref).max(initial=0) <= bound
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~finite)
+    if finite.any():
+        assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-2 * max(1.0, np.abs(ref_lse[finite]).max())

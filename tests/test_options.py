@@ -148,3 +148,11 @@ def test_varlen_problem_fields():
     assert (p.causal, p.window) == (1, (8, 0)) and cu_q.tolist() == [0, 4, 10] and cu_k.tolist() == [0, 5, 12]
     p, _, _ = make_varlen_problem(**_varlen(max_seqlen_q=100))
     assert p.seqlen_q == 100
+
+
+def test_allow_tf32_must_be_a_bool(blocked_driver):
+    q, kv = host(Q), host(KV)
+    with pytest.raises(TypeError, match=r"^allow_tf32: expected a bool, got int"):
+        pyattn.attention(q, kv, kv, allow_tf32=1)
+    with pytest.raises(TypeError, match=r"^allow_tf32: expected a bool"):
+        pyattn.attention_varlen(**_varlen(allow_tf32="yes"))

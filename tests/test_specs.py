@@ -27,8 +27,10 @@ OPTIN_SMEM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
 MAX_THREADS_PER_SM = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90a": 2048, "sm_100a": 2048}
 # Which family serves which dtype: fp32 stays on CUDA cores, 16-bit inputs go to the tensor cores.
 FAMILY_FOR = {"float32": "attn_fwd_simt", "float16": "attn_fwd_mma", "bfloat16": "attn_fwd_mma"}
-HEADER_FOR = {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh"}
-TRAITS_FOR = {"attn_fwd_simt": "AttnFwdSimtTraits", "attn_fwd_mma": "AttnFwdMmaTraits"}
+HEADER_FOR = {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
+              "attn_fwd_tf32": "attention_fwd_tf32.cuh"}
+TRAITS_FOR = {"attn_fwd_simt": "AttnFwdSimtTraits", "attn_fwd_mma": "AttnFwdMmaTraits",
+              "attn_fwd_tf32": "AttnFwdTf32Traits"}
 TOOLCHAIN = "nvrtc=13.0;headers=13.0@/x;src=abc;pyattn=0.0"
 
 
@@ -55,6 +57,19 @@ def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
         assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False,
                                                                   FAMILY_FOR[dtype_name])
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
+
+
+def test_allow_tf32_selects_the_tf32_family_for_float32_only():
+    spec = select_attention_spec("float32", 100, "sm_80", allow_tf32=True)
+    assert spec == KernelSpec("attn_fwd_tf32", "f32", 128, "sm_80") and spec in standard_specs("sm_80")
+    assert spec.template_id == ("pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<128, 32, 4, 1>, "
+                                "pyattn::ScoreMods<0, false, false>>")
+    assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_mma"
+    with pytest.raises(ValueError, match="^dtype: the TF32 family takes f32"):
+        KernelSpec("attn_fwd_tf32", "f16", 64, "sm_80")
+    for arch, limit in (("sm_80", 163), ("sm_86", 99), ("sm_89", 99), ("sm_90a", 227), ("sm_100a", 227)):
+        for d in HEAD_DIM_BUCKETS:
+            assert KernelSpec("attn_fwd_tf32", "f32", d, arch).shared_bytes <= limit * 1024, (arch, d)
 
 
 def test_select_spot_values_and_ptx_flag():
@@ -140,13 +155,15 @@ def test_spec_is_frozen_and_hashable():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
-    assert len(specs) == len(set(specs)) == len(DTYPES) * len(HEAD_DIM_BUCKETS) == 24
+    assert len(specs) == len(set(specs)) == (len(DTYPES) + 1) * len(HEAD_DIM_BUCKETS) == 32
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
-        (FAMILY_FOR[name], DTYPES[name][0], d) for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS}
+        (FAMILY_FOR[name], DTYPES[name][0], d) for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
+        ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS}  # allow_tf32=True
     by_kind = {}
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
-    assert by_kind == {("attn_fwd_simt", "f32"): 8, ("attn_fwd_mma", "f16"): 8, ("attn_fwd_mma", "bf16"): 8}
+    assert by_kind == {("attn_fwd_simt", "f32"): 8, ("attn_fwd_mma", "f16"): 8, ("attn_fwd_mma", "bf16"): 8,
+                       ("attn_fwd_tf32", "f32"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
 
@@ -157,7 +174,7 @@ def test_entry_names_are_unique_c_identifiers(arch):
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
     everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
-    assert len(set(everything)) == len(everything) == 24 * len(ARCHS)
+    assert len(set(everything)) == len(everything) == 32 * len(ARCHS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,8 +185,8 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
         assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
-        else:  # AttnFwdMmaTraits: the kernel derives BLOCK_M itself, so the grid must agree with it
-            assert s.family == "attn_fwd_mma"
+        else:  # AttnFwdMmaTraits/Tf32Traits: the kernel derives BLOCK_M itself, so the grid must agree
+            assert s.family in ("attn_fwd_mma", "attn_fwd_tf32")
             assert s.head_dim % 32 == 0 and t.block_n % 16 == 0, s.describe()
             assert t.m_tiles >= 1 and t.block_m == 16 * t.m_tiles * t.warps, s.describe()
         assert s.threads == 32 * t.warps and 32 <= s.threads <= 1024
@@ -213,6 +230,10 @@ def test_shared_bytes_fit_every_supported_arch():
                 assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
                 # the SIMT tiles are the same everywhere, so they must fit the smallest arch too
                 assert s.shared_bytes <= smallest, s.describe()
+            elif s.family == "attn_fwd_tf32":
+                # AttnFwdTf32Traits::kSmemBytes: Q and 2 K stages padded by 4 floats, 2 V stages by 8
+                bm = 16 * t.m_tiles * t.warps
+                assert s.shared_bytes == 4 * ((bm + 2 * t.block_n) * (d + 4) + 2 * t.block_n * (d + 8))
             else:
                 # AttnFwdMmaTraits::kSmemElems: Q + 2 stages of K and V, rows padded by 8 16-bit elements
                 assert s.shared_bytes == 2 * (16 * t.m_tiles * t.warps + 4 * t.block_n) * (d + 8)
@@ -455,8 +476,8 @@ def test_render_contains_entry_template_and_struct(arch):
         assert (f'extern "C" __global__ void __launch_bounds__({32 * t.warps}, {t.min_blocks})\n'
                 f'{spec.entry_name}(') in src
         assert f'#include "{HEADER_FOR[spec.family]}"' in src
-        other = HEADER_FOR["attn_fwd_mma" if spec.family == "attn_fwd_simt" else "attn_fwd_simt"]
-        assert f'#include "{other}"' not in src
+        for family, other in HEADER_FOR.items():
+            assert family == spec.family or f'#include "{other}"' not in src
         assert f"pyattn::{spec.family}<pyattn::{TRAITS_FOR[spec.family]}<" in spec.template_id
         assert f"  {spec.template_id}(params);" in src
         assert spec.params.c_declaration() in src

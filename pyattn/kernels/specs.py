@@ -24,8 +24,8 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "merge_states")
-_ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt")
+FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "merge_states")
+_ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32")
 # Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
 MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -68,6 +68,20 @@ _MMA_SMALL_SMEM = (  # sm_86 / sm_89: 99 KiB per block
 # merge_states: one warp per row, 4 warps per block (memory-bound; rows are independent).
 _MERGE = TileConfig(4, 0, 4, "memory-bound elementwise combine: one warp per row, 4 rows per block")
 
+# The TF32 kernel (fp32 inputs with allow_tf32=True): fp32 tiles, so half the keys per stage of
+# the 16-bit kernel. Entries as _MMA's; smem = 4 * ((block_m + 2 block_n)(d + 4) + 2 block_n (d + 8)).
+_TF32_BIG_SMEM = (  # sm_80 / sm_90a / sm_100a
+    (128, 32, 4, 1, 1, "100 KiB at d=128; unmeasured (written for correctness first: 178 registers, no spill)"),
+    (256, 16, 4, 1, 1, "130.5 KiB at d=256, under sm_80's 163 KiB; unmeasured"),
+)
+_TF32_SMALL_SMEM = (  # sm_86 / sm_89: 99 KiB per block
+    (96, 32, 4, 1, 1, "76 KiB at d=96; unmeasured"),
+    (192, 16, 4, 1, 1, "98.5 KiB at d=192 (32 keys would need 100 KiB at d=128, over 99); unmeasured"),
+    (256, 16, 2, 1, 1, "98 KiB at d=256 with 2 warps; unmeasured"),
+)
+_TF32 = {"sm_80": _TF32_BIG_SMEM, "sm_86": _TF32_SMALL_SMEM, "sm_89": _TF32_SMALL_SMEM,
+         "sm_90a": _TF32_BIG_SMEM, "sm_100a": _TF32_BIG_SMEM}
+
 _MMA = {"sm_80": _MMA_BIG_SMEM, "sm_86": _MMA_SMALL_SMEM, "sm_89": _MMA_SMALL_SMEM,
         "sm_90a": _MMA_BIG_SMEM, "sm_100a": _MMA_BIG_SMEM}
 
@@ -80,9 +94,9 @@ def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
         return _SIMT
     if family == "merge_states":
         return _MERGE
-    if family != "attn_fwd_mma":
+    if family not in ("attn_fwd_mma", "attn_fwd_tf32"):
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-    for bound, block_n, warps, m_tiles, min_blocks, reason in _MMA[arch]:
+    for bound, block_n, warps, m_tiles, min_blocks, reason in (_MMA if family == "attn_fwd_mma" else _TF32)[arch]:
         if head_dim <= bound:
             return TileConfig(16 * m_tiles * warps, block_n, warps, reason, min_blocks, m_tiles)
     raise ValueError(f"head_dim: no {family} tile for {head_dim} on {arch}")
@@ -124,6 +138,8 @@ class KernelSpec:
             raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
         if self.family == "attn_fwd_mma" and self.dtype == "f32":
             raise ValueError("dtype: the tensor-core family takes f16 or bf16, got 'f32'")
+        if self.family == "attn_fwd_tf32" and self.dtype != "f32":
+            raise ValueError(f"dtype: the TF32 family takes f32, got {self.dtype!r}")
         if self.dtype not in _CTYPE:
             raise ValueError(f"dtype: expected one of {sorted(_CTYPE)}, got {self.dtype!r}")
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -147,7 +163,7 @@ class KernelSpec:
     @property
     def header(self) -> str:
         return {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
-                "merge_states": "merge_states.cuh"}[self.family]
+                "attn_fwd_tf32": "attention_fwd_tf32.cuh", "merge_states": "merge_states.cuh"}[self.family]
 
     @property
     def params(self):
@@ -175,6 +191,9 @@ class KernelSpec:
         if self.family == "attn_fwd_simt":
             return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
                     f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>, {mods}>")
+        if self.family == "attn_fwd_tf32":
+            return (f"pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<{self.head_dim}, {t.block_n}, {t.warps}, "
+                    f"{t.m_tiles}>, {mods}>")
         return (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {self.head_dim}, {t.block_n}, "
                 f"{t.warps}, {t.m_tiles}>, {mods}>")
 
@@ -190,6 +209,8 @@ class KernelSpec:
             return 0
         if self.family == "attn_fwd_simt":
             return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+        if self.family == "attn_fwd_tf32":  # Q and K rows padded by 4 floats, V rows by 8
+            return 4 * ((t.block_m + 2 * t.block_n) * (d + 4) + 2 * t.block_n * (d + 8))
         return 2 * (t.block_m + 4 * t.block_n) * (d + 8)
 
     def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple:
@@ -227,7 +248,7 @@ class KernelSpec:
 
 
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
-                          softcap: bool = False, alibi: bool = False) -> KernelSpec:
+                          softcap: bool = False, alibi: bool = False, allow_tf32: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -242,6 +263,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         Mask tensor element type (:data:`MASK_KINDS`), ``"none"`` without a mask tensor.
     softcap, alibi : bool
         Whether the call uses a soft-cap / ALiBi slopes.
+    allow_tf32 : bool
+        float32 inputs may run on TF32 tensor cores (10-bit mantissa products) instead of exact FMA.
     """
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
@@ -249,11 +272,12 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     if bucket is None:
         raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
     tag = DTYPES[dtype_name][0]
-    # fp32 stays exact (CUDA-core FMA); 16-bit inputs go to the tensor cores.
-    return KernelSpec("attn_fwd_simt" if tag == "f32" else "attn_fwd_mma", tag, bucket, arch, ptx,
-                      mask, bool(softcap), bool(alibi))
+    # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores.
+    family = ("attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt") if tag == "f32" else "attn_fwd_mma"
+    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi))
 
 
 def standard_specs(arch: str) -> list:
     """Every variant ``attention`` can select on ``arch``: what ``pyattn warmup`` precompiles."""
-    return [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
+    plain = [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
+    return plain + [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]

@@ -25,9 +25,11 @@ _F32 = np.dtype(np.float32)
 
 
 @functools.lru_cache(maxsize=512)
-def spec_for(dtype: str, head_dim: int, arch: str, ptx: bool, mask: str, softcap: bool, alibi: bool):
+def spec_for(dtype: str, head_dim: int, arch: str, ptx: bool, mask: str, softcap: bool, alibi: bool,
+             allow_tf32: bool = False):
     """The kernel spec of a problem (cached: selection is on every slow-path call)."""
-    return select_attention_spec(dtype, head_dim, arch, ptx=ptx, mask=mask, softcap=softcap, alibi=alibi)
+    return select_attention_spec(dtype, head_dim, arch, ptx=ptx, mask=mask, softcap=softcap, alibi=alibi,
+                                 allow_tf32=allow_tf32)
 
 
 def ptx_requested() -> bool:
@@ -49,7 +51,8 @@ class Plan(NamedTuple):
     lse_shape: tuple
     dtype: np.dtype
     empty: bool  # nothing to launch (a zero-size dimension)
-    align_mask: int  # q/k/v addresses must have these bits clear (16-byte cp.async in the MMA kernel)
+    align_mask: int  # q/k/v addresses must have these bits clear (16-byte cp.async in the tensor-core kernels)
+    out_align_mask: int  # and out's (the tensor-core kernels store pairs of elements)
 
 
 def _bsh(elem_strides: tuple, layout: str) -> tuple:
@@ -63,15 +66,19 @@ def _bsh(elem_strides: tuple, layout: str) -> tuple:
 def make_plan(P, spec, kernel, arrays) -> Plan:
     """Build the plan of problem ``P`` (an ``AttentionProblem``) for ``spec``/``kernel``.
 
-    ``arrays`` are the q, k, v DeviceArrays; the MMA kernel's 16-byte loads need their strides to be
-    multiples of 8 elements (checked here, once per plan).
+    ``arrays`` are the q, k, v DeviceArrays; the tensor-core kernels' 16-byte loads need their strides
+    to be multiples of 16 bytes (checked here, once per plan).
     """
-    align_mask = 15 if spec.family == "attn_fwd_mma" else 0
-    if align_mask:
+    itemsize = arrays[0].dtype.itemsize
+    tensor_cores = spec.family in ("attn_fwd_mma", "attn_fwd_tf32")
+    align_mask = 15 if tensor_cores else 0
+    if tensor_cores:
+        per_chunk = 16 // itemsize
         for name, a in zip(("q", "k", "v"), arrays):
-            if any(st % 8 for st in a.elem_strides[:-1]):
+            if any(st % per_chunk for st in a.elem_strides[:-1]):
                 raise ValueError(f"{name}: the tensor-core kernel reads 16-byte chunks; strides must be multiples "
-                                 f"of 8 elements, got {a.elem_strides} (copy the array to make it contiguous)")
+                                 f"of {per_chunk} elements, got {a.elem_strides} (copy the array to make it "
+                                 f"contiguous)")
         if P.out_strides is not None and any(st % 2 for st in P.out_strides[:-1]):
             raise ValueError(f"out: the tensor-core kernel writes pairs of elements; strides must be even, "
                              f"got {P.out_strides}")
@@ -99,12 +106,11 @@ def make_plan(P, spec, kernel, arrays) -> Plan:
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
     })
-    itemsize = arrays[0].dtype.itemsize
     n_out = int(np.prod(out_shape))
     empty = n_out == 0 or P.batch == 0
     return Plan(kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
                 packer, out_shape, tuple(e * itemsize for e in c_out), c_out, n_out * itemsize,
-                lse_shape, arrays[0].dtype, empty, align_mask)
+                lse_shape, arrays[0].dtype, empty, align_mask, 2 * itemsize - 1 if tensor_cores else 0)
 
 
 def _check_alignment(arrays, mask: int) -> None:
@@ -134,8 +140,9 @@ def run_plan(plan: Plan, arrays, extras: tuple, s, *, return_lse: bool, out=None
     """
     if plan.align_mask:
         _check_alignment(arrays, plan.align_mask)
-        if out is not None and out.ptr & 3:
-            raise ValueError("out: the tensor-core kernel writes 4-byte pairs; the address must be 4-byte aligned")
+        if out is not None and out.ptr & plan.out_align_mask:
+            raise ValueError(f"out: the tensor-core kernel writes pairs of elements; the address must be "
+                             f"{plan.out_align_mask + 1}-byte aligned")
     device = arrays[0].device
     if out is None:
         out = allocate(device, s, plan.out_shape, plan.dtype, plan.out_strides, plan.out_elem_strides,

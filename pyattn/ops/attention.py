@@ -55,7 +55,7 @@ def upload_extras(problem, mask, alibi_slopes, device, s):
 
 
 def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
-              layout="bshd", return_lse=False, out=None, stream=None):
+              layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None):
     """Scaled-dot-product attention, ``softmax(scale * q k^T + bias) v``, computed by a fused GPU kernel.
 
     Parameters
@@ -91,6 +91,10 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores, natural log, float32,
         shape (batch, heads_q, seqlen_q).
+    allow_tf32 : bool, default False
+        float32 inputs only: run on TF32 tensor cores (products of inputs rounded to a 10-bit
+        mantissa, like torch's ``allow_tf32``) instead of exact CUDA-core FMA. Needs 16-byte
+        aligned q/k/v with strides that are multiples of 4 elements.
     out : array, optional
         Destination of the output's exact shape and dtype: a device array for device inputs (any
         strides with a contiguous head_dim axis), a writable NumPy array for NumPy inputs.
@@ -113,7 +117,7 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     A query row that sees no key (fully masked) gets output 0 and LSE ``-inf``, never NaN.
     Scores are formed in the order of ``pyattn.reference.attention_ref``: scale, soft-cap, ALiBi,
     float mask, then causal/window/bool-mask exclusion. Head dims are multiples of 8 up to 256.
-    fp16/bf16 run on tensor cores; float32 stays exact on CUDA cores.
+    fp16/bf16 run on tensor cores; float32 stays exact on CUDA cores unless ``allow_tf32``.
 
     All validation happens before any GPU work: bad input raises ``ValueError`` or ``TypeError``
     naming the argument. The call is thread-safe; results on one stream are ordered.
@@ -128,7 +132,7 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
         try:
             key = (q.shape, q.elem_strides, q.dtype, q.device, k.shape, k.elem_strides, k.dtype, k.device,
                    v.shape, v.elem_strides, v.dtype, v.device, causal, window, softcap, scale, layout,
-                   _meta(mask), _meta(alibi_slopes), _meta(out), ptx_requested())
+                   _meta(mask), _meta(alibi_slopes), _meta(out), bool(allow_tf32), ptx_requested())
             plan = _plans.get(key)
         except TypeError:  # an unhashable or host argument: validation below handles it
             key = plan = None
@@ -140,6 +144,9 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     else:
         key = None
 
+    if not isinstance(allow_tf32, (bool, np.bool_)):
+        raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__}")
+    allow_tf32 = bool(allow_tf32)
     problem, _ = make_problem(q, k, v, causal=causal, mask=mask, window=window, softcap=softcap,
                               alibi_slopes=alibi_slopes, scale=scale, layout=layout, out=out)
     if problem.on_device:
@@ -153,7 +160,7 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     # Compile (or fetch) before copying data, so a compile error costs no transfer.
     spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(),
                     problem.mask.kind if problem.mask is not None else "none", problem.softcap > 0,
-                    problem.alibi is not None)
+                    problem.alibi is not None, allow_tf32)
     kernel = get_kernel(spec, device)
 
     if not problem.on_device:

@@ -15,8 +15,8 @@ __all__ = ["attention_varlen"]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-                     window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, out=None,
-                     stream=None):
+                     window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, allow_tf32=False,
+                     out=None, stream=None):
     """Attention over sequences of different lengths packed along the token axis (no padding).
 
     Parameters
@@ -31,7 +31,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         back for it). Host or device, on the same side as q.
     max_seqlen_q, max_seqlen_k : int, optional
         The longest sequence; computed from the offsets when omitted (they are read anyway).
-    causal, window, softcap, alibi_slopes, scale, out, stream
+    causal, window, softcap, alibi_slopes, scale, allow_tf32, out, stream
         As in :func:`pyattn.attention`, per sequence: causal and the window align to each sequence's
         own bottom-right corner; ``alibi_slopes`` is (heads_q,) or (num_seqs, heads_q).
     return_lse : bool, default False
@@ -47,6 +47,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     Equal to calling :func:`pyattn.attention` on each sequence alone, in one launch. There is no
     ``mask`` argument (as in FlashAttention's varlen API): a mask has no fixed shape here.
     """
+    if not isinstance(allow_tf32, (bool, np.bool_)):
+        raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__}")
     problem, _, (cu_q, cu_k) = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale, out=out)
@@ -58,7 +60,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     s = as_stream(stream, device)
     device.activate()
     spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(), "none", problem.softcap > 0,
-                    problem.alibi is not None)
+                    problem.alibi is not None, bool(allow_tf32))
     kernel = get_kernel(spec, device)
     if not problem.on_device:
         dq = asarray(q, device=device, stream=s)
