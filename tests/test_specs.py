@@ -28,9 +28,16 @@ MAX_THREADS_PER_SM = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90a": 204
 # Which family serves which dtype: fp32 stays on CUDA cores, 16-bit inputs go to the tensor cores.
 FAMILY_FOR = {"float32": "attn_fwd_simt", "float16": "attn_fwd_mma", "bfloat16": "attn_fwd_mma"}
 HEADER_FOR = {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
-              "attn_fwd_tf32": "attention_fwd_tf32.cuh"}
+              "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh"}
 TRAITS_FOR = {"attn_fwd_simt": "AttnFwdSimtTraits", "attn_fwd_mma": "AttnFwdMmaTraits",
-              "attn_fwd_tf32": "AttnFwdTf32Traits"}
+              "attn_fwd_tf32": "AttnFwdTf32Traits", "attn_fwd_wgmma": "AttnFwdWgmmaTraits"}
+
+
+def _expected(dtype_name, arch, d):
+    """(family, bucket) that a plain call selects: on sm_90a 16-bit inputs go to wgmma (64-wide buckets)."""
+    if arch == "sm_90a" and dtype_name != "float32":
+        return "attn_fwd_wgmma", -(-d // 64) * 64
+    return FAMILY_FOR[dtype_name], min(b for b in HEAD_DIM_BUCKETS if b >= d)
 TOOLCHAIN = "nvrtc=13.0;headers=13.0@/x;src=abc;pyattn=0.0"
 
 
@@ -52,10 +59,13 @@ def test_head_dim_buckets_fit_the_kernel():
 def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
     for d in range(8, 257, 8):
         spec = select_attention_spec(dtype_name, d, arch)
-        assert spec.head_dim == min(b for b in HEAD_DIM_BUCKETS if b >= d), d
-        assert spec.head_dim >= d and spec.head_dim - d < 32
-        assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False,
-                                                                  FAMILY_FOR[dtype_name])
+        family, bucket = _expected(dtype_name, arch, d)
+        assert spec.head_dim == bucket, d
+        assert spec.head_dim >= d and spec.head_dim - d < (64 if family == "attn_fwd_wgmma" else 32)
+        assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, family)
+        # score modifiers always take the mma.sync kernel, at 32-wide buckets
+        mods = select_attention_spec(dtype_name, d, arch, softcap=True)
+        assert mods.family == FAMILY_FOR[dtype_name] and mods.head_dim - d < 32
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
 
 
@@ -64,7 +74,8 @@ def test_allow_tf32_selects_the_tf32_family_for_float32_only():
     assert spec == KernelSpec("attn_fwd_tf32", "f32", 128, "sm_80") and spec in standard_specs("sm_80")
     assert spec.template_id == ("pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<128, 32, 4, 1>, "
                                 "pyattn::ScoreMods<0, false, false>>")
-    assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_mma"
+    assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_wgmma"
+    assert select_attention_spec("float16", 64, "sm_80", allow_tf32=True).family == "attn_fwd_mma"
     with pytest.raises(ValueError, match="^dtype: the TF32 family takes f32"):
         KernelSpec("attn_fwd_tf32", "f16", 64, "sm_80")
     for arch, limit in (("sm_80", 163), ("sm_86", 99), ("sm_89", 99), ("sm_90a", 227), ("sm_100a", 227)):
@@ -79,7 +90,13 @@ def test_select_spot_values_and_ptx_flag():
     assert select_attention_spec("float32", 136, "sm_89").head_dim == 160
     assert select_attention_spec("bfloat16", 256, "sm_100a").head_dim == 256
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
-    assert spec == KernelSpec("attn_fwd_mma", "bf16", 96, "sm_90a", ptx=True)
+    assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", ptx=True)
+    spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")
+    assert spec == KernelSpec("attn_fwd_mma", "bf16", 96, "sm_90a", mask="bool")
+    spec = select_attention_spec("float16", 100, "sm_90a")
+    assert spec.template_id == ("pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
+                                "true>, pyattn::ScoreMods<0, false, false>>")
+    assert spec.threads == 256 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 1024
     assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
     assert select_attention_spec("float32", 64, "sm_86") == KernelSpec("attn_fwd_simt", "f32", 64, "sm_86")
     assert select_attention_spec("float32", 200, "sm_90a", ptx=True) == KernelSpec("attn_fwd_simt", "f32", 224,
@@ -110,7 +127,11 @@ def test_select_rejects_unknown_dtype():
 # KernelSpec validation and derived facts
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    ({"family": "attn_fwd_wgmma"}, r"^family: expected one of .*got 'attn_fwd_wgmma'"),
+    ({"family": "attn_fwd_wgmma2"}, r"^family: expected one of .*got 'attn_fwd_wgmma2'"),
+    ({"family": "attn_fwd_wgmma", "head_dim": 96}, r"^family: attn_fwd_wgmma takes"),
+    ({"family": "attn_fwd_wgmma", "arch": "sm_80"}, r"^family: attn_fwd_wgmma takes"),
+    ({"family": "attn_fwd_wgmma", "dtype": "f32"}, r"^family: attn_fwd_wgmma takes"),
+    ({"family": "attn_fwd_wgmma", "mask": "bool"}, r"^family: attn_fwd_wgmma takes"),
     ({"family": "attn_fwd"}, r"^family:"),
     ({"family": "attn_fwd_mma", "dtype": "f32"}, r"^dtype:"),  # tensor cores take 16-bit inputs only
     ({"family": "attn_fwd_mma", "dtype": "f64"}, r"^dtype:"),
@@ -155,15 +176,17 @@ def test_spec_is_frozen_and_hashable():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
-    assert len(specs) == len(set(specs)) == (len(DTYPES) + 1) * len(HEAD_DIM_BUCKETS) == 32
+    assert len(specs) == len(set(specs)) == (24 if arch == "sm_90a" else 32)
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
-        (FAMILY_FOR[name], DTYPES[name][0], d) for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
+        (*_expected(name, arch, d)[:1], DTYPES[name][0], _expected(name, arch, d)[1])
+        for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
         ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS}  # allow_tf32=True
     by_kind = {}
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
-    assert by_kind == {("attn_fwd_simt", "f32"): 8, ("attn_fwd_mma", "f16"): 8, ("attn_fwd_mma", "bf16"): 8,
-                       ("attn_fwd_tf32", "f32"): 8}
+    tc = "attn_fwd_wgmma" if arch == "sm_90a" else "attn_fwd_mma"
+    n = 4 if arch == "sm_90a" else 8
+    assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
 
@@ -174,7 +197,7 @@ def test_entry_names_are_unique_c_identifiers(arch):
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
     everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
-    assert len(set(everything)) == len(everything) == 32 * len(ARCHS)
+    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 8
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -185,6 +208,9 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
         assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
+        elif s.family == "attn_fwd_wgmma":  # one m64 row block per warpgroup; 64-wide head-dim buckets
+            assert t.block_m == 64 * (t.warps // 4) and t.warps % 4 == 0 and s.head_dim % 64 == 0, s.describe()
+            assert t.block_n % 16 == 0 and (t.stages >= 3 or not t.overlap), s.describe()
         else:  # AttnFwdMmaTraits/Tf32Traits: the kernel derives BLOCK_M itself, so the grid must agree
             assert s.family in ("attn_fwd_mma", "attn_fwd_tf32")
             assert s.head_dim % 32 == 0 and t.block_n % 16 == 0, s.describe()
@@ -230,6 +256,9 @@ def test_shared_bytes_fit_every_supported_arch():
                 assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
                 # the SIMT tiles are the same everywhere, so they must fit the smallest arch too
                 assert s.shared_bytes <= smallest, s.describe()
+            elif s.family == "attn_fwd_wgmma":
+                # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles + 1024 for atom alignment
+                assert s.shared_bytes == (t.block_m + 2 * t.stages * t.block_n) * d * 2 + 1024
             elif s.family == "attn_fwd_tf32":
                 # AttnFwdTf32Traits::kSmemBytes: Q and 2 K stages padded by 4 floats, 2 V stages by 8
                 bm = 16 * t.m_tiles * t.warps

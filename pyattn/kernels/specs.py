@@ -24,8 +24,9 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "merge_states")
-_ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32")
+FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states")
+_ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma")
+WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 # Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
 MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -41,6 +42,8 @@ class TileConfig:
     reason: str
     min_blocks: int = 1  # __launch_bounds__ blocks per SM: caps registers so that many fit
     m_tiles: int = 1  # MMA kernel: m16 row tiles per warp (block_m = 16 * m_tiles * warps)
+    stages: int = 2  # wgmma kernel: K/V shared-memory ring depth
+    overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
 
 
 # The SIMT kernel (fp32 FMA; correct for every dtype, tensor cores come with the prefill work).
@@ -79,6 +82,18 @@ _TF32_SMALL_SMEM = (  # sm_86 / sm_89: 99 KiB per block
     (192, 16, 4, 1, 1, "98.5 KiB at d=192 (32 keys would need 100 KiB at d=128, over 99); unmeasured"),
     (256, 16, 2, 1, 1, "98 KiB at d=256 with 2 warps; unmeasured"),
 )
+# The wgmma kernel (sm_90a): 64 query rows per warpgroup, K/V in a `stages`-deep cp.async ring,
+# 128-byte swizzled tiles; smem = (block_m + 2 stages block_n) * d * 2 + 1024. Head-dim buckets are
+# multiples of 64. Entries: (max head_dim, block_n, warpgroups, stages, overlap, min_blocks, reason).
+# Measured on H200 (scripts/wgmma_dev.py, same run as torch SDPA; TFLOP/s non-causal / causal, fp16).
+_WGMMA_SM90 = (
+    (64, 64, 2, 4, True, 2, "B4 S4096 H16: 356 / 304 TFLOP/s = 1.21 / 1.19x FA2; 128 registers, 2 blocks/SM"),
+    (128, 128, 2, 3, True, 1, "B4 S2048 H16: 348 / 268 = 1.03 / 1.09x FA2; no overlap 335/263, 3 warpgroups "
+                              "318/251, block_n 64 338/261; 252 registers, no spill, 225 KiB"),
+    (192, 64, 2, 2, False, 1, "unmeasured: compiles to 221 registers, 145 KiB (no overlap: registers)"),
+    (256, 64, 2, 2, False, 1, "B2 S4096 H16: 392 / 309 = 1.23 / 1.12x FA2; 246 registers, 193 KiB"),
+)
+
 _TF32 = {"sm_80": _TF32_BIG_SMEM, "sm_86": _TF32_SMALL_SMEM, "sm_89": _TF32_SMALL_SMEM,
          "sm_90a": _TF32_BIG_SMEM, "sm_100a": _TF32_BIG_SMEM}
 
@@ -94,6 +109,13 @@ def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
         return _SIMT
     if family == "merge_states":
         return _MERGE
+    if family == "attn_fwd_wgmma":
+        if arch not in WGMMA_ARCHS:
+            raise ValueError(f"arch: the wgmma family needs one of {WGMMA_ARCHS}, got {arch!r}")
+        for bound, block_n, wgs, stages, overlap, min_blocks, reason in _WGMMA_SM90:
+            if head_dim <= bound:
+                return TileConfig(64 * wgs, block_n, 4 * wgs, reason, min_blocks, 1, stages, overlap)
+        raise ValueError(f"head_dim: no {family} tile for {head_dim} on {arch}")
     if family not in ("attn_fwd_mma", "attn_fwd_tf32"):
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     for bound, block_n, warps, m_tiles, min_blocks, reason in (_MMA if family == "attn_fwd_mma" else _TF32)[arch]:
@@ -140,6 +162,10 @@ class KernelSpec:
             raise ValueError("dtype: the tensor-core family takes f16 or bf16, got 'f32'")
         if self.family == "attn_fwd_tf32" and self.dtype != "f32":
             raise ValueError(f"dtype: the TF32 family takes f32, got {self.dtype!r}")
+        if self.family == "attn_fwd_wgmma":
+            if self.dtype == "f32" or self.head_dim % 64 or self.arch not in WGMMA_ARCHS or self.has_mods:
+                raise ValueError(f"family: attn_fwd_wgmma takes f16/bf16, a head-dim bucket that is a multiple "
+                                 f"of 64, arch in {WGMMA_ARCHS} and no score modifiers; got {self}")
         if self.dtype not in _CTYPE:
             raise ValueError(f"dtype: expected one of {sorted(_CTYPE)}, got {self.dtype!r}")
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -163,7 +189,8 @@ class KernelSpec:
     @property
     def header(self) -> str:
         return {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
-                "attn_fwd_tf32": "attention_fwd_tf32.cuh", "merge_states": "merge_states.cuh"}[self.family]
+                "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh",
+                "merge_states": "merge_states.cuh"}[self.family]
 
     @property
     def params(self):
@@ -191,6 +218,9 @@ class KernelSpec:
         if self.family == "attn_fwd_simt":
             return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
                     f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>, {mods}>")
+        if self.family == "attn_fwd_wgmma":
+            return (f"pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<{ctype}, {self.head_dim}, {t.block_m}, "
+                    f"{t.block_n}, {t.warps // 4}, {t.stages}, {str(t.overlap).lower()}>, {mods}>")
         if self.family == "attn_fwd_tf32":
             return (f"pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<{self.head_dim}, {t.block_n}, {t.warps}, "
                     f"{t.m_tiles}>, {mods}>")
@@ -209,6 +239,8 @@ class KernelSpec:
             return 0
         if self.family == "attn_fwd_simt":
             return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
+        if self.family == "attn_fwd_wgmma":  # swizzled tiles, unpadded; +1024 to align the swizzle atoms
+            return (t.block_m + 2 * t.stages * t.block_n) * d * 2 + 1024
         if self.family == "attn_fwd_tf32":  # Q and K rows padded by 4 floats, V rows by 8
             return 4 * ((t.block_m + 2 * t.block_n) * (d + 4) + 2 * t.block_n * (d + 8))
         return 2 * (t.block_m + 4 * t.block_n) * (d + 8)
@@ -272,12 +304,20 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     if bucket is None:
         raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
     tag = DTYPES[dtype_name][0]
-    # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores.
-    family = ("attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt") if tag == "f32" else "attn_fwd_mma"
+    # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
+    # warpgroup MMA on sm_90a (its buckets are multiples of 64), except with score modifiers.
+    mods = mask != "none" or softcap or alibi
+    if tag == "f32":
+        family = "attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt"
+    elif arch in WGMMA_ARCHS and not mods:
+        family, bucket = "attn_fwd_wgmma", -(-head_dim // 64) * 64
+    else:
+        family = "attn_fwd_mma"
     return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi))
 
 
 def standard_specs(arch: str) -> list:
     """Every variant ``attention`` can select on ``arch``: what ``pyattn warmup`` precompiles."""
     plain = [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
-    return plain + [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
+    plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
+    return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones

@@ -70,7 +70,7 @@ def make_plan(P, spec, kernel, arrays) -> Plan:
     to be multiples of 16 bytes (checked here, once per plan).
     """
     itemsize = arrays[0].dtype.itemsize
-    tensor_cores = spec.family in ("attn_fwd_mma", "attn_fwd_tf32")
+    tensor_cores = spec.family in ("attn_fwd_mma", "attn_fwd_tf32", "attn_fwd_wgmma")
     align_mask = 15 if tensor_cores else 0
     if tensor_cores:
         per_chunk = 16 // itemsize
