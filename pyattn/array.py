@@ -171,6 +171,35 @@ class DeviceArray:
             raise ValueError(f"dtype: expected an item size of {self.itemsize} bytes, got {dtype} ({dtype.itemsize})")
         return DeviceArray(self.ptr, self.shape, dtype, self.device, strides=self.strides, owner=self, stream=self.stream)
 
+    def transpose(self, *axes) -> "DeviceArray":
+        """Permute the axes without a copy (NumPy's ``transpose``): same memory, permuted strides.
+
+        Parameters
+        ----------
+        *axes : int, or one tuple of int
+            A permutation of ``range(ndim)`` (negative axes count from the end); none reverses
+            the axes. E.g. ``lse.transpose(0, 2, 1)`` turns an attention LSE (B, H, S) into the
+            (B, S, H) view that :func:`pyattn.merge_states` pairs with a ``bshd`` output.
+
+        Returns
+        -------
+        DeviceArray
+            Shares ``owner`` and ``stream`` with this array (the memory stays alive with it).
+        """
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        n = self.ndim
+        if not axes:
+            axes = tuple(range(n - 1, -1, -1))
+        if any(isinstance(a, bool) or not isinstance(a, (int, np.integer)) for a in axes):
+            raise TypeError(f"axes: expected ints, got {axes!r}")
+        perm = tuple(int(a) + n if -n <= a < 0 else int(a) for a in axes)
+        if sorted(perm) != list(range(n)):
+            raise ValueError(f"axes: expected a permutation of range({n}), got {axes!r}")
+        return DeviceArray._wrap(self.ptr, tuple(self.shape[a] for a in perm), self.dtype,
+                                 tuple(self.strides[a] for a in perm), tuple(self.elem_strides[a] for a in perm),
+                                 self.device, self.owner, self.stream)
+
     def _byte_extent(self) -> tuple:
         """Byte range ``[lo, hi)`` relative to ``ptr`` that the view touches."""
         lo = hi = 0
