@@ -35,5 +35,9 @@ if [[ $what == all || $what == bench ]]; then
   echo "== benchmarks"
   python3 scripts/bench_foundation.py --json "$out/bench_foundation.json" 2>&1 | tee "$out/bench.log" | tail -20
   [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  echo "== prefill benchmark (pyattn vs torch SDPA FA2/cuDNN, ceilings, NumPy end to end)"
+  python3 scripts/bench_prefill.py --json "$out/bench_prefill.json" --png "$out/bench_prefill.png" 2>&1 \
+    | tee "$out/bench_prefill.log" | tail -40
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
 fi
 exit $rc

@@ -12,7 +12,6 @@ import numpy as np
 
 from ..array import DeviceArray, asarray
 from ..kernels.registry import get_kernel
-from ..runtime.device import get_device
 from ..runtime.stream import Stream, as_stream
 from ._plan import make_plan, ptx_requested, run_plan, spec_for
 from ._problem import make_problem
@@ -149,41 +148,35 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     allow_tf32 = bool(allow_tf32)
     problem, _ = make_problem(q, k, v, causal=causal, mask=mask, window=window, softcap=softcap,
                               alibi_slopes=alibi_slopes, scale=scale, layout=layout, out=out)
-    if problem.on_device:
-        dq = asarray(q, stream=stream)  # a zero-copy view; its device comes from the pointer
-        device = dq.device
-    else:
-        device = get_device()
+    if not problem.on_device:  # NumPy in/out: chunked so copies overlap the kernel (see _host)
+        from ._host import attention_numpy
+
+        return attention_numpy(q, k, v, layout=layout, return_lse=return_lse, stream=stream, out=out,
+                               options=dict(causal=causal, mask=mask, window=window, softcap=softcap,
+                                            alibi_slopes=alibi_slopes, scale=scale, allow_tf32=allow_tf32))
+    dq = asarray(q, stream=stream)  # a zero-copy view; its device comes from the pointer
+    device = dq.device
     s = as_stream(stream, device)
     device.activate()
 
-    # Compile (or fetch) before copying data, so a compile error costs no transfer.
+    # Compile (or fetch) before touching the other inputs, so a compile error costs nothing else.
     spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(),
                     problem.mask.kind if problem.mask is not None else "none", problem.softcap > 0,
                     problem.alibi is not None, allow_tf32)
     kernel = get_kernel(spec, device)
 
-    if not problem.on_device:
-        dq = asarray(q, device=device, stream=s)
-    dk, dv = (asarray(x, device=device, stream=s) for x in (k, v))
-    if problem.on_device and not (dq.device is dk.device is dv.device):
+    dk, dv = (asarray(x, stream=s) for x in (k, v))
+    if not (dq.device is dk.device is dv.device):
         raise ValueError("q, k, v: expected arrays on one device, got devices "
                          f"{dq.device.ordinal}, {dk.device.ordinal}, {dv.device.ordinal}")
     dmask, dalibi = upload_extras(problem, mask, alibi_slopes, device, s)
-    dout = asarray(out, stream=s) if (out is not None and problem.on_device) else None
+    dout = asarray(out, stream=s) if out is not None else None
     plan = make_plan(problem, spec, kernel, (dq, dk, dv))
     if key is not None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
     o, lse = run_plan(plan, (dq, dk, dv), (dmask, dalibi, None, None), s, return_lse=return_lse, out=dout)
-
-    if problem.on_device:
-        if out is not None:
-            o = out  # the caller's own array object
-        return (o, lse) if return_lse else o
-    host_out = o.numpy(s)
     if out is not None:
-        out[...] = host_out
-        host_out = out
-    return (host_out, lse.numpy(s)) if return_lse else host_out
+        o = out  # the caller's own array object
+    return (o, lse) if return_lse else o
