@@ -8,6 +8,8 @@ directory and starts no thread; the driver is initialised by the first call that
 from ._version import __version__
 from .array import DeviceArray, asarray, empty
 from .ops.attention import attention
+from .ops.merge import merge_states
+from .ops.varlen import attention_varlen
 from .runtime.device import Device, device_count, get_device
 from .runtime.errors import CompileError, CudaError, NoDeviceError, NvrtcError, PyattnError
 from .runtime.stream import Event, Stream
@@ -15,6 +17,8 @@ from .runtime.stream import Event, Stream
 __all__ = [
     "__version__",
     "attention",
+    "merge_states",
+    "attention_varlen",
     "DeviceArray",
     "asarray",
     "empty",
