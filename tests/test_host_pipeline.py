@@ -38,10 +38,24 @@ def test_split_range_covers_evenly():
             assert len(r) == max(1, min(parts, n))
 
 
+@pytest.fixture(autouse=True)
+def _head_chunks(monkeypatch):
+    """Head-axis chunks are off by default (slower on the measured host, see _host); these tests
+    exercise the pipeline machinery, head chunks included."""
+    monkeypatch.setattr(_host, "_CHUNK_HEADS", True)
+
+
+def test_head_chunks_are_off_by_default(monkeypatch):
+    monkeypatch.setattr(_host, "_CHUNK_HEADS", False)
+    assert plan_chunks(1, 16, 1 << 30) == [Chunk("batch", 0, 1)]
+    assert [c.axis for c in plan_chunks(8, 16, 1 << 30)] == ["batch"] * 8
+
+
 @pytest.fixture
 def planner(monkeypatch):
     """Fixed planner constants, so these tests do not follow tuning."""
-    for name, value in {"_MIN_PIPELINE_BYTES": 8 * MiB, "_CHUNK_BYTES": 4 * MiB, "_MAX_CHUNKS": 64}.items():
+    for name, value in {"_MIN_PIPELINE_BYTES": 8 * MiB, "_CHUNK_BYTES": 4 * MiB, "_MAX_CHUNKS": 64,
+                        "_CHUNK_HEADS": True}.items():
         monkeypatch.setattr(_host, name, value)
 
 
@@ -469,7 +483,7 @@ def test_gpu_pipeline_matches_reference(monkeypatch, B, Sq, Sk, Hq, Hkv, D, dtyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")
-def test_gpu_default_chunking_at_size():
+def test_gpu_default_chunking_at_size(monkeypatch):
     """The default planner on a PCIe-sized call (64 MiB, 16 head chunks), against the reference
     on a few heads, on a caller's stream, and equal to the one-chunk path."""
     import pyattn
@@ -477,6 +491,7 @@ def test_gpu_default_chunking_at_size():
 
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((1, 4096, 16, 128)).astype(np.float16) for _ in range(3))
+    monkeypatch.setattr(_host, "_CHUNK_HEADS", True)  # off by default (slower, see _host); tested all the same
     assert len(plan_chunks(1, 16, 4 * q.nbytes + 4 * 16 * 4096)) > 1
     with pyattn.Stream() as s:
         out, lse = _host.attention_numpy(q, k, v, layout="bshd", return_lse=True, stream=s, options={})

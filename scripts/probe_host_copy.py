@@ -1,0 +1,89 @@
+"""Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
+threads), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
+registered and pageable memory. Decides how ``pyattn.ops._host`` should move NumPy data."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from cuda.bindings import driver as d
+
+import pyattn
+from pyattn.runtime.errors import check
+from pyattn.runtime.memory import PinnedBuffer, get_pool
+
+
+def ms(f, n=5):
+    f()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(ts))
+
+
+def main():
+    dev = pyattn.get_device()
+    dev.activate()
+    s = pyattn.Stream()
+    nbytes = 3 * 16 << 20  # q, k, v of (1, 4096, 16, 128) fp16
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    pin = PinnedBuffer(nbytes)
+    dst = pin.array(np.uint8, (nbytes,))
+    gb = nbytes / 1e9
+    t = ms(lambda: np.copyto(dst, src))
+    print(f"memcpy pageable->pinned 1 thread: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+    for workers in (4, 8, 16):
+        ex = ThreadPoolExecutor(workers)
+        parts = np.array_split(np.arange(nbytes), workers)
+        cuts = [(p[0], p[-1] + 1) for p in parts]
+
+        def par():
+            list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
+        t = ms(par)
+        print(f"memcpy pageable->pinned {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+        ex.shutdown()
+    alloc = get_pool(dev).allocate(nbytes, s)
+
+    def h2d(ptr):
+        check(d.cuMemcpyHtoDAsync(alloc.ptr, ptr, nbytes, s.handle), "cuMemcpyHtoDAsync")
+        s.synchronize()
+    t = ms(lambda: h2d(pin.ptr))
+    print(f"H2D from pinned: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+    t = ms(lambda: h2d(src.ctypes.data))
+    print(f"H2D from pageable (driver staging): {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+    for flags in (0,):
+        def reg():
+            check(d.cuMemHostRegister(src.ctypes.data, nbytes, flags), "cuMemHostRegister")
+
+        def unreg():
+            check(d.cuMemHostUnregister(src.ctypes.data), "cuMemHostUnregister")
+        t0 = time.perf_counter(); reg(); t1 = time.perf_counter()
+        t = ms(lambda: h2d(src.ctypes.data))
+        t2 = time.perf_counter(); unreg(); t3 = time.perf_counter()
+        print(f"cuMemHostRegister {nbytes >> 20} MiB: {1e3 * (t1 - t0):.2f} ms, unregister {1e3 * (t3 - t2):.2f} ms; "
+              f"H2D from registered: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+        ts = []
+        for _ in range(3):
+            a = time.perf_counter(); reg(); unreg(); ts.append(time.perf_counter() - a)
+        print(f"register+unregister again: {1e3 * np.median(ts):.2f} ms")
+    q = np.random.default_rng(1).standard_normal((1, 4096, 16, 128)).astype(np.float16)
+    from pyattn.ops import _host
+    import cProfile, pstats
+    for label, min_bytes in (("pipelined (default)", _host._MIN_PIPELINE_BYTES), ("one chunk", 1 << 40)):
+        _host._MIN_PIPELINE_BYTES = min_bytes
+        t = ms(lambda: pyattn.attention(q, q, q))
+        print(f"pyattn.attention(numpy) {label}: {t:.2f} ms")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            pyattn.attention(q, q, q)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
