@@ -231,6 +231,34 @@ def bench_config(torch, clock, stream_arg, dtype, D, S, causal, quick) -> dict:
 # -- NumPy end to end -----------------------------------------------------------------------------------
 
 
+def bench_skipping(torch, clock, stream_arg) -> dict:
+    """Tile skipping, (B=1, S=16384, H=16, D=128, bf16): dense, causal and sliding windows, each
+    against the fraction of (query, key) pairs it keeps; and what the score-modifier path costs
+    (a bool mask of all True and a soft-cap, which run on the mma.sync kernel)."""
+    S, H, D = 16384, 16, 128
+    if torch is not None:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        ones = torch.ones(S, S, device="cuda", dtype=torch.bool)
+    else:
+        import ml_dtypes
+
+        q = pyattn.asarray(np.random.default_rng(1).standard_normal((1, S, H, D)).astype(ml_dtypes.bfloat16))
+        ones = pyattn.asarray(np.ones((S, S), bool))
+    cases = [("dense", {}, 1.0), ("causal", {"causal": True}, 0.5)]
+    for w in (4096, 1024, 256):
+        cases.append((f"window ({w}, 0)", {"window": (w, 0)}, (w + 1) / S))
+    cases += [("bool mask (all True)", {"mask": ones}, 1.0), ("softcap 30", {"softcap": 30.0}, 1.0)]
+    rows = []
+    for name, opts, kept in cases:
+        ms = time_gpu(lambda: pyattn.attention(q, q, q, stream=stream_arg, **opts), clock, reps=3)
+        rows.append({"case": name, "ms": ms, "kept": kept})
+    dense = rows[0]["ms"]
+    for r in rows:
+        r["x_dense"] = r["ms"] / dense
+    return {"shape": [1, S, H, D], "dtype": "bfloat16", "rows": rows}
+
+
 def bench_numpy(torch, quick: bool) -> dict:
     """pyattn on NumPy arrays (B=1, S=4096, H=16, D=128, fp16) against the pinned-copy floor and torch."""
     from cuda.bindings import driver
@@ -333,6 +361,11 @@ def print_report(result: dict) -> None:
         print(line)
     print("(x FA2 / x cuDNN = torch time / pyattn time: above 1 means pyattn is faster; %mm = pyattn TFLOP/s "
           "as a % of the matmul ceiling of its dtype)")
+    sk = result.get("skipping")
+    if sk and "rows" in sk:
+        print(f"tile skipping, {tuple(sk['shape'])} {sk['dtype']}: case, ms, time / dense, pairs kept")
+        for r in sk["rows"]:
+            print(f"  {r['case']:<22} {r['ms']:8.3f} ms  {r['x_dense']:5.2f}x  {r['kept']:.3f}")
     e = result.get("numpy_e2e")
     if e and "error" in e:
         print(f"NumPy end to end FAILED: {e['error']}")
@@ -428,6 +461,13 @@ def main() -> int:
             if torch is not None:
                 torch.cuda.synchronize()
         result["configs"] = rows
+        if not args.quick:
+            try:
+                result["skipping"] = bench_skipping(torch, clock, stream_arg)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                result["skipping"] = {"error": f"{type(exc).__name__}: {exc}"}
+                failures += 1
     try:
         result["numpy_e2e"] = bench_numpy(torch, args.quick)
     except Exception as exc:  # noqa: BLE001
