@@ -178,30 +178,9 @@ __device__ __forceinline__ void attn_fwd_tf32(const AttnFwdParams& p) {
       }
     }
 
-    // -- score modifiers (compiled in only when used); rows past the end never read the mask
-    if constexpr (Mods::kAny) {
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + nt * 8 + 2 * t + (e & 1), row = row0 + mi * 16 + (e >> 1) * 8;
-            s[mi][nt][e] = row < sq && key < sk ? score_mod<Mods>(p, mods, s[mi][nt][e], row, key) : -inf();
-          }
-    }
-    // -- mask keys past the end and outside the band (only tiles that cross an edge)
-    if (!band_tile_full<BN>(band, m0 + warp_row, m0 + warp_row + 16 * MT - 1, n0, sk)) {
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + nt * 8 + 2 * t + (e & 1), row = row0 + mi * 16 + (e >> 1) * 8;
-            if (key >= sk || !band.allows(row, key)) s[mi][nt][e] = -inf();
-          }
-    }
+    // -- score modifiers; keys past the end or outside the band -> -inf (attention_mask.cuh)
+    mask_scores<Mods>(s, p, mods, band, row0, n0 + 2 * t, sq, sk,
+                      band_tile_full<BN>(band, m0 + warp_row, m0 + warp_row + 16 * MT - 1, n0, sk));
 
     // -- online softmax: the 4 lanes of a quad share rows g and g + 8
 #pragma unroll

@@ -119,4 +119,26 @@ __device__ __forceinline__ float score_mod(const AttnFwdParams& p, const ModStat
   return x * kLog2e;
 }
 
+// Masks (and, with modifiers, forms) the S accumulators of one warp: MT m16 row tiles x NT n8
+// key tiles in the mma.sync C layout (this lane: rows row0 and row0 + 8 of each row tile, keys
+// key0 and key0 + 1 of each key tile). Modifiers apply to every tile; without them only tiles
+// that cross the band or the sequence end (`full` false) are touched. Rows past the end never
+// read the mask tensor.
+template <class Mods, int MT, int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], const AttnFwdParams& p, const ModState& mods,
+                                            const Band& band, int row0, int key0, int sq, int sk, bool full) {
+  if (!Mods::kAny && full) return;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + nt * 8 + (e & 1), row = row0 + mi * 16 + (e >> 1) * 8;
+        const bool ok = key < sk && band.allows(row, key);
+        if constexpr (Mods::kAny) s[mi][nt][e] = ok && row < sq ? score_mod<Mods>(p, mods, s[mi][nt][e], row, key) : -inf();
+        else if (!ok) s[mi][nt][e] = -inf();
+      }
+}
+
 }  // namespace pyattn
