@@ -31,29 +31,38 @@ __device__ __forceinline__ void load_chunk(const T* src, bool aligned16, float (
   }
 }
 
+template <int BYTES> struct VecOf;  // the vector type of a 16-, 8- or 4-byte store
+template <> struct VecOf<16> { using type = uint4; };
+template <> struct VecOf<8> { using type = uint2; };
+template <> struct VecOf<4> { using type = unsigned; };
+
+// Store kVec elements as one vector store (16, 8 or 4 bytes) when `aligned`, else element-wise.
 template <typename T, int kVec>
-__device__ __forceinline__ void store_chunk(T* dst, bool aligned16, const float (&src)[kVec]) {
-  if (aligned16) {
-    uint4 raw;
+__device__ __forceinline__ void store_chunk(T* dst, bool aligned, const float (&src)[kVec]) {
+  constexpr int kBytes = kVec * sizeof(T);
+  using Vec = typename VecOf<kBytes>::type;
+  if (aligned) {
+    Vec raw;
     T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) e[i] = from_float<T>(src[i]);
-    *reinterpret_cast<uint4*>(dst) = raw;
+    *reinterpret_cast<Vec*>(dst) = raw;
   } else {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) dst[i] = from_float<T>(src[i]);
   }
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned long long bytes) {
+  return (reinterpret_cast<unsigned long long>(p) & (bytes - 1)) == 0;
 }
 
 }  // namespace merge_detail
 
-template <typename T, int HEAD_DIM, int WARPS>
+// TS: the states' element type; TO: the output's (split-KV decode merges fp32 partials into T).
+template <typename TS, typename TO, int HEAD_DIM, int WARPS>
 __device__ __forceinline__ void merge_states(const MergeStatesParams& p) {
-  constexpr int kVec = 16 / sizeof(T);                    // elements per 16-byte chunk
+  constexpr int kVec = 16 / sizeof(TS);                   // elements per 16-byte chunk of a state
   constexpr int kChunksPerLane = (HEAD_DIM / kVec + 31) / 32;
   static_assert(HEAD_DIM % kVec == 0, "head-dim bucket must be whole 16-byte chunks");
   // params.head_dim is a multiple of 8 (checked on the host), so a chunk never straddles it.
@@ -63,11 +72,11 @@ __device__ __forceinline__ void merge_states(const MergeStatesParams& p) {
   if (row >= static_cast<long long>(p.dim0) * p.dim1 * p.dim2) return;  // whole warp leaves together
   const long long i2 = row % p.dim2, i1 = (row / p.dim2) % p.dim1, i0 = row / (static_cast<long long>(p.dim2) * p.dim1);
 
-  const T* o_a = static_cast<const T*>(p.o_a) + i0 * p.o_a_stride_0 + i1 * p.o_a_stride_1 + i2 * p.o_a_stride_2;
-  const T* o_b = static_cast<const T*>(p.o_b) + i0 * p.o_b_stride_0 + i1 * p.o_b_stride_1 + i2 * p.o_b_stride_2;
+  const TS* o_a = static_cast<const TS*>(p.o_a) + i0 * p.o_a_stride_0 + i1 * p.o_a_stride_1 + i2 * p.o_a_stride_2;
+  const TS* o_b = static_cast<const TS*>(p.o_b) + i0 * p.o_b_stride_0 + i1 * p.o_b_stride_1 + i2 * p.o_b_stride_2;
   const float* lse_a = p.lse_a + i0 * p.lse_a_stride_0 + i1 * p.lse_a_stride_1 + i2 * p.lse_a_stride_2;
   const float* lse_b = p.lse_b + i0 * p.lse_b_stride_0 + i1 * p.lse_b_stride_1 + i2 * p.lse_b_stride_2;
-  T* out = static_cast<T*>(p.out) + i0 * p.out_stride_0 + i1 * p.out_stride_1 + i2 * p.out_stride_2;
+  TO* out = static_cast<TO*>(p.out) + i0 * p.out_stride_0 + i1 * p.out_stride_1 + i2 * p.out_stride_2;
   float* out_lse = p.out_lse + i0 * p.out_lse_stride_0 + i1 * p.out_lse_stride_1 + i2 * p.out_lse_stride_2;
 
   const int n_states = p.n_b + 1;
@@ -99,21 +108,38 @@ __device__ __forceinline__ void merge_states(const MergeStatesParams& p) {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[c][i] = 0.f;
 
+  // States go in groups of kGroup whose loads are all issued before their FMAs: a split-KV combine
+  // of a few rows over many states would otherwise wait one memory latency per state.
+  constexpr int kGroup = 8;
   if (!all_dead) {
-    for (int s = 0; s < n_states; ++s) {
-      const float l = lse_of(s);  // same address in every lane: one broadcast load
-      if (l == -inf()) continue;  // warp-uniform; skipping the read keeps a dead state's NaN out
-      const float w = expf(l - m) * inv_sum;
-      const T* o = s == 0 ? o_a : o_b + (s - 1) * p.o_b_stride_n;
-      const bool vec = merge_detail::aligned16(o);  // row start aligned => every chunk aligned
+    for (int s0 = 0; s0 < n_states; s0 += kGroup) {
+      float w[kGroup];
+      const TS* src[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        const int s = s0 + i;
+        const float l = s < n_states ? lse_of(s) : -inf();  // same address in every lane: a broadcast
+        w[i] = l == -inf() ? 0.f : expf(l - m) * inv_sum;    // a dead state is never read (may hold NaN)
+        src[i] = s == 0 ? o_a : o_b + (s - 1) * p.o_b_stride_n;
+      }
 #pragma unroll
       for (int c = 0; c < kChunksPerLane; ++c) {
         const int d0 = (lane + 32 * c) * kVec;
         if (d0 < p.head_dim) {
-          float x[kVec];
-          merge_detail::load_chunk<T, kVec>(o + d0, vec, x);
+          float x[kGroup][kVec];
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) acc[c][i] = fmaf(w, x[i], acc[c][i]);
+          for (int i = 0; i < kGroup; ++i) {
+            if (w[i] != 0.f) {
+              merge_detail::load_chunk<TS, kVec>(src[i] + d0, merge_detail::aligned_to(src[i], 16), x[i]);
+            } else {
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) x[i][e] = 0.f;
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kGroup; ++i)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[c][e] = fmaf(w[i], x[i][e], acc[c][e]);
         }
       }
     }
@@ -121,14 +147,14 @@ __device__ __forceinline__ void merge_states(const MergeStatesParams& p) {
 
   // -- write. Each lane writes only elements it read itself, and the lse store waits for every
   // lane's lse reads, so out may alias state a exactly (the host folds lists in place).
-  const bool vec_out = merge_detail::aligned16(out);
+  const bool vec_out = merge_detail::aligned_to(out, kVec * sizeof(TO));
 #pragma unroll
   for (int c = 0; c < kChunksPerLane; ++c) {
     const int d0 = (lane + 32 * c) * kVec;
-    if (d0 < p.head_dim) merge_detail::store_chunk<T, kVec>(out + d0, vec_out, acc[c]);
+    if (d0 < p.head_dim) merge_detail::store_chunk<TO, kVec>(out + d0, vec_out, acc[c]);
   }
   __syncwarp();
-  if (lane == 0) *out_lse = all_dead ? -inf() : m + logf(sum);
+  if (lane == 0 && p.out_lse != nullptr) *out_lse = all_dead ? -inf() : m + logf(sum);
 }
 
 }  // namespace pyattn

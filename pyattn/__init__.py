@@ -8,8 +8,11 @@ directory and starts no thread; the driver is initialised by the first call that
 from ._version import __version__
 from .array import DeviceArray, asarray, empty
 from .ops.attention import attention
+from .ops.decode import decode, paged_decode
 from .ops.merge import merge_states
 from .ops.varlen import attention_varlen
+from .paged.book import OutOfPagesError
+from .paged.cache import PagedKVCache
 from .runtime.device import Device, device_count, get_device
 from .runtime.errors import CompileError, CudaError, NoDeviceError, NvrtcError, PyattnError
 from .runtime.stream import Event, Stream
@@ -19,6 +22,10 @@ __all__ = [
     "attention",
     "merge_states",
     "attention_varlen",
+    "decode",
+    "paged_decode",
+    "PagedKVCache",
+    "OutOfPagesError",
     "DeviceArray",
     "asarray",
     "empty",

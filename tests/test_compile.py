@@ -67,7 +67,7 @@ def built(session_cache_dir):
 
 def test_build_many_returns_one_result_per_spec_in_order(built):
     specs = _all_specs()
-    assert len(specs) == 152
+    assert len(specs) == 222  # 152 attention variants + 14 paged-cache kernels per arch
     assert [s for s, *_ in built] == specs
 
 
@@ -89,8 +89,8 @@ def test_every_variant_is_a_cubin_for_its_arch(built):
 def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatch):
     monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     again = jit.build_many(_all_specs(), workers=2)
-    assert len(again) == 152
-    assert [b for _, _, b in again] == [False] * 152
+    assert len(again) == 222
+    assert [b for _, _, b in again] == [False] * 222
     assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
 
 
@@ -99,18 +99,22 @@ def _modifier_specs(arch):
     (all four kinds across the list), at the smallest and largest head-dim buckets."""
     kinds = ("bool", "f16", "bf16", "f32")
     pairs = [("attn_fwd_mma", "f16"), ("attn_fwd_mma", "bf16"), ("attn_fwd_simt", "f32"), ("attn_fwd_simt", "bf16")]
-    return [KernelSpec(fam, dt, d, arch, mask=kinds[(i + j) % 4], softcap=True, alibi=True)
-            for i, (fam, dt) in enumerate(pairs) for j, d in enumerate((32, 256))]
+    specs = [KernelSpec(fam, dt, d, arch, mask=kinds[(i + j) % 4], softcap=True, alibi=True)
+             for i, (fam, dt) in enumerate(pairs) for j, d in enumerate((32, 256))]
+    # decode takes no mask tensor; two row tiles at d=32 (its largest q_tiles), one at d=256
+    return specs + [KernelSpec("attn_decode", "bf16", d, arch, softcap=True, alibi=True, q_tiles=mt)
+                    for d, mt in ((32, 2), (256, 1))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
     monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     specs = _modifier_specs(arch)
-    assert {s.mask for s in specs} == {"bool", "f16", "bf16", "f32"}
+    assert {s.mask for s in specs} == {"bool", "f16", "bf16", "f32", "none"}
     for spec, meta, _ in jit.build_many(specs, workers=2):
         assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
-        assert spec.entry_name.endswith(f"_mask{spec.mask}_softcap_alibi")
+        mask = f"_mask{spec.mask}" if spec.mask != "none" else ""
+        assert spec.entry_name.endswith(f"{mask}_softcap_alibi")
 
 
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):

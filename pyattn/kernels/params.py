@@ -7,10 +7,11 @@ derived from it, and the rendered source ``static_assert``s the size, so the two
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS"]
+__all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -41,11 +42,12 @@ class ParamStruct:
     name: str
     fields: tuple
 
-    @property
+    # Cached: launch paths pack a struct per call (frozen dataclasses still have an instance __dict__).
+    @functools.cached_property
     def format(self) -> str:
         return "@" + "".join(_KINDS[kind][0] for _, kind in self.fields)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         # Trailing padding: C rounds the struct up to its largest member's alignment.
         align = max(struct.calcsize("@" + _KINDS[kind][0]) for _, kind in self.fields)
@@ -132,8 +134,46 @@ def _strides3(prefix: str):
 MERGE_STATES_PARAMS = ParamStruct(
     "MergeStatesParams",
     (("o_a", "ptr"), ("lse_a", "f32_cptr"), ("o_b", "ptr"), ("lse_b", "f32_cptr"), ("out", "mut_ptr"),
-     ("out_lse", "f32_ptr"))
+     ("out_lse", "f32_ptr"), ("n_b", "i32"))
     + _strides3("o_a") + _strides3("o_b") + (("o_b_stride_n", "i64"),) + _strides3("out")
     + _strides3("lse_a") + _strides3("lse_b") + (("lse_b_stride_n", "i64"),) + _strides3("out_lse")
-    + (("dim0", "i32"), ("dim1", "i32"), ("dim2", "i32"), ("head_dim", "i32"), ("n_b", "i32")),
+    + (("dim0", "i32"), ("dim1", "i32"), ("dim2", "i32"), ("head_dim", "i32")),
+)
+
+
+# Decode over a paged KV cache. Sequence b's pages: page_indices[page_indptr[b] + i] (CSR), or
+# page_indices[b * table_stride + i] when page_indptr is null (a padded block table); its kv_len[b]
+# tokens are key t at slot t % page_size of page i = t / page_size. Pool strides (page, slot,
+# head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
+# for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
+# h * group + r % group). With num_splits > 1, split s writes
+# its normalised fp32 output to o_part[s][b][qi][hq][:head_dim] and natural-log LSE to
+# lse_part[s][b][qi][hq]; otherwise o and lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]).
+def _pool_strides(prefix: str):
+    return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("page", "slot", "h"))
+
+
+DECODE_PARAMS = ParamStruct(
+    "DecodeParams",
+    (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
+     ("lse_part", "f32_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"),
+     ("alibi", "f32_cptr"), ("num_splits", "i32"), ("table_stride", "i64"))  # per call; the rest per plan
+    + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
+    + (("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
+    + (("batch", "i32"), ("q_len", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
+       ("head_dim", "i32"), ("page_size", "i32"), ("page_shift", "i32"), ("row_blocks", "i32"), ("causal", "i32"),
+       ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
+       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32")),
+)
+
+# Paged-cache append: item i copies one token's K and V rows (every kv head) to pool slot dst[i]
+# (page dst / page_size, offset dst % page_size); src[i] >= 0 is a row of the new tokens
+# (k_src + src * k_src_stride_t), src[i] < 0 the pool slot -1 - src[i] (a copy-on-write copy).
+KV_APPEND_PARAMS = ParamStruct(
+    "KvAppendParams",
+    (("k_src", "ptr"), ("v_src", "ptr"), ("k", "mut_ptr"), ("v", "mut_ptr"), ("dst", "i32_cptr"),
+     ("src", "i32_cptr"))
+    + (("k_src_stride_t", "i64"), ("k_src_stride_h", "i64"), ("v_src_stride_t", "i64"), ("v_src_stride_h", "i64"))
+    + _pool_strides("k") + _pool_strides("v")
+    + (("n_items", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
 )

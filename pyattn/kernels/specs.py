@@ -7,15 +7,17 @@ cache key; no other module assembles kernel names or options.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
 
 from ..runtime.device import SUPPORTED_ARCHS
-from .params import ATTN_FWD_PARAMS, MERGE_STATES_PARAMS
+from .params import ATTN_FWD_PARAMS, DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
-           "select_attention_spec", "standard_specs", "tile_config"]
+           "select_attention_spec", "standard_specs", "decode_specs", "decode_max_q_tiles", "tile_config"]
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
 DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}
@@ -24,8 +26,10 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states")
+FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states", "attn_decode",
+            "decode_combine", "kv_append")
 _ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma")
+_DECODE_FAMILIES = ("attn_decode", "decode_combine", "kv_append")  # the paged-cache kernels: fp16/bf16 only
 WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 # Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
 MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
@@ -94,6 +98,41 @@ _WGMMA_SM90 = (
     (256, 64, 2, 2, False, 1, "B2 S4096 H16: 392 / 309 = 1.23 / 1.12x FA2; 246 registers, 193 KiB"),
 )
 
+# The decode kernel (attention_decode.cuh): 16 * q_tiles query rows (a GQA group x q_len), warps
+# split each stage's keys; shared memory = max(ring, warp merge) with
+# ring = (16 q_tiles + 2 stages block_n) (d + 8) * 2 and merge = warps * 16 q_tiles * (d + 10) * 4.
+# Entries: (max head_dim, keys per warp, warps, stages, max q_tiles, min blocks per SM, reason).
+_DECODE_227K = (  # sm_90a / sm_100a
+    (128, 16, 4, 2, 2, 3, "v2: 74 KiB at d=128 so 3 blocks (12 warps) share an SM; v1 (4 stages, 1 block) ran "
+                          "latency-bound at 2.0 TB/s (ncu: 6% occupancy, an issue every 3.75 cycles)"),
+    (256, 16, 4, 2, 1, 1, "143 KiB at d=256; one row tile (the accumulator is 128 registers); unmeasured"),
+)
+_DECODE_163K = (  # sm_80
+    (128, 16, 4, 2, 2, 2, "74 KiB at d=128: 2 blocks in sm_80's 164 KiB; unmeasured (no sm_80 machine here)"),
+    (256, 16, 4, 2, 1, 1, "143 KiB at d=256; unmeasured"),
+)
+_DECODE_99K = (  # sm_86 / sm_89
+    (128, 16, 4, 2, 2, 1, "74 KiB at d=128, under 99 KiB; unmeasured"),
+    (256, 16, 2, 2, 1, 1, "71 KiB at d=256 with 2 warps; unmeasured"),
+)
+_DECODE = {"sm_80": _DECODE_163K, "sm_86": _DECODE_99K, "sm_89": _DECODE_99K, "sm_90a": _DECODE_227K,
+           "sm_100a": _DECODE_227K}
+# kv_append: a grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
+_APPEND = TileConfig(0, 0, 8, "memory-bound scatter: 256 threads, grid-stride over 16-byte chunks")
+
+
+def decode_max_q_tiles(arch: str, head_dim: int) -> int:
+    """The most m16 row tiles one decode block takes at ``head_dim`` (a bucket) on ``arch``."""
+    return _decode_entry(arch, head_dim)[4]
+
+
+def _decode_entry(arch: str, head_dim: int) -> tuple:
+    for entry in _DECODE[arch]:
+        if head_dim <= entry[0]:
+            return entry
+    raise ValueError(f"head_dim: no attn_decode tile for {head_dim} on {arch}")
+
+
 _TF32 = {"sm_80": _TF32_BIG_SMEM, "sm_86": _TF32_SMALL_SMEM, "sm_89": _TF32_SMALL_SMEM,
          "sm_90a": _TF32_BIG_SMEM, "sm_100a": _TF32_BIG_SMEM}
 
@@ -107,8 +146,13 @@ def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
         raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
     if family == "attn_fwd_simt":
         return _SIMT
-    if family == "merge_states":
+    if family in ("merge_states", "decode_combine"):
         return _MERGE
+    if family == "kv_append":
+        return _APPEND
+    if family == "attn_decode":
+        _, keys_per_warp, warps, stages, _, min_blocks, reason = _decode_entry(arch, head_dim)
+        return TileConfig(16, keys_per_warp * warps, warps, reason, min_blocks, 1, stages)
     if family == "attn_fwd_wgmma":
         if arch not in WGMMA_ARCHS:
             raise ValueError(f"arch: the wgmma family needs one of {WGMMA_ARCHS}, got {arch!r}")
@@ -143,7 +187,9 @@ class KernelSpec:
     mask : str
         Attention only: element type of the mask tensor, one of :data:`MASK_KINDS` (``"none"``).
     softcap, alibi : bool
-        Attention only: compile in the soft-cap / ALiBi score modifiers.
+        Attention and decode: compile in the soft-cap / ALiBi score modifiers.
+    q_tiles : int
+        Decode only: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
     """
 
     family: str
@@ -154,6 +200,7 @@ class KernelSpec:
     mask: str = "none"
     softcap: bool = False
     alibi: bool = False
+    q_tiles: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -174,27 +221,42 @@ class KernelSpec:
             raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {self.arch!r}")
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask: expected one of {tuple(MASK_KINDS)}, got {self.mask!r}")
-        if self.family not in _ATTN_FAMILIES and self.has_mods:
-            raise ValueError(f"mask/softcap/alibi: only attention families take score modifiers, got {self.family!r}")
+        if self.family not in _ATTN_FAMILIES and self.has_mods and not (
+                self.family == "attn_decode" and self.mask == "none"):
+            raise ValueError(f"mask/softcap/alibi: only attention families take score modifiers (decode: "
+                             f"softcap/alibi), got {self}")
+        if self.family in _DECODE_FAMILIES and self.dtype == "f32":
+            raise ValueError(f"dtype: {self.family} takes f16 or bf16, got 'f32'")
+        if self.family == "attn_decode":
+            if not 1 <= self.q_tiles <= decode_max_q_tiles(self.arch, self.head_dim):
+                raise ValueError(f"q_tiles: attn_decode at head_dim {self.head_dim} on {self.arch} takes 1 to "
+                                 f"{decode_max_q_tiles(self.arch, self.head_dim)}, got {self.q_tiles}")
+        elif self.q_tiles:
+            raise ValueError(f"q_tiles: only attn_decode takes q_tiles, got {self.q_tiles} for {self.family}")
 
     @property
     def has_mods(self) -> bool:
         return self.mask != "none" or self.softcap or self.alibi
 
     # -- derived facts -------------------------------------------------------------------
-    @property
+    @functools.cached_property  # read on every launch; the spec is frozen, so compute it once
     def tiles(self) -> TileConfig:
-        return tile_config(self.family, self.arch, self.head_dim)
+        t = tile_config(self.family, self.arch, self.head_dim)
+        if self.family == "attn_decode":
+            t = dataclasses.replace(t, block_m=16 * self.q_tiles, m_tiles=self.q_tiles)
+        return t
 
     @property
     def header(self) -> str:
         return {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
                 "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh",
-                "merge_states": "merge_states.cuh"}[self.family]
+                "merge_states": "merge_states.cuh", "decode_combine": "merge_states.cuh",
+                "attn_decode": "attention_decode.cuh", "kv_append": "kv_append.cuh"}[self.family]
 
     @property
     def params(self):
-        return MERGE_STATES_PARAMS if self.family == "merge_states" else ATTN_FWD_PARAMS
+        return {"merge_states": MERGE_STATES_PARAMS, "decode_combine": MERGE_STATES_PARAMS,
+                "attn_decode": DECODE_PARAMS, "kv_append": KV_APPEND_PARAMS}.get(self.family, ATTN_FWD_PARAMS)
 
     @property
     def threads(self) -> int:
@@ -206,13 +268,21 @@ class KernelSpec:
         t = self.tiles
         mods = (f"_mask{self.mask}" if self.mask != "none" else "") + ("_softcap" if self.softcap else "") \
             + ("_alibi" if self.alibi else "")
-        return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{mods}"
+        stages = f"s{t.stages}" if self.family == "attn_decode" else ""
+        return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{stages}{mods}"
 
     @property
     def template_id(self) -> str:
         t, ctype = self.tiles, _CTYPE[self.dtype]
         if self.family == "merge_states":
-            return f"pyattn::merge_states<{ctype}, {self.head_dim}, {t.warps}>"
+            return f"pyattn::merge_states<{ctype}, {ctype}, {self.head_dim}, {t.warps}>"
+        if self.family == "decode_combine":  # fp32 split partials -> the output type
+            return f"pyattn::merge_states<float, {ctype}, {self.head_dim}, {t.warps}>"
+        if self.family == "kv_append":
+            return f"pyattn::kv_append<{ctype}>"
+        if self.family == "attn_decode":
+            return (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<{ctype}, {self.head_dim}, {t.block_n // t.warps}, "
+                    f"{t.warps}, {t.m_tiles}, {t.stages}>, {str(self.softcap).lower()}, {str(self.alibi).lower()}>")
         mods = (f"pyattn::ScoreMods<{MASK_KINDS[self.mask]}, {str(self.softcap).lower()}, "
                 f"{str(self.alibi).lower()}>")
         if self.family == "attn_fwd_simt":
@@ -235,8 +305,11 @@ class KernelSpec:
         stages of K and V tiles in the input type, rows padded by 8 elements.
         """
         t, d = self.tiles, self.head_dim
-        if self.family == "merge_states":
+        if self.family in ("merge_states", "decode_combine", "kv_append"):
             return 0
+        if self.family == "attn_decode":  # AttnDecodeTraits::kSmemBytes (the kernel traps on a mismatch)
+            ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
+            return max(ring, t.warps * t.block_m * (d + 10) * 4)
         if self.family == "attn_fwd_simt":
             return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
         if self.family == "attn_fwd_wgmma":  # swizzled tiles, unpadded; +1024 to align the swizzle atoms
@@ -275,7 +348,8 @@ class KernelSpec:
 
     def describe(self) -> str:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
-                                               ("softcap", self.softcap), ("alibi", self.alibi)) if on)
+                                               ("softcap", self.softcap), ("alibi", self.alibi),
+                                               (f"q_tiles={self.q_tiles}", self.q_tiles)) if on)
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 
@@ -316,8 +390,26 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi))
 
 
+# Decode variants warmed by default: the common head dims, one row tile (a GQA group of up to 16
+# query heads at q_len 1). Others (speculative q_len, rarer head dims) compile on first use.
+_WARM_DECODE_DIMS = (64, 128, 256)
+
+
+def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool = False) -> list:
+    """The paged-cache kernels without modifiers: decode, its split combine, and append."""
+    specs = []
+    for tag in ("f16", "bf16"):
+        for d in head_dims:
+            specs += [KernelSpec("attn_decode", tag, d, arch, ptx, q_tiles=mt)
+                      for mt in q_tiles if mt <= decode_max_q_tiles(arch, d)]
+            specs.append(KernelSpec("decode_combine", tag, d, arch, ptx))
+        specs.append(KernelSpec("kv_append", tag, HEAD_DIM_BUCKETS[0], arch, ptx))
+    return specs
+
+
 def standard_specs(arch: str) -> list:
-    """Every variant ``attention`` can select on ``arch``: what ``pyattn warmup`` precompiles."""
+    """Every variant ``attention``, ``decode`` and the paged cache can select on ``arch`` without
+    score modifiers: what ``pyattn warmup`` precompiles."""
     plain = [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
     plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
-    return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones
+    return list(dict.fromkeys(plain)) + decode_specs(arch)  # wgmma's 64-wide buckets serve two 32-wide ones

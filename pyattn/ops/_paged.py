@@ -1,0 +1,222 @@
+"""Validate decode inputs: queries, K/V page pools, page tables; choose the split count.
+
+No driver call here (device page tables are copied back for their range check by the caller's
+``fetch``), so every mistake is a ``ValueError``/``TypeError`` naming the argument before any GPU
+work, and all of it is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._options import check_causal, check_softcap, check_window, describe_alibi
+from ._problem import _check_scale, describe_input
+
+__all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_block_table", "check_csr",
+           "choose_num_splits", "POOL_LAYOUTS", "DECODE_DTYPES"]
+
+DECODE_DTYPES = ("float16", "bfloat16")
+POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
+_MAX_SPLITS = 256
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A validated K/V page-pool pair: geometry and element strides (page, slot, head)."""
+
+    num_pages: int
+    page_size: int
+    heads_kv: int
+    head_dim: int
+    dtype: np.dtype
+    k_strides: tuple
+    v_strides: tuple
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """A validated decode call (shapes logical; strides in elements)."""
+
+    batch: int
+    q_len: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: np.dtype
+    q_strides: tuple  # (batch, token, head)
+    q_on_device: bool
+    causal: int
+    window: tuple
+    softcap: float
+    scale: float
+    alibi: object  # _options.AlibiInfo or None
+    num_splits: int | None  # the caller's override
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def _int_arg(name: str, x) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    return int(x)
+
+
+def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
+    """Validate K/V pools of shape (num_pages, page_size, heads_kv, head_dim) (``"nhd"``) or
+    (num_pages, heads_kv, page_size, head_dim) (``"hnd"``): device arrays, fp16/bf16, head_dim
+    contiguous, 16-byte aligned rows (the kernel copies 16-byte chunks)."""
+    if layout not in POOL_LAYOUTS:
+        raise ValueError(f"layout: expected one of {POOL_LAYOUTS}, got {layout!r}")
+    ins = [describe_input(n, x) for n, x in (("k_pool", k_pool), ("v_pool", v_pool))]
+    for i in ins:
+        if not i.on_device:
+            raise TypeError(f"{i.name}: expected a device array (the page pool lives on the GPU), got a host array")
+        if i.dtype.name not in DECODE_DTYPES:
+            raise TypeError(f"{i.name}: expected dtype float16 or bfloat16, got {i.dtype}")
+        if len(i.shape) != 4:
+            raise ValueError(f"{i.name}: expected 4 dims ({'pages, page_size, heads, dim' if layout == 'nhd' else 'pages, heads, page_size, dim'}), "
+                             f"got shape {i.shape}")
+        if i.strides[-1] != 1:
+            raise ValueError(f"{i.name}: the head_dim axis must be contiguous, got element strides {i.strides}")
+        if any(st % 8 for st in i.strides[:-1]):
+            raise ValueError(f"{i.name}: strides must be multiples of 8 elements (16-byte rows), got {i.strides}")
+    k, v = ins
+    if k.dtype != v.dtype:
+        raise TypeError(f"v_pool: expected dtype {k.dtype} (k_pool's), got {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v_pool: expected shape {k.shape} (k_pool's), got {v.shape}")
+    if layout == "nhd":
+        num_pages, page_size, heads, dim = k.shape
+        perm = (0, 1, 2)
+    else:
+        num_pages, heads, page_size, dim = k.shape
+        perm = (0, 2, 1)
+    if dim % 8 or not 8 <= dim <= 256:
+        raise ValueError(f"k_pool: head_dim must be a multiple of 8 in [8, 256], got {dim}")
+    if num_pages < 1 or page_size < 1 or heads < 1:
+        raise ValueError(f"k_pool: expected at least one page, slot and head, got shape {k.shape}")
+    if heads > _MAX_GRID_YZ:
+        raise ValueError(f"k_pool: at most {_MAX_GRID_YZ} kv heads, got {heads}")
+    strides = tuple(tuple(i.strides[a] for a in perm) for i in ins)
+    return PoolInfo(num_pages, page_size, heads, dim, k.dtype, *strides)
+
+
+def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, scale, num_splits) -> DecodeProblem:
+    """Validate q (batch, q_len, heads_q, head_dim) against the pool and the options."""
+    i = describe_input("q", q)
+    if i.dtype != pool.dtype:
+        raise TypeError(f"q: expected dtype {pool.dtype} (the KV cache's), got {i.dtype}")
+    if len(i.shape) != 4:
+        raise ValueError(f"q: expected shape (batch, q_len, heads_q, head_dim), got {i.shape}")
+    batch, q_len, heads_q, dim = i.shape
+    if dim != pool.head_dim:
+        raise ValueError(f"q: expected head_dim {pool.head_dim} (the KV cache's), got {dim}")
+    if heads_q < 1 or heads_q % pool.heads_kv:
+        raise ValueError(f"q: query heads ({heads_q}) must be a multiple of the cache's kv heads ({pool.heads_kv})")
+    if q_len < 1:
+        raise ValueError(f"q: expected q_len >= 1, got shape {i.shape}")
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"q: batch must be <= {_MAX_GRID_YZ}, got {batch}")
+    if i.on_device and (i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1])):
+        raise ValueError(f"q: the head_dim axis must be contiguous and other strides multiples of 8 elements, "
+                         f"got element strides {i.strides}")
+    if num_splits is not None:
+        num_splits = _int_arg("num_splits", num_splits)
+        if not 1 <= num_splits <= _MAX_SPLITS:
+            raise ValueError(f"num_splits: expected 1 to {_MAX_SPLITS} (or None: chosen from the SM count), "
+                             f"got {num_splits}")
+    alibi = describe_alibi(alibi_slopes, batch, heads_q, describe_input)
+    return DecodeProblem(batch, q_len, heads_q, pool.heads_kv, dim, i.dtype, tuple(i.strides[:3]), i.on_device,
+                         check_causal(causal), check_window(window), check_softcap(softcap), _check_scale(scale, dim),
+                         alibi, num_splits)
+
+
+def _int32_vector(name: str, x, fetch, ndim: int = 1) -> tuple:
+    """(host copy, input description) of an int32 index array; device arrays come back via ``fetch``."""
+    i = describe_input(name, x)
+    if i.dtype != np.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {i.dtype}")
+    if len(i.shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dim(s), got shape {i.shape}")
+    return (fetch(x) if i.on_device else np.asarray(x)), i
+
+
+def check_block_table(block_table, seq_lens, batch: int, pool: PoolInfo, fetch) -> tuple:
+    """Range-check a vLLM-style block table (batch, max_pages) and seq_lens (batch,).
+
+    Only the entries a sequence uses are checked (padding may hold anything). Returns the host
+    copies and the table's descriptions ``(table, lens, table_info, lens_info)``.
+    """
+    table, ti = _int32_vector("block_table", block_table, fetch, 2)
+    lens, li = _int32_vector("seq_lens", seq_lens, fetch)
+    if ti.shape[0] != batch or li.shape != (batch,):
+        raise ValueError(f"block_table, seq_lens: expected {batch} rows (q's batch), got shapes {ti.shape}, {li.shape}")
+    if ti.on_device and ti.strides[1] != 1:
+        raise ValueError(f"block_table: rows must be contiguous, got element strides {ti.strides}")
+    if (lens < 0).any() or (lens > ti.shape[1] * pool.page_size).any():
+        bad = int(np.flatnonzero((lens < 0) | (lens > ti.shape[1] * pool.page_size))[0])
+        raise ValueError(f"seq_lens: expected 0 <= seq_lens[i] <= {ti.shape[1]} pages x {pool.page_size} = "
+                         f"{ti.shape[1] * pool.page_size}, got seq_lens[{bad}] = {int(lens[bad])}")
+    used = -(-lens.astype(np.int64) // pool.page_size)
+    cols = np.arange(ti.shape[1])[None, :]
+    entries = table[cols < used[:, None]] if table.size else np.empty(0, np.int32)
+    _check_pages("block_table", entries, pool.num_pages)
+    return table, lens, ti, li
+
+
+def check_csr(indptr, indices, last_page_len, batch: int, pool: PoolInfo, fetch) -> tuple:
+    """Range-check FlashInfer's CSR page table and return host ``(indptr, indices, kv_len)``."""
+    ip, ipi = _int32_vector("indptr", indptr, fetch)
+    ix, ixi = _int32_vector("indices", indices, fetch)
+    lp, _ = _int32_vector("last_page_len", last_page_len, fetch)
+    if ipi.shape != (batch + 1,) or lp.shape != (batch,):
+        raise ValueError(f"indptr, last_page_len: expected shapes ({batch + 1},), ({batch},) for batch {batch}, "
+                         f"got {ipi.shape}, {lp.shape}")
+    if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] > ixi.shape[0]:
+        raise ValueError(f"indptr: must start at 0, be non-decreasing and end at most at len(indices) = "
+                         f"{ixi.shape[0]}, got {ip.tolist() if ip.size <= 16 else ip}")
+    n_pages = np.diff(ip).astype(np.int64)
+    lo, hi = np.where(n_pages > 0, 1, 0), np.where(n_pages > 0, pool.page_size, 0)
+    if ((lp < lo) | (lp > hi)).any():
+        bad = int(np.flatnonzero((lp < lo) | (lp > hi))[0])
+        raise ValueError(f"last_page_len: expected 1 to page_size = {pool.page_size} for a sequence with pages "
+                         f"(0 without), got last_page_len[{bad}] = {int(lp[bad])} with {int(n_pages[bad])} page(s)")
+    if ixi.on_device and ixi.strides[0] != 1:
+        raise ValueError(f"indices: must be contiguous, got element strides {ixi.strides}")
+    _check_pages("indices", ix[: ip[-1]], pool.num_pages)
+    kv_len = np.where(n_pages > 0, (n_pages - 1) * pool.page_size + lp, 0)
+    if (kv_len >= 2**31).any():
+        raise ValueError("indptr: a sequence of 2**31 or more tokens")
+    return ip, ix, kv_len.astype(np.int32)
+
+
+def _check_pages(name: str, pages: np.ndarray, num_pages: int) -> None:
+    bad = (pages < 0) | (pages >= num_pages)
+    if bad.any():
+        j = int(np.flatnonzero(bad.ravel())[0])
+        raise ValueError(f"{name}: page indices must be in [0, {num_pages}) (the pool's pages), "
+                         f"got {int(pages.ravel()[j])} among the used entries")
+
+
+def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
+    """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
+    blocks per SM) when the longest sequence has ``max_tiles`` key tiles.
+
+    Every block of a decode does the same work, so the grid runs in waves: the smallest split
+    count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
+    (FlashAttention's rule, applied past one wave too: 512 blocks on 396 slots run 65% busy
+    unsplit). At least 2 key tiles per split keep the combine cheap next to the attention.
+    """
+    limit = max(1, min(_MAX_SPLITS, max_tiles // 2))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = units * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)

@@ -1,0 +1,258 @@
+"""``pyattn.PagedKVCache``: a device-resident K/V page pool plus its bookkeeping.
+
+The pools are two device arrays of shape (num_pages, page_size, num_kv_heads, head_dim) (the
+"NHD" layout of vLLM and FlashInfer); :class:`~pyattn.paged.book.PageBook` decides which slots
+each sequence's tokens occupy, and one ``kv_append`` launch per :meth:`PagedKVCache.append`
+writes the new tokens and performs that call's copy-on-write page copies.
+
+Thread safety: a cache is not thread-safe; serialise calls on one cache (appends and decodes
+are ordered on the stream they are given).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..array import asarray, empty
+from ..kernels.registry import get_kernel
+from ..kernels.specs import DTYPES, KernelSpec
+from ..ops._paged import DECODE_DTYPES, PoolInfo
+from ..ops._plan import ptx_requested
+from ..ops._problem import _dtype_of, describe_input
+from ..runtime.device import Device, get_device
+from ..runtime.launch import launch
+from ..runtime.memory import Allocation
+from ..runtime.stream import as_stream
+from .book import PageBook
+
+__all__ = ["PagedKVCache"]
+
+_APPEND_BLOCKS_PER_SM = 8
+
+
+class PagedKVCache:
+    """A paged KV cache on one GPU.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool.
+    page_size : int
+        Token slots per page, 1 to 256.
+    num_kv_heads, head_dim : int
+        head_dim is a multiple of 8 up to 256.
+    dtype : {"float16", "bfloat16"} or a NumPy dtype
+    device : int or Device, optional
+        Default: the current device.
+
+    Attributes
+    ----------
+    k, v : DeviceArray
+        The pools, (num_pages, page_size, num_kv_heads, head_dim); slots not covered by a
+        sequence hold stale data.
+
+    Notes
+    -----
+    Sequences are created with :meth:`add_sequence` or :meth:`fork`, grown with :meth:`append`,
+    rolled back with :meth:`truncate` and released with :meth:`free`. Forks share pages by
+    reference count; a shared page is copied when a sequence next writes into it. Running out of
+    pages raises :class:`~pyattn.paged.book.OutOfPagesError` and changes nothing.
+    """
+
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, dtype, *, device=None):
+        self.book = PageBook(num_pages, page_size)
+        for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
+                raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
+        if not 1 <= num_kv_heads <= 65535:
+            raise ValueError(f"num_kv_heads: expected 1 to 65535, got {num_kv_heads}")
+        if head_dim % 8 or not 8 <= head_dim <= 256:
+            raise ValueError(f"head_dim: expected a multiple of 8 in [8, 256], got {head_dim}")
+        dt = _dtype_of("dtype", dtype) if not isinstance(dtype, np.dtype) else dtype
+        if dt.name not in DECODE_DTYPES:
+            raise TypeError(f"dtype: expected float16 or bfloat16, got {dt}")
+        if device is None or isinstance(device, (int, np.integer)):
+            device = get_device(None if device is None else int(device))
+        elif not isinstance(device, Device):
+            raise TypeError(f"device: expected an int or a pyattn.Device, got {type(device).__name__}")
+        self.device, self.dtype = device, dt
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        shape = (self.book.num_pages, self.book.page_size, self.num_kv_heads, self.head_dim)
+        self.k = empty(shape, dt, device=device)
+        self.v = empty(shape, dt, device=device)
+        self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
+        st = self.k.elem_strides[:3]
+        self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st)
+        self._tables = None  # (key, tables, max_len): the last decode's device page table
+
+    # -- bookkeeping (host only) -------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.book.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.book.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.book.num_free
+
+    @property
+    def seq_ids(self) -> list:
+        """Live sequence ids, in creation order."""
+        return self.book.seq_ids
+
+    def add_sequence(self) -> int:
+        """Start an empty sequence; returns its id."""
+        return self.book.add_sequence()
+
+    def fork(self, seq_id, length=None) -> int:
+        """A new sequence sharing the first ``length`` tokens (default all) of ``seq_id`` (a shared
+        prefix, parallel sampling, beam search); pages are copied only when written."""
+        return self.book.fork(seq_id, length)
+
+    def truncate(self, seq_id, length) -> None:
+        """Keep the first ``length`` tokens of ``seq_id`` (speculative-decoding rollback)."""
+        self.book.truncate(seq_id, length)
+
+    def free(self, seq_id) -> None:
+        """Release ``seq_id``; pages no other sequence shares return to the pool."""
+        self.book.free(seq_id)
+
+    def length(self, seq_id) -> int:
+        """Tokens held by ``seq_id``."""
+        return self.book.length(seq_id)
+
+    def page_table(self, seq_ids) -> tuple:
+        """FlashInfer's CSR page table of ``seq_ids``: int32 NumPy ``(indptr, indices, last_page_len)``."""
+        return self.book.csr(seq_ids)
+
+    def block_table(self, seq_ids, pad: int = -1) -> tuple:
+        """vLLM's padded block table of ``seq_ids``: int32 NumPy ``(table, lengths)``."""
+        return self.book.block_table(seq_ids, pad)
+
+    # -- data --------------------------------------------------------------------------------
+    def append(self, seq_ids, k, v, *, counts=None, stream=None) -> None:
+        """Append new tokens' keys and values to several sequences in one kernel launch.
+
+        Parameters
+        ----------
+        seq_ids : sequence of int
+            Distinct live sequences.
+        k, v : array
+            (len(seq_ids), t, num_kv_heads, head_dim): ``t`` tokens for each sequence; or packed
+            (total, num_kv_heads, head_dim) with ``counts``. NumPy or device, the cache's dtype.
+        counts : sequence of int, optional
+            Tokens per sequence for packed ``k``/``v`` (sum = total).
+        stream : optional
+            The copy is ordered on this stream (later decodes on it see the tokens).
+
+        Raises
+        ------
+        OutOfPagesError
+            Too few free pages; the cache is unchanged.
+        """
+        seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+        self.book.seq_list(seq_ids)  # ids first: an unknown id is the likelier mistake than a shape
+        ki, vi = describe_input("k", k), describe_input("v", v)
+        H, D = self.num_kv_heads, self.head_dim
+        for i in (ki, vi):
+            if i.dtype != self.dtype:
+                raise TypeError(f"{i.name}: expected dtype {self.dtype} (the cache's), got {i.dtype}")
+        if ki.shape != vi.shape or ki.on_device != vi.on_device:
+            raise ValueError(f"v: expected k's shape {ki.shape} and place, got {vi.shape}")
+        if len(ki.shape) == 4:
+            if counts is not None:
+                raise ValueError("counts: only for packed (total, heads, dim) k/v")
+            if ki.shape[0] != len(seq_ids) or ki.shape[2:] != (H, D):
+                raise ValueError(f"k: expected shape ({len(seq_ids)}, t, {H}, {D}), got {ki.shape}")
+            counts = [ki.shape[1]] * len(seq_ids)
+        elif len(ki.shape) == 3:
+            if counts is None:
+                raise ValueError("counts: required for packed (total, heads, dim) k/v")
+            counts = [int(c) for c in counts]
+            if ki.shape[1:] != (H, D) or len(counts) != len(seq_ids) or sum(counts) != ki.shape[0]:
+                raise ValueError(f"k: expected shape (sum(counts) = {sum(counts)}, {H}, {D}) with one count per "
+                                 f"sequence ({len(seq_ids)}), got shape {ki.shape} and {len(counts)} counts")
+        else:
+            raise ValueError(f"k: expected (batch, t, {H}, {D}) or packed (total, {H}, {D}), got {ki.shape}")
+        total = sum(counts)
+        s = as_stream(stream, self.device)
+        self.device.activate()
+        rows = self._token_rows(k, ki, total, s), self._token_rows(v, vi, total, s)
+        spec = KernelSpec("kv_append", DTYPES[self.dtype.name][0], 32, self.device.arch, ptx_requested())
+        kernel = get_kernel(spec, self.device)
+        plan = self.book.plan_append(seq_ids, counts)  # raises before any change when pages run out
+        n_items = len(plan.dst) + len(plan.copy_dst)
+        if n_items == 0:
+            return
+        dst = np.concatenate([plan.dst, plan.copy_dst])
+        src = np.concatenate([np.arange(total, dtype=np.int32), -1 - plan.copy_src])
+        d_items = asarray(np.stack([dst, src]).astype(np.int32), device=self.device, stream=s)
+        (dk, ks), (dv, vs) = rows
+        pk, pv = self.pool_info.k_strides, self.pool_info.v_strides
+        values = {"k_src": dk.ptr if dk is not None else 0, "v_src": dv.ptr if dv is not None else 0,
+                  "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr, "src": d_items.ptr + 4 * n_items,
+                  "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
+                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
+                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
+                  "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
+        chunks = n_items * H * (D // 8)
+        grid = max(1, min(-(-chunks // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
+        launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
+        for a in (dk, dv, d_items):
+            if a is not None and type(a.owner) is Allocation and a.owner.stream is not s:
+                a.owner.record_stream(s)
+
+    def _token_rows(self, x, info, total: int, s) -> tuple:
+        """(DeviceArray, (token stride, head stride)) of new tokens as rows; host data is uploaded."""
+        if total == 0:
+            return None, (0, 0)
+        if not info.on_device:
+            host = np.ascontiguousarray(np.asarray(x).reshape(total, self.num_kv_heads, self.head_dim))
+            d = asarray(host, device=self.device, stream=s)
+            return d, d.elem_strides[:2]
+        d = asarray(x, stream=s)
+        if d.device is not self.device:
+            raise ValueError(f"{info.name}: expected an array on the cache's device {self.device.ordinal}, "
+                             f"got device {d.device.ordinal}")
+        st = d.elem_strides
+        if st[-1] != 1 or any(x % 8 for x in st[:-1]) or d.ptr % 16:
+            raise ValueError(f"{info.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
+                             f"strides multiples of 8 elements and a 16-byte aligned address; got element "
+                             f"strides {st}")
+        if d.ndim == 4:  # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
+            if d.shape[0] > 1 and d.shape[1] > 0 and st[0] != d.shape[1] * st[1]:
+                raise ValueError(f"{info.name}: (batch, t) must collapse into one token axis (stride_b == t * "
+                                 f"stride_t), got element strides {st}; pass a contiguous array")
+            return d, (st[1], st[2])
+        return d, (st[0], st[1])
+
+    def device_tables(self, seq_ids, s) -> tuple:
+        """Device CSR page table of ``seq_ids`` for the decode kernel, reused while nothing changed.
+
+        Returns ``((indices, indptr, 0, kv_len), max_len)``.
+        """
+        key = (tuple(seq_ids), self.book.version)
+        if self._tables is not None and self._tables[0] == key:
+            owner = self._tables[1][0].owner.owner
+            if type(owner) is Allocation and owner.stream is not s:
+                owner.record_stream(s)  # its free must wait for this stream's use too
+            return self._tables[1], self._tables[2]
+        indptr, indices, _ = self.book.csr(seq_ids)
+        lens = self.book.lengths(seq_ids)
+        packed = np.concatenate([indptr, lens, indices if len(indices) else np.zeros(1, np.int32)]).astype(np.int32)
+        d = asarray(packed, device=self.device, stream=s)  # one upload for all three
+        n = len(seq_ids)
+        from ..array import DeviceArray
+
+        views = [DeviceArray(d.ptr + 4 * off, (m,), np.int32, self.device, owner=d, stream=s)
+                 for off, m in ((0, n + 1), (n + 1, n), (2 * n + 1, max(len(indices), 1)))]
+        tables = (views[2], views[0], 0, views[1])
+        self._tables = (key, tables, int(lens.max(initial=0)))
+        return tables, self._tables[2]
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({self.num_pages} pages x {self.page_size} tokens, {self.num_kv_heads} kv heads, "
+                f"head_dim {self.head_dim}, {self.dtype}, {self.num_free_pages} pages free)")

@@ -1,0 +1,104 @@
+"""Time decode-kernel tile variants on the GPU (development tool; the winner goes into specs.py).
+
+Patches the sm_90a decode tile table entry for d <= 128 with each candidate, clears the loaded-kernel
+registry, and times ``run_decode`` (kernel + split combine, CUDA events over back-to-back calls) on
+paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
+
+    PYTHONPATH=. python3 scripts/tune_decode.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch  # first: importing torch after pyattn had loaded NVRTC once failed inside torch
+
+import numpy as np
+
+import pyattn
+from pyattn.kernels import registry, specs
+from pyattn.ops import decode as dec
+from pyattn.ops._paged import check_pools, check_query
+from pyattn.runtime.stream import Event, default_stream
+
+# (keys per warp, warps, stages, max q_tiles, min blocks)
+CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
+POINTS = [(1, 32768), (8, 4096), (8, 32768), (64, 4096)]
+Hq, Hkv, D, PS = 32, 8, 128, 16
+
+
+def time_us(fn, s, dev, n=20, reps=5):
+    fn()
+    s.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
+        s.record(e0)
+        for _ in range(n):
+            fn()
+        s.record(e1)
+        e1.synchronize()
+        best = min(best, e0.elapsed_ms(e1) / n)
+    return best * 1e3
+
+
+def main():
+    dev = pyattn.get_device()
+    s = default_stream(dev)
+    base = specs._DECODE_227K
+    data = {}
+    for B, L in POINTS:  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
+        q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+        for layout, ps in (("nhd", PS), ("hnd", PS), ("nhd", L), ("hnd", L)):
+            npages = B * L // ps
+            shape = (npages, ps, Hkv, D) if layout == "nhd" else (npages, Hkv, ps, D)
+            k = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+            table = torch.randperm(npages, device="cuda").int().reshape(B, L // ps)
+            data[B, L, layout, ps] = (k, torch.randn_like(k), table, q)
+    # Host floor: back-to-back calls cannot be timed below the host's cost per call.
+    import time
+    k, v, table, q = data[(*POINTS[0], "nhd", PS)]
+    dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
+    tiny = pyattn.asarray(np.full(1, 16, np.int32))
+    pool = check_pools(dk, dv)
+    for splits in (1, 8):
+        P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
+                        num_splits=splits)
+        fn = lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, table.shape[1], tiny), 16, None, s, False)  # noqa: E731
+        fn()
+        s.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - t0) / 200 * 1e6
+        s.synchronize()
+        print(f"host time per run_decode call (num_splits={splits}): {host:.1f} us")
+    print("candidate (kw, warps, stages, mt, minb) | " + " | ".join(f"B{B} L{L} {lay} p{ps}: us (TB/s)"
+                                                                for B, L, lay, ps in data))
+    for kw, w, st, mt, mb in CANDIDATES:
+        specs._DECODE_227K = ((128, kw, w, st, mt, mb, "tuning"),) + base[1:]
+        specs._DECODE["sm_90a"] = specs._DECODE_227K
+        registry._kernels.clear()
+        dec._specs.cache_clear()
+        dec._plans.clear()
+        cells = []
+        for (B, L, layout, ps), (k, v, table, q) in data.items():
+            try:
+                dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
+                dl = pyattn.asarray(np.full(B, L, np.int32))
+                pool = check_pools(dk, dv, layout)
+                P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
+                                num_splits=None)
+                us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s, False),
+                             s, dev)
+                cells.append(f"{us:7.1f} ({B * L * Hkv * D * 4 / us / 1e6:.2f})")
+            except Exception as e:  # keep going: one bad candidate must not end the run
+                cells.append(f"error {type(e).__name__}: {str(e)[:60]}")
+        print(f"({kw}, {w}, {st}, {mt}, {mb}) | " + " | ".join(cells), flush=True)
+    specs._DECODE_227K = base
+    specs._DECODE["sm_90a"] = base
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""Decode-path validation (``pyattn.ops._paged``) and decode kernel specs/params (CPU only).
+
+Device arrays are faked with ``__cuda_array_interface__`` (data pointer 0, never dereferenced);
+bfloat16, which CAI cannot express (typestr ``<V2``), is read from the ``.dtype``/``.shape``/
+``.strides`` attributes, as ``_problem._foreign_meta`` does for real libraries.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyattn.kernels.specs as specs_mod
+from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
+from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
+from pyattn.ops._paged import (DecodeProblem, PoolInfo, check_block_table, check_csr, check_pools, check_query,
+                               choose_num_splits)
+
+F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+OPTIN_SMEM = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}
+CUH = pathlib.Path(__file__).resolve().parents[1] / "kernels_src" / "attention_decode.cuh"
+
+
+def _c_elems(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+class FakeDev:
+    """A CUDA array seen through CAI (and array-API attributes); ``strides`` in elements."""
+
+    def __init__(self, shape, dtype=F16, strides=None, payload=None):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        elem = tuple(strides) if strides is not None else _c_elems(self.shape)
+        self.strides = tuple(s * self.dtype.itemsize for s in elem)  # bytes, as NumPy / CAI
+        self.payload = payload
+        self.__cuda_array_interface__ = {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False),
+                                         "strides": None if strides is None else self.strides, "version": 3}
+
+
+def pool(layout="nhd", pages=3, page_size=16, heads=2, dim=64, dtype=F16, strides=None):
+    shape = (pages, page_size, heads, dim) if layout == "nhd" else (pages, heads, page_size, dim)
+    return FakeDev(shape, dtype, strides)
+
+
+POOL = PoolInfo(10, 4, 2, 64, F16, (512, 128, 64), (512, 128, 64))  # 10 pages of 4 slots
+
+
+def _no_fetch(x):
+    raise AssertionError("fetch must not be called for host arrays")
+
+
+# --------------------------------------------------------------------------------------------
+# check_pools
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_pools_nhd_and_hnd(dtype):
+    info = check_pools(pool("nhd", 3, 16, 2, 64, dtype), pool("nhd", 3, 16, 2, 64, dtype), "nhd")
+    assert (info.num_pages, info.page_size, info.heads_kv, info.head_dim, info.dtype) == (3, 16, 2, 64, dtype)
+    assert info.k_strides == info.v_strides == (16 * 2 * 64, 2 * 64, 64)
+    info = check_pools(pool("hnd", 5, 8, 4, 128, dtype), pool("hnd", 5, 8, 4, 128, dtype), layout="hnd")
+    assert (info.num_pages, info.page_size, info.heads_kv, info.head_dim) == (5, 8, 4, 128)
+    assert info.k_strides == (4 * 8 * 128, 128, 8 * 128)  # (page, slot, head)
+
+
+def test_pools_strided_views():
+    # K: every other page of a twice-as-large NHD pool; V: HND memory seen through NHD strides
+    k = pool("nhd", 3, 16, 2, 64, strides=(2 * 16 * 2 * 64, 128, 64, 1))
+    v = pool("nhd", 3, 16, 2, 64, strides=(4096, 64, 1024, 1))
+    info = check_pools(k, v)
+    assert info.k_strides == (4096, 128, 64) and info.v_strides == (4096, 64, 1024)
+    h = pool("hnd", 3, 16, 2, 64, dtype=BF16, strides=(3000 * 8, 16 * 72, 72, 1))
+    assert check_pools(h, h, "hnd").k_strides == (24000, 72, 1152)
+
+
+K = pool()
+BAD_POOLS = {
+    "host k": (np.ones((3, 16, 2, 64), F16), K, "nhd", TypeError, r"^k_pool: expected a device array"),
+    "host v": (K, np.ones((3, 16, 2, 64), F16), "nhd", TypeError, r"^v_pool: expected a device array"),
+    "float32": (pool(dtype=np.float32), pool(dtype=np.float32), "nhd", TypeError,
+                r"^k_pool: expected dtype float16 or bfloat16, got float32"),
+    "int16 v": (K, pool(dtype=np.int16), "nhd", TypeError, r"^v_pool: expected dtype .* got int16"),
+    "dtype mismatch": (K, pool(dtype=BF16), "nhd", TypeError, r"^v_pool: expected dtype float16 \(k_pool's\)"),
+    "shape mismatch": (K, pool(pages=4), "nhd", ValueError, r"^v_pool: expected shape \(3, 16, 2, 64\)"),
+    "3-D": (FakeDev((3, 16, 128)), FakeDev((3, 16, 128)), "nhd", ValueError, r"^k_pool: expected 4 dims"),
+    "5-D hnd": (K, FakeDev((1, 3, 16, 2, 64)), "hnd", ValueError, r"^v_pool: expected 4 dims \(pages, heads"),
+    "head_dim strided": (pool(strides=(4096, 256, 128, 2)), K, "nhd", ValueError,
+                         r"^k_pool: the head_dim axis must be contiguous"),
+    "stride % 8": (K, pool(strides=(16 * 136, 136, 68, 1)), "nhd", ValueError,
+                   r"^v_pool: strides must be multiples of 8 elements"),
+    "head_dim 12": (pool(heads=1, dim=12, strides=(256, 16, 16, 1)), pool(heads=1, dim=12, strides=(256, 16, 16, 1)),
+                    "nhd", ValueError, r"^k_pool: head_dim must be a multiple of 8 in \[8, 256\], got 12"),
+    "head_dim 264": (pool(dim=264), pool(dim=264), "nhd", ValueError, r"^k_pool: head_dim .* got 264"),
+    "no pages": (pool(pages=0), pool(pages=0), "nhd", ValueError, r"^k_pool: expected at least one page"),
+    "layout": (K, K, "bshd", ValueError, r"^layout: expected one of"),
+    "layout upper": (K, K, "NHD", ValueError, r"^layout:"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_POOLS, ids=list(BAD_POOLS))
+def test_pools_rejected(case):
+    k, v, layout, exc, match = BAD_POOLS[case]
+    with pytest.raises(exc, match=match):
+        check_pools(k, v, layout)
+
+
+# --------------------------------------------------------------------------------------------
+# check_query
+# --------------------------------------------------------------------------------------------
+OPTS = dict(causal=False, window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None)
+P = PoolInfo(8, 16, 2, 64, F16, (2048, 128, 64), (2048, 128, 64))
+
+
+def _q(shape=(3, 2, 8, 64), dtype=F16, **kw):
+    return check_query(FakeDev(shape, dtype), P, **{**OPTS, **kw})
+
+
+def test_query_problem_fields():
+    prob = check_query(FakeDev((3, 2, 8, 64), strides=(4096, 1024, 128, 1)), P, **OPTS)
+    assert isinstance(prob, DecodeProblem)
+    assert (prob.batch, prob.q_len, prob.heads_q, prob.heads_kv, prob.head_dim, prob.group) == (3, 2, 8, 2, 64, 4)
+    assert prob.q_strides == (4096, 1024, 128) and prob.q_on_device and prob.dtype == F16
+    assert prob.scale == pytest.approx(1 / 8) and prob.window == (-1, -1) and prob.softcap == 0.0
+    assert prob.alibi is None and prob.num_splits is None
+    host = check_query(np.zeros((1, 1, 2, 64), F16), P, **OPTS)
+    assert not host.q_on_device and host.q_strides == (128, 128, 64) and host.group == 1
+    p128 = PoolInfo(8, 16, 1, 128, BF16, (2048, 128, 128), (2048, 128, 128))
+    assert check_query(FakeDev((1, 1, 4, 128), BF16), p128, **OPTS).scale == pytest.approx(128 ** -0.5)
+
+
+@pytest.mark.parametrize("causal, code", [(True, 1), ("top_left", 2), (False, 0), ("bottom_right", 1)])
+def test_query_causal_codes(causal, code):
+    assert _q(causal=causal).causal == code
+
+
+def test_query_options_flow_through():
+    prob = _q(window=(16, 0), softcap=30, scale=0.5, num_splits=np.int64(7),
+              alibi_slopes=np.ones((3, 8), np.float32))
+    assert (prob.window, prob.softcap, prob.scale, prob.num_splits) == ((16, 0), 30.0, 0.5, 7)
+    assert prob.alibi.stride_b == 8 and not prob.alibi.on_device
+    assert _q(alibi_slopes=FakeDev((8,), np.float32)).alibi.stride_b == 0
+    assert _q(num_splits=1).num_splits == 1 and _q(num_splits=256).num_splits == 256
+
+
+BAD_QUERIES = {
+    "bf16 q, f16 pool": (dict(dtype=BF16), TypeError, r"^q: expected dtype float16 \(the KV cache's\)"),
+    "3-D": (dict(shape=(3, 8, 64)), ValueError, r"^q: expected shape \(batch, q_len, heads_q, head_dim\)"),
+    "head_dim": (dict(shape=(3, 1, 8, 128)), ValueError, r"^q: expected head_dim 64 \(the KV cache's\), got 128"),
+    "heads not multiple": (dict(shape=(3, 1, 3, 64)), ValueError, r"^q: query heads \(3\) must be a multiple"),
+    "no heads": (dict(shape=(3, 1, 0, 64)), ValueError, r"^q: query heads \(0\)"),
+    "q_len 0": (dict(shape=(3, 0, 8, 64)), ValueError, r"^q: expected q_len >= 1"),
+    "batch 65536": (dict(shape=(65536, 1, 2, 64)), ValueError, r"^q: batch must be <= 65535"),
+    "splits 0": (dict(num_splits=0), ValueError, r"^num_splits: expected 1 to 256"),
+    "splits 257": (dict(num_splits=257), ValueError, r"^num_splits: expected 1 to 256"),
+    "splits bool": (dict(num_splits=True), TypeError, r"^num_splits: expected an int, got bool"),
+    "splits float": (dict(num_splits=2.0), TypeError, r"^num_splits: expected an int, got float"),
+    "window 3": (dict(window=(1, 2, 3)), ValueError, r"^window:"),
+    "window -2": (dict(window=(-2, 0)), ValueError, r"^window: left must be -1"),
+    "softcap 0": (dict(softcap=0.0), ValueError, r"^softcap:"),
+    "softcap str": (dict(softcap="1"), TypeError, r"^softcap:"),
+    "causal str": (dict(causal="yes"), ValueError, r"^causal:"),
+    "causal int": (dict(causal=1), TypeError, r"^causal:"),
+    "scale 0": (dict(scale=0.0), ValueError, r"^scale:"),
+    "scale nan": (dict(scale=float("nan")), ValueError, r"^scale:"),
+    "alibi shape": (dict(alibi_slopes=np.ones(4, np.float32)), ValueError, r"^alibi_slopes: expected shape"),
+    "alibi device f16": (dict(alibi_slopes=FakeDev((8,), F16)), TypeError, r"^alibi_slopes: a device array"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_QUERIES, ids=list(BAD_QUERIES))
+def test_query_rejected(case):
+    kw, exc, match = BAD_QUERIES[case]
+    with pytest.raises(exc, match=match):
+        _q(**kw)
+
+
+def test_query_device_strides_checked():
+    with pytest.raises(ValueError, match=r"^q: the head_dim axis must be contiguous"):
+        check_query(FakeDev((1, 1, 2, 64), strides=(256, 256, 132, 1)), P, **OPTS)
+    with pytest.raises(ValueError, match=r"^q: the head_dim axis"):
+        check_query(FakeDev((1, 1, 2, 64), strides=(256, 256, 128, 2)), P, **OPTS)
+
+
+# --------------------------------------------------------------------------------------------
+# check_block_table (POOL: 10 pages of 4 slots)
+# --------------------------------------------------------------------------------------------
+def test_block_table_padding_unchecked():
+    table = np.array([[3, 9, -1, 2**31 - 1], [0, -5, -5, -5], [-1, -1, -1, -1]], np.int32)
+    lens = np.array([8, 3, 0], np.int32)  # 2 pages, 1 page, none
+    t, l, ti, li = check_block_table(table, lens, 3, POOL, _no_fetch)
+    assert t is table and l is lens and ti.shape == (3, 4) and li.shape == (3,) and not ti.on_device
+
+
+@pytest.mark.parametrize("row, lens, bad", [
+    ([3, 10, 0], 5, 10),  # second used page == num_pages (5 tokens: 2 pages)
+    ([-1, 1, 0], 1, -1),  # first page negative
+    ([0, 1, 2**31 - 1], 12, 2**31 - 1)])  # the whole row is used
+def test_block_table_used_entries_checked(row, lens, bad):
+    with pytest.raises(ValueError, match=rf"^block_table: page indices must be in \[0, 10\).* got {bad} among"):
+        check_block_table(np.array([row], np.int32), np.array([lens], np.int32), 1, POOL, _no_fetch)
+
+
+@pytest.mark.parametrize("table, lens, exc, match", [
+    (np.zeros((2, 3), np.int64), np.zeros(2, np.int32), TypeError, r"^block_table: expected dtype int32"),
+    (np.zeros((2, 3), np.int32), np.zeros(2, np.int64), TypeError, r"^seq_lens: expected dtype int32"),
+    (np.zeros(3, np.int32), np.zeros(2, np.int32), ValueError, r"^block_table: expected 2 dim"),
+    (np.zeros((3, 3), np.int32), np.zeros(2, np.int32), ValueError, r"^block_table, seq_lens: expected 2 rows"),
+    (np.zeros((2, 3), np.int32), np.zeros(3, np.int32), ValueError, r"^block_table, seq_lens: expected 2 rows"),
+    (np.zeros((2, 3), np.int32), np.array([1, -1], np.int32), ValueError, r"^seq_lens: .* got seq_lens\[1\] = -1"),
+    (np.zeros((2, 3), np.int32), np.array([13, 0], np.int32), ValueError, r"^seq_lens: .*= 12, got seq_lens\[0\]"),
+])
+def test_block_table_rejected(table, lens, exc, match):
+    with pytest.raises(exc, match=match):
+        check_block_table(table, lens, 2, POOL, _no_fetch)
+
+
+def test_block_table_device_uses_fetched_copy():
+    good, bad = np.array([[1, 2, 77]], np.int32), np.array([[1, 77, 2]], np.int32)
+    lens = np.array([6], np.int32)  # two pages used
+    fetched = []
+
+    def fetch(x):
+        fetched.append(x)
+        return x.payload
+
+    dt = FakeDev((1, 3), np.int32, payload=good)
+    t, l, ti, _ = check_block_table(dt, lens, 1, POOL, fetch)
+    assert t is good and l is lens and ti.on_device and fetched == [dt]
+    with pytest.raises(ValueError, match=r"^block_table: .* got 77 among the used entries"):
+        check_block_table(FakeDev((1, 3), np.int32, payload=bad), lens, 1, POOL, fetch)
+    dl = FakeDev((1,), np.int32, payload=np.array([13], np.int32))
+    with pytest.raises(ValueError, match=r"^seq_lens: .* got seq_lens\[0\] = 13"):
+        check_block_table(dt, dl, 1, POOL, fetch)
+    with pytest.raises(ValueError, match=r"^block_table: rows must be contiguous"):
+        check_block_table(FakeDev((1, 3), np.int32, strides=(6, 2), payload=good), lens, 1, POOL, fetch)
+
+
+# --------------------------------------------------------------------------------------------
+# check_csr (POOL: 10 pages of 4 slots)
+# --------------------------------------------------------------------------------------------
+def _i32(*x):
+    return np.array(x, np.int32)
+
+
+def test_csr_kv_len_and_tail_unchecked():
+    ip, ix, kv = check_csr(_i32(0, 2, 2, 5), _i32(0, 9, 4, 4, 1, -7, 99), _i32(3, 0, 4), 3, POOL, _no_fetch)
+    assert kv.dtype == np.int32 and kv.tolist() == [4 + 3, 0, 2 * 4 + 4]
+    assert ip.tolist() == [0, 2, 2, 5] and ix.size == 7
+
+
+@pytest.mark.parametrize("ip, ix, lp, exc, match", [
+    (_i32(1, 2), _i32(0, 0), _i32(1), ValueError, r"^indptr: must start at 0"),
+    (_i32(0, 2, 1), _i32(0, 0), _i32(1, 1), ValueError, r"^indptr: .*non-decreasing"),
+    (_i32(0, 3), _i32(0, 0), _i32(1), ValueError, r"^indptr: .* at most at len\(indices\) = 2"),
+    (_i32(0, 1, 1), _i32(0), _i32(1), ValueError, r"^indptr, last_page_len: expected shapes \(3,\), \(2,\)"),
+    (_i32(0, 1), _i32(0), _i32(0), ValueError, r"^last_page_len: .* got last_page_len\[0\] = 0 with 1 page"),
+    (_i32(0, 1), _i32(0), _i32(5), ValueError, r"^last_page_len: expected 1 to page_size = 4"),
+    (_i32(0, 0), _i32(0), _i32(1), ValueError, r"^last_page_len: .* = 1 with 0 page"),
+    (_i32(0, 2), _i32(3, 10), _i32(1), ValueError, r"^indices: page indices must be in \[0, 10\).* got 10"),
+    (_i32(0, 2), _i32(-1, 0), _i32(1), ValueError, r"^indices: .* got -1"),
+    (np.array([0, 1], np.int64), _i32(0), _i32(1), TypeError, r"^indptr: expected dtype int32"),
+    (_i32(0, 1), np.zeros(1, np.uint32), _i32(1), TypeError, r"^indices: expected dtype int32"),
+])
+def test_csr_rejected(ip, ix, lp, exc, match):
+    batch = lp.size if ip.size == lp.size + 1 else 2
+    with pytest.raises(exc, match=match):
+        check_csr(ip, ix, lp, batch, POOL, _no_fetch)
+
+
+@st.composite
+def csr_tables(draw):
+    page_size, num_pages = draw(st.integers(1, 32)), draw(st.integers(1, 40))
+    counts = draw(st.lists(st.integers(0, 5), min_size=1, max_size=6))
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    used = draw(st.lists(st.integers(0, num_pages - 1), min_size=int(indptr[-1]), max_size=int(indptr[-1])))
+    tail = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=3))
+    last = [draw(st.integers(1, page_size)) if n else 0 for n in counts]
+    pool_info = PoolInfo(num_pages, page_size, 1, 64, F16, (page_size * 64, 64, 64), (page_size * 64, 64, 64))
+    return pool_info, counts, indptr, np.array(used + tail, np.int32), np.array(last, np.int32)
+
+
+@settings(max_examples=80, deadline=None)
+@given(csr_tables(), st.data())
+def test_csr_property(table, data):
+    pool_info, counts, indptr, indices, last = table
+    ip, ix, kv = check_csr(indptr, indices, last, len(counts), pool_info, _no_fetch)
+    expect = [(n - 1) * pool_info.page_size + lp if n else 0 for n, lp in zip(counts, last.tolist())]
+    assert kv.dtype == np.int32 and kv.tolist() == expect
+    if indptr[-1]:
+        bad = indices.copy()
+        bad[data.draw(st.integers(0, int(indptr[-1]) - 1))] = data.draw(st.sampled_from([-1, pool_info.num_pages]))
+        with pytest.raises(ValueError, match=r"^indices: page indices must be in"):
+            check_csr(indptr, bad, last, len(counts), pool_info, _no_fetch)
+
+
+# --------------------------------------------------------------------------------------------
+# choose_num_splits
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, expect", [((8, 512, 132), 15), ((64, 64, 132), 2), ((512, 64, 132), 1),
+                                          ((512, 64, 396), 2), ((4096, 64, 396), 1), ((106, 1000, 132), 6),
+                                          ((105, 1000, 132), 5), ((1, 3, 132), 1), ((1, 4, 132), 2),
+                                          ((1, 10**6, 132), 113)])
+def test_num_splits_figures(args, expect):
+    assert choose_num_splits(*args) == expect
+
+
+def _eff(units, s, slots):
+    waves = units * s / slots
+    return waves / math.ceil(waves)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 600), st.integers(0, 3000), st.integers(1, 600))
+def test_num_splits_property(units, max_tiles, slots):
+    s = choose_num_splits(units, max_tiles, slots)
+    limit = max(1, min(256, max_tiles // 2))
+    assert 1 <= s <= limit
+    if max_tiles < 4:
+        assert s == 1
+        return
+    best = max(_eff(units, k, slots) for k in range(1, limit + 1))
+    assert _eff(units, s, slots) >= 0.85 * best
+    assert all(_eff(units, k, slots) < 0.85 * best for k in range(1, s))  # the smallest such
+
+
+# --------------------------------------------------------------------------------------------
+# Decode kernel specs and parameter structs
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="f32", q_tiles=1), r"^dtype: attn_decode takes f16 or bf16"),
+    (dict(q_tiles=0), r"^q_tiles: attn_decode at head_dim 128 on sm_90a takes 1 to 2, got 0"),
+    (dict(q_tiles=3), r"^q_tiles: .* got 3"),
+    (dict(head_dim=256, q_tiles=2), r"^q_tiles: attn_decode at head_dim 256 on sm_90a takes 1 to 1"),
+    (dict(mask="bool", q_tiles=1), r"^mask/softcap/alibi:"),
+    (dict(family="decode_combine", q_tiles=1), r"^q_tiles: only attn_decode takes q_tiles"),
+    (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_decode"),
+    (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_decode"),
+    (dict(family="decode_combine", softcap=True), r"^mask/softcap/alibi:"),
+    (dict(family="decode_combine", dtype="f32"), r"^dtype: decode_combine takes f16 or bf16"),
+])
+def test_decode_spec_rejected(kw, match):
+    args = {"family": "attn_decode", "dtype": "f16", "head_dim": 128, "arch": "sm_90a", **kw}
+    with pytest.raises(ValueError, match=match):
+        KernelSpec(**args)
+
+
+def _cuh_smem(d, kpw, warps, mt, stages):
+    """kPipeBytes / kMergeBytes evaluated from AttnDecodeTraits' own constexpr lines."""
+    body = CUH.read_text().split("struct AttnDecodeTraits {")[1].split("};")[0]
+    env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages}
+    for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
+        if name != "kSmemBytes":
+            env[name] = eval(expr.replace("/", "//"), {}, env)  # plain integer arithmetic on the names above
+    assert re.search(r"kSmemBytes = kPipeBytes > kMergeBytes \? kPipeBytes : kMergeBytes;", body)
+    return max(env["kPipeBytes"], env["kMergeBytes"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_specs_fit_and_match_traits(arch):
+    names = set()
+    for d in HEAD_DIM_BUCKETS:
+        t = tile_config("attn_decode", arch, d)
+        for mt in range(1, decode_max_q_tiles(arch, d) + 1):
+            for tag, ctype in (("f16", "__half"), ("bf16", "__nv_bfloat16")):
+                for sc, al in ((False, False), (True, False), (False, True), (True, True)):
+                    spec = KernelSpec("attn_decode", tag, d, arch, q_tiles=mt, softcap=sc, alibi=al)
+                    names.add(spec.entry_name)
+                    assert spec.entry_name == (f"pyattn_attn_decode_{tag}_d{d}_m{16 * mt}n{t.block_n}w{t.warps}"
+                                               f"s{t.stages}" + "_softcap" * sc + "_alibi" * al)
+            kpw = t.block_n // t.warps
+            ring = (16 * mt + 2 * t.stages * t.block_n) * (d + 8) * 2
+            merge = t.warps * 16 * mt * ((d + 8) + 2) * 4
+            assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages)
+            assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt)
+            assert spec.tiles.block_m == 16 * mt and spec.threads == 32 * t.warps
+            assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<{ctype}, {d}, {kpw}, "
+                                        f"{t.warps}, {mt}, {t.stages}>, true, true>")
+            assert kpw % 16 == 0 and t.stages >= 2 and (t.block_n * d // 8) % (32 * t.warps) == 0  # static_asserts
+    n_variants = sum(decode_max_q_tiles(arch, d) for d in HEAD_DIM_BUCKETS) * 2 * 4
+    assert len(names) == n_variants
+
+
+def test_decode_shared_bytes_when_the_warp_merge_dominates(monkeypatch):
+    # No shipped tile has merge > ring; a hypothetical 16-warp d=32 tile does (the traits allow it).
+    monkeypatch.setitem(specs_mod._DECODE, "sm_90a", ((32, 16, 16, 2, 2, 1, "test"),) + specs_mod._DECODE["sm_90a"])
+    spec = KernelSpec("attn_decode", "f16", 32, "sm_90a", q_tiles=2)
+    ring, merge = (32 + 2 * 2 * 256) * 40 * 2, 16 * 32 * (40 + 2) * 4
+    assert merge > ring and spec.shared_bytes == merge == _cuh_smem(32, 16, 16, 2, 2)
+
+
+def test_decode_combine_and_append_templates():
+    spec = KernelSpec("decode_combine", "bf16", 128, "sm_90a")
+    assert spec.template_id == "pyattn::merge_states<float, __nv_bfloat16, 128, 4>"
+    assert spec.shared_bytes == 0 and spec.params is MERGE_STATES_PARAMS
+    assert KernelSpec("kv_append", "f16", 32, "sm_80").template_id == "pyattn::kv_append<__half>"
+    assert KernelSpec("attn_decode", "f16", 64, "sm_80", q_tiles=1).params is DECODE_PARAMS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_specs_list(arch):
+    specs = decode_specs(arch)
+    assert len(specs) == 14 and len(set(specs)) == 14
+    fams = [s.family for s in specs]
+    assert (fams.count("attn_decode"), fams.count("decode_combine"), fams.count("kv_append")) == (6, 6, 2)
+    assert all(s.arch == arch and s.q_tiles == (s.family == "attn_decode") for s in specs)
+    both = decode_specs(arch, q_tiles=(1, 2))
+    assert len(both) == 18  # q_tiles 2 only where it fits: d=64 and d=128
+
+
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i",
+         "f32": "f"}
+C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "f32_cptr": "const float*",
+           "i32_cptr": "const int*", "i64": "long long", "i32": "int", "f32": "float"}
+
+
+@pytest.mark.parametrize("p", [DECODE_PARAMS, KV_APPEND_PARAMS], ids=["decode", "kv_append"])
+def test_decode_param_structs(p):
+    fmt = "@" + "".join(CODES[k] for _, k in p.fields)
+    assert p.size == struct.calcsize(fmt + "0q") == (struct.calcsize(fmt) + 7) // 8 * 8
+    names = [n for n, _ in p.fields]
+    assert len(set(names)) == len(names)
+    decl = p.c_declaration()
+    body = decl[decl.index("{") + 1:decl.index("};")]
+    assert re.findall(r"^\s+(.+?)\s+(\w+);$", body, re.M) == [(C_TYPES[k], n) for n, k in p.fields]
+    assert f"static_assert(sizeof({p.name}) == {p.size}," in decl
+    assert len(p.pack({n: 1 for n in names})) == p.size
+
+
+def test_decode_kernel_reads_only_declared_fields():
+    used = set(re.findall(r"\bp\.(\w+)", CUH.read_text()))
+    assert used and used <= {n for n, _ in DECODE_PARAMS.fields}

@@ -1,0 +1,241 @@
+"""GPU property tests of paged decode and the paged KV cache against the fp64 reference (marked
+``gpu``; skipped without a driver).
+
+Decode over any page table must equal dense attention over the gathered K/V (bottom-right causal
+for q_len > 1). Pools are filled with NaN outside the slots a sequence owns, so a read past a
+sequence's end or through a wrong page shows up as NaN. The cache tests replay random
+add/append/fork/truncate/free sequences against a host model and compare the pool bytes exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn.reference import attention_ref
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_gpu_attention import DTYPES, _check, _has_gpu  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DT16 = ["float16", "bfloat16"]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("PYATTN_POISON_ALLOC", "1")
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(DTYPES[dtype])
+
+
+def _check_decode(out, lse, q, ks, vs, **opts):
+    """Compare each batch row with dense attention over its gathered keys ks[b], vs[b] (L, Hkv, D)."""
+    out, lse = np.asarray(out), None if lse is None else np.asarray(lse)
+    slopes = opts.pop("alibi_slopes", None)
+    for b in range(q.shape[0]):
+        if slopes is not None:
+            opts["alibi_slopes"] = slopes[b:b + 1] if slopes.ndim == 2 else slopes
+        if ks[b].shape[0] == 0:  # no key at all: output 0, LSE -inf
+            assert np.all(out[b].astype(np.float64) == 0)
+            assert lse is None or np.all(np.isneginf(lse[b]))
+            continue
+        _check(out[b:b + 1], None if lse is None else lse[b:b + 1], q[b:b + 1], ks[b][None], vs[b][None], **opts)
+
+
+def _pools(rng, lengths, page_size, Hkv, D, dtype, layout, extra):
+    """Random page assignment: pools (NaN outside used slots), per-sequence pages, gathered K/V."""
+    n_pages = [-(-n // page_size) for n in lengths]
+    total = sum(n_pages) + extra
+    perm = rng.permutation(total)
+    shape = (total, page_size, Hkv, D) if layout == "nhd" else (total, Hkv, page_size, D)
+    kp = np.full(shape, np.nan, DTYPES[dtype])
+    vp = np.full(shape, np.nan, DTYPES[dtype])
+    pages, ks, vs, at = [], [], [], 0
+    for n, np_ in zip(lengths, n_pages):
+        pg = perm[at:at + np_].astype(np.int32)
+        at += np_
+        k, v = _rand(rng, (n, Hkv, D), dtype), _rand(rng, (n, Hkv, D), dtype)
+        for t in range(n):
+            p, s = pg[t // page_size], t % page_size
+            if layout == "nhd":
+                kp[p, s], vp[p, s] = k[t], v[t]
+            else:
+                kp[p, :, s], vp[p, :, s] = k[t], v[t]
+        pages.append(pg)
+        ks.append(k)
+        vs.append(v)
+    return kp, vp, pages, ks, vs
+
+
+@SETTINGS
+@given(lengths=st.lists(st.integers(0, 700) | st.sampled_from([1, 16, 64, 257]), min_size=1, max_size=3),
+       page_size=st.sampled_from([1, 3, 16, 64, 256]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
+       q_len=st.sampled_from([1, 1, 2, 5]), D=st.sampled_from([64, 128, 40, 256]), dtype=st.sampled_from(DT16),
+       form=st.sampled_from(["block_table", "csr"]), layout=st.sampled_from(["nhd", "hnd"]),
+       splits=st.sampled_from([None, None, 1, 3, 8]), causal=st.booleans(),
+       window=st.sampled_from([None, None, (40, 0), (0, -1), (200, 3)]), mods=st.sampled_from(["", "softcap", "alibi"]),
+       on_device=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_paged_decode_matches_dense(lengths, page_size, Hkv, group, q_len, D, dtype, form, layout, splits, causal,
+                                    window, mods, on_device, seed):
+    rng = np.random.default_rng(seed)
+    B, Hq = len(lengths), Hkv * group
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page_size, Hkv, D, dtype, layout, extra=int(rng.integers(1, 3)))
+    q = _rand(rng, (B, q_len, Hq, D), dtype)
+    opts = dict(causal=causal, window=window)
+    if mods == "softcap":
+        opts["softcap"] = 2.5
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (B, Hq)).astype(np.float32)
+    if form == "block_table":
+        width = max(len(p) for p in pages) + 1
+        table = rng.integers(-5, 10**6, (B, width)).astype(np.int32)  # padding holds garbage
+        for b, p in enumerate(pages):
+            table[b, :len(p)] = p
+        tables = dict(block_table=table, seq_lens=np.array(lengths, np.int32))
+    else:
+        indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+        last = np.array([n - (len(p) - 1) * page_size if n else 0 for n, p in zip(lengths, pages)], np.int32)
+        tables = dict(indptr=indptr, indices=np.concatenate(pages + [np.zeros(2, np.int32)]).astype(np.int32),
+                      last_page_len=last)
+    if on_device:
+        tables = {k: pyattn.asarray(v) for k, v in tables.items()}
+    out, lse = pyattn.paged_decode(pyattn.asarray(q) if on_device else q, pyattn.asarray(kp), pyattn.asarray(vp),
+                                   layout=layout, num_splits=splits, return_lse=True, **tables, **opts)
+    if on_device:
+        out, lse = out.numpy(), lse.numpy()
+    assert out.shape == q.shape and lse.shape == (B, Hq, q_len)
+    _check_decode(out, lse, q, ks, vs, **opts)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_splits_agree(splits):
+    """One long sequence: every split count gives the reference (and the splits' combine is exercised)."""
+    rng = np.random.default_rng(splits)
+    kp, vp, pages, ks, vs = _pools(rng, [3000], 16, 2, 128, "bfloat16", "nhd", extra=0)
+    q = _rand(rng, (1, 1, 8, 128), "bfloat16")
+    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=pages[0][None],
+                                   seq_lens=np.array([3000], np.int32), num_splits=splits, return_lse=True)
+    _check_decode(out, lse, q, ks, vs, causal=True)
+
+
+def test_out_of_range_page_rejected_before_launch():
+    rng = np.random.default_rng(0)
+    kp, vp, pages, _, _ = _pools(rng, [40], 16, 1, 64, "float16", "nhd", extra=0)
+    table = pages[0][None].copy()
+    table[0, 1] = kp.shape[0]  # one past the pool
+    q = _rand(rng, (1, 1, 1, 64), "float16")
+    with pytest.raises(ValueError, match="block_table: page indices must be in"):
+        pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=pyattn.asarray(table),
+                            seq_lens=np.array([40], np.int32))
+
+
+# -- the cache -------------------------------------------------------------------------------------
+
+class _Model:
+    """Host model of a cache: each sequence's K and V tokens."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+
+def _gather(cache, sid):
+    """A sequence's K/V read back from the pool through its page table."""
+    pages, n, ps = cache.book.pages(sid), cache.length(sid), cache.page_size
+    kp, vp = cache.k.numpy(), cache.v.numpy()
+    idx = np.arange(n)
+    return kp[pages[idx // ps], idx % ps], vp[pages[idx // ps], idx % ps]
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "append", "append", "fork", "truncate", "free"]),
+                         st.integers(0, 2**31 - 1)), min_size=4, max_size=14)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, page_size=st.sampled_from([1, 4, 16, 128]), num_pages=st.integers(4, 60),
+       dtype=st.sampled_from(DT16), q_len=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1))
+def test_cache_ops_keep_every_sequence_exact(ops, page_size, num_pages, dtype, q_len, seed):
+    rng = np.random.default_rng(seed)
+    Hkv, D, group = 2, 64, 4
+    cache = pyattn.PagedKVCache(num_pages, page_size, Hkv, D, dtype)
+    model = _Model()
+    for op, r in ops:
+        live = list(model.k)
+        pick = live[r % len(live)] if live else None
+        if op == "add" or not live:
+            sid = cache.add_sequence()
+            model.k[sid], model.v[sid] = np.zeros((0, Hkv, D), DTYPES[dtype]), np.zeros((0, Hkv, D), DTYPES[dtype])
+        elif op == "append":
+            ids = [s for s in live if rng.random() < 0.7] or [pick]
+            counts = [int(rng.integers(0, 2 * page_size + 3)) for _ in ids]
+            k, v = _rand(rng, (sum(counts), Hkv, D), dtype), _rand(rng, (sum(counts), Hkv, D), dtype)
+            before = (cache.book.refcount.copy(), cache.num_free_pages, cache.k.numpy())
+            try:
+                args = (pyattn.asarray(k), pyattn.asarray(v)) if r % 2 else (k, v)
+                cache.append(ids, *args, counts=counts)
+            except pyattn.OutOfPagesError:
+                assert np.array_equal(before[0], cache.book.refcount) and before[1] == cache.num_free_pages
+                assert np.array_equal(before[2].view(np.uint16), cache.k.numpy().view(np.uint16))
+                continue
+            at = 0
+            for sid, c in zip(ids, counts):
+                model.k[sid] = np.concatenate([model.k[sid], k[at:at + c]])
+                model.v[sid] = np.concatenate([model.v[sid], v[at:at + c]])
+                at += c
+        elif op == "fork":
+            n = int(rng.integers(0, cache.length(pick) + 1)) if r % 2 else None
+            sid = cache.fork(pick, n)
+            model.k[sid], model.v[sid] = model.k[pick][:n].copy(), model.v[pick][:n].copy()
+        elif op == "truncate":
+            n = int(rng.integers(0, cache.length(pick) + 1))
+            cache.truncate(pick, n)
+            model.k[pick], model.v[pick] = model.k[pick][:n], model.v[pick][:n]
+        else:
+            cache.free(pick)
+            del model.k[pick], model.v[pick]
+        cache.book.check()
+    for sid in model.k:  # the bytes of every live sequence, through its pages
+        k, v = _gather(cache, sid)
+        assert np.array_equal(k.view(np.uint16), model.k[sid].view(np.uint16)), f"sequence {sid}: K differs"
+        assert np.array_equal(v.view(np.uint16), model.v[sid].view(np.uint16)), f"sequence {sid}: V differs"
+    ids = list(model.k)
+    if ids:
+        q = _rand(rng, (len(ids), q_len, Hkv * group, D), dtype)
+        out, lse = pyattn.decode(q, cache, ids, return_lse=True)
+        _check_decode(out, lse, q, [model.k[i] for i in ids], [model.v[i] for i in ids], causal=True)
+        table, lens = cache.block_table(ids)
+        again = pyattn.paged_decode(q, cache.k, cache.v, block_table=table, seq_lens=lens)
+        assert np.array_equal(np.asarray(again).view(np.uint16), np.asarray(out).view(np.uint16))
+    for sid in ids:
+        cache.free(sid)
+    assert cache.num_free_pages == num_pages and not cache.book.refcount.any()
+
+
+def test_decode_loop_matches_dense():
+    """A serving loop: prefill by append, then several steps of append-one-token + decode, with a fork."""
+    rng = np.random.default_rng(1)
+    Hkv, D, group, dtype = 2, 128, 4, "bfloat16"
+    cache = pyattn.PagedKVCache(64, 16, Hkv, D, dtype)
+    a = cache.add_sequence()
+    k0, v0 = _rand(rng, (1, 37, Hkv, D), dtype), _rand(rng, (1, 37, Hkv, D), dtype)
+    cache.append([a], k0, v0)
+    b = cache.fork(a)
+    ks = {a: k0[0], b: k0[0].copy()}
+    vs = {a: v0[0], b: v0[0].copy()}
+    for _ in range(5):
+        k1, v1 = _rand(rng, (2, 1, Hkv, D), dtype), _rand(rng, (2, 1, Hkv, D), dtype)
+        cache.append([a, b], pyattn.asarray(k1), pyattn.asarray(v1))
+        for i, sid in enumerate((a, b)):
+            ks[sid] = np.concatenate([ks[sid], k1[i]])
+            vs[sid] = np.concatenate([vs[sid], v1[i]])
+        q = _rand(rng, (2, 1, Hkv * group, D), dtype)
+        out = pyattn.decode(pyattn.asarray(q), cache, [a, b])
+        _check_decode(out.numpy(), None, q, [ks[a], ks[b]], [vs[a], vs[b]], causal=True)
+    assert cache.book.pages(a)[0] == cache.book.pages(b)[0]  # the full first pages stay shared
+    assert cache.book.pages(a)[2] != cache.book.pages(b)[2]  # the written partial page was copied
