@@ -33,7 +33,7 @@ def _progress(done: int, total: int, spec, built: bool) -> None:
 def cmd_warmup(args) -> int:
     """Precompile the standard variants for the given archs (or the GPU's)."""
     from . import jit
-    from .kernels.specs import standard_specs
+    from .kernels.specs import warmup_specs
     from .runtime.errors import PyattnError
 
     archs = args.arch
@@ -43,7 +43,7 @@ def cmd_warmup(args) -> int:
             print(f"no usable GPU ({why}); name archs with --arch", file=sys.stderr)
             return 2
         archs = [dev.arch]
-    specs = [s for a in archs for s in standard_specs(a)]
+    specs = [s for a in archs for s in warmup_specs(a)]
     print(f"pyattn warmup: {len(specs)} kernels for {', '.join(archs)} into {jit.get_cache().directory}")
     t0 = time.perf_counter()
     try:

@@ -39,5 +39,9 @@ if [[ $what == all || $what == bench ]]; then
   python3 scripts/bench_prefill.py --json "$out/bench_prefill.json" --png "$out/bench_prefill.png" 2>&1 \
     | tee "$out/bench_prefill.log" | tail -40
   [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  echo "== decode benchmark (paged / contiguous KV vs torch SDPA FA2/cuDNN, copy bandwidth)"
+  python3 scripts/bench_decode.py --json "$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log" \
+    | grep -E '^\||^==|MISS|PASS|targets' | tail -45
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
 fi
 exit $rc

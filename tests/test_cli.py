@@ -12,7 +12,7 @@ import pytest
 
 from pyattn.jit.cache import KernelCache
 from pyattn.jit.headers import nvrtc_version
-from pyattn.kernels.specs import standard_specs
+from pyattn.kernels.specs import warmup_specs
 from pyattn.runtime.device import device_count
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -67,8 +67,8 @@ def test_info_without_gpu(cache_dir):
 
 
 def test_warmup_info_cache_clear_cycle(cache_dir):
-    n = len(standard_specs("sm_90a"))
-    assert n == 24
+    n = len(warmup_specs("sm_90a"))
+    assert n == 38  # 24 attention variants + 14 paged-cache kernels
 
     r = run_cli("warmup", "--arch", "sm_90a", "--quiet", cache=cache_dir)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -32,14 +32,14 @@ from pyattn.jit.headers import cuda_include_dir, header_version, nvrtc_identity,
 from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render, sources_digest
 from pyattn.kernels.params import ParamStruct
-from pyattn.kernels.specs import KernelSpec, standard_specs
+from pyattn.kernels.specs import KernelSpec, warmup_specs
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
 EM_CUDA = 190
 
 
 def _all_specs():
-    return [s for a in ARCHS for s in standard_specs(a)]
+    return [s for a in ARCHS for s in warmup_specs(a)]
 
 
 def _elf_sm(image: bytes) -> int:

@@ -6,6 +6,8 @@ table exports, argument validation and sequence-id reuse.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -55,24 +57,35 @@ class BookMachine(RuleBasedStateMachine):
     def pick(self, data):
         return data.draw(st.sampled_from(sorted(self.model)))
 
-    @rule()
-    def add_sequence(self):
+    def counts(self, data, n):
+        big = data.draw(st.integers(0, 7)) == 0  # mostly small counts; at times past the whole cache
+        return [data.draw(st.integers(0, self.book.num_pages * self.ps if big else 2 * self.ps + 1))
+                for _ in range(n)]
+
+    @rule(data=st.data())
+    def add_sequence(self, data):
         sid = self.book.add_sequence()
         self.new_id(sid)
         self.model[sid] = []
+        self.do_append([sid], self.counts(data, 1))   # the prompt (may not fit)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def append(self, data):
+        live = sorted(self.model)
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        ps, pages = self.ps, {s: self.book.pages(s).tolist() for s in live}
+        shared = [pages[s][-1] for s in live if len(self.model[s]) % ps and self.book.refcount[pages[s][-1]] > 1]
+        if shared and data.draw(st.booleans()):  # sharers of a partly filled page: COW copies meet
+            page = data.draw(st.sampled_from(shared))
+            ids = [s for s in live if page in pages[s]][:data.draw(st.integers(1, 4))] + ids
+            ids = data.draw(st.permutations(list(dict.fromkeys(ids))))
+        self.do_append(ids, self.counts(data, len(ids)))
+
+    def do_append(self, ids, counts):
         ps, book = self.ps, self.book
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=4, unique=True))
-        count = st.one_of(st.integers(0, 2 * ps + 1), st.integers(0, book.num_pages * ps))
-        counts = [data.draw(count) for _ in ids]
         # Independent expectation: new pages plus one copy per write into a shared, partly filled page.
-        refs = {}
-        for s in book.seq_ids:
-            for p in book.pages(s).tolist():
-                refs[p] = refs.get(p, 0) + 1
+        refs = Counter(p for s in book.seq_ids for p in book.pages(s).tolist())
         cow = [c > 0 and len(self.model[s]) % ps != 0 and refs[book.pages(s)[-1]] > 1
                for s, c in zip(ids, counts)]
         need = sum(cdiv(len(self.model[s]) + c, ps) - cdiv(len(self.model[s]), ps) + w
@@ -108,6 +121,9 @@ class BookMachine(RuleBasedStateMachine):
         sid = self.book.fork(src) if length is None else self.book.fork(src, length)
         self.new_id(sid)
         self.model[sid] = list(self.model[src][:length])
+        if data.draw(st.booleans()):  # a beam-search step: parent and child both write at once
+            ids = data.draw(st.permutations([src, sid]))
+            self.do_append(ids, self.counts(data, 2))
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -180,7 +196,7 @@ class BookMachine(RuleBasedStateMachine):
 
 
 # report_multiple_bugs=False: on a failure, shrink one bug only (a broken book breaks many steps).
-BookMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
+BookMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
                                          report_multiple_bugs=False, suppress_health_check=[HealthCheck.too_slow])
 TestBookMachine = BookMachine.TestCase
 
@@ -189,7 +205,7 @@ TestBookMachine = BookMachine.TestCase
 def test_state_machine_large_pages(page_size):
     machine = type(f"BookMachine{page_size}", (BookMachine,), {"PAGE_SIZE": st.just(page_size)})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=25, stateful_step_count=25, deadline=None, report_multiple_bugs=False,
+        max_examples=30, stateful_step_count=25, deadline=None, report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck)))
 
 
@@ -341,6 +357,14 @@ def test_constructor_validation(num_pages, page_size, exc, name):
         PageBook(num_pages, page_size)
 
 
+@pytest.mark.xfail(strict=True, reason="BUG: num_pages * page_size is computed in the argument's dtype; "
+                   "np.int32(2**23) * 256 wraps to -2**31, so the int32 slot limit is not enforced")
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_constructor_slot_limit_with_numpy_int32():
+    with pytest.raises(ValueError, match="num_pages"):
+        PageBook(np.int32(2**23), 256)
+
+
 def test_constructor_accepts_numpy_ints_and_limits():
     b = PageBook(np.int64(3), np.int32(256))
     assert (b.num_pages, b.page_size, b.num_free) == (3, 256, 3) and type(b.page_size) is int
@@ -352,31 +376,18 @@ def test_call_validation():
     dead = b.add_sequence()
     b.free(dead)
     before = snapshot(b)
-    for call in (lambda: b.length(dead), lambda: b.pages(123), lambda: b.free(dead),
-                 lambda: b.truncate(dead, 0), lambda: b.plan_append([dead], [1])):
-        with pytest.raises(ValueError, match="seq_id|no live sequence"):
+    cases = [(ValueError, "seq_id", f) for f in (
+        lambda: b.length(dead), lambda: b.pages(123), lambda: b.free(dead), lambda: b.fork(dead),
+        lambda: b.truncate(dead, 0), lambda: b.plan_append([s, dead], [1, 1]), lambda: b.csr([dead]))]
+    cases += [(ValueError, "seq_ids.*distinct", lambda: b.plan_append([s, s], [1, 1]))]
+    cases += [(ValueError, "counts", lambda c=c: b.plan_append([s], c)) for c in ([-1], [1, 2], [])]
+    cases += [(ValueError, "length", lambda n=n, f=f: f(s, n)) for n in (-1, 6) for f in (b.truncate, b.fork)]
+    cases += [(TypeError, "length", lambda n=n, f=f: f(s, n))
+              for n in (2.0, "3", True, None, np.float64(1), np.bool_(0)) for f in (b.truncate, b.fork)
+              if not (n is None and f == b.fork)]   # fork(s, None) means the whole sequence
+    for exc, name, call in cases:
+        with pytest.raises(exc, match=name):
             call()
-    with pytest.raises(ValueError, match="seq_id"):
-        b.fork(dead)
-    with pytest.raises(ValueError, match="seq_ids.*distinct"):
-        b.plan_append([s, s], [1, 1])
-    with pytest.raises(ValueError, match="counts"):
-        b.plan_append([s], [-1])
-    with pytest.raises(ValueError, match="counts"):
-        b.plan_append([s], [1, 2])
-    with pytest.raises(ValueError, match="counts"):
-        b.plan_append([s], [])
-    for bad in (-1, 6):
-        with pytest.raises(ValueError, match="length"):
-            b.truncate(s, bad)
-        with pytest.raises(ValueError, match="length"):
-            b.fork(s, bad)
-    for bad in (2.0, "3", True, None):
-        with pytest.raises(TypeError, match="length"):
-            b.truncate(s, bad)
-    for bad in (2.0, np.float64(1), np.bool_(0)):
-        with pytest.raises(TypeError, match="length"):
-            b.fork(s, bad)
     assert snapshot(b) == before
     b.truncate(s, np.int64(5))
     assert b.length(s) == 5 and b.length(b.fork(s, np.int32(5))) == 5

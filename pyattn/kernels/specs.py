@@ -8,7 +8,6 @@ cache key; no other module assembles kernel names or options.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -17,7 +16,7 @@ from ..runtime.device import SUPPORTED_ARCHS
 from .params import ATTN_FWD_PARAMS, DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
-           "select_attention_spec", "standard_specs", "decode_specs", "decode_max_q_tiles", "tile_config"]
+           "select_attention_spec", "standard_specs", "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config"]
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
 DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}
@@ -103,8 +102,9 @@ _WGMMA_SM90 = (
 # ring = (16 q_tiles + 2 stages block_n) (d + 8) * 2 and merge = warps * 16 q_tiles * (d + 10) * 4.
 # Entries: (max head_dim, keys per warp, warps, stages, max q_tiles, min blocks per SM, reason).
 _DECODE_227K = (  # sm_90a / sm_100a
-    (128, 16, 4, 2, 2, 3, "v2: 74 KiB at d=128 so 3 blocks (12 warps) share an SM; v1 (4 stages, 1 block) ran "
-                          "latency-bound at 2.0 TB/s (ncu: 6% occupancy, an issue every 3.75 cycles)"),
+    (128, 32, 2, 3, 2, 2, "v3, H200 (scripts/tune_decode.py, bf16 Hq32 Hkv8): 3.50-3.60 TB/s at B8 L32k / B64 L4k; "
+                          "2 warps x 32 keys, 3 stages, 2 blocks/SM (106 KiB); 4 warps x 16 keys at 3 blocks/SM: "
+                          "3.45-3.55; v1 (4 warps, 4 stages, 1 block/SM) 2.0 TB/s, latency-bound at 6% occupancy"),
     (256, 16, 4, 2, 1, 1, "143 KiB at d=256; one row tile (the accumulator is 128 registers); unmeasured"),
 )
 _DECODE_163K = (  # sm_80
@@ -239,7 +239,7 @@ class KernelSpec:
         return self.mask != "none" or self.softcap or self.alibi
 
     # -- derived facts -------------------------------------------------------------------
-    @functools.cached_property  # read on every launch; the spec is frozen, so compute it once
+    @property  # not cached: tests patch the tables; launch paths keep what they need in their plans
     def tiles(self) -> TileConfig:
         t = tile_config(self.family, self.arch, self.head_dim)
         if self.family == "attn_decode":
@@ -408,8 +408,12 @@ def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool
 
 
 def standard_specs(arch: str) -> list:
-    """Every variant ``attention``, ``decode`` and the paged cache can select on ``arch`` without
-    score modifiers: what ``pyattn warmup`` precompiles."""
+    """Every variant ``attention`` can select on ``arch`` without score modifiers."""
     plain = [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
     plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
-    return list(dict.fromkeys(plain)) + decode_specs(arch)  # wgmma's 64-wide buckets serve two 32-wide ones
+    return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones
+
+
+def warmup_specs(arch: str) -> list:
+    """What ``pyattn warmup`` precompiles for ``arch``: :func:`standard_specs` and :func:`decode_specs`."""
+    return standard_specs(arch) + decode_specs(arch)
