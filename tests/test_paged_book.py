@@ -357,9 +357,6 @@ def test_constructor_validation(num_pages, page_size, exc, name):
         PageBook(num_pages, page_size)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: num_pages * page_size is computed in the argument's dtype; "
-                   "np.int32(2**23) * 256 wraps to -2**31, so the int32 slot limit is not enforced")
-@pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_constructor_slot_limit_with_numpy_int32():
     with pytest.raises(ValueError, match="num_pages"):
         PageBook(np.int32(2**23), 256)

@@ -83,6 +83,7 @@ class PageBook:
         for name, val in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
                 raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
+        num_pages, page_size = int(num_pages), int(page_size)  # NumPy ints would overflow the product below
         if not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page_size: expected 1 to {MAX_PAGE_SIZE}, got {page_size}")
         if num_pages < 1 or num_pages * page_size > _INT32_MAX:
