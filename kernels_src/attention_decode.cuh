@@ -244,46 +244,13 @@ __device__ __forceinline__ void attn_decode(const DecodeParams& p) {
     }
 
     // -- online softmax (the 4 lanes of a quad share rows g and g + 8)
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-      float corr[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mi][h];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-        const float ref = mx == -inf() ? 0.f : mx * sl2;  // no (-inf) - (-inf)
-        corr[h] = fast_exp2(fmaf(row_max[mi][h], sl2, -ref));
-        row_max[mi][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          s[mi][nt][2 * h] = fast_exp2(fmaf(s[mi][nt][2 * h], sl2, -ref));
-          s[mi][nt][2 * h + 1] = fast_exp2(fmaf(s[mi][nt][2 * h + 1], sl2, -ref));
-          sum += s[mi][nt][2 * h] + s[mi][nt][2 * h + 1];
-        }
-        row_sum[mi][h] = row_sum[mi][h] * corr[h] + sum;
-      }
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc[mi][dt][0] *= corr[0]; acc[mi][dt][1] *= corr[0];
-        acc[mi][dt][2] *= corr[1]; acc[mi][dt][3] *= corr[1];
-      }
-    }
+    online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
 
     // -- O += P V
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
       unsigned a[MT][4];
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi) {
-        a[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        a[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        a[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        a[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-      }
+      p_fragments<T, MT, NT>(s, kk, a);
 #pragma unroll
       for (int d0 = 0; d0 < DT / 2; d0 += VG) {
         unsigned bv[VG][4];

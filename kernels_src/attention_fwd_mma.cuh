@@ -140,47 +140,13 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
                       band_tile_full<BN>(band, m0 + warp_row, m0 + warp_row + 16 * MT - 1, n0, sk));
 
     // -- online softmax: the 4 lanes of a quad share rows g and g + 8
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-      float corr[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mi][h];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-        // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
-        const float ref = mx == -inf() ? 0.f : mx * sl2;
-        corr[h] = fast_exp2(fmaf(row_max[mi][h], sl2, -ref));
-        row_max[mi][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          s[mi][nt][2 * h] = fast_exp2(fmaf(s[mi][nt][2 * h], sl2, -ref));
-          s[mi][nt][2 * h + 1] = fast_exp2(fmaf(s[mi][nt][2 * h + 1], sl2, -ref));
-          sum += s[mi][nt][2 * h] + s[mi][nt][2 * h + 1];
-        }
-        row_sum[mi][h] = row_sum[mi][h] * corr[h] + sum;  // quad-partial; reduced once in the epilogue
-      }
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc[mi][dt][0] *= corr[0]; acc[mi][dt][1] *= corr[0];
-        acc[mi][dt][2] *= corr[1]; acc[mi][dt][3] *= corr[1];
-      }
-    }
+    online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
 
     // -- O += P V, with P's A fragments built from S's C fragments in registers
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       unsigned a[MT][4];
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi) {
-        a[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        a[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        a[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        a[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-      }
+      p_fragments<T, MT, NT>(s, kk, a);
 #pragma unroll
       for (int dt = 0; dt < DT; dt += 2) {
         unsigned b[4];

@@ -75,4 +75,55 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Online-softmax step over one warp's score tile in the C layout above: MT m16 row tiles x NT n8
+// key tiles, this lane holding rows g and g + 8 of each row tile (the 4 lanes of a quad share
+// them). Scores s are scaled by sl2 into log2 units; row_max keeps the running max of the
+// unscaled scores, row_sum this lane's partial sum (quad-reduced once, in the epilogue), and acc
+// (MT x DT n8 output tiles) is rescaled to the new max. s becomes the unnormalised P.
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
+                                               float (&row_max)[MT][2], float (&row_sum)[MT][2], float sl2) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[mi][h];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
+      const float ref = mx == -inf() ? 0.f : mx * sl2;
+      corr[h] = fast_exp2(fmaf(row_max[mi][h], sl2, -ref));
+      row_max[mi][h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[mi][nt][2 * h] = fast_exp2(fmaf(s[mi][nt][2 * h], sl2, -ref));
+        s[mi][nt][2 * h + 1] = fast_exp2(fmaf(s[mi][nt][2 * h + 1], sl2, -ref));
+        sum += s[mi][nt][2 * h] + s[mi][nt][2 * h + 1];
+      }
+      row_sum[mi][h] = row_sum[mi][h] * corr[h] + sum;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      acc[mi][dt][0] *= corr[0]; acc[mi][dt][1] *= corr[0];
+      acc[mi][dt][2] *= corr[1]; acc[mi][dt][3] *= corr[1];
+    }
+  }
+}
+
+// The A fragments of P for k16 step kk (key tiles 2kk and 2kk + 1), from S's C fragments.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void p_fragments(const float (&s)[MT][NT][4], int kk, unsigned (&a)[MT][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+    a[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+    a[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+    a[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+    a[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+  }
+}
+
 }  // namespace pyattn
