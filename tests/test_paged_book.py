@@ -402,3 +402,16 @@ def test_sequence_ids_never_reused():
         b.free(f)
     assert seen == sorted(set(seen)) and b.seq_ids == [] and b.num_free == 8
     assert b.add_sequence() > max(seen)
+
+
+def test_bool_ids_and_non_int_counts_are_rejected():
+    book = PageBook(4, 4)
+    sid = book.add_sequence()
+    book.add_sequence()
+    with pytest.raises(TypeError, match="^seq_id: expected an int"):
+        book.length(True)
+    with pytest.raises(TypeError, match="^counts: expected ints"):
+        book.plan_append([sid], [2.9])
+    with pytest.raises(TypeError, match="^counts: expected ints"):
+        book.plan_append([sid], ["3"])
+    assert book.length(sid) == 0 and book.num_free == 4

@@ -106,6 +106,8 @@ class PageBook:
         return list(self._seqs)
 
     def _seq(self, seq_id, name: str = "seq_id") -> _Seq:
+        if isinstance(seq_id, (bool, np.bool_)):  # True == 1 would silently name sequence 1
+            raise TypeError(f"{name}: expected an int sequence id, got {seq_id!r}")
         try:
             return self._seqs[seq_id]
         except (KeyError, TypeError):
@@ -194,6 +196,8 @@ class PageBook:
         :class:`OutOfPagesError` without changing anything when the pages do not suffice.
         """
         seqs = self.seq_list(seq_ids)
+        if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
+            raise TypeError(f"counts: expected ints, got {list(counts)}")
         counts = [int(c) for c in counts]
         if len(counts) != len(seqs) or any(c < 0 for c in counts):
             raise ValueError(f"counts: expected {len(seqs)} non-negative token counts, got {counts}")

@@ -171,6 +171,8 @@ class PagedKVCache:
         elif len(ki.shape) == 3:
             if counts is None:
                 raise ValueError("counts: required for packed (total, heads, dim) k/v")
+            if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
+                raise TypeError(f"counts: expected ints, got {list(counts)}")
             counts = [int(c) for c in counts]
             if ki.shape[1:] != (H, D) or len(counts) != len(seq_ids) or sum(counts) != ki.shape[0]:
                 raise ValueError(f"k: expected shape (sum(counts) = {sum(counts)}, {H}, {D}) with one count per "
