@@ -146,9 +146,9 @@ MERGE_STATES_PARAMS = ParamStruct(
 # tokens are key t at slot t % page_size of page i = t / page_size. Pool strides (page, slot,
 # head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
-# h * group + r % group). With num_splits > 1, split s writes
-# its normalised fp32 output to o_part[s][b][qi][hq][:head_dim] and natural-log LSE to
-# lse_part[s][b][qi][hq]; otherwise o and lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]).
+# h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
+# o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq]; otherwise o and
+# lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]).
 def _pool_strides(prefix: str):
     return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("page", "slot", "h"))
 

@@ -16,7 +16,8 @@ from ..runtime.device import SUPPORTED_ARCHS
 from .params import ATTN_FWD_PARAMS, DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
-           "select_attention_spec", "standard_specs", "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config"]
+           "select_attention_spec", "standard_specs", "warmup_specs", "decode_specs", "decode_max_q_tiles",
+           "tile_config"]
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
 DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}

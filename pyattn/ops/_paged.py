@@ -80,8 +80,8 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
         if i.dtype.name not in DECODE_DTYPES:
             raise TypeError(f"{i.name}: expected dtype float16 or bfloat16, got {i.dtype}")
         if len(i.shape) != 4:
-            raise ValueError(f"{i.name}: expected 4 dims ({'pages, page_size, heads, dim' if layout == 'nhd' else 'pages, heads, page_size, dim'}), "
-                             f"got shape {i.shape}")
+            axes = "pages, page_size, heads, dim" if layout == "nhd" else "pages, heads, page_size, dim"
+            raise ValueError(f"{i.name}: expected 4 dims ({axes}), got shape {i.shape}")
         if i.strides[-1] != 1:
             raise ValueError(f"{i.name}: the head_dim axis must be contiguous, got element strides {i.strides}")
         if any(st % 8 for st in i.strides[:-1]):
