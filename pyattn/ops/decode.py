@@ -18,6 +18,7 @@ from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_t
 from ..runtime.launch import launch
 from ..runtime.memory import Allocation
 from ..runtime.stream import as_stream
+from .attention import upload_extras
 from ._paged import check_block_table, check_csr, check_pools, check_query, choose_num_splits
 from ._plan import ptx_requested
 
@@ -186,11 +187,8 @@ def _upload_i32(x, host: np.ndarray, device, s):
 
 
 def _alibi(alibi_slopes, P, device, s):
-    if alibi_slopes is None:
-        return None
-    if P.alibi.on_device:
-        return asarray(alibi_slopes, stream=s)
-    return asarray(np.ascontiguousarray(alibi_slopes, dtype=np.float32), device=device, stream=s)
+    """ALiBi slopes on the device: attention's upload (float32, contiguous, same-device check)."""
+    return upload_extras(P, None, alibi_slopes, device, s)[1]
 
 
 def _finish(q, out, lse, return_lse: bool, s):
