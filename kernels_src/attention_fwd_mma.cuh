@@ -12,6 +12,7 @@
 // Requires pyattn::AttnFwdParams, common.cuh and mma.cuh.
 #pragma once
 #include "attention_mask.cuh"
+#include "block_sparse.cuh"
 
 namespace pyattn {
 
@@ -45,7 +46,7 @@ __device__ __forceinline__ void load_tile(typename Tr::T* dst, const typename Tr
   }
 }
 
-template <class Tr, class Mods>
+template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kStride;
@@ -75,14 +76,17 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   const Band band = make_band(p, sq, sk);
   int n_begin, n_end;  // key tiles some row of this block can see
   band_key_range<BN>(band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
-  const int n_blocks = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
+  KeyTiles<BM, BN, SPARSE> tiles;  // the band's tiles, or the block-sparse list of this query tile
+  tiles.init(p, head, m_block, n_begin, n_end);
+  const int n_blocks = tiles.count;
   const ModState mods = make_mod_state<Mods>(p, batch, head, sq, sk);
 
   // -- prologue: Q and the first K/V tile in flight
   load_tile<Tr>(sQ, q, p.q_stride_s, BM, m0, sq, p.head_dim);
+  int n_next = n_blocks > 0 ? tiles.n0(0) : 0;
   if (n_blocks > 0) {
-    load_tile<Tr>(sK, k, p.k_stride_s, BN, n_begin, sk, p.head_dim);
-    load_tile<Tr>(sV, v, p.v_stride_s, BN, n_begin, sk, p.head_dim);
+    load_tile<Tr>(sK, k, p.k_stride_s, BN, n_next, sk, p.head_dim);
+    load_tile<Tr>(sV, v, p.v_stride_s, BN, n_next, sk, p.head_dim);
   }
   cp_async_commit();
 
@@ -100,12 +104,14 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   const int row0 = m0 + warp_row + g;        // this thread's row in tile 0; tile mi adds 16*mi, half h adds 8
 
   for (int j = 0; j < n_blocks; ++j) {
-    const int n0 = n_begin + j * BN, stage = j & 1;
+    const int n0 = n_next, stage = j & 1;
+    const unsigned long long sub = tiles.mask(j);  // issued early: its latency hides behind the wait
     cp_async_wait<0>();
     __syncthreads();  // tile j landed for everyone, and every warp is done with tile j-1
     if (j + 1 < n_blocks) {  // prefetch tile j+1 into the stage tile j-1 used
-      load_tile<Tr>(sK + (stage ^ 1) * BN * LD, k, p.k_stride_s, BN, n0 + BN, sk, p.head_dim);
-      load_tile<Tr>(sV + (stage ^ 1) * BN * LD, v, p.v_stride_s, BN, n0 + BN, sk, p.head_dim);
+      n_next = tiles.n0(j + 1);
+      load_tile<Tr>(sK + (stage ^ 1) * BN * LD, k, p.k_stride_s, BN, n_next, sk, p.head_dim);
+      load_tile<Tr>(sV + (stage ^ 1) * BN * LD, v, p.v_stride_s, BN, n_next, sk, p.head_dim);
     }
     cp_async_commit();
     const T* tK = sK + stage * BN * LD;
@@ -138,6 +144,14 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
     // -- score modifiers; keys past the end or outside the band -> -inf (attention_mask.cuh)
     mask_scores<Mods>(s, p, mods, band, row0, n0 + 2 * t, sq, sk,
                       band_tile_full<BN>(band, m0 + warp_row, m0 + warp_row + 16 * MT - 1, n0, sk));
+    if (SPARSE && sub != tiles.kAll) {  // -- block-sparse: keys of invisible 16 x 16 sub-blocks -> -inf
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          if (!tiles.visible(sub, warp * MT + mi, nt * 8))
+            s[mi][nt][0] = s[mi][nt][1] = s[mi][nt][2] = s[mi][nt][3] = -inf();
+    }
 
     // -- online softmax: the 4 lanes of a quad share rows g and g + 8
     online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);

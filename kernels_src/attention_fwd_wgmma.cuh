@@ -28,6 +28,7 @@
 // smaller head dims run in the next bucket, zero-padded).
 #pragma once
 #include "attention_mask.cuh"
+#include "block_sparse.cuh"
 #include "wgmma.cuh"
 
 namespace pyattn {
@@ -98,7 +99,7 @@ __device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr:
   }
 }
 
-template <class Tr>
+template <class Tr, bool SPARSE>
 struct AttnFwdWgmmaMainloop {
   using T = typename Tr::T;
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
@@ -113,10 +114,12 @@ struct AttnFwdWgmmaMainloop {
   const T* v;
   long long k_stride, v_stride;
   Band band;
+  KeyTiles<BM, BN, SPARSE> tiles;  // the band's key tiles, or this query tile's block-sparse list
   unsigned sKV;                    // shared address of stage 0 (K; V kKVBytes later)
   unsigned long long q_desc, k_desc0, v_desc0;
-  int n_begin, n_tiles, sk, head_dim;
+  int n_tiles, sk, head_dim;
   int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
+  int sub_row;                     // this thread's row of 16 x 16 sub-blocks within the query tile
   float sl2;
   // -- running state
   float acc[O_REGS];
@@ -136,7 +139,8 @@ struct AttnFwdWgmmaMainloop {
   // accumulators idle and serialises every wgmma (C7514).
   template <bool WITH_PV>
   __device__ __forceinline__ void step(const int j) {
-    const int n0 = n_begin + j * BN;
+    const int n0 = tiles.n0(j);
+    const unsigned long long sub = tiles.mask(j);
     // Tile j landed (this thread's copies), is visible to the async proxy, and everyone's copies
     // are done; every warpgroup also finished the wgmmas that read the stage refilled below
     // (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
@@ -163,8 +167,9 @@ struct AttnFwdWgmmaMainloop {
     // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
     if (j + AHEAD < n_tiles) {
       const unsigned st = sKV + load_stage * Tr::kStageBytes;
-      wgmma_load_tile<Tr, BN>(st, k, k_stride, n0 + AHEAD * BN, sk, head_dim);
-      wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, v, v_stride, n0 + AHEAD * BN, sk, head_dim);
+      const int n_load = tiles.n0(j + AHEAD);
+      wgmma_load_tile<Tr, BN>(st, k, k_stride, n_load, sk, head_dim);
+      wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, v, v_stride, n_load, sk, head_dim);
     }
     wg::cp_async_commit();  // possibly empty: keeps one group per tile for wait<AHEAD-1>
     load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
@@ -184,6 +189,11 @@ struct AttnFwdWgmmaMainloop {
           const int key = n0 + i * 8 + 2 * t + (e & 1), row = row_a + (e >> 1) * 8;
           if (key >= sk || !band.allows(row, key)) s[4 * i + e] = -inf();
         }
+    }
+    if (SPARSE && sub != tiles.kAll) {  // -- block-sparse: keys of invisible 16 x 16 sub-blocks -> -inf
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+        if (!tiles.visible(sub, sub_row, i * 8)) s[4 * i] = s[4 * i + 1] = s[4 * i + 2] = s[4 * i + 3] = -inf();
     }
 
     // -- online softmax: the 4 lanes of a quad share rows row_a and row_a + 8
@@ -240,11 +250,11 @@ struct AttnFwdWgmmaMainloop {
   }
 };
 
-template <class Tr, class Mods>
+template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   static_assert(!Mods::kAny, "score modifiers (mask, soft-cap, ALiBi) stay on the mma.sync kernel");
   using T = typename Tr::T;
-  using Mainloop = AttnFwdWgmmaMainloop<Tr>;
+  using Mainloop = AttnFwdWgmmaMainloop<Tr, SPARSE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
 
@@ -269,9 +279,10 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   ml.k_stride = p.k_stride_s;
   ml.v_stride = p.v_stride_s;
   ml.band = make_band(p, sq, sk);
-  int n_end;  // key tiles outside every row's band are skipped
-  band_key_range<BN>(ml.band, m0, min(m0 + BM, sq) - 1, sk, ml.n_begin, n_end);
-  ml.n_tiles = n_end > ml.n_begin ? (n_end - ml.n_begin + BN - 1) / BN : 0;
+  int n_begin, n_end;  // key tiles outside every row's band are skipped
+  band_key_range<BN>(ml.band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
+  ml.tiles.init(p, head, m_block, n_begin, n_end);
+  ml.n_tiles = ml.tiles.count;
   ml.sk = sk;
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
@@ -281,6 +292,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   ml.t = lane % 4;
   ml.wg_row0 = m0 + wgi * 64;
   ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + g;
+  ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
   ml.sl2 = p.scale_log2;
 
   // Descriptors (128-byte swizzle). K-major operands step 32 B per k16 inside a 64-column block,
@@ -304,8 +316,9 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
     for (int i = 0; i < AHEAD; ++i) {
       if (i < ml.n_tiles) {
         const unsigned st = sKV + i * Tr::kStageBytes;
-        wgmma_load_tile<Tr, BN>(st, ml.k, ml.k_stride, ml.n_begin + i * BN, sk, p.head_dim);
-        wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, ml.v, ml.v_stride, ml.n_begin + i * BN, sk, p.head_dim);
+        const int n_load = ml.tiles.n0(i);
+        wgmma_load_tile<Tr, BN>(st, ml.k, ml.k_stride, n_load, sk, p.head_dim);
+        wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, ml.v, ml.v_stride, n_load, sk, p.head_dim);
       }
       wg::cp_async_commit();
     }

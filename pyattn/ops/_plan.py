@@ -22,6 +22,7 @@ __all__ = ["Plan", "make_plan", "run_plan", "spec_for", "ptx_requested"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
+_N_EXTRAS = 7  # pointer fields of AttnFwdParams after q, k, v, o, lse
 
 
 @functools.lru_cache(maxsize=512)
@@ -63,11 +64,12 @@ def _bsh(elem_strides: tuple, layout: str) -> tuple:
     return (sb, s1, s2) if layout == "bshd" else (sb, s2, s1)
 
 
-def make_plan(P, spec, kernel, arrays) -> Plan:
+def make_plan(P, spec, kernel, arrays, tile_stride_h: int = 0) -> Plan:
     """Build the plan of problem ``P`` (an ``AttentionProblem``) for ``spec``/``kernel``.
 
     ``arrays`` are the q, k, v DeviceArrays; the tensor-core kernels' 16-byte loads need their strides
-    to be multiples of 16 bytes (checked here, once per plan).
+    to be multiples of 16 bytes (checked here, once per plan). ``tile_stride_h``: block-sparse
+    calls, rows of the tile list per query head (0 = one layout shared by all heads).
     """
     itemsize = arrays[0].dtype.itemsize
     tensor_cores = spec.family in ("attn_fwd_mma", "attn_fwd_tf32", "attn_fwd_wgmma")
@@ -105,6 +107,7 @@ def make_plan(P, spec, kernel, arrays) -> Plan:
         "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
+        "tile_stride_h": tile_stride_h,
     })
     n_out = int(np.prod(out_shape))
     empty = n_out == 0 or P.batch == 0
@@ -128,7 +131,8 @@ def run_plan(plan: Plan, arrays, extras: tuple, s, *, return_lse: bool, out=None
     ----------
     plan : Plan
     arrays : (q, k, v) DeviceArrays
-    extras : (mask, alibi, cu_seqlens_q, cu_seqlens_k) DeviceArrays or None
+    extras : (mask, alibi, cu_seqlens_q, cu_seqlens_k[, tile_ptr, tile_idx, tile_bits]) DeviceArrays or None
+        Missing trailing entries are null (the block-sparse tile list is only given by its op).
     s : Stream
     return_lse : bool
     out : DeviceArray, optional
@@ -154,7 +158,7 @@ def run_plan(plan: Plan, arrays, extras: tuple, s, *, return_lse: bool, out=None
         n = int(np.prod(shape))
         lse = allocate(device, s, shape, _F32, tuple(4 * e for e in elem), elem, 4 * n)
     if not plan.empty:
-        ptrs = [a.ptr if a is not None else 0 for a in extras]
+        ptrs = [a.ptr if a is not None else 0 for a in extras] + [0] * (_N_EXTRAS - len(extras))
         params = plan.packer.pack(arrays[0].ptr, arrays[1].ptr, arrays[2].ptr, out.ptr,
                                   lse.ptr if lse is not None else 0, *ptrs)
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
