@@ -7,9 +7,12 @@ directory and starts no thread; the driver is initialised by the first call that
 
 from ._version import __version__
 from .array import DeviceArray, asarray, empty
+from . import patterns
 from .ops.attention import attention
+from .ops.block_sparse import block_sparse_attention
 from .ops.decode import decode, paged_decode
 from .ops.merge import merge_states
+from .ops.sparse import sparse_attention
 from .ops.varlen import attention_varlen
 from .paged.book import OutOfPagesError
 from .paged.cache import PagedKVCache
@@ -22,6 +25,9 @@ __all__ = [
     "attention",
     "merge_states",
     "attention_varlen",
+    "sparse_attention",
+    "block_sparse_attention",
+    "patterns",
     "decode",
     "paged_decode",
     "PagedKVCache",

@@ -43,5 +43,13 @@ if [[ $what == all || $what == bench ]]; then
   python3 scripts/bench_decode.py --json "$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log" \
     | grep -E '^\||^==|MISS|PASS|targets' | tail -45
   [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  echo "== sparse benchmark (block-sparse vs dense pyattn / SDPA, patterns, CSR sparse_attention)"
+  python3 scripts/bench_sparse.py --json "$out/bench_sparse.json" 2>&1 | tee "$out/bench_sparse.log" \
+    | grep -E '^\||^==|MISS|PASS|targets|WARNING' | tail -50
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  echo "== 8-bit KV cache benchmark (decode over bf16 / int8 / fp8 caches, accuracy)"
+  python3 scripts/bench_quant.py --json "$out/bench_quant.json" 2>&1 | tee "$out/bench_quant.log" \
+    | grep -E '^\||^==|MISS|PASS|targets|WARNING' | tail -60
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
 fi
 exit $rc

@@ -15,6 +15,7 @@ What a cubin says about its arch, checked empirically with NVRTC 13.x:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import pathlib
@@ -115,6 +116,28 @@ def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monke
         assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
         mask = f"_mask{spec.mask}" if spec.mask != "none" else ""
         assert spec.entry_name.endswith(f"{mask}_softcap_alibi")
+
+
+def _sparse_and_quant_specs(arch):
+    """The block-sparse prefill variants (plain and with soft-cap, which runs on mma.sync) and the
+    8-bit-cache decode kernels of ``arch``, at the head-dim extremes of each."""
+    from pyattn.kernels.specs import select_attention_spec
+
+    specs = [dataclasses.replace(select_attention_spec(dt, d, arch, softcap=cap), sparse=True)
+             for dt, d, cap in (("float16", 64, False), ("bfloat16", 256, False), ("bfloat16", 128, True))]
+    specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
+              for tag, d, kv, mods in (("f16", 64, "int8", True), ("bf16", 128, "fp8e4m3", False),
+                                       ("bf16", 256, "int8", False), ("f16", 128, "fp8e4m3", True))]
+    return specs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sparse_and_quantized_decode_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    specs = _sparse_and_quant_specs(arch)
+    for spec, meta, _ in jit.build_many(specs, workers=2):
+        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+        assert spec.entry_name.endswith("_sparse") or "_kv" in spec.entry_name
 
 
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
@@ -288,7 +311,8 @@ def test_include_dir_cache_is_restored_after_override_tests():
 # --------------------------------------------------------------------------------------------
 # ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
 # --------------------------------------------------------------------------------------------
-_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i",
+          "f32": "f"}
 
 
 def _layout_check_source(p: ParamStruct) -> str:

@@ -356,13 +356,15 @@ def test_decode_spec_rejected(kw, match):
         KernelSpec(**args)
 
 
-def _cuh_smem(d, kpw, warps, mt, stages):
+def _cuh_smem(d, kpw, warps, mt, stages, kv=0):
     """kPipeBytes / kMergeBytes evaluated from AttnDecodeTraits' own constexpr lines."""
     body = CUH.read_text().split("struct AttnDecodeTraits {")[1].split("};")[0]
-    env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages}
+    env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages, "KV_": kv}
     for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
         if name != "kSmemBytes":
-            env[name] = eval(expr.replace("/", "//"), {}, env)  # plain integer arithmetic on the names above
+            # plain integer arithmetic on the names above; `c ? a : b` read as Python's `a if c else b`
+            expr = re.sub(r"^(.+?)\?(.+?):(.+)$", r"(\2) if (\1) else (\3)", " ".join(expr.split()), flags=re.S)
+            env[name] = eval(expr.replace("/", "//"), {}, env)
     assert re.search(r"kSmemBytes = kPipeBytes > kMergeBytes \? kPipeBytes : kMergeBytes;", body)
     return max(env["kPipeBytes"], env["kMergeBytes"])
 
@@ -386,10 +388,30 @@ def test_decode_specs_fit_and_match_traits(arch):
             assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt)
             assert spec.tiles.block_m == 16 * mt and spec.threads == 32 * t.warps
             assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<{ctype}, {d}, {kpw}, "
-                                        f"{t.warps}, {mt}, {t.stages}>, true, true>")
+                                        f"{t.warps}, {mt}, {t.stages}, 0>, true, true>")
             assert kpw % 16 == 0 and t.stages >= 2 and (t.block_n * d // 8) % (32 * t.warps) == 0  # static_asserts
     n_variants = sum(decode_max_q_tiles(arch, d) for d in HEAD_DIM_BUCKETS) * 2 * 4
     assert len(names) == n_variants
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_decode_specs_fit_and_match_traits(arch):
+    for d in (64, 128, 256):
+        for kv, num in (("int8", 1), ("fp8e4m3", 2)):
+            t = tile_config("attn_decode", arch, d, kv)
+            for mt in range(1, decode_max_q_tiles(arch, d, kv) + 1):
+                spec = KernelSpec("attn_decode", "bf16", d, arch, q_tiles=mt, kv=kv)
+                kpw = t.block_n // t.warps
+                ring = 16 * mt * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)  # Q + codes + scales
+                merge = t.warps * 16 * mt * ((d + 8) + 2) * 4
+                assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages, num)
+                assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
+                assert spec.entry_name.endswith(f"_kv{kv}")
+                assert spec.template_id.endswith(f"{t.stages}, {num}>, false, false>")
+    with pytest.raises(ValueError, match="head_dim"):
+        KernelSpec("attn_decode", "bf16", 96, arch, q_tiles=1, kv="int8")
+    with pytest.raises(ValueError, match="kv"):
+        KernelSpec("attn_fwd_mma", "bf16", 128, arch, kv="int8")
 
 
 def test_decode_shared_bytes_when_the_warp_merge_dominates(monkeypatch):
@@ -404,7 +426,9 @@ def test_decode_combine_and_append_templates():
     spec = KernelSpec("decode_combine", "bf16", 128, "sm_90a")
     assert spec.template_id == "pyattn::merge_states<float, __nv_bfloat16, 128, 4>"
     assert spec.shared_bytes == 0 and spec.params is MERGE_STATES_PARAMS
-    assert KernelSpec("kv_append", "f16", 32, "sm_80").template_id == "pyattn::kv_append<__half>"
+    assert KernelSpec("kv_append", "f16", 32, "sm_80").template_id == "pyattn::kv_append<__half, 0>"
+    assert KernelSpec("kv_append", "bf16", 32, "sm_80", kv="fp8e4m3").template_id == \
+        "pyattn::kv_append<__nv_bfloat16, 2>"
     assert KernelSpec("attn_decode", "f16", 64, "sm_80", q_tiles=1).params is DECODE_PARAMS
 
 
@@ -419,10 +443,10 @@ def test_decode_specs_list(arch):
     assert len(both) == 18  # q_tiles 2 only where it fits: d=64 and d=128
 
 
-CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i",
-         "f32": "f"}
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
 C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "f32_cptr": "const float*",
-           "i32_cptr": "const int*", "i64": "long long", "i32": "int", "f32": "float"}
+           "i32_cptr": "const int*", "u64_cptr": "const unsigned long long*",
+           "i64": "long long", "i32": "int", "f32": "float"}
 
 
 @pytest.mark.parametrize("p", [DECODE_PARAMS, KV_APPEND_PARAMS], ids=["decode", "kv_append"])

@@ -95,7 +95,7 @@ def test_select_spot_values_and_ptx_flag():
     assert spec == KernelSpec("attn_fwd_mma", "bf16", 96, "sm_90a", mask="bool")
     spec = select_attention_spec("float16", 100, "sm_90a")
     assert spec.template_id == ("pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
-                                "true>, pyattn::ScoreMods<0, false, false>>")
+                                "true>, pyattn::ScoreMods<0, false, false>, false>")
     assert spec.threads == 256 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 1024
     assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
     assert select_attention_spec("float32", 64, "sm_86") == KernelSpec("attn_fwd_simt", "f32", 64, "sm_86")
@@ -341,7 +341,7 @@ def test_cache_key_differs_for_every_field_and_toolchain():
                 dataclasses.replace(base, family="attn_decode", q_tiles=2)]
     # every field of the spec is covered above
     assert {f.name for f in dataclasses.fields(KernelSpec)} == {"family", "dtype", "head_dim", "arch", "ptx",
-                                                                 "mask", "softcap", "alibi", "q_tiles"}
+                                                                 "mask", "softcap", "alibi", "q_tiles", "sparse", "kv"}
     keys = {v.cache_key(TOOLCHAIN) for v in variants}
     keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
              base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),
@@ -406,9 +406,9 @@ def test_arch_for_unsupported_capability_raises(cc):
 # Parameter structs
 # --------------------------------------------------------------------------------------------
 C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "f32_cptr": "const float*",
-           "i32_cptr": "const int*", "i64": "long long", "i32": "int", "f32": "float"}
-CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i64": "q", "i32": "i",
-         "f32": "f"}
+           "i32_cptr": "const int*", "u64_cptr": "const unsigned long long*",
+           "i64": "long long", "i32": "int", "f32": "float"}
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
 
 
 def _calc_size(fields):
@@ -452,6 +452,7 @@ def _value(kind):
     return {
         "ptr": st.integers(0, 2**64 - 1), "mut_ptr": st.integers(0, 2**64 - 1), "f32_ptr": st.integers(0, 2**64 - 1),
         "f32_cptr": st.integers(0, 2**64 - 1), "i32_cptr": st.integers(0, 2**64 - 1),
+            "u64_cptr": st.integers(0, 2**64 - 1),
         "i64": st.integers(-2**63, 2**63 - 1), "i32": st.integers(-2**31, 2**31 - 1),
         "f32": st.floats(width=32, allow_nan=False),
     }[kind]
@@ -539,7 +540,7 @@ def test_mma_template_id_encodes_the_spec(arch):
             t = spec.tiles
             # AttnFwdMmaTraits<T, HEAD_DIM, BLOCK_N, WARPS, M_TILES>: BLOCK_M is derived, not passed
             assert spec.template_id == (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {d}, "
-                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>, pyattn::ScoreMods<0, false, false>>")
+                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>, pyattn::ScoreMods<0, false, false>, false>")
             assert spec.entry_name == f"pyattn_attn_fwd_mma_{dtype}_d{d}_m{t.block_m}n{t.block_n}w{t.warps}"
 
 

@@ -11,7 +11,8 @@ import functools
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS"]
+__all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
+           "SPARSE_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -20,6 +21,7 @@ _KINDS = {
     "f32_ptr": ("Q", "float*"),
     "f32_cptr": ("Q", "const float*"),
     "i32_cptr": ("Q", "const int*"),
+    "u64_cptr": ("Q", "const unsigned long long*"),
     "i64": ("q", "long long"),
     "i32": ("i", "int"),
     "f32": ("f", "float"),
@@ -35,7 +37,7 @@ class ParamStruct:
     name : str
         The C++ struct name (inside ``namespace pyattn``).
     fields : tuple of (str, str)
-        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``i64``,
+        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``u64_cptr``, ``i64``,
         ``i32``, ``f32``).
     """
 
@@ -110,17 +112,22 @@ def _strides(prefix: str):
 # the maxima. LSE element (b, h, i) lives at lse[b * lse_stride_b + h * lse_stride_h + row0 + i],
 # row0 = cu_seqlens_q[b] for varlen, else 0. causal: 0 none, 1 bottom-right, 2 top-left;
 # window_left/right: -1 = unbounded (both relative to the bottom-right diagonal).
+# Block-sparse (tile_ptr non-null): query tile m of head h visits only the key tiles
+# tile_idx[tile_ptr[r] : tile_ptr[r + 1]] with r = h * tile_stride_h + m (tile_stride_h 0: one
+# layout for all heads); tile_bits of each is a bit mask of its 16 x 16 sub-blocks (bit
+# (row / 16) * (BLOCK_N / 16) + key / 16 within the tile), all ones for a fully visible tile.
 ATTN_FWD_PARAMS = ParamStruct(
     "AttnFwdParams",
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"),
-     ("mask", "ptr"), ("alibi", "f32_cptr"), ("cu_seqlens_q", "i32_cptr"), ("cu_seqlens_k", "i32_cptr"))
+     ("mask", "ptr"), ("alibi", "f32_cptr"), ("cu_seqlens_q", "i32_cptr"), ("cu_seqlens_k", "i32_cptr"),
+     ("tile_ptr", "i32_cptr"), ("tile_idx", "i32_cptr"), ("tile_bits", "u64_cptr"))
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + (("mask_stride_b", "i64"), ("mask_stride_h", "i64"), ("mask_stride_q", "i64"), ("mask_stride_k", "i64"),
        ("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
     + (("batch", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"),
        ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
-       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32")),
+       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32"), ("tile_stride_h", "i32")),
 )
 
 # merge_states: out = LSE-weighted combination of state a and the n_b states of stack b.
@@ -148,7 +155,9 @@ MERGE_STATES_PARAMS = ParamStruct(
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
 # o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq]; otherwise o and
-# lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]).
+# lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]). Quantized pools (int8 / fp8 e4m3) carry
+# one fp32 scale per (page, slot, kv head) in k_scale / v_scale (strides ks_* / vs_*): the value of
+# an element is its stored code times that scale. Null for 16-bit pools.
 def _pool_strides(prefix: str):
     return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("page", "slot", "h"))
 
@@ -157,8 +166,10 @@ DECODE_PARAMS = ParamStruct(
     "DecodeParams",
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
      ("lse_part", "f32_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"),
-     ("alibi", "f32_cptr"), ("num_splits", "i32"), ("table_stride", "i64"))  # per call; the rest per plan
+     ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"), ("v_scale", "f32_cptr"), ("num_splits", "i32"),
+     ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
+    + _pool_strides("ks") + _pool_strides("vs")
     + (("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
     + (("batch", "i32"), ("q_len", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
        ("head_dim", "i32"), ("page_size", "i32"), ("page_shift", "i32"), ("row_blocks", "i32"), ("causal", "i32"),
@@ -169,11 +180,27 @@ DECODE_PARAMS = ParamStruct(
 # Paged-cache append: item i copies one token's K and V rows (every kv head) to pool slot dst[i]
 # (page dst / page_size, offset dst % page_size); src[i] >= 0 is a row of the new tokens
 # (k_src + src * k_src_stride_t), src[i] < 0 the pool slot -1 - src[i] (a copy-on-write copy).
+# Quantized pools: a new row is quantized (scale = amax / code max, written to k_scale / v_scale);
+# a copy-on-write copy moves codes and scales unchanged.
 KV_APPEND_PARAMS = ParamStruct(
     "KvAppendParams",
     (("k_src", "ptr"), ("v_src", "ptr"), ("k", "mut_ptr"), ("v", "mut_ptr"), ("dst", "i32_cptr"),
-     ("src", "i32_cptr"))
+     ("src", "i32_cptr"), ("k_scale", "f32_ptr"), ("v_scale", "f32_ptr"))
     + (("k_src_stride_t", "i64"), ("k_src_stride_h", "i64"), ("v_src_stride_t", "i64"), ("v_src_stride_h", "i64"))
-    + _pool_strides("k") + _pool_strides("v")
+    + _pool_strides("k") + _pool_strides("v") + _pool_strides("ks") + _pool_strides("vs")
     + (("n_items", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
+)
+
+# CSR sparse attention (attention_sparse.cuh): query row i of (batch b, query head h) attends to the
+# keys indices[offsets[o + i] : offsets[o + i + 1]] with o = b * off_stride_b + h * off_stride_h
+# (strides 0 for a pattern shared across batch / heads). Indices were range- and duplicate-checked
+# on the host. LSE element (b, h, i) at lse[b * lse_stride_b + h * lse_stride_h + i].
+SPARSE_PARAMS = ParamStruct(
+    "SparseParams",
+    (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("indices", "i32_cptr"),
+     ("offsets", "i32_cptr"))
+    + _strides("q") + _strides("k") + _strides("v") + _strides("o")
+    + (("off_stride_b", "i64"), ("off_stride_h", "i64"), ("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
+    + (("batch", "i32"), ("heads_q", "i32"), ("group", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"),
+       ("head_dim", "i32"), ("scale_log2", "f32")),
 )

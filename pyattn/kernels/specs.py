@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from ..runtime.device import SUPPORTED_ARCHS
-from .params import ATTN_FWD_PARAMS, DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
+from .params import ATTN_FWD_PARAMS, DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
            "select_attention_spec", "standard_specs", "warmup_specs", "decode_specs", "decode_max_q_tiles",
@@ -27,12 +27,15 @@ _CTYPE = {tag: ctype for tag, ctype in DTYPES.values()}
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states", "attn_decode",
-            "decode_combine", "kv_append")
+            "decode_combine", "kv_append", "attn_sparse")
 _ATTN_FAMILIES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma")
 _DECODE_FAMILIES = ("attn_decode", "decode_combine", "kv_append")  # the paged-cache kernels: fp16/bf16 only
 WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 # Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
 MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
+# Paged-cache element kinds (attn_decode / kv_append ``kv``): "" = the query dtype, else 8-bit codes
+# with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
+KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
@@ -116,19 +119,39 @@ _DECODE_99K = (  # sm_86 / sm_89
     (128, 16, 4, 2, 2, 1, "74 KiB at d=128, under 99 KiB; unmeasured"),
     (256, 16, 2, 2, 1, 1, "71 KiB at d=256 with 2 warps; unmeasured"),
 )
+# 8-bit caches (kv = "int8" / "fp8e4m3"): ring = (16 q_tiles (d + 8) * 2) + stages * block_n * 2 (d + 4)
+# (codes and scales); head-dim buckets 64 / 128 / 256. More warps than the 16-bit kernel: the
+# code -> fp16/bf16 conversion adds ~3 instructions per element, so more warps hide latency.
+_DECODE_Q8_227K = (  # sm_90a / sm_100a
+    (128, 16, 4, 4, 2, 2, "72 KiB at d=128 (4 warps x 16 keys, 4 stages); unmeasured"),
+    (256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
+)
+_DECODE_Q8_163K = (  # sm_80
+    (128, 16, 4, 4, 2, 2, "72 KiB at d=128: 2 blocks in 164 KiB; unmeasured"),
+    (256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
+)
+_DECODE_Q8_99K = (  # sm_86 / sm_89
+    (128, 16, 4, 4, 2, 1, "72 KiB at d=128, under 99 KiB; unmeasured"),
+    (256, 16, 4, 2, 1, 1, "75 KiB at d=256 with 2 stages; unmeasured"),
+)
+_DECODE_Q8 = {"sm_80": _DECODE_Q8_163K, "sm_86": _DECODE_Q8_99K, "sm_89": _DECODE_Q8_99K,
+              "sm_90a": _DECODE_Q8_227K, "sm_100a": _DECODE_Q8_227K}
+KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
 _DECODE = {"sm_80": _DECODE_163K, "sm_86": _DECODE_99K, "sm_89": _DECODE_99K, "sm_90a": _DECODE_227K,
            "sm_100a": _DECODE_227K}
+# attn_sparse (CSR lists of keys per query): one warp per query row, 8 keys per step; 4 rows per block.
+_SPARSE = TileConfig(4, 8, 4, "gather kernel: one warp per query row (rows have their own key lists); unmeasured")
 # kv_append: a grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
 _APPEND = TileConfig(0, 0, 8, "memory-bound scatter: 256 threads, grid-stride over 16-byte chunks")
 
 
-def decode_max_q_tiles(arch: str, head_dim: int) -> int:
+def decode_max_q_tiles(arch: str, head_dim: int, kv: str = "") -> int:
     """The most m16 row tiles one decode block takes at ``head_dim`` (a bucket) on ``arch``."""
-    return _decode_entry(arch, head_dim)[4]
+    return _decode_entry(arch, head_dim, kv)[4]
 
 
-def _decode_entry(arch: str, head_dim: int) -> tuple:
-    for entry in _DECODE[arch]:
+def _decode_entry(arch: str, head_dim: int, kv: str = "") -> tuple:
+    for entry in (_DECODE_Q8 if kv else _DECODE)[arch]:
         if head_dim <= entry[0]:
             return entry
     raise ValueError(f"head_dim: no attn_decode tile for {head_dim} on {arch}")
@@ -141,8 +164,9 @@ _MMA = {"sm_80": _MMA_BIG_SMEM, "sm_86": _MMA_SMALL_SMEM, "sm_89": _MMA_SMALL_SM
         "sm_90a": _MMA_BIG_SMEM, "sm_100a": _MMA_BIG_SMEM}
 
 
-def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
-    """Return the tile table entry for ``family`` on ``arch`` at ``head_dim`` (a bucket)."""
+def tile_config(family: str, arch: str, head_dim: int, kv: str = "") -> TileConfig:
+    """Return the tile table entry for ``family`` on ``arch`` at ``head_dim`` (a bucket); ``kv``:
+    the cache's element kind (decode)."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
     if family == "attn_fwd_simt":
@@ -150,9 +174,11 @@ def tile_config(family: str, arch: str, head_dim: int) -> TileConfig:
     if family in ("merge_states", "decode_combine"):
         return _MERGE
     if family == "kv_append":
-        return _APPEND
+        return _APPEND  # (kv: the same launch shape)
+    if family == "attn_sparse":
+        return _SPARSE
     if family == "attn_decode":
-        _, keys_per_warp, warps, stages, _, min_blocks, reason = _decode_entry(arch, head_dim)
+        _, keys_per_warp, warps, stages, _, min_blocks, reason = _decode_entry(arch, head_dim, kv)
         return TileConfig(16, keys_per_warp * warps, warps, reason, min_blocks, 1, stages)
     if family == "attn_fwd_wgmma":
         if arch not in WGMMA_ARCHS:
@@ -191,6 +217,12 @@ class KernelSpec:
         Attention and decode: compile in the soft-cap / ALiBi score modifiers.
     q_tiles : int
         Decode only: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
+    sparse : bool
+        Tensor-core attention only: visit the key tiles of a block-sparse tile list (see
+        ``AttnFwdParams``) instead of every tile of the band.
+    kv : str
+        attn_decode / kv_append only: the cache's element kind, one of :data:`KV_KINDS` (``""`` =
+        the query dtype; ``"int8"`` / ``"fp8e4m3"`` = 8-bit codes with fp32 scales).
     """
 
     family: str
@@ -202,6 +234,8 @@ class KernelSpec:
     softcap: bool = False
     alibi: bool = False
     q_tiles: int = 0
+    sparse: bool = False
+    kv: str = ""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -229,11 +263,21 @@ class KernelSpec:
         if self.family in _DECODE_FAMILIES and self.dtype == "f32":
             raise ValueError(f"dtype: {self.family} takes f16 or bf16, got 'f32'")
         if self.family == "attn_decode":
-            if not 1 <= self.q_tiles <= decode_max_q_tiles(self.arch, self.head_dim):
+            if self.kv and self.head_dim not in KV_HEAD_DIM_BUCKETS:
+                raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
+                                 f"got {self.head_dim}")
+            if not 1 <= self.q_tiles <= decode_max_q_tiles(self.arch, self.head_dim, self.kv):
                 raise ValueError(f"q_tiles: attn_decode at head_dim {self.head_dim} on {self.arch} takes 1 to "
-                                 f"{decode_max_q_tiles(self.arch, self.head_dim)}, got {self.q_tiles}")
+                                 f"{decode_max_q_tiles(self.arch, self.head_dim, self.kv)}, got {self.q_tiles}")
         elif self.q_tiles:
             raise ValueError(f"q_tiles: only attn_decode takes q_tiles, got {self.q_tiles} for {self.family}")
+        if self.sparse and self.family not in ("attn_fwd_mma", "attn_fwd_wgmma"):
+            raise ValueError(f"sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, "
+                             f"got {self.family}")
+        if self.kv not in KV_KINDS:
+            raise ValueError(f"kv: expected one of {tuple(KV_KINDS)}, got {self.kv!r}")
+        if self.kv and self.family not in ("attn_decode", "kv_append"):
+            raise ValueError(f"kv: only attn_decode / kv_append read quantized caches, got {self.family}")
 
     @property
     def has_mods(self) -> bool:
@@ -242,7 +286,7 @@ class KernelSpec:
     # -- derived facts -------------------------------------------------------------------
     @property  # not cached: tests patch the tables; launch paths keep what they need in their plans
     def tiles(self) -> TileConfig:
-        t = tile_config(self.family, self.arch, self.head_dim)
+        t = tile_config(self.family, self.arch, self.head_dim, self.kv)
         if self.family == "attn_decode":
             t = dataclasses.replace(t, block_m=16 * self.q_tiles, m_tiles=self.q_tiles)
         return t
@@ -252,12 +296,14 @@ class KernelSpec:
         return {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
                 "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh",
                 "merge_states": "merge_states.cuh", "decode_combine": "merge_states.cuh",
-                "attn_decode": "attention_decode.cuh", "kv_append": "kv_append.cuh"}[self.family]
+                "attn_decode": "attention_decode.cuh", "kv_append": "kv_append.cuh",
+                "attn_sparse": "attention_sparse.cuh"}[self.family]
 
     @property
     def params(self):
         return {"merge_states": MERGE_STATES_PARAMS, "decode_combine": MERGE_STATES_PARAMS,
-                "attn_decode": DECODE_PARAMS, "kv_append": KV_APPEND_PARAMS}.get(self.family, ATTN_FWD_PARAMS)
+                "attn_decode": DECODE_PARAMS, "kv_append": KV_APPEND_PARAMS,
+                "attn_sparse": SPARSE_PARAMS}.get(self.family, ATTN_FWD_PARAMS)
 
     @property
     def threads(self) -> int:
@@ -269,6 +315,7 @@ class KernelSpec:
         t = self.tiles
         mods = (f"_mask{self.mask}" if self.mask != "none" else "") + ("_softcap" if self.softcap else "") \
             + ("_alibi" if self.alibi else "")
+        mods += ("_sparse" if self.sparse else "") + (f"_kv{self.kv}" if self.kv else "")
         stages = f"s{t.stages}" if self.family == "attn_decode" else ""
         return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{stages}{mods}"
 
@@ -279,24 +326,29 @@ class KernelSpec:
             return f"pyattn::merge_states<{ctype}, {ctype}, {self.head_dim}, {t.warps}>"
         if self.family == "decode_combine":  # fp32 split partials -> the output type
             return f"pyattn::merge_states<float, {ctype}, {self.head_dim}, {t.warps}>"
+        kv = KV_KINDS[self.kv]
         if self.family == "kv_append":
-            return f"pyattn::kv_append<{ctype}>"
+            return f"pyattn::kv_append<{ctype}, {kv}>"
+        if self.family == "attn_sparse":
+            return f"pyattn::attn_sparse<{ctype}, {self.head_dim}, {t.warps}>"
         if self.family == "attn_decode":
             return (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<{ctype}, {self.head_dim}, {t.block_n // t.warps}, "
-                    f"{t.warps}, {t.m_tiles}, {t.stages}>, {str(self.softcap).lower()}, {str(self.alibi).lower()}>")
+                    f"{t.warps}, {t.m_tiles}, {t.stages}, {kv}>, {str(self.softcap).lower()}, "
+                    f"{str(self.alibi).lower()}>")
         mods = (f"pyattn::ScoreMods<{MASK_KINDS[self.mask]}, {str(self.softcap).lower()}, "
                 f"{str(self.alibi).lower()}>")
         if self.family == "attn_fwd_simt":
             return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
                     f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>, {mods}>")
+        sparse = str(self.sparse).lower()
         if self.family == "attn_fwd_wgmma":
             return (f"pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<{ctype}, {self.head_dim}, {t.block_m}, "
-                    f"{t.block_n}, {t.warps // 4}, {t.stages}, {str(t.overlap).lower()}>, {mods}>")
+                    f"{t.block_n}, {t.warps // 4}, {t.stages}, {str(t.overlap).lower()}>, {mods}, {sparse}>")
         if self.family == "attn_fwd_tf32":
             return (f"pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<{self.head_dim}, {t.block_n}, {t.warps}, "
                     f"{t.m_tiles}>, {mods}>")
         return (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {self.head_dim}, {t.block_n}, "
-                f"{t.warps}, {t.m_tiles}>, {mods}>")
+                f"{t.warps}, {t.m_tiles}>, {mods}, {sparse}>")
 
     @property
     def shared_bytes(self) -> int:
@@ -306,10 +358,12 @@ class KernelSpec:
         stages of K and V tiles in the input type, rows padded by 8 elements.
         """
         t, d = self.tiles, self.head_dim
-        if self.family in ("merge_states", "decode_combine", "kv_append"):
+        if self.family in ("merge_states", "decode_combine", "kv_append", "attn_sparse"):
             return 0
         if self.family == "attn_decode":  # AttnDecodeTraits::kSmemBytes (the kernel traps on a mismatch)
             ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
+            if self.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
+                ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
             return max(ring, t.warps * t.block_m * (d + 10) * 4)
         if self.family == "attn_fwd_simt":
             return 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
@@ -350,7 +404,8 @@ class KernelSpec:
     def describe(self) -> str:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
                                                ("softcap", self.softcap), ("alibi", self.alibi),
-                                               (f"q_tiles={self.q_tiles}", self.q_tiles)) if on)
+                                               (f"q_tiles={self.q_tiles}", self.q_tiles),
+                                               ("sparse", self.sparse), (f"kv={self.kv}", self.kv)) if on)
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 

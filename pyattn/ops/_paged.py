@@ -26,7 +26,12 @@ _MAX_GRID_YZ = 65535
 
 @dataclass(frozen=True)
 class PoolInfo:
-    """A validated K/V page-pool pair: geometry and element strides (page, slot, head)."""
+    """A validated K/V page-pool pair: geometry and element strides (page, slot, head).
+
+    ``kv`` is ``""`` for fp16/bf16 pools, else the 8-bit kind (``"int8"`` / ``"fp8e4m3"``, see
+    :mod:`pyattn.quant`): ``dtype`` is then the code dtype and ``ks_strides`` / ``vs_strides`` are
+    the (page, slot, head) element strides of the float32 K / V scale pools (0s without them).
+    """
 
     num_pages: int
     page_size: int
@@ -35,6 +40,9 @@ class PoolInfo:
     dtype: np.dtype
     k_strides: tuple
     v_strides: tuple
+    kv: str = ""
+    ks_strides: tuple = (0, 0, 0)
+    vs_strides: tuple = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,10 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
 def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, scale, num_splits) -> DecodeProblem:
     """Validate q (batch, q_len, heads_q, head_dim) against the pool and the options."""
     i = describe_input("q", q)
-    if i.dtype != pool.dtype:
+    if getattr(pool, "kv", ""):  # 8-bit codes dequantize to the query's fp16/bf16
+        if i.dtype.name not in DECODE_DTYPES:
+            raise TypeError(f"q: expected dtype float16 or bfloat16 over an 8-bit ({pool.kv}) cache, got {i.dtype}")
+    elif i.dtype != pool.dtype:
         raise TypeError(f"q: expected dtype {pool.dtype} (the KV cache's), got {i.dtype}")
     if len(i.shape) != 4:
         raise ValueError(f"q: expected shape (batch, q_len, heads_q, head_dim), got {i.shape}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..array import _c_strides, allocate, asarray
 from ..kernels.registry import get_kernel
-from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
+from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
 from ..runtime.launch import launch
 from ..runtime.memory import Allocation
 from ..runtime.stream import as_stream
@@ -29,12 +29,15 @@ _F32 = np.dtype(np.float32)
 
 
 @functools.lru_cache(maxsize=256)
-def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool) -> tuple:
-    """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head."""
-    tag, bucket = DTYPES[dtype][0], next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
-    q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket))
-    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles),
-            KernelSpec("decode_combine", tag, bucket, arch, ptx))
+def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
+           kv: str = "") -> tuple:
+    """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head; ``kv``: the
+    cache's 8-bit kind ("" for 16-bit caches)."""
+    tag = DTYPES[dtype][0]
+    bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
+    q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
+    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv),
+            KernelSpec("decode_combine", tag, next(b for b in HEAD_DIM_BUCKETS if b >= head_dim), arch, ptx))
 
 
 def _blocks_per_sm(spec, device) -> int:
@@ -79,8 +82,9 @@ def decode_plan(P, pool, device) -> DecodePlan:
     if plan is not None:
         return plan
     rows = P.group * P.q_len
+    kv = getattr(pool, "kv", "")
     spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
-                         P.alibi is not None)
+                         P.alibi is not None, kv)
     kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)
@@ -89,7 +93,10 @@ def decode_plan(P, pool, device) -> DecodePlan:
     out_shape = (P.batch, P.q_len, P.heads_q, P.head_dim)
     qs, os_ = P.q_strides, _c_strides(out_shape, 1)
     ks, vs = pool.k_strides, pool.v_strides
+    kss, vss = (getattr(pool, "ks_strides", (0, 0, 0)), getattr(pool, "vs_strides", (0, 0, 0))) if kv else ((0,) * 3,) * 2
     packer = spec.params.partial({
+        "ks_stride_page": kss[0], "ks_stride_slot": kss[1], "ks_stride_h": kss[2],
+        "vs_stride_page": vss[0], "vs_stride_slot": vss[1], "vs_stride_h": vss[2],
         "q_stride_b": qs[0], "q_stride_s": qs[1], "q_stride_h": qs[2],
         "o_stride_b": os_[0], "o_stride_s": os_[1], "o_stride_h": os_[2],
         "k_stride_page": ks[0], "k_stride_slot": ks[1], "k_stride_h": ks[2],
@@ -122,7 +129,7 @@ def decode_plan(P, pool, device) -> DecodePlan:
     return plan
 
 
-def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse: bool):
+def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse: bool, scales=(None, None)):
     """Launch decode (and the split combine) for a validated problem.
 
     Parameters
@@ -136,6 +143,8 @@ def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse:
     dalibi : DeviceArray or None
     s : Stream
     return_lse : bool
+    scales : (DeviceArray, DeviceArray)
+        The K and V scale pools of an 8-bit cache; (None, None) for 16-bit ones.
 
     Returns
     -------
@@ -163,13 +172,14 @@ def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse:
     params = plan.packer.pack(dq.ptr, dk.ptr, dv.ptr, out.ptr, lse.ptr if lse is not None else 0,
                               part.ptr if part is not None else 0, lpart_ptr if part is not None else 0,
                               indices.ptr, indptr.ptr if indptr is not None else 0, kv_len.ptr,
-                              dalibi.ptr if dalibi is not None else 0, splits, table_stride)
+                              dalibi.ptr if dalibi is not None else 0,
+                              *(a.ptr if a is not None else 0 for a in scales), splits, table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1:
         cparams = plan.cpacker.pack(part.ptr, lpart_ptr, part.ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
                                     lse.ptr if lse is not None else 0, splits - 1)
         launch(plan.ckernel, plan.cgrid, plan.cblock, 0, s, cparams)
-    for a in (dq, dk, dv, indices, indptr, kv_len, dalibi):
+    for a in (dq, dk, dv, indices, indptr, kv_len, dalibi, *scales):
         owner = a.owner if a is not None else None
         if type(owner) is Allocation and owner.stream is not s:
             owner.record_stream(s)  # the block's free must wait for this stream's use
@@ -317,6 +327,7 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
     dq = asarray(q, device=cache.device, stream=s)
     if dq.device is not cache.device:
         raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, got {dq.device.ordinal}")
+    scales = (cache.k_scale, cache.v_scale) if getattr(cache, "kv", "") else (None, None)
     out, lse = run_decode(P, pool, dq, cache.k, cache.v, tables, max_len, _alibi(alibi_slopes, P, cache.device, s), s,
-                          return_lse)
+                          return_lse, scales)
     return _finish(q, out, lse, return_lse, s)

@@ -3,7 +3,8 @@
 The pools are two device arrays of shape (num_pages, page_size, num_kv_heads, head_dim) (the
 "NHD" layout of vLLM and FlashInfer); :class:`~pyattn.paged.book.PageBook` decides which slots
 each sequence's tokens occupy, and one ``kv_append`` launch per :meth:`PagedKVCache.append`
-writes the new tokens and performs that call's copy-on-write page copies.
+writes the new tokens and performs that call's copy-on-write page copies. Quantized caches
+(int8 / fp8 e4m3) add two float32 scale pools and quantize on append (:mod:`pyattn.quant`).
 
 Thread safety: a cache is not thread-safe; serialise calls on one cache (appends and decodes
 are ordered on the stream they are given).
@@ -19,6 +20,7 @@ from ..kernels.specs import DTYPES, KernelSpec
 from ..ops._paged import DECODE_DTYPES, PoolInfo
 from ..ops._plan import ptx_requested
 from ..ops._problem import _dtype_of, describe_input
+from ..quant import code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
 from ..runtime.memory import Allocation
@@ -41,18 +43,34 @@ class PagedKVCache:
         Token slots per page, 1 to 256.
     num_kv_heads, head_dim : int
         head_dim is a multiple of 8 up to 256.
-    dtype : {"float16", "bfloat16"} or a NumPy dtype
+    dtype : {"float16", "bfloat16", "int8", "fp8_e4m3"} or a NumPy dtype
+        The pools' element type. ``"int8"`` (``numpy.int8``) and ``"fp8_e4m3"``
+        (``ml_dtypes.float8_e4m3fn``; ``"float8_e4m3fn"`` and ``"fp8e4m3"`` are accepted too) make
+        a quantized cache: 8-bit codes plus one float32 scale per (page, slot, kv head) for K and
+        one for V, computed when tokens are appended (see :mod:`pyattn.quant` for the rules, the
+        error bounds and the handling of NaN/inf).
     device : int or Device, optional
         Default: the current device.
 
     Attributes
     ----------
     k, v : DeviceArray
-        The pools, (num_pages, page_size, num_kv_heads, head_dim); slots not covered by a
-        sequence hold stale data.
+        The pools, (num_pages, page_size, num_kv_heads, head_dim), of ``dtype`` (the codes, for a
+        quantized cache); slots not covered by a sequence hold stale data.
+    k_scale, v_scale : DeviceArray or None
+        Quantized caches: float32 (num_pages, page_size, num_kv_heads), the scale of each code
+        row (value = code * scale). None for float16 / bfloat16 caches.
+    dtype : numpy.dtype
+        float16, bfloat16, int8 or float8_e4m3fn.
+    kv : str
+        ``""`` (float16 / bfloat16), ``"int8"`` or ``"fp8e4m3"``.
 
     Notes
     -----
+    Why one scale per token and kv head: quantizing on append never revisits earlier tokens, an
+    outlier token only costs its own precision, and the scales add 4 / head_dim of the code bytes
+    (3% at head_dim 128).
+
     Sequences are created with :meth:`add_sequence` or :meth:`fork`, grown with :meth:`append`,
     rolled back with :meth:`truncate` and released with :meth:`free`. Forks share pages by
     reference count; a shared page is copied when a sequence next writes into it. Running out of
@@ -68,24 +86,40 @@ class PagedKVCache:
             raise ValueError(f"num_kv_heads: expected 1 to 65535, got {num_kv_heads}")
         if head_dim % 8 or not 8 <= head_dim <= 256:
             raise ValueError(f"head_dim: expected a multiple of 8 in [8, 256], got {head_dim}")
-        dt = _dtype_of("dtype", dtype) if not isinstance(dtype, np.dtype) else dtype
-        if dt.name not in DECODE_DTYPES:
-            raise TypeError(f"dtype: expected float16 or bfloat16, got {dt}")
+        kv = kind_of(dtype)
+        if kv:
+            dt = code_dtype(kv)
+        else:
+            try:  # dtype instances and scalar types (np.float16, ml_dtypes.bfloat16); names go below
+                dt = _dtype_of("dtype", dtype) if isinstance(dtype, str) else np.dtype(dtype)
+            except TypeError:
+                dt = _dtype_of("dtype", dtype)  # e.g. torch.float16
+        if not kv and dt.name not in DECODE_DTYPES:
+            raise TypeError(f"dtype: expected float16, bfloat16, int8 or fp8_e4m3 (ml_dtypes.float8_e4m3fn), "
+                            f"got {dt}")
         if device is None or isinstance(device, (int, np.integer)):
             device = get_device(None if device is None else int(device))
         elif not isinstance(device, Device):
             raise TypeError(f"device: expected an int or a pyattn.Device, got {type(device).__name__}")
-        self.device, self.dtype = device, dt
+        self.device, self.dtype, self._kv = device, dt, kv
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         shape = (self.book.num_pages, self.book.page_size, self.num_kv_heads, self.head_dim)
         self.k = empty(shape, dt, device=device)
         self.v = empty(shape, dt, device=device)
+        self.k_scale = empty(shape[:3], np.float32, device=device) if kv else None
+        self.v_scale = empty(shape[:3], np.float32, device=device) if kv else None
         self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
         st = self.k.elem_strides[:3]
-        self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st)
+        sst = self.k_scale.elem_strides if kv else (0, 0, 0)
+        self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, sst)
         self._tables = None  # (key, tables, max_len): the last decode's device page table
 
     # -- bookkeeping (host only) -------------------------------------------------------------
+    @property
+    def kv(self) -> str:
+        """``""`` for a float16 / bfloat16 cache, else ``"int8"`` or ``"fp8e4m3"``."""
+        return self._kv
+
     @property
     def num_pages(self) -> int:
         return self.book.num_pages
@@ -142,7 +176,9 @@ class PagedKVCache:
             Distinct live sequences.
         k, v : array
             (len(seq_ids), t, num_kv_heads, head_dim): ``t`` tokens for each sequence; or packed
-            (total, num_kv_heads, head_dim) with ``counts``. NumPy or device, the cache's dtype.
+            (total, num_kv_heads, head_dim) with ``counts``. NumPy or device, the cache's dtype;
+            for a quantized cache float16 or bfloat16 (both the same), quantized as they are
+            written (float32 is refused: the kernel reads 16-bit tokens; convert first).
         counts : sequence of int, optional
             Tokens per sequence for packed ``k``/``v`` (sum = total).
         stream : optional
@@ -158,8 +194,13 @@ class PagedKVCache:
         ki, vi = describe_input("k", k), describe_input("v", v)
         H, D = self.num_kv_heads, self.head_dim
         for i in (ki, vi):
-            if i.dtype != self.dtype:
+            if self._kv and i.dtype.name not in DECODE_DTYPES:
+                raise TypeError(f"{i.name}: expected dtype float16 or bfloat16 (quantized into the {self._kv} "
+                                f"cache), got {i.dtype}")
+            if not self._kv and i.dtype != self.dtype:
                 raise TypeError(f"{i.name}: expected dtype {self.dtype} (the cache's), got {i.dtype}")
+        if vi.dtype != ki.dtype:
+            raise TypeError(f"v: expected dtype {ki.dtype} (k's), got {vi.dtype}")
         if ki.shape != vi.shape or ki.on_device != vi.on_device:
             raise ValueError(f"v: expected k's shape {ki.shape} and place, got {vi.shape}")
         if len(ki.shape) == 4:
@@ -183,7 +224,8 @@ class PagedKVCache:
         s = as_stream(stream, self.device)
         self.device.activate()
         rows = self._token_rows(k, ki, total, s), self._token_rows(v, vi, total, s)
-        spec = KernelSpec("kv_append", DTYPES[self.dtype.name][0], 32, self.device.arch, ptx_requested())
+        # The spec's dtype is the new tokens' type (the pool's, for a 16-bit cache).
+        spec = KernelSpec("kv_append", DTYPES[ki.dtype.name][0], 32, self.device.arch, ptx_requested(), kv=self._kv)
         kernel = get_kernel(spec, self.device)
         plan = self.book.plan_append(seq_ids, counts)  # raises before any change when pages run out
         n_items = len(plan.dst) + len(plan.copy_dst)
@@ -193,15 +235,20 @@ class PagedKVCache:
         src = np.concatenate([np.arange(total, dtype=np.int32), -1 - plan.copy_src])
         d_items = asarray(np.stack([dst, src]).astype(np.int32), device=self.device, stream=s)
         (dk, ks), (dv, vs) = rows
-        pk, pv = self.pool_info.k_strides, self.pool_info.v_strides
+        pi = self.pool_info
+        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
         values = {"k_src": dk.ptr if dk is not None else 0, "v_src": dv.ptr if dv is not None else 0,
                   "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr, "src": d_items.ptr + 4 * n_items,
+                  "k_scale": self.k_scale.ptr if self._kv else 0, "v_scale": self.v_scale.ptr if self._kv else 0,
                   "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
                   "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
                   "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
+                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
+                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
                   "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
-        chunks = n_items * H * (D // 8)
-        grid = max(1, min(-(-chunks // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
+        # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
+        threads = n_items * H * (32 if self._kv else D // 8)
+        grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
         for a in (dk, dv, d_items):
             if a is not None and type(a.owner) is Allocation and a.owner.stream is not s:
@@ -256,5 +303,6 @@ class PagedKVCache:
         return tables, self._tables[2]
 
     def __repr__(self) -> str:
+        dt = f"{self.dtype} codes + float32 scales per token and kv head" if self._kv else str(self.dtype)
         return (f"PagedKVCache({self.num_pages} pages x {self.page_size} tokens, {self.num_kv_heads} kv heads, "
-                f"head_dim {self.head_dim}, {self.dtype}, {self.num_free_pages} pages free)")
+                f"head_dim {self.head_dim}, {dt}, {self.num_free_pages} pages free)")

@@ -1,0 +1,289 @@
+// Decode attention over an 8-bit paged KV cache: int8 or fp8 e4m3 codes with one fp32 scale per
+// (slot, kv head) for K and one for V (the value is code * scale), on fp16/bf16 tensor cores.
+//
+// Blocks, splits, band, modifiers and the warp merge are attention_decode.cuh's; the data path differs:
+//  * the ring holds the codes (half a 16-bit cache's bytes) and the scales. Each key row's 16-byte
+//    chunks are XOR-swizzled (q8_swizzle) so that both fragment read patterns below hit 8
+//    distinct 16-byte bank groups per phase (no conflicts at head dims 128 / 256);
+//  * K: a lane reads 16 bytes of one key row = 4 k16 steps of B fragments, because the head-dim
+//    order inside each 64-column group is permuted (step kk, quad lane t takes columns
+//    16t + 4kk .. +3). A dot product does not care about the order as long as Q's A fragments use
+//    the same one. Codes become exact fp16/bf16 values; the K scale multiplies the score column.
+//  * V: a lane reads kVGroup bytes of 4 key rows and so owns output column g of kVGroup n8 tiles:
+//    the output columns are permuted (Traits::acc_col maps them back in the merge). V is
+//    dequantized in fp32 (code * scale) before rounding to T, so it keeps the original range.
+// Requires attention_decode.cuh (included from there) and cuda_fp8.h.
+#pragma once
+#include <cuda_fp8.h>
+
+namespace pyattn {
+
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+
+// Where chunk c of ring row r is stored: c ^ q8_swizzle<CHUNKS>(r). Rows 2i and 2i+1 land in
+// opposite halves of the 128-byte bank window (K reads: 2 rows x 4 chunks per phase); rows 0, 2,
+// 4, 6 in four different chunk pairs (V reads: 4 rows x 2 chunks per phase).
+template <int CHUNKS>
+__device__ __forceinline__ int q8_swizzle(int r) {
+  const int x = (((r >> 1) & 3) << 1) ^ ((r & 1) << 2);
+  return CHUNKS >= 8 ? x : (x & (CHUNKS - 1));
+}
+
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
+// Four codes of one word -> four exact floats.
+template <int KV>
+__device__ __forceinline__ void codes_to_float4(unsigned w, float (&f)[4]) {
+  if constexpr (KV == 1) {  // int8: bias to unsigned, place in the mantissa of 2^23 (no I2F)
+    const unsigned u = w ^ 0x80808080u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540 | i)) - 8388736.f;
+  } else {  // e4m3 -> f16 is exact (hardware cvt on sm_89+)
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+  }
+}
+
+// Four codes of one word -> packed T pairs (codes 0, 1) and (2, 3), exactly (K needs no scale here).
+template <int KV, typename T>
+__device__ __forceinline__ void codes_to_pairs(unsigned w, unsigned& lo, unsigned& hi) {
+  if constexpr (IsHalf<T>::value && KV == 1) {  // 1024 + (x + 128) as f16 bits, minus 1152
+    const unsigned u = w ^ 0x80808080u;
+    const unsigned x = __byte_perm(u, 0x64646464u, 0x4140), y = __byte_perm(u, 0x64646464u, 0x4342);
+    const __half2 bias = __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+    const __half2 a = __hsub2(*reinterpret_cast<const __half2*>(&x), bias);
+    const __half2 b = __hsub2(*reinterpret_cast<const __half2*>(&y), bias);
+    lo = *reinterpret_cast<const unsigned*>(&a);
+    hi = *reinterpret_cast<const unsigned*>(&b);
+  } else if constexpr (IsHalf<T>::value) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = a.x | (static_cast<unsigned>(a.y) << 16);
+    hi = b.x | (static_cast<unsigned>(b.y) << 16);
+  } else {
+    float f[4];
+    codes_to_float4<KV>(w, f);
+    lo = pack2<T>(f[0], f[1]);
+    hi = pack2<T>(f[2], f[3]);
+  }
+}
+
+// Issue the copies of keys [n0, n0 + BLOCK_N) into one ring stage: codes (swizzled chunks) and
+// scales; keys at or past n_end are zero-filled (codes 0, scale 0) without reading memory.
+template <class Tr>
+__device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
+                                                 const DecodeParams& p, const int* pages, int n0, int n_end,
+                                                 int kv_head) {
+  constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
+  static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
+#pragma unroll
+  for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
+    const int r = pass * kRowsPerPass + threadIdx.x / 4, key = n0 + r, lane4 = threadIdx.x % 4;
+    const unsigned char* gk = static_cast<const unsigned char*>(p.k);
+    const unsigned char* gv = static_cast<const unsigned char*>(p.v);
+    const float* gks = p.k_scale;
+    const float* gvs = p.v_scale;
+    const bool row_ok = key < n_end;
+    if (row_ok) {  // never reads a page-table entry past the sequence's pages
+      int pi, slot;
+      if (p.page_shift >= 0) {
+        pi = key >> p.page_shift;
+        slot = key & (p.page_size - 1);
+      } else {
+        pi = key / p.page_size;
+        slot = key - pi * p.page_size;
+      }
+      const long long page = __ldg(pages + pi);
+      gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
+      gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
+      gks += page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
+      gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
+    }
+    const int swz = q8_swizzle<CH>(r);
+#pragma unroll
+    for (int j = 0; j < CH / 4; ++j) {
+      const int c = 4 * j + lane4;
+      const bool ok = row_ok && c * 16 < p.head_dim;  // head_dim is a multiple of 16 for 8-bit caches
+      cp_async_16(sK + r * D + ((c ^ swz) << 4), ok ? gk + c * 16 : gk, ok);
+      cp_async_16(sV + r * D + ((c ^ swz) << 4), ok ? gv + c * 16 : gv, ok);
+    }
+    if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
+    if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
+  }
+}
+
+template <class Tr, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, KV = Tr::kKv;
+  constexpr int ROWS = Tr::kRows, LD = Tr::kStride, S = Tr::kStages, NG = Tr::kVGroup, CH = D / 16;
+  constexpr int NT = KW / 8, DT = D / 8, G64 = D / 64;
+  constexpr bool kMods = SOFTCAP || ALIBI;
+  static_assert(KV == 1 || KV == 2, "8-bit kinds: 1 = int8, 2 = fp8 e4m3");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // the host's shared_bytes and this layout disagree
+  T* sQ = reinterpret_cast<T*>(smem_raw);                          // [ROWS][LD]
+  unsigned char* sK = smem_raw + ROWS * LD * 2;                    // [S][KB][D] codes
+  unsigned char* sV = sK + S * KB * D;                             // [S][KB][D]
+  float* sKs = reinterpret_cast<float*>(sV + S * KB * D);          // [S][KB] scales
+  float* sVs = sKs + S * KB;                                       // [S][KB]
+
+  const DecodeBlock<Tr> blk(p);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  // -- prologue: Q, then the first S - 1 stages
+  load_q<Tr>(sQ, p, blk);
+  cp_async_commit();
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < blk.n_tiles)
+      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB, p, blk.pages,
+                           blk.n_first + st * KB, blk.end, blk.kv_head);
+    cp_async_commit();
+  }
+  const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
+
+  float acc[MT][DT][4];
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+    for (int i = 0; i < DT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -inf();
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+  const float sl2 = kMods ? 1.f : p.scale_log2;
+
+  // Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4G + kk, quad
+  // lane t reads columns p0 = 64G + 16t + 4kk (pair a0/a1) and p0 + 2 (a2/a3) of rows g, g + 8.
+  unsigned qf[MT][D / 16][4];
+  cp_async_wait<S - 1>();  // group 0 (Q) landed
+  __syncthreads();
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
+      const T* r_lo = sQ + (mi * 16 + g) * LD + p0;
+      const T* r_hi = r_lo + 8 * LD;
+      qf[mi][ks][0] = *reinterpret_cast<const unsigned*>(r_lo);
+      qf[mi][ks][1] = *reinterpret_cast<const unsigned*>(r_hi);
+      qf[mi][ks][2] = *reinterpret_cast<const unsigned*>(r_lo + 2);
+      qf[mi][ks][3] = *reinterpret_cast<const unsigned*>(r_hi + 2);
+    }
+
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    cp_async_wait<S - 2>();
+    __syncthreads();  // stage j landed for all, and every warp is done with stage j - 1
+    if (j + S - 1 < blk.n_tiles) {
+      const int st = (j + S - 1) % S;
+      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB, p, blk.pages,
+                           blk.n_first + (j + S - 1) * KB, blk.end, blk.kv_head);
+    }
+    cp_async_commit();
+    const int st = j % S, wrow = warp * KW;  // this warp's first ring row
+    const unsigned char* tK = sK + st * KB * D;
+    const unsigned char* tV = sV + st * KB * D;
+    const float* tKs = sKs + st * KB;
+    const float* tVs = sVs + st * KB;
+    const int n0 = blk.n_first + j * KB + wrow;  // this warp's first key
+
+    // -- S = Q K^T: one 16-byte read per key row and 64-column group feeds 4 k16 steps
+    float s[MT][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
+#pragma unroll
+    for (int gi = 0; gi < G64; ++gi) {
+      uint4 kw[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = wrow + nt * 8 + g;
+        kw[nt] = *reinterpret_cast<const uint4*>(tK + r * D + (((4 * gi + t) ^ q8_swizzle<CH>(r)) << 4));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const unsigned words[4] = {kw[nt].x, kw[nt].y, kw[nt].z, kw[nt].w};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          unsigned b0, b1;
+          codes_to_pairs<KV, T>(words[kk], b0, b1);
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) mma_16816<T>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
+        }
+      }
+    }
+    // -- K scales: column c of the tile is key wrow + nt * 8 + 2t + (e & 1)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        s[mi][nt][0] *= ksc.x, s[mi][nt][1] *= ksc.y;
+        s[mi][nt][2] *= ksc.x, s[mi][nt][3] *= ksc.y;
+      }
+    }
+
+    // -- modifiers and masking (as the 16-bit kernel), then the online softmax
+    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
+      rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
+    online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
+
+    // -- O += P V: per k16 step, 4 key rows (2t, 2t+1, 2t+8, 2t+9) x NG bytes per lane
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      unsigned a[MT][4];
+      p_fragments<T, MT, NT>(s, kk, a);
+      const int rk = wrow + kk * 16 + 2 * t;
+      const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
+      float vsc[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vsc[i] = tVs[rr[i]];
+#pragma unroll
+      for (int vg = 0; vg < D / (8 * NG); ++vg) {
+        unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int byte = vg * NG * 8 + NG * g;  // logical byte in the row
+          const unsigned char* src = tV + rr[i] * D + (((byte >> 4) ^ q8_swizzle<CH>(rr[i])) << 4) + (byte & 15);
+          if constexpr (NG == 16) {
+            const uint4 x = *reinterpret_cast<const uint4*>(src);
+            vw[i][0] = x.x, vw[i][1] = x.y, vw[i][2] = x.z, vw[i][3] = x.w;
+          } else {
+            const uint2 x = *reinterpret_cast<const uint2*>(src);
+            vw[i][0] = x.x, vw[i][1] = x.y;
+          }
+        }
+#pragma unroll
+        for (int w4 = 0; w4 < NG / 4; ++w4) {
+          float f[4][4];  // [row][byte]: dequantized
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            codes_to_float4<KV>(vw[i][w4], f[i]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const unsigned b0 = pack2<T>(f[0][e], f[1][e]), b1 = pack2<T>(f[2][e], f[3][e]);
+            const int dt = vg * NG + w4 * 4 + e;
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) mma_16816<T>(acc[mi][dt], a[mi], b0, b1);
+          }
+        }
+      }
+    }
+  }
+
+  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
+}
+
+}  // namespace pyattn

@@ -1,0 +1,152 @@
+"""8-bit KV-cache quantization: the NumPy reference of what ``kv_append`` stores.
+
+A quantized :class:`~pyattn.PagedKVCache` keeps 8-bit codes plus one float32 scale per token and
+KV head ("row": the ``head_dim`` values of one token's key, or value, for one KV head).
+
+Why per token and KV head: quantizing on append never revisits earlier tokens (a per-page or
+per-channel scale would have to grow, and requantize, as tokens arrive), an outlier token only
+costs its own precision, and the scales cost 4 / head_dim of the codes (3% at head_dim 128).
+
+The rules, per row ``x`` converted to float32 (exact from float16 / bfloat16), every step one
+correctly rounded float32 operation in this order (the kernel does the same, bit for bit)::
+
+    amax  = max |x|
+    inv   = min(M / amax, FLT_MAX)       M = 127 (int8) or 448 (fp8 e4m3)
+    code  = encode(x * inv)
+    scale = amax / M
+    value = code * scale                 (dequantized, float32)
+
+- ``"int8"``: ``encode(y) = clip(rint(y), -127, 127)``, round half to even (CUDA
+  ``__float2int_rn``); -128 is never produced.
+- ``"fp8e4m3"``: ``encode(y)`` = ``y`` rounded to nearest even in OCP fp8 e4m3 (``ml_dtypes.float8_e4m3fn``:
+  no infinities, largest finite 448), saturating to +-448 (CUDA ``__nv_cvt_float_to_fp8(y,
+  __NV_SATFINITE, __NV_E4M3)``).
+- ``amax == 0`` (all zeros, of either sign): codes +0 and scale 0.
+- A row holding NaN or +-inf: codes +0 and scale NaN (bits 0x7fffffff), so every value of that row dequantizes to NaN
+  (a non-finite input poisons its token and head, as it would poison attention over a 16-bit cache).
+- ``min(.., FLT_MAX)``: for ``amax < M / FLT_MAX`` (below 3.8e-37 for int8, 1.4e-36 for fp8; only
+  bfloat16 or float32 inputs get there) ``M / amax`` would overflow to inf, and ``0 * inf`` is NaN.
+
+Error bounds (derived from one correct rounding per step; checked by ``tests/test_quant.py``), for
+every element of a finite row with ``amax >= M / FLT_MAX``:
+
+- int8: ``|x - value| <= scale / 2 + 2**-21 * amax + 2**-140``: half a code step, plus 8 float32
+  roundings of the row's range.
+- fp8 e4m3: ``|x - value| <= max(2**-4 * |x|, 2**-10 * scale) + 2**-21 * amax + 2**-140``: e4m3
+  keeps 3 mantissa bits (relative error 2**-4 in its normal range, codes >= 2**-6) and steps of
+  2**-9 in its subnormal range.
+
+The ``2**-140`` term only matters where ``scale`` itself is a float32 subnormal (``amax < M * 2**-126``:
+1.5e-36 for int8, 5.3e-36 for fp8): there its rounding error is absolute, up to 2**-150. Rows with
+``0 < amax < M / FLT_MAX`` lose their values: the codes and the input share signs and
+``|value| <= amax + M * 2**-150``, so ``|x - value| <= 2 * amax`` (< 2.7e-36). At the other end, a
+float32 row (the cache takes float16 / bfloat16 only) whose amax is FLT_MAX itself may dequantize
+to +-inf under int8 (``127 * scale`` rounds past FLT_MAX).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["KV_KINDS", "CODE_MAX", "code_dtype", "kind_of", "quantize_rows", "dequantize"]
+
+KV_KINDS = ("int8", "fp8e4m3")
+CODE_MAX = {"int8": 127.0, "fp8e4m3": 448.0}  # M above: the largest code magnitude
+_FLT_MAX = np.finfo(np.float32).max
+_QNAN = np.array(0x7FFFFFFF, np.uint32).view(np.float32)  # the kernel's NaN bits (__int_as_float(0x7fffffff))
+_SOURCE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def code_dtype(kind: str) -> np.dtype:
+    """The NumPy dtype of ``kind``'s codes: ``int8`` or ``ml_dtypes.float8_e4m3fn``."""
+    if kind == "int8":
+        return np.dtype(np.int8)
+    if kind == "fp8e4m3":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.float8_e4m3fn)
+    raise ValueError(f"kind: expected one of {KV_KINDS}, got {kind!r}")
+
+
+def kind_of(dtype) -> str:
+    """The quantization kind of a code dtype, or ``""`` for any other dtype.
+
+    Parameters
+    ----------
+    dtype : numpy.dtype-like or str
+        ``int8`` / ``numpy.int8`` give ``"int8"``; ``"fp8_e4m3"``, ``"fp8e4m3"``,
+        ``"float8_e4m3fn"`` / ``ml_dtypes.float8_e4m3fn`` give ``"fp8e4m3"``.
+    """
+    if not isinstance(dtype, str):
+        try:
+            return kind_of(np.dtype(dtype).name)
+        except TypeError:  # not a NumPy dtype: a torch dtype prints as "torch.int8"
+            dtype = str(dtype).replace("torch.", "")
+    if dtype in ("fp8_e4m3", "fp8e4m3", "float8_e4m3fn"):
+        return "fp8e4m3"
+    return "int8" if dtype == "int8" else ""
+
+
+def _check_kind(kind) -> str:
+    if kind not in KV_KINDS:
+        raise ValueError(f"kind: expected one of {KV_KINDS}, got {kind!r}")
+    return kind
+
+
+def quantize_rows(x, kind: str) -> tuple:
+    """Quantize each row (last axis) of ``x`` exactly as ``kv_append`` does (see the module docstring).
+
+    Parameters
+    ----------
+    x : array_like
+        float16, bfloat16 or float32, shape (..., head_dim) with head_dim >= 1. (float64 is
+        refused: rounding it to float32 first would be a step the kernel never takes.)
+    kind : {"int8", "fp8e4m3"}
+
+    Returns
+    -------
+    codes : numpy.ndarray
+        ``x``'s shape, dtype :func:`code_dtype` (kind).
+    scales : numpy.ndarray
+        float32, shape ``x.shape[:-1]``.
+    """
+    _check_kind(kind)
+    x = np.asarray(x)
+    if x.dtype.name not in _SOURCE_DTYPES:
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape (..., head_dim) with head_dim >= 1, got {x.shape}")
+    m = np.float32(CODE_MAX[kind])
+    x32 = x.astype(np.float32)
+    with np.errstate(all="ignore"):  # inf / NaN rows and zero rows are masked below
+        amax = np.max(np.abs(x32), axis=-1)  # NaN propagates through np.max
+        finite, zero = amax <= _FLT_MAX, amax == 0
+        inv = np.minimum(m / amax, _FLT_MAX)
+        y = x32 * inv[..., None]
+        scales = np.where(finite, np.where(zero, np.float32(0), amax / m), _QNAN).astype(np.float32)
+        keep = (finite & ~zero)[..., None]
+        if kind == "int8":
+            codes = np.where(keep, np.clip(np.rint(y), -127, 127), 0).astype(np.int8)
+        else:  # saturate first: ml_dtypes turns anything beyond the last rounding midpoint into NaN
+            codes = np.where(keep, np.clip(y, -m, m), np.float32(0)).astype(code_dtype(kind))
+    return codes, scales
+
+
+def dequantize(codes, scales) -> np.ndarray:
+    """``codes * scales[..., None]`` in float32 (the values a quantized cache stands for).
+
+    Parameters
+    ----------
+    codes : numpy.ndarray
+        int8 or ``ml_dtypes.float8_e4m3fn``, shape (..., head_dim).
+    scales : numpy.ndarray
+        float32, shape ``codes.shape[:-1]``.
+    """
+    codes, scales = np.asarray(codes), np.asarray(scales)
+    if not kind_of(codes.dtype):
+        raise TypeError(f"codes: expected dtype int8 or float8_e4m3fn, got {codes.dtype}")
+    if scales.dtype != np.float32:
+        raise TypeError(f"scales: expected dtype float32, got {scales.dtype}")
+    if codes.ndim < 1 or scales.shape != codes.shape[:-1]:
+        raise ValueError(f"scales: expected shape {codes.shape[:-1]} (codes.shape[:-1]), got {scales.shape}")
+    return codes.astype(np.float32) * scales[..., None]

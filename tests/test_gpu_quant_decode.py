@@ -1,0 +1,111 @@
+"""GPU tests of decode over 8-bit (int8 / fp8 e4m3) paged KV caches (marked ``gpu``).
+
+Two properties:
+
+* exactness of the kernel: decode over a quantized cache equals the fp64 reference over the
+  dequantized K/V (``pyattn.quant``'s codes x scales, V rounded to the query dtype as the kernel
+  does), within the 16-bit decode's tolerance;
+* the documented accuracy of quantization (README "Quantized KV cache"): against fp64 attention
+  over the original K/V, the output error of an 8-bit cache stays within QUANT_BOUND x max |V|
+  on random and on outlier-heavy data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn.quant import dequantize, quantize_rows
+from pyattn.reference import attention_ref
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_gpu_attention import DTYPES, _check, _has_gpu  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+KINDS = {"int8": "int8", "fp8_e4m3": "fp8e4m3"}
+# Documented bound (README): max |out - exact| <= QUANT_BOUND[kind] * max |V| (per-token scales).
+QUANT_BOUND = {"int8": 0.02, "fp8_e4m3": 0.08}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("PYATTN_POISON_ALLOC", "1")
+
+
+def _fill(cache, seqs, dtype):
+    """Append each sequence's (n, Hkv, D) K/V in a few uneven chunks; return the cache's ids."""
+    ids = []
+    for k, v in seqs:
+        sid = cache.add_sequence()
+        ids.append(sid)
+        n, at = k.shape[0], 0
+        for step in (1, 7, 100, n):
+            take = min(step, n - at)
+            if take <= 0:
+                break
+            cache.append([sid], k[None, at:at + take].astype(DTYPES[dtype]), v[None, at:at + take].astype(DTYPES[dtype]))
+            at += take
+    return ids
+
+
+def _dequant(x, kind, dtype, round_to_t):
+    codes, scales = quantize_rows(x, KINDS[kind])
+    deq = dequantize(codes, scales)  # float32 code * scale, as the kernel forms it
+    return deq.astype(DTYPES[dtype]).astype(np.float64) if round_to_t else deq.astype(np.float64)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(0, 600) | st.sampled_from([1, 16, 257]), min_size=1, max_size=3),
+       page_size=st.sampled_from([1, 16, 64]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 4, 8]),
+       q_len=st.sampled_from([1, 1, 3]), D=st.sampled_from([64, 80, 128, 256]), dtype=st.sampled_from(["float16",
+                                                                                                    "bfloat16"]),
+       kind=st.sampled_from(sorted(KINDS)), splits=st.sampled_from([None, 1, 3]), mods=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_quantized_decode_matches_dequantized_reference(lengths, page_size, Hkv, group, q_len, D, dtype, kind,
+                                                         splits, mods, seed):
+    rng = np.random.default_rng(seed)
+    lengths = [max(n, q_len) for n in lengths]
+    pages = sum(-(-n // page_size) for n in lengths) + 2
+    cache = pyattn.PagedKVCache(pages, page_size, Hkv, D, kind)
+    seqs = [(rng.standard_normal((n, Hkv, D)).astype(DTYPES[dtype]),
+             rng.standard_normal((n, Hkv, D)).astype(DTYPES[dtype])) for n in lengths]
+    ids = _fill(cache, seqs, dtype)
+    q = rng.standard_normal((len(lengths), q_len, Hkv * group, D)).astype(DTYPES[dtype])
+    opts = dict(softcap=15.0, alibi_slopes=rng.uniform(0, 0.1, Hkv * group).astype(np.float32)) if mods else {}
+    out, lse = pyattn.decode(q, cache, ids, num_splits=splits, return_lse=True, **opts)
+    for b, (k, v) in enumerate(seqs):
+        kd = _dequant(k.astype(np.float32), kind, dtype, round_to_t=False)
+        vd = _dequant(v.astype(np.float32), kind, dtype, round_to_t=True)
+        _check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], causal=True, **opts)
+
+
+def _outlier_data(rng, n, Hkv, D):
+    k = rng.standard_normal((n, Hkv, D))
+    k[:, :, rng.choice(D, 4, replace=False)] *= 30.0  # a few large key channels, as in real LLM keys
+    v = rng.standard_normal((n, Hkv, D))
+    v[rng.random(n) < 0.001] *= 50.0  # rare large value tokens
+    return k, v
+
+
+@pytest.mark.parametrize("data", ["random", "outliers"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_quantization_error_within_documented_bound(kind, data):
+    rng = np.random.default_rng(11)
+    B, L, Hkv, group, D = 3, 3000, 2, 4, 128
+    cache = pyattn.PagedKVCache(B * L // 16 + 4, 16, Hkv, D, kind)
+    seqs = []
+    for _ in range(B):
+        k, v = _outlier_data(rng, L, Hkv, D) if data == "outliers" else (rng.standard_normal((L, Hkv, D)),
+                                                                      rng.standard_normal((L, Hkv, D)))
+        seqs.append((k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)))
+    ids = _fill(cache, seqs, "bfloat16")
+    q = rng.standard_normal((B, 1, Hkv * group, D)).astype(ml_dtypes.bfloat16)
+    out = pyattn.decode(q, cache, ids).astype(np.float64)
+    for b, (k, v) in enumerate(seqs):
+        ref = attention_ref(q[b:b + 1], k[None], v[None], causal=True)
+        err = np.abs(out[b:b + 1] - ref).max()
+        assert err <= QUANT_BOUND[kind] * np.abs(v.astype(np.float64)).max(), (kind, data, err)
