@@ -176,13 +176,14 @@ def predicted_splits(batch: int, ctx: int, forced):
         return forced
     from pyattn.ops._paged import choose_num_splits
     from pyattn.ops._plan import ptx_requested
+    from pyattn.kernels.registry import get_kernel
     from pyattn.ops.decode import _blocks_per_sm, _specs
 
     dev, rows = pyattn.get_device(), HQ // HKV  # rows = group * q_len
     spec, _ = _specs("bfloat16", D, dev.arch, ptx_requested(), rows, False, False)
     t = spec.tiles
     units = batch * HKV * -(-rows // t.block_m)
-    return choose_num_splits(units, -(-ctx // t.block_n), dev.sm_count * _blocks_per_sm(spec, dev))
+    return choose_num_splits(units, -(-ctx // t.block_n), dev.sm_count * _blocks_per_sm(spec, get_kernel(spec, dev)))
 
 
 def kernel_fn(q_d, k_d, v_d, tables, max_len: int, splits, ps):

@@ -285,7 +285,8 @@ def derive_block(rows) -> None:
 
 
 def csr_kernel_fns(reps_d, indices, offsets, ps):
-    """sparse_attention's launch with the lists validated and uploaded once; (fns, out)."""
+    """sparse_attention's launch with the lists validated and uploaded once; (fns, out, keep): keep holds
+    the device index arrays, which must outlive the launches (the params carry only their pointers)."""
     from pyattn.kernels.registry import get_kernel
     from pyattn.ops import sparse as sp
     from pyattn.ops._plan import ptx_requested
@@ -312,7 +313,7 @@ def csr_kernel_fns(reps_d, indices, offsets, ps):
         params = spec.params.pack(vals)
         fns.append(lambda p=params: launch(kernel, spec.grid(Bq, Hq, Sq), (spec.threads, 1, 1), spec.shared_bytes,
                                            ps, p))
-    return fns, out
+    return fns, out, (d_idx, d_off)
 
 
 def run_csr(ctx, result, save) -> None:

@@ -4,7 +4,10 @@ Patches the sm_90a decode tile table entry for d <= 128 with each candidate, cle
 registry, and times ``run_decode`` (kernel + split combine, CUDA events over back-to-back calls) on
 paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
 
-    PYTHONPATH=. python3 scripts/tune_decode.py
+    PYTHONPATH=. python3 scripts/tune_decode.py [--kv int8|fp8e4m3]
+
+With ``--kv`` the 8-bit-cache table (``_DECODE_Q8_227K``) is patched instead and the pools hold
+random codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pyattn.runtime.stream import Event, default_stream
 
 # (keys per warp, warps, stages, max q_tiles, min blocks)
 CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
+CANDIDATES_Q8 = [(16, 4, 4, 2, 2), (16, 4, 4, 1, 3), (16, 4, 3, 1, 4), (32, 4, 3, 1, 2), (32, 2, 4, 1, 3),
+                 (16, 8, 3, 1, 2)]
 POINTS = [(1, 32768), (8, 4096), (8, 32768), (64, 4096)]
 Hq, Hkv, D, PS = 32, 8, 128, 16
 
@@ -42,14 +47,28 @@ def time_us(fn, s, dev, n=20, reps=5):
     return best * 1e3
 
 
+def _quantized_pool(pool, k, kv):
+    """Timing stand-in for an 8-bit NHD pool: random codes, positive fp32 scales, and its PoolInfo."""
+    import dataclasses
+
+    codes = [torch.randint(-100, 100, k.shape, device="cuda", dtype=torch.int8) for _ in range(2)]
+    scales = [torch.rand(k.shape[:-1], device="cuda", dtype=torch.float32) + 0.01 for _ in range(2)]
+    ps, h = k.shape[1], k.shape[2]
+    info = dataclasses.replace(pool, dtype=np.dtype(np.int8), kv=kv, ks_strides=(ps * h, h, 1),
+                               vs_strides=(ps * h, h, 1))
+    return info, [pyattn.asarray(x) for x in codes], [pyattn.asarray(x) for x in scales]
+
+
 def main():
+    kv = sys.argv[sys.argv.index("--kv") + 1] if "--kv" in sys.argv else ""
+    table_name = "_DECODE_Q8_227K" if kv else "_DECODE_227K"
     dev = pyattn.get_device()
     s = default_stream(dev)
-    base = specs._DECODE_227K
+    base = getattr(specs, table_name)
     data = {}
     for B, L in POINTS:  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
         q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
-        for layout, ps in (("nhd", PS), ("hnd", PS), ("nhd", L), ("hnd", L)):
+        for layout, ps in (("nhd", PS),) if kv else (("nhd", PS), ("hnd", PS), ("nhd", L), ("hnd", L)):
             npages = B * L // ps
             shape = (npages, ps, Hkv, D) if layout == "nhd" else (npages, Hkv, ps, D)
             k = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -75,9 +94,9 @@ def main():
         print(f"host time per run_decode call (num_splits={splits}): {host:.1f} us")
     print("candidate (kw, warps, stages, mt, minb) | " + " | ".join(f"B{B} L{L} {lay} p{ps}: us (TB/s)"
                                                                 for B, L, lay, ps in data))
-    for kw, w, st, mt, mb in CANDIDATES:
-        specs._DECODE_227K = ((128, kw, w, st, mt, mb, "tuning"),) + base[1:]
-        specs._DECODE["sm_90a"] = specs._DECODE_227K
+    for kw, w, st, mt, mb in CANDIDATES_Q8 if kv else CANDIDATES:
+        setattr(specs, table_name, ((128, kw, w, st, mt, mb, "tuning"),) + base[1:])
+        (specs._DECODE_Q8 if kv else specs._DECODE)["sm_90a"] = getattr(specs, table_name)
         registry._kernels.clear()
         dec._specs.cache_clear()
         dec._plans.clear()
@@ -87,16 +106,20 @@ def main():
                 dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
                 dl = pyattn.asarray(np.full(B, L, np.int32))
                 pool = check_pools(dk, dv, layout)
+                scales = (None, None)
+                if kv:
+                    pool, (dk, dv), scales = _quantized_pool(pool, k, kv)
                 P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
                                 num_splits=None)
-                us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s, False),
-                             s, dev)
-                cells.append(f"{us:7.1f} ({B * L * Hkv * D * 4 / us / 1e6:.2f})")
+                us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s, False,
+                                                    scales), s, dev)
+                nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
+                cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
             except Exception as e:  # keep going: one bad candidate must not end the run
                 cells.append(f"error {type(e).__name__}: {str(e)[:60]}")
         print(f"({kw}, {w}, {st}, {mt}, {mb}) | " + " | ".join(cells), flush=True)
-    specs._DECODE_227K = base
-    specs._DECODE["sm_90a"] = base
+    setattr(specs, table_name, base)
+    (specs._DECODE_Q8 if kv else specs._DECODE)["sm_90a"] = base
     return 0
 
 

@@ -123,7 +123,9 @@ _DECODE_99K = (  # sm_86 / sm_89
 # (codes and scales); head-dim buckets 64 / 128 / 256. More warps than the 16-bit kernel: the
 # code -> fp16/bf16 conversion adds ~3 instructions per element, so more warps hide latency.
 _DECODE_Q8_227K = (  # sm_90a / sm_100a
-    (128, 16, 4, 4, 2, 2, "72 KiB at d=128 (4 warps x 16 keys, 4 stages); unmeasured"),
+    (128, 32, 4, 3, 1, 2, "H200 int8, bf16 q, Hq32 Hkv8 (scripts/tune_decode.py --kv int8): 224 us at B8 L32k, "
+                          "2.47 TB/s of codes + scales; 16x4 keys, 4 stages: 237; 16x4 at 3 blocks/SM: 225; "
+                          "4 blocks/SM (128 regs) 270, 2 warps or 8 warps ~280 (106 KiB, 2 blocks by registers)"),
     (256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
 )
 _DECODE_Q8_163K = (  # sm_80

@@ -40,10 +40,10 @@ def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: 
             KernelSpec("decode_combine", tag, next(b for b in HEAD_DIM_BUCKETS if b >= head_dim), arch, ptx))
 
 
-def _blocks_per_sm(spec, device) -> int:
-    """Concurrent blocks of ``spec`` per SM by shared memory (1 KiB per block is reserved)."""
-    per_sm = device.max_shared_per_block_optin + 1024
-    return max(1, min(4, per_sm // (spec.shared_bytes + 1024)))
+def _blocks_per_sm(spec, kernel) -> int:
+    """Concurrent blocks of ``spec`` per SM: registers bound the 8-bit kernels (shared memory alone
+    said 3 where 2 fit, and the split choice then planned waves that did not exist)."""
+    return max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
 
 
 _num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)
@@ -121,7 +121,7 @@ def decode_plan(P, pool, device) -> DecodePlan:
     plan = DecodePlan(kernel, ckernel, (spec.threads, 1, 1), spec.shared_bytes, (P.heads_kv * row_blocks, P.batch),
                       packer, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), t.block_n, P.batch * P.heads_kv * row_blocks,
-                      device.sm_count * _blocks_per_sm(spec, device), out_shape, (P.batch, P.heads_q, P.q_len),
+                      device.sm_count * _blocks_per_sm(spec, kernel), out_shape, (P.batch, P.heads_q, P.q_len),
                       n_rows, D, P.dtype)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()

@@ -94,6 +94,13 @@ class Kernel:
               "cuFuncSetAttribute")
         self._max_dynamic_shared = nbytes
 
+    def max_active_blocks(self, threads: int, shared_bytes: int) -> int:
+        """Blocks of ``threads`` threads and ``shared_bytes`` of dynamic shared memory that fit on one SM
+        at once (the driver's occupancy calculator: registers, shared memory and warp limits)."""
+        self.set_max_dynamic_shared(shared_bytes)
+        return int(check(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.handle, threads, shared_bytes),
+                         "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
     def __repr__(self) -> str:
         return (f"<pyattn.Kernel {self.name}: {self.num_regs} regs, {self.static_shared_bytes} B static smem, "
                 f"{self.local_bytes} B local>")
