@@ -34,7 +34,6 @@ Usage: PYTHONPATH=. python scripts/bench_sparse.py [--json out.json] [--quick] [
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -189,15 +188,15 @@ def bench_dense(ctx, reps_t, reps_d, causal: bool, S: int, notes: list) -> list:
 def bs_kernel_fns(reps_d, mask3, block, causal, window, ps):
     """Launches of block_sparse_attention's plan, tile lists converted and uploaded once (the kernel path)."""
     from pyattn.kernels.registry import get_kernel
-    from pyattn.ops._plan import make_plan, ptx_requested, run_plan, spec_for
+    from pyattn.ops._plan import make_plan, run_plan
+    from pyattn.ops.block_sparse import sparse_spec
     from pyattn.ops._problem import make_problem
     from pyattn.ops._sparse_layout import tile_lists
 
     P, _ = make_problem(*reps_d[0], causal=causal, window=window, layout="bshd")
     dev = reps_d[0][0].device
     dev.activate()
-    spec = dataclasses.replace(spec_for(P.dtype, P.head_dim, dev.arch, ptx_requested(), "none", False, False),
-                               sparse=True)
+    spec = sparse_spec(P.dtype, P.head_dim, dev.arch, False, False, block)
     kernel, t = get_kernel(spec, dev), spec.tiles
     tl = tile_lists(mask3, block, t.block_m, t.block_n, P.seqlen_q, P.seqlen_k, causal=P.causal, window=P.window)
     lists = [pyattn.asarray(np.ascontiguousarray(a), stream=ps) for a in
@@ -207,8 +206,8 @@ def bs_kernel_fns(reps_d, mask3, block, causal, window, ps):
 
 
 def bench_block(ctx, reps_t, reps_d, case, mask, block, causal, window, S) -> dict:
-    from pyattn.kernels.specs import select_attention_spec
     from pyattn.ops._sparse_layout import tile_lists
+    from pyattn.ops.block_sparse import sparse_spec
 
     bsa = _op("block_sparse_attention", "pyattn.ops.block_sparse")
     mask3 = mask[None] if mask.ndim == 2 else mask
@@ -226,7 +225,7 @@ def bench_block(ctx, reps_t, reps_d, case, mask, block, causal, window, S) -> di
         ms = attempt(row, "block_sparse_attention (pre-roll)", lambda: gpu_ms(ctx, api))
     row["ms"] = ms or None
     row["api_ms"] = attempt(row, "block_sparse_attention (wall)", lambda: api_ms(ctx, api[0]))
-    t = select_attention_spec("bfloat16", D, pyattn.get_device().arch).tiles
+    t = sparse_spec("bfloat16", D, pyattn.get_device().arch, False, False, block).tiles
     row["tile"] = f"{t.block_m}x{t.block_n}"
     row["conv_ms"] = attempt(row, "tile_lists", lambda: bd.wall_us(
         lambda: tile_lists(mask3, block, t.block_m, t.block_n, S, S, causal=int(causal), window=window or (-1, -1)),

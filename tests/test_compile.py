@@ -123,8 +123,9 @@ def _sparse_and_quant_specs(arch):
     8-bit-cache decode kernels of ``arch``, at the head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
-    specs = [dataclasses.replace(select_attention_spec(dt, d, arch, softcap=cap), sparse=True)
-             for dt, d, cap in (("float16", 64, False), ("bfloat16", 256, False), ("bfloat16", 128, True))]
+    specs = [dataclasses.replace(select_attention_spec(dt, d, arch, softcap=cap), sparse=sp)
+             for dt, d, cap, sp in (("float16", 64, False, 1), ("bfloat16", 256, False, 1), ("bfloat16", 128, True, 1),
+                                    ("bfloat16", 128, False, 2), ("float16", 256, True, 2))]
     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
               for tag, d, kv, mods in (("f16", 64, "int8", True), ("bf16", 128, "fp8e4m3", False),
                                        ("bf16", 256, "int8", False), ("f16", 128, "fp8e4m3", True))]
@@ -137,7 +138,7 @@ def test_sparse_and_quantized_decode_variants_compile_for_every_arch(arch, sessi
     specs = _sparse_and_quant_specs(arch)
     for spec, meta, _ in jit.build_many(specs, workers=2):
         assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
-        assert spec.entry_name.endswith("_sparse") or "_kv" in spec.entry_name
+        assert spec.entry_name.endswith(("_sparse", "_sparse64")) or "_kv" in spec.entry_name
 
 
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):

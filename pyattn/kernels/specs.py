@@ -141,6 +141,20 @@ _DECODE_Q8 = {"sm_80": _DECODE_Q8_163K, "sm_86": _DECODE_Q8_99K, "sm_89": _DECOD
 KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
 _DECODE = {"sm_80": _DECODE_163K, "sm_86": _DECODE_99K, "sm_89": _DECODE_99K, "sm_90a": _DECODE_227K,
            "sm_100a": _DECODE_227K}
+# Block-sparse layouts of small blocks (sparse=2): 64 x 64 tiles, so that a 64-row/64-column block
+# is exactly one tile instead of a quarter of a 128 x 128 one (a random 10% layout of 64 blocks
+# touched 34% of the 128-tiles). Entries as _WGMMA_SM90's (one warpgroup) / _MMA's (4 warps, 1 tile).
+_WGMMA_SM90_SPARSE64 = (
+    (64, 64, 1, 4, True, 2, "74 KiB: 3 blocks/SM; unmeasured"),
+    (128, 64, 1, 2, False, 2, "82 KiB: 2 blocks/SM (3 stages: 115 KiB, 1 block); see BENCHMARKS.md"),
+    (192, 64, 1, 2, False, 1, "123 KiB; unmeasured"),
+    (256, 64, 1, 2, False, 1, "164 KiB; unmeasured"),
+)
+_MMA_SPARSE64 = (  # fits every arch's shared memory (99 KiB on sm_86/89)
+    (128, 64, 4, 1, 1, "87 KiB at d=128; unmeasured"),
+    (256, 16, 4, 1, 1, "68 KiB at d=256 (16-key stages fit 99 KiB); unmeasured"),
+)
+
 # attn_sparse (CSR lists of keys per query): one warp per query row, 8 keys per step; 4 rows per block.
 _SPARSE = TileConfig(4, 8, 4, "gather kernel: one warp per query row (rows have their own key lists); unmeasured")
 # kv_append: a grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
@@ -166,9 +180,9 @@ _MMA = {"sm_80": _MMA_BIG_SMEM, "sm_86": _MMA_SMALL_SMEM, "sm_89": _MMA_SMALL_SM
         "sm_90a": _MMA_BIG_SMEM, "sm_100a": _MMA_BIG_SMEM}
 
 
-def tile_config(family: str, arch: str, head_dim: int, kv: str = "") -> TileConfig:
+def tile_config(family: str, arch: str, head_dim: int, kv: str = "", sparse: int = 0) -> TileConfig:
     """Return the tile table entry for ``family`` on ``arch`` at ``head_dim`` (a bucket); ``kv``:
-    the cache's element kind (decode)."""
+    the cache's element kind (decode); ``sparse`` 2: the 64 x 64 block-sparse tiles."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
     if family == "attn_fwd_simt":
@@ -185,13 +199,15 @@ def tile_config(family: str, arch: str, head_dim: int, kv: str = "") -> TileConf
     if family == "attn_fwd_wgmma":
         if arch not in WGMMA_ARCHS:
             raise ValueError(f"arch: the wgmma family needs one of {WGMMA_ARCHS}, got {arch!r}")
-        for bound, block_n, wgs, stages, overlap, min_blocks, reason in _WGMMA_SM90:
+        for bound, block_n, wgs, stages, overlap, min_blocks, reason in (
+                _WGMMA_SM90_SPARSE64 if sparse == 2 else _WGMMA_SM90):
             if head_dim <= bound:
                 return TileConfig(64 * wgs, block_n, 4 * wgs, reason, min_blocks, 1, stages, overlap)
         raise ValueError(f"head_dim: no {family} tile for {head_dim} on {arch}")
     if family not in ("attn_fwd_mma", "attn_fwd_tf32"):
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-    for bound, block_n, warps, m_tiles, min_blocks, reason in (_MMA if family == "attn_fwd_mma" else _TF32)[arch]:
+    table = (_MMA_SPARSE64 if sparse == 2 else _MMA[arch]) if family == "attn_fwd_mma" else _TF32[arch]
+    for bound, block_n, warps, m_tiles, min_blocks, reason in table:
         if head_dim <= bound:
             return TileConfig(16 * m_tiles * warps, block_n, warps, reason, min_blocks, m_tiles)
     raise ValueError(f"head_dim: no {family} tile for {head_dim} on {arch}")
@@ -219,9 +235,9 @@ class KernelSpec:
         Attention and decode: compile in the soft-cap / ALiBi score modifiers.
     q_tiles : int
         Decode only: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
-    sparse : bool
-        Tensor-core attention only: visit the key tiles of a block-sparse tile list (see
-        ``AttnFwdParams``) instead of every tile of the band.
+    sparse : int
+        Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
+        ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).
     kv : str
         attn_decode / kv_append only: the cache's element kind, one of :data:`KV_KINDS` (``""`` =
         the query dtype; ``"int8"`` / ``"fp8e4m3"`` = 8-bit codes with fp32 scales).
@@ -236,7 +252,7 @@ class KernelSpec:
     softcap: bool = False
     alibi: bool = False
     q_tiles: int = 0
-    sparse: bool = False
+    sparse: int = 0
     kv: str = ""
 
     def __post_init__(self):
@@ -273,6 +289,8 @@ class KernelSpec:
                                  f"{decode_max_q_tiles(self.arch, self.head_dim, self.kv)}, got {self.q_tiles}")
         elif self.q_tiles:
             raise ValueError(f"q_tiles: only attn_decode takes q_tiles, got {self.q_tiles} for {self.family}")
+        if self.sparse not in (0, 1, 2):
+            raise ValueError(f"sparse: expected 0 (dense), 1 or 2 (64 x 64 tiles), got {self.sparse!r}")
         if self.sparse and self.family not in ("attn_fwd_mma", "attn_fwd_wgmma"):
             raise ValueError(f"sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, "
                              f"got {self.family}")
@@ -288,7 +306,7 @@ class KernelSpec:
     # -- derived facts -------------------------------------------------------------------
     @property  # not cached: tests patch the tables; launch paths keep what they need in their plans
     def tiles(self) -> TileConfig:
-        t = tile_config(self.family, self.arch, self.head_dim, self.kv)
+        t = tile_config(self.family, self.arch, self.head_dim, self.kv, self.sparse)
         if self.family == "attn_decode":
             t = dataclasses.replace(t, block_m=16 * self.q_tiles, m_tiles=self.q_tiles)
         return t
@@ -317,7 +335,7 @@ class KernelSpec:
         t = self.tiles
         mods = (f"_mask{self.mask}" if self.mask != "none" else "") + ("_softcap" if self.softcap else "") \
             + ("_alibi" if self.alibi else "")
-        mods += ("_sparse" if self.sparse else "") + (f"_kv{self.kv}" if self.kv else "")
+        mods += ("", "_sparse", "_sparse64")[self.sparse] + (f"_kv{self.kv}" if self.kv else "")
         stages = f"s{t.stages}" if self.family == "attn_decode" else ""
         return f"pyattn_{self.family}_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{stages}{mods}"
 
@@ -342,7 +360,7 @@ class KernelSpec:
         if self.family == "attn_fwd_simt":
             return (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<{ctype}, "
                     f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}>, {mods}>")
-        sparse = str(self.sparse).lower()
+        sparse = str(bool(self.sparse)).lower()
         if self.family == "attn_fwd_wgmma":
             return (f"pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<{ctype}, {self.head_dim}, {t.block_m}, "
                     f"{t.block_n}, {t.warps // 4}, {t.stages}, {str(t.overlap).lower()}>, {mods}, {sparse}>")
@@ -407,7 +425,7 @@ class KernelSpec:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
                                                ("softcap", self.softcap), ("alibi", self.alibi),
                                                (f"q_tiles={self.q_tiles}", self.q_tiles),
-                                               ("sparse", self.sparse), (f"kv={self.kv}", self.kv)) if on)
+                                               (f"sparse={self.sparse}", self.sparse), (f"kv={self.kv}", self.kv)) if on)
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 

@@ -22,7 +22,7 @@ from ._plan import make_plan, ptx_requested, run_plan, spec_for
 from ._problem import describe_input, make_problem
 from ._sparse_layout import check_block_layout, check_block_size, tile_lists
 
-__all__ = ["block_sparse_attention"]
+__all__ = ["block_sparse_attention", "sparse_spec"]
 
 _DTYPES = ("float16", "bfloat16")
 # Converted tile lists on the device, keyed by the layout's bytes and everything the conversion
@@ -30,6 +30,18 @@ _DTYPES = ("float16", "bfloat16")
 # calls with the same layout every step.
 _MAX_LISTS = 16
 _lists: dict = {}
+
+
+def sparse_spec(dtype: str, head_dim: int, arch: str, softcap: bool, alibi: bool, block_size: tuple):
+    """The block-sparse kernel spec: attention's spec for the problem, reading tile lists.
+
+    Blocks the standard tiles cover whole keep them (``sparse=1``); smaller blocks take 64 x 64
+    tiles (``sparse=2``): a random 10% layout of 64 x 64 blocks touches 34% of the 128 x 128 tiles.
+    """
+    spec = spec_for(dtype, head_dim, arch, ptx_requested(), "none", softcap, alibi)
+    std = dataclasses.replace(spec, sparse=1)
+    R, C = block_size
+    return std if R % std.tiles.block_m == 0 and C % std.tiles.block_n == 0 else dataclasses.replace(spec, sparse=2)
 
 
 def _device_lists(mask, block, tiles, P, device, s):
@@ -126,9 +138,8 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
         raise ValueError("q, k, v: expected arrays on one device, got devices "
                          f"{dq.device.ordinal}, {dk.device.ordinal}, {dv.device.ordinal}")
 
-    spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(), "none", problem.softcap > 0,
-                    problem.alibi is not None)
-    spec = dataclasses.replace(spec, sparse=True)
+    spec = sparse_spec(problem.dtype, problem.head_dim, device.arch, problem.softcap > 0, problem.alibi is not None,
+                       (R, C))
     kernel = get_kernel(spec, device)
     t = spec.tiles
     d_ptr, d_idx, d_bits, stride_h = _device_lists(mask, (R, C), (t.block_m, t.block_n), problem, device, s)
