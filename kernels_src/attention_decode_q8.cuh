@@ -163,21 +163,51 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 
   // Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4G + kk, quad
   // lane t reads columns p0 = 64G + 16t + 4kk (pair a0/a1) and p0 + 2 (a2/a3) of rows g, g + 8.
+  // S = Q K^T runs in fp16 whatever T is: int8 / e4m3 codes become fp16 in 1-2 instructions per
+  // pair (bf16 needs ~5). Each query row is first scaled by a power of two that puts its largest
+  // element in [2^14, 2^15) (exact, and inside fp16's range); the score undoes it (row_inv).
   unsigned qf[MT][D / 16][4];
+  float row_inv[MT][2];
   cp_async_wait<S - 1>();  // group 0 (Q) landed
   __syncthreads();
 #pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
+  for (int mi = 0; mi < MT; ++mi) {
+    float amax[2] = {0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
-      const T* r_lo = sQ + (mi * 16 + g) * LD + p0;
-      const T* r_hi = r_lo + 8 * LD;
-      qf[mi][ks][0] = *reinterpret_cast<const unsigned*>(r_lo);
-      qf[mi][ks][1] = *reinterpret_cast<const unsigned*>(r_hi);
-      qf[mi][ks][2] = *reinterpret_cast<const unsigned*>(r_lo + 2);
-      qf[mi][ks][3] = *reinterpret_cast<const unsigned*>(r_hi + 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax[h] = fmaxf(amax[h], fabsf(to_float(r[e])));
+      }
     }
+    float row_scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 1));
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 2));
+      int ex = 0;
+      if (amax[h] > 0.f) frexpf(amax[h], &ex);  // amax = m * 2^ex, m in [0.5, 1)
+      const int e = min(max(15 - ex, -100), 100);
+      row_scale[h] = ldexpf(1.f, e);
+      row_inv[mi][h] = ldexpf(1.f, -e);
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+        qf[mi][ks][h] = pack2<__half>(to_float(r[0]) * row_scale[h], to_float(r[1]) * row_scale[h]);
+        qf[mi][ks][2 + h] = pack2<__half>(to_float(r[2]) * row_scale[h], to_float(r[3]) * row_scale[h]);
+      }
+    }
+  }
+  // bf16 queries: the V scale folds into P (bf16 has fp32's range), so V codes convert exactly
+  // with no multiply; fp16 P * scale could underflow, so fp16 dequantizes V instead.
+  constexpr bool kFoldV = !IsHalf<T>::value;
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     cp_async_wait<S - 2>();
@@ -215,20 +245,20 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           unsigned b0, b1;
-          codes_to_pairs<KV, T>(words[kk], b0, b1);
+          codes_to_pairs<KV, __half>(words[kk], b0, b1);
 #pragma unroll
-          for (int mi = 0; mi < MT; ++mi) mma_16816<T>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
+          for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
         }
       }
     }
-    // -- K scales: column c of the tile is key wrow + nt * 8 + 2t + (e & 1)
+    // -- K scales (column c of the tile is key wrow + nt * 8 + 2t + (e & 1)) and the query rows' scales
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
-        s[mi][nt][0] *= ksc.x, s[mi][nt][1] *= ksc.y;
-        s[mi][nt][2] *= ksc.x, s[mi][nt][3] *= ksc.y;
+        s[mi][nt][0] *= ksc.x * row_inv[mi][0], s[mi][nt][1] *= ksc.y * row_inv[mi][0];
+        s[mi][nt][2] *= ksc.x * row_inv[mi][1], s[mi][nt][3] *= ksc.y * row_inv[mi][1];
       }
     }
 
@@ -236,6 +266,17 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
       rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
     online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
+    if constexpr (kFoldV) {  // P *= V scale of its key (after the row sums, which must not see it)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float2 vsc = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          s[mi][nt][0] *= vsc.x, s[mi][nt][1] *= vsc.y;
+          s[mi][nt][2] *= vsc.x, s[mi][nt][3] *= vsc.y;
+        }
+      }
+    }
 
     // -- O += P V: per k16 step, 4 key rows (2t, 2t+1, 2t+8, 2t+9) x NG bytes per lane
 #pragma unroll
@@ -246,7 +287,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
       float vsc[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) vsc[i] = tVs[rr[i]];
+      for (int i = 0; i < 4; ++i) vsc[i] = kFoldV ? 1.f : tVs[rr[i]];
 #pragma unroll
       for (int vg = 0; vg < D / (8 * NG); ++vg) {
         unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
@@ -268,8 +309,10 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             codes_to_float4<KV>(vw[i][w4], f[i]);
+            if constexpr (!kFoldV) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
+              for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
+            }
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) {

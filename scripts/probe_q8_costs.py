@@ -32,8 +32,10 @@ from tune_decode import _quantized_pool, time_us  # noqa: E402
 ORIG = dict(source.kernel_headers())
 V_OLD = '''          for (int i = 0; i < 4; ++i) {
             codes_to_float4<KV>(vw[i][w4], f[i]);
+            if constexpr (!kFoldV) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
+              for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
+            }
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -42,17 +44,17 @@ V_NEW = '''          for (int i = 0; i < 4; ++i) f[i][0] = vsc[i];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const unsigned b0 = vw[0][w4] ^ vw[1][w4] ^ e, b1 = vw[2][w4] ^ vw[3][w4] ^ e;'''
-K_OLD = '''          codes_to_pairs<KV, T>(words[kk], b0, b1);'''
+K_OLD = '''          codes_to_pairs<KV, __half>(words[kk], b0, b1);'''
 K_NEW = '''          b0 = words[kk]; b1 = words[kk] >> 8;'''
 
 
 def variant(name):
     text = ORIG["attention_decode_q8.cuh"]
     if name in ("noVconv", "noconv"):
-        assert V_OLD in text
+        assert V_OLD in text, "the kernel's V conversion changed: update V_OLD"
         text = text.replace(V_OLD, V_NEW)
     if name in ("noKconv", "noconv"):
-        assert K_OLD in text
+        assert K_OLD in text, "the kernel's K conversion changed: update K_OLD"
         text = text.replace(K_OLD, K_NEW)
     hdrs = dict(ORIG)
     hdrs["attention_decode_q8.cuh"] = text + f"\n// variant {name}\n"
