@@ -10,16 +10,16 @@
 //    16t + 4kk .. +3). A dot product does not care about the order as long as Q's A fragments use
 //    the same one. Codes become exact fp16/bf16 values; the K scale multiplies the score column.
 //  * V: a lane reads kVGroup bytes of 4 key rows and so owns output column g of kVGroup n8 tiles:
-//    the output columns are permuted (Traits::acc_col maps them back in the merge). V is
-//    dequantized in fp32 (code * scale) before rounding to T, so it keeps the original range.
+//    the output columns are permuted (Traits::acc_col maps them back in the merge). Codes become
+//    exact fp16; each key's V scale goes into its P instead, relative to a per-warp running power
+//    of two (vref) so that P * scale / vref stays in [0, 1] (fp16's range); O is kept in units of
+//    vref and rescaled when vref grows, like the online softmax's max.
+//  * Both products therefore run on fp16 tensor cores whatever the query dtype (T: the output).
 // Requires attention_decode.cuh (included from there) and cuda_fp8.h.
 #pragma once
 #include <cuda_fp8.h>
 
 namespace pyattn {
-
-template <typename T> struct IsHalf { static constexpr bool value = false; };
-template <> struct IsHalf<__half> { static constexpr bool value = true; };
 
 // Where chunk c of ring row r is stored: c ^ q8_swizzle<CHUNKS>(r). Rows 2i and 2i+1 land in
 // opposite halves of the 128-byte bank window (K reads: 2 rows x 4 chunks per phase); rows 0, 2,
@@ -35,25 +35,10 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
                "r"(valid ? 4 : 0));
 }
 
-// Four codes of one word -> four exact floats.
+// Four codes of one word -> two packed fp16 pairs (codes 0, 1) and (2, 3), exactly.
 template <int KV>
-__device__ __forceinline__ void codes_to_float4(unsigned w, float (&f)[4]) {
-  if constexpr (KV == 1) {  // int8: bias to unsigned, place in the mantissa of 2^23 (no I2F)
-    const unsigned u = w ^ 0x80808080u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540 | i)) - 8388736.f;
-  } else {  // e4m3 -> f16 is exact (hardware cvt on sm_89+)
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
-    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
-  }
-}
-
-// Four codes of one word -> packed T pairs (codes 0, 1) and (2, 3), exactly (K needs no scale here).
-template <int KV, typename T>
-__device__ __forceinline__ void codes_to_pairs(unsigned w, unsigned& lo, unsigned& hi) {
-  if constexpr (IsHalf<T>::value && KV == 1) {  // 1024 + (x + 128) as f16 bits, minus 1152
+__device__ __forceinline__ void codes_to_half2(unsigned w, unsigned& lo, unsigned& hi) {
+  if constexpr (KV == 1) {  // int8: (x + 128) in the low mantissa of 1024 (0x64xx), minus 1152
     const unsigned u = w ^ 0x80808080u;
     const unsigned x = __byte_perm(u, 0x64646464u, 0x4140), y = __byte_perm(u, 0x64646464u, 0x4342);
     const __half2 bias = __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
@@ -61,17 +46,17 @@ __device__ __forceinline__ void codes_to_pairs(unsigned w, unsigned& lo, unsigne
     const __half2 b = __hsub2(*reinterpret_cast<const __half2*>(&y), bias);
     lo = *reinterpret_cast<const unsigned*>(&a);
     hi = *reinterpret_cast<const unsigned*>(&b);
-  } else if constexpr (IsHalf<T>::value) {
+  } else {  // e4m3 -> f16 is exact (one cvt per pair on sm_89+)
     const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
     const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
     lo = a.x | (static_cast<unsigned>(a.y) << 16);
     hi = b.x | (static_cast<unsigned>(b.y) << 16);
-  } else {
-    float f[4];
-    codes_to_float4<KV>(w, f);
-    lo = pack2<T>(f[0], f[1]);
-    hi = pack2<T>(f[2], f[3]);
   }
+}
+
+// The smallest power of two >= x (x > 0 and finite; 0 stays 0).
+__device__ __forceinline__ float pow2_ceil(float x) {
+  return __uint_as_float((__float_as_uint(x) + 0x007fffffu) & 0xff800000u);
 }
 
 // Issue the copies of keys [n0, n0 + BLOCK_N) into one ring stage: codes (swizzled chunks) and
@@ -205,9 +190,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       }
     }
   }
-  // bf16 queries: the V scale folds into P (bf16 has fp32's range), so V codes convert exactly
-  // with no multiply; fp16 P * scale could underflow, so fp16 dequantizes V instead.
-  constexpr bool kFoldV = !IsHalf<T>::value;
+  float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     cp_async_wait<S - 2>();
@@ -245,7 +228,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           unsigned b0, b1;
-          codes_to_pairs<KV, __half>(words[kk], b0, b1);
+          codes_to_half2<KV>(words[kk], b0, b1);
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
         }
@@ -266,28 +249,42 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
       rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
     online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
-    if constexpr (kFoldV) {  // P *= V scale of its key (after the row sums, which must not see it)
+    // -- P *= V scale / vref (after the row sums, which must not see it). The 4 lanes of a quad
+    // hold all 32 columns of the warp's keys, so their max is the warp's (warp-uniform vref).
+    float2 vsc[NT];
+    float vmax = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float2 vsc = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          s[mi][nt][0] *= vsc.x, s[mi][nt][1] *= vsc.y;
-          s[mi][nt][2] *= vsc.x, s[mi][nt][3] *= vsc.y;
-        }
-      }
+    for (int nt = 0; nt < NT; ++nt) {
+      vsc[nt] = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
+      vmax = fmaxf(vmax, fmaxf(vsc[nt].x, vsc[nt].y));
     }
+    vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 1));
+    vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 2));
+    const float vref_new = fmaxf(vref, pow2_ceil(vmax));
+    if (vref_new != vref) {  // O was accumulated in units of the old vref (0 before any key: O is 0)
+      const float r = vref > 0.f ? vref / vref_new : 0.f;
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int i = 0; i < DT; ++i) acc[mi][i][0] *= r, acc[mi][i][1] *= r, acc[mi][i][2] *= r, acc[mi][i][3] *= r;
+      vref = vref_new;
+    }
+    const float vinv = vref > 0.f ? 1.f / vref : 0.f;  // exact: a power of two
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        s[mi][nt][0] *= vsc[nt].x * vinv, s[mi][nt][1] *= vsc[nt].y * vinv;
+        s[mi][nt][2] *= vsc[nt].x * vinv, s[mi][nt][3] *= vsc[nt].y * vinv;
+      }
 
     // -- O += P V: per k16 step, 4 key rows (2t, 2t+1, 2t+8, 2t+9) x NG bytes per lane
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
       unsigned a[MT][4];
-      p_fragments<T, MT, NT>(s, kk, a);
+      p_fragments<__half, MT, NT>(s, kk, a);
       const int rk = wrow + kk * 16 + 2 * t;
       const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
-      float vsc[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) vsc[i] = kFoldV ? 1.f : tVs[rr[i]];
 #pragma unroll
       for (int vg = 0; vg < D / (8 * NG); ++vg) {
         unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
@@ -305,26 +302,29 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         }
 #pragma unroll
         for (int w4 = 0; w4 < NG / 4; ++w4) {
-          float f[4][4];  // [row][byte]: dequantized
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            codes_to_float4<KV>(vw[i][w4], f[i]);
-            if constexpr (!kFoldV) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) f[i][e] *= vsc[i];
-            }
-          }
+          // Interleave rows (2t, 2t+1) and (2t+8, 2t+9) byte by byte: one code pair per B register.
+          unsigned b0[4], b1[4];
+          codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x5140), b0[0], b0[1]);
+          codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), b0[2], b0[3]);
+          codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), b1[0], b1[1]);
+          codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), b1[2], b1[3]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const unsigned b0 = pack2<T>(f[0][e], f[1][e]), b1 = pack2<T>(f[2][e], f[3][e]);
             const int dt = vg * NG + w4 * 4 + e;
 #pragma unroll
-            for (int mi = 0; mi < MT; ++mi) mma_16816<T>(acc[mi][dt], a[mi], b0, b1);
+            for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(acc[mi][dt], a[mi], b0[e], b1[e]);
           }
         }
       }
     }
   }
+
+  // O back from units of vref (0 when the warp saw no key: its O is 0 then)
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+      acc[mi][i][0] *= vref, acc[mi][i][1] *= vref, acc[mi][i][2] *= vref, acc[mi][i][3] *= vref;
 
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }
