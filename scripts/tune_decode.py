@@ -26,8 +26,8 @@ from pyattn.runtime.stream import Event, default_stream
 
 # (keys per warp, warps, stages, max q_tiles, min blocks)
 CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
-CANDIDATES_Q8 = [(16, 4, 4, 2, 2), (16, 4, 4, 1, 3), (16, 4, 3, 1, 4), (32, 4, 3, 1, 2), (32, 2, 4, 1, 3),
-                 (16, 8, 3, 1, 2)]
+CANDIDATES_Q8 = [(32, 4, 2, 1, 2), (32, 4, 2, 1, 3), (48, 4, 2, 1, 2), (64, 2, 2, 1, 2), (16, 4, 2, 1, 3),
+                 (32, 8, 2, 1, 1), (64, 4, 2, 1, 1)]
 POINTS = [(1, 32768), (8, 4096), (8, 32768), (64, 4096)]
 Hq, Hkv, D, PS = 32, 8, 128, 16
 

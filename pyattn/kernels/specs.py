@@ -123,9 +123,9 @@ _DECODE_99K = (  # sm_86 / sm_89
 # (codes and scales); head-dim buckets 64 / 128 / 256. More warps than the 16-bit kernel: the
 # code -> fp16/bf16 conversion adds ~3 instructions per element, so more warps hide latency.
 _DECODE_Q8_227K = (  # sm_90a / sm_100a
-    (128, 32, 4, 3, 1, 2, "H200 int8, bf16 q, Hq32 Hkv8 (scripts/tune_decode.py --kv int8): 224 us at B8 L32k, "
-                          "2.47 TB/s of codes + scales; 16x4 keys, 4 stages: 237; 16x4 at 3 blocks/SM: 225; "
-                          "4 blocks/SM (128 regs) 270, 2 warps or 8 warps ~280 (106 KiB, 2 blocks by registers)"),
+    (128, 32, 4, 2, 1, 2, "H200, bf16 q, Hq32 Hkv8, B8 L32k (scripts/tune_decode.py --kv): fp8 190 us (2.91 TB/s "
+                          "of codes + scales), int8 198; 3 stages 199 / 205; 3 blocks/SM (170 regs) 185 at B8 L32k "
+                          "but 197 at B64 L4k; 16 keys x 4 warps 201-214; 2 or 8 warps 231-249 (70 KiB)"),
     (256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
 )
 _DECODE_Q8_163K = (  # sm_80
