@@ -15,9 +15,11 @@
 //    of two (vref) so that P * scale / vref stays in [0, 1] (fp16's range); O is kept in units of
 //    vref and rescaled when vref grows, like the online softmax's max.
 //  * Both products therefore run on fp16 tensor cores whatever the query dtype (T: the output).
-// Requires attention_decode.cuh (included from there) and cuda_fp8.h.
+// Requires pyattn::DecodeParams, common.cuh, mma.cuh and cuda_fp8.h.
 #pragma once
 #include <cuda_fp8.h>
+
+#include "decode_common.cuh"
 
 namespace pyattn {
 
@@ -76,15 +78,8 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     const float* gvs = p.v_scale;
     const bool row_ok = key < n_end;
     if (row_ok) {  // never reads a page-table entry past the sequence's pages
-      int pi, slot;
-      if (p.page_shift >= 0) {
-        pi = key >> p.page_shift;
-        slot = key & (p.page_size - 1);
-      } else {
-        pi = key / p.page_size;
-        slot = key - pi * p.page_size;
-      }
-      const long long page = __ldg(pages + pi);
+      int slot;
+      const long long page = key_page(p, pages, key, slot);
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
       gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
       gks += page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
@@ -137,13 +132,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 
   float acc[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-    for (int i = 0; i < DT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
-    row_max[mi][0] = row_max[mi][1] = -inf();
-    row_sum[mi][0] = row_sum[mi][1] = 0.f;
-  }
+  init_softmax_state<MT, DT>(acc, row_max, row_sum);
   const float sl2 = kMods ? 1.f : p.scale_log2;
 
   // Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4G + kk, quad

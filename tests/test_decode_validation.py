@@ -27,7 +27,7 @@ from pyattn.ops._paged import (DecodeProblem, PoolInfo, check_block_table, check
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
 OPTIN_SMEM = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}
-CUH = pathlib.Path(__file__).resolve().parents[1] / "kernels_src" / "attention_decode.cuh"
+CUH = pathlib.Path(__file__).resolve().parents[1] / "kernels_src" / "decode_common.cuh"  # AttnDecodeTraits
 
 
 def _c_elems(shape):

@@ -1,0 +1,267 @@
+// What the paged-cache decode kernels share (attention_decode.cuh for 16-bit caches,
+// attention_decode_q8.cuh for 8-bit ones): tile traits, page lookup, the block's share of the keys,
+// the query load, per-row modifiers and masks, and the merge of the warps' softmax states.
+// Requires pyattn::DecodeParams, common.cuh and mma.cuh.
+#pragma once
+#include "band.cuh"
+
+namespace pyattn {
+
+template <typename T_, int HEAD_DIM_, int KEYS_PER_WARP_, int WARPS_, int M_TILES_, int STAGES_, int KV_ = 0>
+struct AttnDecodeTraits {
+  using T = T_;
+  static constexpr int kKv = KV_;  // cache elements: 0 = T, 1 = int8, 2 = fp8 e4m3 (attention_decode_q8.cuh)
+  static constexpr int kHeadDim = HEAD_DIM_;
+  static constexpr int kKeysPerWarp = KEYS_PER_WARP_;
+  static constexpr int kWarps = WARPS_;
+  static constexpr int kThreads = 32 * WARPS_;
+  static constexpr int kMTiles = M_TILES_;
+  static constexpr int kRows = 16 * M_TILES_;
+  static constexpr int kBlockN = KEYS_PER_WARP_ * WARPS_;
+  static constexpr int kStages = STAGES_;
+  static constexpr int kStride = HEAD_DIM_ + 8;     // 16-byte row padding: conflict-free ldmatrix
+  static constexpr int kAccStride = HEAD_DIM_ + 8;  // fp32 rows of the warp merge (2-way at worst)
+  static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
+  // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
+  // swizzled rows) and their fp32 scales.
+  static constexpr int kPipeBytes = KV_ == 0 ? (kRows + 2 * STAGES_ * kBlockN) * kStride * 2
+                                             : kRows * kStride * 2 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4);
+  static constexpr int kMergeBytes = WARPS_ * kRows * (kAccStride + 2) * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static_assert(sizeof(T_) == 2, "tensor-core decode takes fp16/bf16");
+  static_assert(HEAD_DIM_ % 32 == 0 && KEYS_PER_WARP_ % 16 == 0 && STAGES_ >= 2, "tile shape");
+  static_assert(KV_ == 0 || HEAD_DIM_ % 64 == 0, "8-bit caches: head-dim buckets of 64 (whole 64-byte fragment groups)");
+  static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
+  // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
+  static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;
+
+  // Head-dim column of accumulator element (n8 tile dt, element e) of quad lane t: in order for
+  // 16-bit caches; the 8-bit kernel reads V with its columns permuted (attention_decode_q8.cuh).
+  __device__ __forceinline__ static int acc_col(int dt, int t, int e) {
+    if constexpr (KV_ == 0) {
+      return dt * 8 + 2 * t + (e & 1);
+    } else {
+      return (dt / kVGroup) * kVGroup * 8 + kVGroup * (2 * t + (e & 1)) + dt % kVGroup;
+    }
+  }
+};
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+// The pool page of key `key` of a sequence whose page list is `pages`, and its slot in that page.
+__device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
+  int pi;
+  if (p.page_shift >= 0) {  // power-of-two pages: no division
+    pi = key >> p.page_shift;
+    slot = key & (p.page_size - 1);
+  } else {
+    pi = key / p.page_size;
+    slot = key - pi * p.page_size;
+  }
+  return __ldg(pages + pi);
+}
+
+// Where one decode block works: its (split, kv head, row block, sequence), its sequence's pages,
+// and its share of the key tiles some row of the block can see (divided among the splits).
+template <class Tr>
+struct DecodeBlock {
+  int split, kv_head, b, r0, kv_len, n_rows, qi_lo, qi_hi, end, n_tiles, n_first;
+  const int* pages;
+  Band band;
+
+  __device__ __forceinline__ explicit DecodeBlock(const DecodeParams& p) {
+    constexpr int KB = Tr::kBlockN;
+    split = blockIdx.x;
+    kv_head = blockIdx.y / p.row_blocks;
+    b = blockIdx.z;
+    r0 = (blockIdx.y % p.row_blocks) * Tr::kRows;
+    kv_len = p.kv_len[b];
+    n_rows = p.group * p.q_len;
+    pages = p.page_indptr != nullptr ? p.page_indices + p.page_indptr[b] : p.page_indices + b * p.table_stride;
+    band = make_band(p, p.q_len, kv_len);
+    qi_lo = r0 / p.group;
+    qi_hi = (min(r0 + Tr::kRows, n_rows) - 1) / p.group;
+    int begin;
+    band_key_range<KB>(band, qi_lo, qi_hi, kv_len, begin, end);
+    const int tiles_all = end > begin ? (end - begin + KB - 1) / KB : 0;
+    const int per_split = (tiles_all + p.num_splits - 1) / p.num_splits;
+    const int t_begin = min(tiles_all, split * per_split);
+    n_tiles = min(tiles_all, t_begin + per_split) - t_begin;
+    n_first = begin + t_begin * KB;
+  }
+};
+
+// Copy the block's query rows into sQ ([kRows][kStride] of T); rows past the group are zeros.
+template <class Tr>
+__device__ __forceinline__ void load_q(typename Tr::T* sQ, const DecodeParams& p, const DecodeBlock<Tr>& blk) {
+  using T = typename Tr::T;
+  for (int c = threadIdx.x; c < Tr::kRows * Tr::kChunksPerRow; c += Tr::kThreads) {
+    const int r = c / Tr::kChunksPerRow, col = (c % Tr::kChunksPerRow) * 8, gr = blk.r0 + r;
+    const bool ok = gr < blk.n_rows && col < p.head_dim;
+    const T* src = static_cast<const T*>(p.q);
+    if (ok)
+      src += blk.b * p.q_stride_b + (gr / p.group) * p.q_stride_s +
+             (blk.kv_head * p.group + gr % p.group) * p.q_stride_h + col;
+    cp_async_16(sQ + r * Tr::kStride + col, src, ok);
+  }
+}
+
+// This lane's query rows (mi, h) -> block row mi * 16 + h * 8 + lane / 4, and the per-element
+// score modifiers and masks of a warp's score tile.
+template <int MT, bool ALIBI>
+struct DecodeRows {
+  int qi[MT][2];
+  bool ok[MT][2];
+  float slope[MT][2];
+  int diag, kv_len;
+
+  __device__ __forceinline__ DecodeRows(const DecodeParams& p, int b, int kv_head, int r0, int n_rows, int len) {
+    const int g = (threadIdx.x % 32) / 4;
+    diag = len - p.q_len;
+    kv_len = len;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int gr = r0 + mi * 16 + h * 8 + g;
+        ok[mi][h] = gr < n_rows;
+        qi[mi][h] = gr / p.group;
+        slope[mi][h] = 0.f;
+        if constexpr (ALIBI)
+          if (ok[mi][h]) slope[mi][h] = p.alibi[b * p.alibi_stride_b + kv_head * p.group + gr % p.group];
+      }
+  }
+
+  // Scores of keys key0 + nt * 8 + (e & 1): past the end, outside the band, or a padding row -> -inf;
+  // with modifiers the kept scores become final, in log2 units.
+  template <int NT, bool SOFTCAP>
+  __device__ __forceinline__ void mask(float (&s)[MT][NT][4], const DecodeParams& p, const Band& band,
+                                       int key0) const {
+    constexpr bool kMods = SOFTCAP || ALIBI;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + nt * 8 + (e & 1), h = e >> 1;
+          const bool keep = ok[mi][h] && key < kv_len && band.allows(qi[mi][h], key);
+          float x = s[mi][nt][e];
+          if constexpr (kMods) {
+            x *= p.scale;
+            if constexpr (SOFTCAP) x = p.softcap * tanhf(x / p.softcap);
+            if constexpr (ALIBI) x -= slope[mi][h] * fabsf(static_cast<float>(qi[mi][h] + diag - key));
+            x *= kLog2e;
+          }
+          s[mi][nt][e] = keep ? x : -inf();
+        }
+  }
+};
+
+// An empty online-softmax state: O = 0, running max -inf, sum 0 (rows g and g + 8 of each tile).
+template <int MT, int DT>
+__device__ __forceinline__ void init_softmax_state(float (&acc)[MT][DT][4], float (&row_max)[MT][2],
+                                                   float (&row_sum)[MT][2]) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+    for (int i = 0; i < DT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -inf();
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+}
+
+// Merge the warps' online-softmax states of one block through shared memory and store its rows:
+// the output and LSE (num_splits == 1) or the split's fp32 partial and LSE.
+template <class Tr>
+__device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&acc)[Tr::kMTiles][Tr::kHeadDim / 8][4],
+                                                float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                                float sl2, unsigned char* smem_raw, int split, int kv_head, int b,
+                                                int r0, int n_rows) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, MT = Tr::kMTiles, ROWS = Tr::kRows, W = Tr::kWarps, AS = Tr::kAccStride;
+  constexpr int DT = D / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // -- merge the warps' states: each warp leaves (max, sum, unnormalised O) in shared memory
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free to reuse
+  float* sAcc = reinterpret_cast<float*>(smem_raw);  // [W][ROWS][AS]
+  float* sM = sAcc + W * ROWS * AS;                   // [W][ROWS] max (log2 units), then weights
+  float* sL = sM + W * ROWS;                          // [W][ROWS] row sums
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mi][h];
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      const int rr = mi * 16 + h * 8 + g;
+      if (t == 0) {
+        sM[warp * ROWS + rr] = row_max[mi][h] == -inf() ? -inf() : row_max[mi][h] * sl2;
+        sL[warp * ROWS + rr] = sum;
+      }
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        float* dst = sAcc + (warp * ROWS + rr) * AS;
+        if constexpr (Tr::kKv == 0) {
+          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = make_float2(acc[mi][dt][2 * h], acc[mi][dt][2 * h + 1]);
+        } else {  // permuted columns: two scalar stores
+          dst[Tr::acc_col(dt, t, 0)] = acc[mi][dt][2 * h];
+          dst[Tr::acc_col(dt, t, 1)] = acc[mi][dt][2 * h + 1];
+        }
+      }
+    }
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    const int r = threadIdx.x, gr = r0 + r;
+    float m = -inf(), l = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) m = fmaxf(m, sM[w * ROWS + r]);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float mw = sM[w * ROWS + r];
+      l += mw == -inf() ? 0.f : fast_exp2(mw - m) * sL[w * ROWS + r];
+    }
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float mw = sM[w * ROWS + r];
+      sM[w * ROWS + r] = (l == 0.f || mw == -inf()) ? 0.f : fast_exp2(mw - m) / l;
+    }
+    if (gr < n_rows) {  // a row that saw no key: output 0, LSE -inf
+      const float lse = l == 0.f ? -inf() : (m + log2f(l)) * kLn2;
+      const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
+      if (p.num_splits == 1) {
+        if (p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse;
+      } else {
+        p.lse_part[((static_cast<long long>(split) * p.batch + b) * p.q_len + qi) * p.heads_q + hq] = lse;
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < ROWS * (D / 2); e += Tr::kThreads) {
+    const int r = e / (D / 2), d = 2 * (e % (D / 2)), gr = r0 + r;
+    if (gr >= n_rows || d >= p.head_dim) continue;
+    float ox = 0.f, oy = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float wt = sM[w * ROWS + r];
+      const float2 a = *reinterpret_cast<const float2*>(sAcc + (w * ROWS + r) * AS + d);
+      ox = fmaf(wt, a.x, ox);
+      oy = fmaf(wt, a.y, oy);
+    }
+    const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
+    if (p.num_splits == 1) {
+      T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
+      *reinterpret_cast<unsigned*>(o) = pack2<T>(ox, oy);
+    } else {
+      const long long row = ((static_cast<long long>(split) * p.batch + b) * p.q_len + qi) * p.heads_q + hq;
+      *reinterpret_cast<float2*>(p.o_part + row * p.head_dim + d) = make_float2(ox, oy);
+    }
+  }
+}
+
+}  // namespace pyattn
