@@ -80,7 +80,7 @@ def _assert_seq(pools, cache, sid, k_rows, v_rows):
 @pytest.mark.parametrize("dtype", list(CACHE_DTYPES))
 @pytest.mark.parametrize("src", list(SRC))
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("H, D", [(2, 128), (1, 256), (3, 8), (2, 72)])
+@pytest.mark.parametrize("H, D", [(2, 128), (1, 256), (3, 16), (2, 80)])
 def test_appends_match_the_reference(dtype, src, page_size, H, D):
     """Three sequences grown by a packed host append (one count 0), a padded device append and a
     few one-token steps (a decode loop)."""

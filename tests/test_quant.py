@@ -326,6 +326,16 @@ def test_cache_constructor_rejects_other_dtypes(fake_device, dtype):
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_cache_needs_head_dim_multiple_of_16(fake_device, kv):
+    import pyattn
+
+    with pytest.raises(ValueError, match=r"^head_dim: an 8-bit cache needs a multiple of 16"):
+        pyattn.PagedKVCache(4, 16, 2, 72, kv)
+    assert pyattn.PagedKVCache(4, 16, 2, 80, kv).head_dim == 80
+    assert pyattn.PagedKVCache(4, 16, 2, 72, "float16").head_dim == 72  # 16-bit caches keep multiples of 8
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
 def test_quantized_append_validates_token_dtypes_before_any_gpu_work(fake_device, kv):
     import pyattn
 

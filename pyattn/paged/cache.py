@@ -42,7 +42,7 @@ class PagedKVCache:
     page_size : int
         Token slots per page, 1 to 256.
     num_kv_heads, head_dim : int
-        head_dim is a multiple of 8 up to 256.
+        head_dim is a multiple of 8 up to 256 (of 16 for 8-bit caches).
     dtype : {"float16", "bfloat16", "int8", "fp8_e4m3"} or a NumPy dtype
         The pools' element type. ``"int8"`` (``numpy.int8``) and ``"fp8_e4m3"``
         (``ml_dtypes.float8_e4m3fn``; ``"float8_e4m3fn"`` and ``"fp8e4m3"`` are accepted too) make
@@ -87,6 +87,9 @@ class PagedKVCache:
         if head_dim % 8 or not 8 <= head_dim <= 256:
             raise ValueError(f"head_dim: expected a multiple of 8 in [8, 256], got {head_dim}")
         kv = kind_of(dtype)
+        if kv and head_dim % 16:
+            raise ValueError(f"head_dim: an 8-bit cache needs a multiple of 16 (its decode kernel copies "
+                             f"16-byte rows of codes), got {head_dim}")
         if kv:
             dt = code_dtype(kv)
         else:
