@@ -51,8 +51,8 @@ __device__ __forceinline__ void codes_to_half2(unsigned w, unsigned& lo, unsigne
   } else {  // e4m3 -> f16 is exact (one cvt per pair on sm_89+)
     const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
     const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = a.x | (static_cast<unsigned>(a.y) << 16);
-    hi = b.x | (static_cast<unsigned>(b.y) << 16);
+    lo = *reinterpret_cast<const unsigned*>(&a);  // {x, y}: x in the low half, as mma expects
+    hi = *reinterpret_cast<const unsigned*>(&b);
   }
 }
 
@@ -237,7 +237,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     // -- modifiers and masking (as the 16-bit kernel), then the online softmax
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
       rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
-    online_softmax<MT, NT, DT>(s, acc, row_max, row_sum, sl2);
+    online_softmax<MT, NT, DT, true>(s, acc, row_max, row_sum, sl2);
     // -- P *= V scale / vref (after the row sums, which must not see it). The 4 lanes of a quad
     // hold all 32 columns of the warp's keys, so their max is the warp's (warp-uniform vref).
     float2 vsc[NT];

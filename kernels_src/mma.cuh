@@ -80,7 +80,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // them). Scores s are scaled by sl2 into log2 units; row_max keeps the running max of the
 // unscaled scores, row_sum this lane's partial sum (quad-reduced once, in the epilogue), and acc
 // (MT x DT n8 output tiles) is rescaled to the new max. s becomes the unnormalised P.
-template <int MT, int NT, int DT>
+// SKIP_SAME: skip the rescale of acc when no row of the warp's tile got a new max (a warp vote
+// instead of DT x 4 multiplies; decode's long rows keep their max after the first tiles).
+template <int MT, int NT, int DT, bool SKIP_SAME = false>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                                float (&row_max)[MT][2], float (&row_sum)[MT][2], float sl2) {
 #pragma unroll
@@ -106,6 +108,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
       }
       row_sum[mi][h] = row_sum[mi][h] * corr[h] + sum;
     }
+    if constexpr (SKIP_SAME)
+      if (!__any_sync(kFullMask, corr[0] != 1.f || corr[1] != 1.f)) continue;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       acc[mi][dt][0] *= corr[0]; acc[mi][dt][1] *= corr[0];
