@@ -47,7 +47,8 @@ def _fill(cache, seqs, dtype):
             take = min(step, n - at)
             if take <= 0:
                 break
-            cache.append([sid], k[None, at:at + take].astype(DTYPES[dtype]), v[None, at:at + take].astype(DTYPES[dtype]))
+            t = DTYPES[dtype]
+            cache.append([sid], k[None, at:at + take].astype(t), v[None, at:at + take].astype(t))
             at += take
     return ids
 

@@ -118,7 +118,7 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
 def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, scale, num_splits) -> DecodeProblem:
     """Validate q (batch, q_len, heads_q, head_dim) against the pool and the options."""
     i = describe_input("q", q)
-    if getattr(pool, "kv", ""):  # 8-bit codes dequantize to the query's fp16/bf16
+    if pool.kv:  # 8-bit codes dequantize to the query's fp16/bf16
         if i.dtype.name not in DECODE_DTYPES:
             raise TypeError(f"q: expected dtype float16 or bfloat16 over an 8-bit ({pool.kv}) cache, got {i.dtype}")
     elif i.dtype != pool.dtype:

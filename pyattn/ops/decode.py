@@ -82,7 +82,7 @@ def decode_plan(P, pool, device) -> DecodePlan:
     if plan is not None:
         return plan
     rows = P.group * P.q_len
-    kv = getattr(pool, "kv", "")
+    kv = pool.kv
     spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
                          P.alibi is not None, kv)
     kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
@@ -93,7 +93,7 @@ def decode_plan(P, pool, device) -> DecodePlan:
     out_shape = (P.batch, P.q_len, P.heads_q, P.head_dim)
     qs, os_ = P.q_strides, _c_strides(out_shape, 1)
     ks, vs = pool.k_strides, pool.v_strides
-    kss, vss = (getattr(pool, "ks_strides", (0, 0, 0)), getattr(pool, "vs_strides", (0, 0, 0))) if kv else ((0,) * 3,) * 2
+    kss, vss = pool.ks_strides, pool.vs_strides  # (0, 0, 0) for 16-bit pools
     packer = spec.params.partial({
         "ks_stride_page": kss[0], "ks_stride_slot": kss[1], "ks_stride_h": kss[2],
         "vs_stride_page": vss[0], "vs_stride_slot": vss[1], "vs_stride_h": vss[2],
@@ -327,7 +327,7 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
     dq = asarray(q, device=cache.device, stream=s)
     if dq.device is not cache.device:
         raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, got {dq.device.ordinal}")
-    scales = (cache.k_scale, cache.v_scale) if getattr(cache, "kv", "") else (None, None)
+    scales = (cache.k_scale, cache.v_scale) if cache.kv else (None, None)
     out, lse = run_decode(P, pool, dq, cache.k, cache.v, tables, max_len, _alibi(alibi_slopes, P, cache.device, s), s,
                           return_lse, scales)
     return _finish(q, out, lse, return_lse, s)
