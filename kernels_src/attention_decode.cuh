@@ -115,10 +115,7 @@ __device__ __forceinline__ void attn_decode16(const DecodeParams& p) {
     const int n0 = n_first + j * KB + warp * KW;  // this warp's first key
 
     float s[MT][NT][4];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int i = 0; i < NT; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
+    zero_tiles<MT, NT>(s);
 #pragma unroll
     for (int k0 = 0; k0 < D / 16; k0 += KG) {
       unsigned bk[KG][NT / 2][4];

@@ -199,10 +199,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 
     // -- S = Q K^T: one 16-byte read per key row and 64-column group feeds 4 k16 steps
     float s[MT][NT][4];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int i = 0; i < NT; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
+    zero_tiles<MT, NT>(s);
 #pragma unroll
     for (int gi = 0; gi < G64; ++gi) {
       uint4 kw[NT];

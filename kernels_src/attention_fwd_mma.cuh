@@ -91,13 +91,8 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
   cp_async_commit();
 
   float acc[MT][DT][4];
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int i = 0; i < DT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
   float row_max[MT][2], row_sum[MT][2];  // rows g and g + 8 of each row tile
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi) row_max[mi][0] = row_max[mi][1] = -inf(), row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  init_softmax_state<MT, DT>(acc, row_max, row_sum);
   // With score modifiers, s is already final and in log2 units when the softmax sees it.
   const float sl2 = Mods::kAny ? 1.f : p.scale_log2;
   const int warp_row = warp * 16 * MT;       // first row of this warp within the block
@@ -119,10 +114,7 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
 
     // -- S = Q K^T (raw scores, fp32); each K fragment feeds MT row tiles
     float s[MT][NT][4];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int i = 0; i < NT; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
+    zero_tiles<MT, NT>(s);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       unsigned a[MT][4];

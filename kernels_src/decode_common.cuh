@@ -162,19 +162,6 @@ struct DecodeRows {
   }
 };
 
-// An empty online-softmax state: O = 0, running max -inf, sum 0 (rows g and g + 8 of each tile).
-template <int MT, int DT>
-__device__ __forceinline__ void init_softmax_state(float (&acc)[MT][DT][4], float (&row_max)[MT][2],
-                                                   float (&row_sum)[MT][2]) {
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-    for (int i = 0; i < DT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
-    row_max[mi][0] = row_max[mi][1] = -inf();
-    row_sum[mi][0] = row_sum[mi][1] = 0.f;
-  }
-}
-
 // Merge the warps' online-softmax states of one block through shared memory and store its rows:
 // the output and LSE (num_splits == 1) or the split's fp32 partial and LSE.
 template <class Tr>

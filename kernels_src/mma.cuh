@@ -75,6 +75,27 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Zero MT x N accumulator tiles in the mma C layout (score tiles before Q K^T).
+template <int MT, int N>
+__device__ __forceinline__ void zero_tiles(float (&x)[MT][N][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[mi][i][0] = x[mi][i][1] = x[mi][i][2] = x[mi][i][3] = 0.f;
+}
+
+// An empty online-softmax state: O = 0, running max -inf, sum 0 (rows g and g + 8 of each tile).
+template <int MT, int DT>
+__device__ __forceinline__ void init_softmax_state(float (&acc)[MT][DT][4], float (&row_max)[MT][2],
+                                                   float (&row_sum)[MT][2]) {
+  zero_tiles<MT, DT>(acc);
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+    row_max[mi][0] = row_max[mi][1] = -inf();
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+}
+
 // Online-softmax step over one warp's score tile in the C layout above: MT m16 row tiles x NT n8
 // key tiles, this lane holding rows g and g + 8 of each row tile (the 4 lanes of a quad share
 // them). Scores s are scaled by sl2 into log2 units; row_max keeps the running max of the
