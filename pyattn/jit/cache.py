@@ -1,54 +1,41 @@
-"""On-disk cache of compiled kernel binaries (cubin bytes), safe across threads and processes.
+"""On-disk cache of compiled kernel binaries (cubin bytes), safe across threads, processes and users.
 
-Each entry is one file ``<key>.pyattnk`` in the cache directory::
+One file ``<key>.pyattnk`` per kernel (format in :mod:`pyattn.jit._entry`). Guarantees:
 
-    b"PYATTNK1"                      magic; the trailing digit is the format version
-    uint32 little-endian n           length of the JSON header
-    n bytes of UTF-8 JSON            {"key": <key>, "meta": <caller's dict>}
-    payload                          the compiled binary
-    32 bytes                         sha256 of everything above
+- Trust: the directory and the entries must be owned by the current user and not
+  group/world-writable (:mod:`pyattn.jit._trust`); an untrusted directory is refused entirely
+  (one warning naming ``PYATTN_CACHE_DIR``; kernels are then compiled and not cached), an
+  untrusted entry (symlink, FIFO, someone else's file, mode 0666...) is a miss and gets replaced.
+- Atomic writes: a temp file in the same directory, fsync, then ``os.replace`` (as CuPy's
+  ``_compiler_cache.py``; PyCUDA's in-place write can leave half a file), so readers see no file
+  or a whole one. A file failing its checksum is a miss and is removed.
+- Litter: temp files of writers that died are removed by the next write; lock files are removed
+  by whoever releases them (:mod:`pyattn.jit._keylock`), those of killed holders by the next
+  write or :meth:`KernelCache.clear`.
 
-Writes go to a temp file in the same directory, fsync, then ``os.replace`` (as CuPy's
-``_compiler_cache.py``; PyCUDA's in-place write can leave half a file), so readers see no file or
-a whole one; a file failing validation is a miss and is removed. The caller compiles: no CUDA here.
+The caller compiles: no CUDA here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import pathlib
-import re
-import struct
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from . import _keylock, _trust
+from ._litter import remove_litter
+from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CorruptEntry, check_key, decode, encode,
+                     normalise_meta, temp_name)
+
 __all__ = ["CacheEntry", "KernelCache", "default_cache_dir"]
 
 logger = logging.getLogger("pyattn.cache")
-
-_MAGIC = b"PYATTNK1"
-_HEADER_LEN = struct.Struct("<I")
-_DIGEST_SIZE = hashlib.sha256().digest_size
-_MIN_SIZE = len(_MAGIC) + _HEADER_LEN.size + _DIGEST_SIZE
-
-_ENTRY_SUFFIX = ".pyattnk"
-_LOCK_SUFFIX = ".lock"
-_TMP_SUFFIX = ".tmp"
-_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
-_ENTRY_RE = re.compile(r"([0-9a-f]{16,128})" + re.escape(_ENTRY_SUFFIX))
-_LOCK_RE = re.compile(r"[0-9a-f]{16,128}" + re.escape(_LOCK_SUFFIX))
-_TMP_RE = re.compile(r"\.[0-9a-f]{16,128}\.[A-Za-z0-9_]+" + re.escape(_TMP_SUFFIX))
-
-# A put() takes milliseconds; a temp file this old belongs to a writer that died.
-_STALE_TMP_SECONDS = 60.0
-
 
 def default_cache_dir() -> pathlib.Path:
     """Return the default kernel cache directory, without creating it.
@@ -87,64 +74,6 @@ class CacheEntry:
     size: int
 
 
-class _CorruptEntry(Exception):
-    """An entry file that must be treated as a miss; the message says why."""
-
-
-def _check_key(key: object) -> str:
-    # The key becomes a file name: restricting it to hex means it can never leave the directory.
-    if not isinstance(key, str):
-        raise TypeError(f"key must be a str, got {type(key).__name__}")
-    if not _KEY_RE.fullmatch(key):
-        raise ValueError(f"key must be 16 to 128 lowercase hex digits, got {key!r}")
-    return key
-
-
-def _normalise_meta(meta: object) -> dict:
-    # Round-trip through JSON so a freshly built entry and a cache hit return equal dicts.
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
-        raise TypeError("meta must be a dict with str keys")
-    return json.loads(json.dumps(meta, allow_nan=False))
-
-
-def _encode(key: str, payload: bytes, meta: dict) -> bytes:
-    header = json.dumps({"key": key, "meta": meta}, allow_nan=False, sort_keys=True).encode()
-    body = b"".join([_MAGIC, _HEADER_LEN.pack(len(header)), header, payload])
-    return body + hashlib.sha256(body).digest()
-
-
-def _decode(key: str, data: bytes) -> tuple[bytes, dict]:
-    if len(data) < _MIN_SIZE:
-        raise _CorruptEntry(f"file too short ({len(data)} bytes)")
-    if data[: len(_MAGIC)] != _MAGIC:
-        raise _CorruptEntry(f"bad magic/version {data[:len(_MAGIC)]!r}")
-    body, digest = data[:-_DIGEST_SIZE], data[-_DIGEST_SIZE:]
-    if hashlib.sha256(body).digest() != digest:
-        raise _CorruptEntry("checksum mismatch")
-    (header_len,) = _HEADER_LEN.unpack_from(body, len(_MAGIC))
-    start = len(_MAGIC) + _HEADER_LEN.size
-    if start + header_len > len(body):
-        raise _CorruptEntry("header length exceeds file size")
-    try:
-        header = json.loads(body[start : start + header_len].decode())
-        stored_key, meta = header["key"], header["meta"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _CorruptEntry(f"unreadable header ({exc})") from None
-    if stored_key != key:
-        raise _CorruptEntry(f"stored key {stored_key!r} differs from requested key")
-    if not isinstance(meta, dict):
-        raise _CorruptEntry("meta is not a JSON object")
-    return body[start + header_len :], meta
-
-
-def _same_file(path: pathlib.Path, st: os.stat_result) -> bool:
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
 class KernelCache:
     """Atomic, checksummed on-disk cache of compiled kernels with a per-key build lock.
 
@@ -164,12 +93,13 @@ class KernelCache:
     All methods are safe from any number of threads and processes: readers see no entry or a
     complete one, never a partial write. :meth:`get_or_build` runs ``build`` once per key across
     the threads of an instance (a ``threading.Lock`` per key) and across processes and instances
-    (``fcntl.flock`` on ``<key>.lock``, opened afresh per call). The OS drops a flock when its
+    (``fcntl.flock`` on ``<key>.lock``, removed again on release). The OS drops a flock when its
     holder dies, so a killed process never blocks anyone; if the lock does not come within
     ``lock_timeout`` or the directory is not writable, the build runs unlocked with a warning:
     duplicate work at worst, never a hang. :meth:`clear` racing a writer can lose that write,
-    never corrupt it. A read-only or uncreatable directory never raises: writes are skipped and
-    one warning per instance is logged.
+    never corrupt it. A directory that is read-only, uncreatable or refused as untrusted never
+    raises: reads miss or are served as allowed, writes are skipped, and one warning per instance
+    is logged.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, *,
@@ -183,12 +113,33 @@ class KernelCache:
         self._poll_interval = float(poll_interval)
         self._thread_locks: dict[str, threading.Lock] = {}
         self._thread_locks_guard = threading.Lock()
-        self._warned_unwritable = False
+        self._warned: set = set()  # what this instance has warned about: once is news, twice noise
+        # Once refused, always refused: a directory must not be trusted by one call and not the
+        # next (e.g. a component an attacker made fails, its child we then create passes).
+        self._refused = False
 
     @property
     def directory(self) -> pathlib.Path:
         """pathlib.Path: The cache directory (may not exist yet)."""
         return self._dir
+
+    def trust_problem(self) -> str | None:
+        """Return why the directory is refused, or ``None`` if it is usable or does not exist yet.
+
+        Returns
+        -------
+        str or None
+            E.g. ``"/tmp/c is writable by group or others (mode 0777)"``.
+        """
+        try:
+            fd = _trust.open_trusted_dir(self._dir, create=False)
+        except _trust.UntrustedPath as exc:
+            return str(exc)
+        except OSError:
+            return None
+        if fd is not None:
+            os.close(fd)
+        return None
 
     def get(self, key: str) -> tuple[bytes, dict] | None:
         """Look up a cached kernel.
@@ -203,36 +154,20 @@ class KernelCache:
         tuple of (bytes, dict) or None
             The payload and its metadata, or ``None`` on a miss. A truncated file, a bad
             magic/version, a checksum failure or a stored key other than ``key`` is a miss: a
-            warning is logged and the file removed when possible.
+            warning is logged and the file removed when possible. So is an entry that is not a
+            regular file owned by us and private, or any entry of a refused directory.
 
         Raises
         ------
         ValueError
             If ``key`` is invalid.
         """
-        key = _check_key(key)
-        path = self._entry_path(key)
-        try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            logger.warning("cannot read kernel cache entry %s (%s); treating as a miss", path, exc)
-            return None
-        try:
-            return _decode(key, data)
-        except _CorruptEntry as exc:
-            logger.warning("discarding corrupt kernel cache entry %s: %s", path, exc)
-            # Only remove the file we read: a writer may have replaced it with a good one since.
-            if _same_file(path, st):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            return None
+        key = check_key(key)
+        with self._dir_fd(create=False) as dfd:
+            return None if dfd is None else self._read(dfd, key)
 
     def put(self, key: str, payload: bytes, meta: dict) -> pathlib.Path | None:
-        """Store a kernel atomically.
+        """Store a kernel atomically (and remove temp files that dead writers left).
 
         Parameters
         ----------
@@ -246,38 +181,40 @@ class KernelCache:
         Returns
         -------
         pathlib.Path or None
-            The entry file, or ``None`` if the directory could not be written (one warning per
-            instance is logged; the run carries on uncached).
+            The entry file, or ``None`` if the directory could not be written or is refused (one
+            warning per instance is logged; the run carries on uncached).
 
         Raises
         ------
         ValueError, TypeError
             If ``key`` is invalid, or ``meta`` is not a JSON-serialisable dict with str keys.
         """
-        key = _check_key(key)
-        data = _encode(key, bytes(payload), _normalise_meta(meta))
-        if not self._ensure_dir():
-            return None
-        final = self._entry_path(key)
-        tmp_name = None
-        try:
-            # mkstemp makes the file 0o600 whatever the umask; same dir keeps replace atomic.
-            import tempfile  # here, not at import: warm starts only read the cache
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{key}.", suffix=_TMP_SUFFIX, dir=self._dir)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, final)
-            tmp_name = None
-            return final
-        except OSError as exc:
-            self._warn_unwritable(exc)
-            return None
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
+        key = check_key(key)
+        data = encode(key, bytes(payload), normalise_meta(meta))
+        with self._dir_fd(create=True) as dfd:
+            if dfd is None:
+                return None
+            remove_litter(dfd)
+            name, tmp = key + ENTRY_SUFFIX, temp_name(key)
+            try:
+                # O_EXCL + O_NOFOLLOW: never write through something already there. 0o600 can
+                # only lose bits to the umask.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=dfd)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                tmp = None
+                return self._dir / name
+            except OSError as exc:
+                self._warn_unwritable(exc)
+                return None
+            finally:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dfd)
 
     def get_or_build(self, key: str,
                      build: Callable[[], tuple[bytes, dict]]) -> tuple[bytes, dict, bool]:
@@ -300,7 +237,7 @@ class KernelCache:
         built : bool
             Whether ``build`` ran in this call.
         """
-        key = _check_key(key)
+        key = check_key(key)
         hit = self.get(key)
         if hit is not None:
             return hit[0], hit[1], False
@@ -312,18 +249,23 @@ class KernelCache:
             result = build()
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise TypeError("build() must return a (payload, meta) tuple")
-            payload, meta = bytes(result[0]), _normalise_meta(result[1])
+            payload, meta = bytes(result[0]), normalise_meta(result[1])
             self.put(key, payload, meta)
         return payload, meta, True
 
     def entries(self) -> list[CacheEntry]:
-        """Return the entry files found by name (not verified), sorted by key."""
+        """Return the entry files found by name (regular files; content not verified), by key.
+
+        Empty when the directory is missing or refused.
+        """
         found = []
-        for name in self._listdir():
-            if (match := _ENTRY_RE.fullmatch(name)) is not None:
-                with contextlib.suppress(FileNotFoundError):  # removed since listdir
-                    size = (self._dir / name).stat().st_size
-                    found.append(CacheEntry(match.group(1), self._dir / name, size))
+        with self._dir_fd(create=False) as dfd:
+            for name in self._listdir(dfd):
+                if (match := ENTRY_RE.fullmatch(name)) is not None:
+                    with contextlib.suppress(OSError):  # removed since listdir
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            found.append(CacheEntry(match.group(1), self._dir / name, st.st_size))
         return sorted(found, key=lambda e: e.key)
 
     def total_size(self) -> int:
@@ -331,67 +273,109 @@ class KernelCache:
         return sum(e.size for e in self.entries())
 
     def clear(self) -> int:
-        """Delete every entry file, plus lock files nobody holds and stale temporary files.
+        """Delete every entry file, plus lock files nobody holds and temp files of dead writers.
 
-        Files whose names do not match the cache's patterns are left alone.
+        Files whose names do not match the cache's patterns are left alone, and so is a refused
+        (untrusted) directory.
 
         Returns
         -------
         int
             Number of entry files removed.
         """
-        removed, failed, now = 0, [], time.time()
-        for name in self._listdir():
-            path = self._dir / name
-            try:
-                if _ENTRY_RE.fullmatch(name):
-                    os.unlink(path)
-                    removed += 1
-                elif _LOCK_RE.fullmatch(name):
-                    self._remove_free_lock(path)
-                elif _TMP_RE.fullmatch(name) and now - path.stat().st_mtime > _STALE_TMP_SECONDS:
-                    os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                failed.append(f"{name}: {exc}")
+        removed, failed = 0, []
+        with self._dir_fd(create=False) as dfd:
+            for name in self._listdir(dfd):
+                if ENTRY_RE.fullmatch(name):
+                    try:
+                        os.unlink(name, dir_fd=dfd)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        failed.append(f"{name}: {exc}")
+            if dfd is not None:
+                remove_litter(dfd)
         if failed:
             logger.warning("could not remove from kernel cache %s: %s", self._dir, failed)
         return removed
 
-    def _entry_path(self, key: str) -> pathlib.Path:
-        return self._dir / (key + _ENTRY_SUFFIX)
+    # -- directory, reading, litter ------------------------------------------------------------
 
-    def _listdir(self) -> list[str]:
+    def _open_dir(self, create: bool) -> int | None:
+        """A descriptor of the trusted directory, or None (missing, unusable or refused: warned)."""
+        if self._refused:
+            return None
         try:
-            return os.listdir(self._dir)
-        except OSError:  # missing, not a directory, unreadable: nothing to list
+            return _trust.open_trusted_dir(self._dir, create=create)
+        except _trust.UntrustedPath as exc:
+            self._refused = True
+            self._warn_once("untrusted", "refusing kernel cache directory %s (%s); kernels will be "
+                            "compiled but not cached. Set PYATTN_CACHE_DIR to a directory only you "
+                            "can write (pyattn creates it with mode 0700)", self._dir, exc)
+        except OSError as exc:
+            if create:
+                self._warn_unwritable(exc)
+            else:  # unreadable: nothing to read, and writes will say why
+                logger.debug("cannot open kernel cache directory %s: %s", self._dir, exc)
+        return None
+
+    @contextlib.contextmanager
+    def _dir_fd(self, create: bool) -> Iterator[int | None]:
+        fd = self._open_dir(create)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _read(self, dfd: int, key: str) -> tuple[bytes, dict] | None:
+        name = key + ENTRY_SUFFIX
+        path = self._dir / name
+        try:
+            fd, st = _trust.open_trusted_file(dfd, name, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except _trust.UntrustedPath as exc:
+            self._warn_once(("entry", key), "ignoring kernel cache entry %s: %s; it will be rebuilt",
+                            path, exc)
+            return None
+        except OSError as exc:
+            logger.warning("cannot read kernel cache entry %s (%s); treating as a miss", path, exc)
+            return None
+        try:
+            return decode(key, data)
+        except CorruptEntry as exc:
+            logger.warning("discarding corrupt kernel cache entry %s: %s", path, exc)
+            # Only remove the file we read: a writer may have replaced it with a good one since.
+            if _trust.names_inode(dfd, name, st):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dfd)
+            return None
+
+    def _listdir(self, dfd: int | None) -> list[str]:
+        if dfd is None:
+            return []
+        try:
+            return os.listdir(dfd)
+        except OSError:  # unreadable: nothing to list
             return []
 
-    def _warn_unwritable(self, exc: OSError) -> None:
-        # One warning per instance: a read-only cache is a fact of the setup, not news per kernel.
-        if self._warned_unwritable:
-            logger.debug("kernel cache %s not writable: %s", self._dir, exc)
+    def _warn_once(self, what, message: str, *args) -> None:
+        # A refused or read-only cache is a fact of the setup, not news per kernel.
+        if what in self._warned:
+            logger.debug(message, *args)
             return
-        self._warned_unwritable = True
-        logger.warning("cannot write to kernel cache directory %s (%s); "
-                       "kernels will be built but not cached", self._dir, exc)
+        self._warned.add(what)
+        logger.warning(message, *args)
 
-    def _ensure_dir(self) -> bool:
-        """Create the directory (and missing parents) with mode 0o700; False if impossible."""
-        try:
-            # Not os.makedirs: it would create the parents with the umask's mode, maybe 0o777.
-            for path in reversed([p for p in (self._dir, *self._dir.parents) if not p.exists()]):
-                try:
-                    # mode is masked by the umask, which can only remove bits: never g/o-writable.
-                    os.mkdir(path, 0o700)
-                except FileExistsError:  # another process won the race
-                    if not path.is_dir():
-                        raise
-        except OSError as exc:
-            self._warn_unwritable(exc)
-            return False
-        return True
+    def _warn_unwritable(self, exc: OSError) -> None:
+        self._warn_once("unwritable", "cannot write to kernel cache directory %s (%s); "
+                        "kernels will be built but not cached", self._dir, exc)
+
+    # -- build locks ---------------------------------------------------------------------------
 
     def _thread_lock(self, key: str) -> threading.Lock:
         # Kept for the instance's life: a process compiles a bounded set of kernels.
@@ -407,67 +391,37 @@ class KernelCache:
         if not have_tlock:
             logger.warning("timed out after %.1fs waiting for another thread building kernel "
                            "%s; building without the lock", self._lock_timeout, key)
-        fd = None
+        held = None
         try:
             # Without the thread lock another thread of ours holds the file lock: don't wait twice.
             if have_tlock:
-                fd = self._acquire_file_lock(key, deadline)
+                held = self._acquire_file_lock(key, deadline)
             yield
         finally:
-            if fd is not None:
-                os.close(fd)  # closing the descriptor releases the flock
+            if held is not None:
+                dfd, fd = held
+                try:
+                    _keylock.release(dfd, key + LOCK_SUFFIX, fd)
+                finally:
+                    os.close(dfd)
             if have_tlock:
                 tlock.release()
 
-    def _acquire_file_lock(self, key: str, deadline: float) -> int | None:
-        """Return a descriptor holding flock on <key>.lock, or None (warned) if not possible."""
-        if not self._ensure_dir():
+    def _acquire_file_lock(self, key: str, deadline: float) -> tuple[int, int] | None:
+        """Return (directory fd, lock fd) holding <key>.lock, or None (warned) if not possible."""
+        dfd = self._open_dir(create=True)
+        if dfd is None:
             return None
-        path = self._dir / (key + _LOCK_SUFFIX)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                self._warn_unwritable(exc)
-                return None
-            try:
-                locked = self._poll_flock(fd, deadline)
-            except BaseException as exc:
-                os.close(fd)
-                if not isinstance(exc, OSError):
-                    raise
-                # e.g. ENOLCK on a filesystem without flock support
-                logger.warning("cannot lock %s (%s); building without the lock", path, exc)
-                return None
-            if not locked:
-                os.close(fd)
-                logger.warning("timed out after %.1fs waiting for the lock on kernel %s (%s); "
-                               "building without it", self._lock_timeout, key, path)
-                return None
-            # clear() may have unlinked the file while we waited: a lock on an orphaned inode
-            # excludes nobody who opens the path afresh, so start over.
-            if _same_file(path, os.fstat(fd)):
-                return fd
-            os.close(fd)
-
-    def _poll_flock(self, fd: int, deadline: float) -> bool:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                time.sleep(min(self._poll_interval, remaining))
-
-    def _remove_free_lock(self, path: pathlib.Path) -> None:
-        # A lock file someone holds is live: removing it would let a second builder in.
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        name = key + LOCK_SUFFIX
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
+            return dfd, _keylock.acquire(dfd, name, deadline, self._poll_interval)
+        except _keylock.LockUnavailable as exc:
+            os.close(dfd)
+            logger.warning("%s (kernel %s in %s); building without the lock", exc, key, self._dir)
+        except OSError as exc:
+            os.close(dfd)
+            self._warn_unwritable(exc)
+        except BaseException:
+            os.close(dfd)
+            raise
+        return None

@@ -1,0 +1,103 @@
+"""The kernel cache's file format and file names (no I/O here).
+
+Each entry is one file ``<key>.pyattnk``::
+
+    b"PYATTNK1"                      magic; the trailing digit is the format version
+    uint32 little-endian n           length of the JSON header
+    n bytes of UTF-8 JSON            {"key": <key>, "meta": <caller's dict>}
+    payload                          the compiled binary
+    32 bytes                         sha256 of everything above
+
+Temp files are ``.<key>.<writer pid>.<random hex>.tmp``: the pid lets a later writer tell the
+temp file of a dead writer (removable) from one being written right now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+
+__all__ = ["CorruptEntry", "check_key", "normalise_meta", "encode", "decode", "ENTRY_SUFFIX",
+           "LOCK_SUFFIX", "ENTRY_RE", "LOCK_RE", "temp_name", "temp_writer_pid"]
+
+_MAGIC = b"PYATTNK1"
+_HEADER_LEN = struct.Struct("<I")
+_DIGEST_SIZE = hashlib.sha256().digest_size
+_MIN_SIZE = len(_MAGIC) + _HEADER_LEN.size + _DIGEST_SIZE
+
+ENTRY_SUFFIX = ".pyattnk"
+LOCK_SUFFIX = ".lock"
+_TMP_SUFFIX = ".tmp"
+_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+ENTRY_RE = re.compile(r"([0-9a-f]{16,128})" + re.escape(ENTRY_SUFFIX))
+LOCK_RE = re.compile(r"[0-9a-f]{16,128}" + re.escape(LOCK_SUFFIX))
+# ".<key>.<pid>.<hex>.tmp"; the pid part is optional for the mkstemp names of pyattn <= 0.4
+# (".<key>.<random>.tmp"), which are then judged by age alone.
+_TMP_RE = re.compile(r"\.[0-9a-f]{16,128}\.(?:([0-9]+)\.)?[A-Za-z0-9_]+" + re.escape(_TMP_SUFFIX))
+
+
+def temp_name(key: str) -> str:
+    """A fresh temp file name for writing ``key``'s entry, carrying this process's pid."""
+    return f".{key}.{os.getpid()}.{os.urandom(6).hex()}{_TMP_SUFFIX}"
+
+
+def temp_writer_pid(name: str) -> int | None:
+    """For a temp file name: the writer's pid, or 0 when the name carries none; None if ``name``
+    is not a temp file name."""
+    match = _TMP_RE.fullmatch(name)
+    if match is None:
+        return None
+    return int(match.group(1) or 0)
+
+
+class CorruptEntry(Exception):
+    """An entry file that must be treated as a miss; the message says why."""
+
+
+def check_key(key: object) -> str:
+    # The key becomes a file name: restricting it to hex means it can never leave the directory.
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    if not _KEY_RE.fullmatch(key):
+        raise ValueError(f"key must be 16 to 128 lowercase hex digits, got {key!r}")
+    return key
+
+
+def normalise_meta(meta: object) -> dict:
+    # Round-trip through JSON so a freshly built entry and a cache hit return equal dicts.
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise TypeError("meta must be a dict with str keys")
+    return json.loads(json.dumps(meta, allow_nan=False))
+
+
+def encode(key: str, payload: bytes, meta: dict) -> bytes:
+    header = json.dumps({"key": key, "meta": meta}, allow_nan=False, sort_keys=True).encode()
+    body = b"".join([_MAGIC, _HEADER_LEN.pack(len(header)), header, payload])
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(key: str, data: bytes) -> tuple[bytes, dict]:
+    if len(data) < _MIN_SIZE:
+        raise CorruptEntry(f"file too short ({len(data)} bytes)")
+    if data[: len(_MAGIC)] != _MAGIC:
+        raise CorruptEntry(f"bad magic/version {data[:len(_MAGIC)]!r}")
+    body, digest = data[:-_DIGEST_SIZE], data[-_DIGEST_SIZE:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptEntry("checksum mismatch")
+    (header_len,) = _HEADER_LEN.unpack_from(body, len(_MAGIC))
+    start = len(_MAGIC) + _HEADER_LEN.size
+    if start + header_len > len(body):
+        raise CorruptEntry("header length exceeds file size")
+    try:
+        header = json.loads(body[start : start + header_len].decode())
+        stored_key, meta = header["key"], header["meta"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntry(f"unreadable header ({exc})") from None
+    if stored_key != key:
+        raise CorruptEntry(f"stored key {stored_key!r} differs from requested key")
+    if not isinstance(meta, dict):
+        raise CorruptEntry("meta is not a JSON object")
+    return body[start + header_len :], meta
