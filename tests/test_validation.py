@@ -277,7 +277,7 @@ def test_valid_numpy_call_without_gpu_raises_no_device_error(dtype, layout):
     kv = host((1, 2, 5, 32) if layout == "bhsd" else (1, 5, 2, 32), dtype)
     with pytest.raises(pyattn.NoDeviceError) as info:
         pyattn.attention(q, kv, kv, causal=True, layout=layout)
-    assert info.value.name == "CUDA_ERROR_NO_DEVICE"
+    assert info.value.reason in ("no_driver", "no_device")  # no driver library, or no GPU behind it
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,13 +14,22 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .errors import NoDeviceError, check
+from .errors import NoDeviceError, check, no_device_error
 
-__all__ = ["Device", "get_device", "device_count", "driver_version", "arch_for_capability", "SUPPORTED_ARCHS"]
+__all__ = ["Device", "get_device", "device_count", "driver_version", "arch_for_capability", "SUPPORTED_ARCHS",
+           "ARCH_GPUS", "MIN_DRIVER_CUDA"]
 
 # Archs we compile for. The "a" suffix selects the arch-specific instruction set (wgmma,
 # setmaxnreg, tcgen05), which only runs on exactly that arch; cubins are never shared across archs.
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+#: Examples of the GPUs behind each arch (for messages and help; the capability is what counts).
+ARCH_GPUS = {
+    "sm_80": "A100, A30",
+    "sm_86": "A10, A40, RTX 30xx, RTX A6000",
+    "sm_89": "L4, L40, L40S, RTX 40xx, RTX 6000 Ada",
+    "sm_90a": "H100, H200, GH200",
+    "sm_100a": "B200, GB200",
+}
 
 _lock = threading.Lock()
 _devices: dict[int, "Device"] = {}
@@ -60,25 +69,60 @@ def arch_for_capability(major: int, minor: int) -> str:
         ) from None
 
 
+# cuda-bindings 13 is built against the CUDA 13 driver API; CUDA minor-version compatibility
+# covers any 13.x driver (R580 and newer), not a 12.x one.
+MIN_DRIVER_CUDA = (13, 0)
+
+
+def _init_driver():
+    """Import the driver bindings and initialise the driver, or raise a classified NoDeviceError.
+
+    The three failures a user can act on are told apart (today's cuda.bindings raises
+    cuda.pathfinder's ``DynamicLibNotFoundError`` from the first call when libcuda.so.1 is not
+    there; a stub libcuda answers CUDA_ERROR_STUB_LIBRARY): no driver library, a driver too old
+    for CUDA 13, and a working driver with no GPU.
+    """
+    from cuda.bindings import driver
+
+    try:
+        # cuDriverGetVersion works before cuInit: ask first, so a pre-13 driver is reported as
+        # too old rather than by whatever cuInit or a later call answers.
+        result = driver.cuDriverGetVersion()
+    except Exception as exc:
+        from cuda.pathfinder import DynamicLibNotFoundError
+
+        if isinstance(exc, DynamicLibNotFoundError):
+            raise NoDeviceError(-1, "DRIVER_LIBRARY_NOT_FOUND", str(exc), "cuDriverGetVersion",
+                                reason="no_driver") from exc
+        raise NoDeviceError(-1, type(exc).__name__, str(exc), "cuDriverGetVersion",
+                            reason="driver_error") from exc
+    if int(result[0]) != 0:
+        raise no_device_error(result[0], "cuDriverGetVersion")
+    version = int(result[1])
+    have = (version // 1000, (version % 1000) // 10)
+    if have < MIN_DRIVER_CUDA:
+        raise NoDeviceError(-1, "DRIVER_TOO_OLD", f"the installed driver supports CUDA "
+                            f"{have[0]}.{have[1]}", "cuDriverGetVersion", reason="driver_too_old")
+    code = driver.cuInit(0)[0]
+    if int(code) != 0:
+        raise no_device_error(code, "cuInit")
+    return driver
+
+
 def _driver():
-    """Import the driver bindings and initialise the driver once, or raise NoDeviceError."""
+    """The initialised driver bindings (initialised once), or raise :class:`NoDeviceError`.
+
+    A failed initialisation is not remembered: the next call tries again (a driver may be
+    installed, or a device node appear, while the process runs).
+    """
     global _initialised, _driver_module
     if _initialised:  # hot path: every op activates its device
         return _driver_module
-    from cuda.bindings import driver
-
-    if not _initialised:
-        with _lock:
-            if not _initialised:
-                try:
-                    check(driver.cuInit(0), "cuInit")
-                except NoDeviceError:
-                    raise
-                except Exception as exc:  # the driver library itself is missing (no NVIDIA driver)
-                    raise NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", str(exc), "cuInit") from exc
-                _driver_module = driver
-                _initialised = True
-    return driver
+    with _lock:
+        if not _initialised:
+            _driver_module = _init_driver()
+            _initialised = True
+    return _driver_module
 
 
 def device_count() -> int:

@@ -14,6 +14,7 @@ __all__ = [
     "NvrtcError",
     "CompileError",
     "NoDeviceError",
+    "no_device_error",
     "check",
     "check_nvrtc",
 ]
@@ -45,7 +46,43 @@ class CudaError(PyattnError):
 
 
 class NoDeviceError(CudaError):
-    """No usable CUDA driver or device was found (the driver library is missing or reports no GPU)."""
+    """No usable CUDA driver or GPU; :attr:`reason` says which, for a message that helps.
+
+    Attributes
+    ----------
+    reason : str
+        ``"no_driver"``: the driver library (``libcuda.so.1``) cannot be loaded, or is a stub;
+        ``"driver_too_old"``: the driver predates CUDA 13.0 (R580), which cuda-bindings 13 needs;
+        ``"no_device"``: the driver works but sees no GPU (``CUDA_ERROR_NO_DEVICE``);
+        ``"driver_error"``: initialisation failed otherwise (e.g. ``CUDA_ERROR_UNKNOWN``, often
+        missing ``/dev/nvidia*`` nodes in a container started without GPU access).
+    code, name : int, str
+        The ``CUresult`` when the driver returned one; ``-1`` and a descriptive name when no
+        driver call could be made (``"DRIVER_LIBRARY_NOT_FOUND"``, ``"DRIVER_TOO_OLD"``).
+    """
+
+    #: The message's headline for each reason.
+    REASONS = {
+        "no_driver": "no NVIDIA driver: libcuda.so.1 cannot be loaded (install the NVIDIA driver, "
+                     "R580 or newer, for CUDA 13)",
+        "driver_too_old": "NVIDIA driver too old: pyattn (cuda-bindings 13) needs a driver for "
+                          "CUDA 13.0 or newer (R580+)",
+        "no_device": "no GPU: the NVIDIA driver is loaded but reports no CUDA device",
+        "driver_error": "the NVIDIA driver failed to initialise",
+    }
+    # Driver results at initialisation -> reason; any other failure there is "driver_error".
+    # 35 is the runtime API's cudaErrorInsufficientDriver, kept in case a driver returns it.
+    _REASON_BY_CODE = {34: "no_driver", 35: "driver_too_old", 36: "driver_too_old", 100: "no_device"}
+
+    def __init__(self, code: int, name: str, description: str, call: str = "",
+                 reason: str | None = None):
+        reason = reason or self._REASON_BY_CODE.get(int(code), "driver_error")
+        if reason not in self.REASONS:
+            raise ValueError(f"reason must be one of {sorted(self.REASONS)}, got {reason!r}")
+        self.reason = reason
+        self.code, self.name, self.description, self.call = int(code), name, description, call
+        detail = f"{name} ({int(code)}) in {call}: {description}" if int(code) >= 0 else description
+        PyattnError.__init__(self, f"{self.REASONS[reason]} [{detail}]")
 
 
 class NvrtcError(PyattnError):
@@ -99,14 +136,25 @@ class CompileError(PyattnError):
 def _driver_error_text(code) -> tuple[str, str]:
     from cuda.bindings import driver
 
-    err, name = driver.cuGetErrorName(code)
-    name = name.decode() if err == driver.CUresult.CUDA_SUCCESS and name else f"CUresult {int(code)}"
-    err, desc = driver.cuGetErrorString(code)
-    desc = desc.decode() if err == driver.CUresult.CUDA_SUCCESS and desc else "unknown error"
-    return name, desc
+    try:
+        err, name = driver.cuGetErrorName(code)
+        name = name.decode() if err == driver.CUresult.CUDA_SUCCESS and name else ""
+        err, desc = driver.cuGetErrorString(code)
+        desc = desc.decode() if err == driver.CUresult.CUDA_SUCCESS and desc else ""
+    except Exception:  # the driver library itself is unusable: the enum still knows the name
+        name = desc = ""
+    if not name:
+        try:
+            name = driver.CUresult(int(code)).name
+        except ValueError:
+            name = f"CUresult {int(code)}"
+    return name, desc or "unknown error"
 
 
-_NO_DEVICE_CODES = {100, 35, 999}  # NO_DEVICE, INSUFFICIENT_DRIVER, UNKNOWN (no /dev/nvidia*)
+def no_device_error(code, call: str) -> NoDeviceError:
+    """The :class:`NoDeviceError` for a failed driver initialisation call (``cuInit``...)."""
+    name, desc = _driver_error_text(code)
+    return NoDeviceError(int(code), name, desc, call)
 
 
 def check(result, call: str = ""):
@@ -129,9 +177,10 @@ def check(result, call: str = ""):
     else:
         code, values = result, ()
     if int(code) != 0:
+        if call.startswith("cuInit"):  # whatever the code, without cuInit there is no device
+            raise no_device_error(code, call)
         name, desc = _driver_error_text(code)
-        cls = NoDeviceError if int(code) in _NO_DEVICE_CODES and call.startswith("cuInit") else CudaError
-        raise cls(int(code), name, desc, call)
+        raise CudaError(int(code), name, desc, call)
     if not values:
         return None
     return values[0] if len(values) == 1 else values
