@@ -95,10 +95,17 @@ def build_many(specs, *, workers: int | None = None, progress=None) -> list:
     if missing:
         log.info("pyattn: compiling %d kernels", len(missing))
     results, done = [], 0
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1)
+    try:
         for spec, (image, meta, built) in zip(specs, pool.map(build, specs)):
             done += 1
             results.append((spec, meta, built))
             if progress is not None:
                 progress(done, len(specs), spec, built)
+    except BaseException:
+        # Ctrl-C or a failed compile: drop the queued compiles rather than finish them all before
+        # the exception gets out (only the ones already running complete).
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return results
