@@ -7,6 +7,7 @@ standard kernel of every arch into it anyway.
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import pathlib
@@ -21,7 +22,7 @@ import time
 import pytest
 
 import pyattn.jit as jit
-from pyattn.__main__ import Progress
+from pyattn.__main__ import Progress, build_parser, main
 from pyattn.jit.cache import KernelCache
 from pyattn.jit.headers import nvrtc_version
 from pyattn.kernels.specs import select_attention_spec, warmup_specs
@@ -215,6 +216,32 @@ def test_warmup_without_arch_and_without_gpu_asks_for_arch(cache_dir):
     r = run_cli("warmup", cache=cache_dir)
     assert r.returncode == 2
     assert f"no usable GPU ({_no_gpu_headline()}" in r.stderr and "--arch" in r.stderr
+
+
+def test_every_subcommand_and_option_has_help(capsys):
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = {a.dest: a.help for a in subparsers._choices_actions}
+    assert set(commands) == set(subparsers.choices) == {"demo", "info", "warmup", "cache"}
+    for name, sub in subparsers.choices.items():
+        assert commands[name] and sub.description, name
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: python -m pyattn {name}")
+    (arch,) = [a for a in subparsers.choices["warmup"]._actions if a.dest == "arch"]
+    assert tuple(arch.choices) == device.SUPPORTED_ARCHS
+    assert all(f"{a}: {gpus}" in arch.help for a, gpus in device.ARCH_GPUS.items())
+
+
+def test_info_names_a_refused_cache(cache_dir, capsys):
+    cache_dir.mkdir(mode=0o700)
+    cache_dir.chmod(0o777)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^cache: {re.escape(str(cache_dir))} REFUSED \(.*mode 0777.*PYATTN_CACHE_DIR", out, re.M), out
 
 
 @pytest.mark.parametrize("args", [[], ["cache"], ["cache", "purge"], ["frobnicate"]])
