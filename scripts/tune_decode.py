@@ -1,13 +1,15 @@
-"""Time decode-kernel tile variants on the GPU (development tool; the winner goes into specs.py).
+"""Time decode-kernel tile variants on the GPU (development tool; the winner goes into
+pyattn/kernels/families/decode.py).
 
-Patches the sm_90a decode tile table entry for d <= 128 with each candidate, clears the loaded-kernel
-registry, and times ``run_decode`` (kernel + split combine, CUDA events over back-to-back calls) on
-paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
+Puts each candidate in the sm_90a decode tile table's d <= 128 row (``override_tiles``, which also
+forgets loaded kernels), clears the decode op's plan caches, and times ``run_decode`` (kernel + split
+combine, CUDA events over back-to-back calls) on paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16,
+at the issue's batch/context points.
 
     PYTHONPATH=. python3 scripts/tune_decode.py [--kv int8|fp8e4m3]
 
-With ``--kv`` the 8-bit-cache table (``_DECODE_Q8_227K``) is patched instead and the pools hold
-random codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
+With ``--kv`` the 8-bit-cache table (``"kv8"``) is overridden instead and the pools hold random
+codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import torch  # first: importing torch after pyattn had loaded NVRTC once failed
 import numpy as np
 
 import pyattn
-from pyattn.kernels import registry, specs
+from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
 from pyattn.ops import decode as dec
 from pyattn.ops._paged import check_pools, check_query
 from pyattn.runtime.stream import Event, default_stream
 
-# (keys per warp, warps, stages, max q_tiles, min blocks)
+# DecodeTile fields after max_head_dim: (keys per warp, warps, stages, max q_tiles, min blocks)
 CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
 CANDIDATES_Q8 = [(32, 4, 2, 1, 2), (32, 4, 2, 1, 3), (48, 4, 2, 1, 2), (64, 2, 2, 1, 2), (16, 4, 2, 1, 3),
                  (32, 8, 2, 1, 1), (64, 4, 2, 1, 1)]
@@ -61,10 +63,10 @@ def _quantized_pool(pool, k, kv):
 
 def main():
     kv = sys.argv[sys.argv.index("--kv") + 1] if "--kv" in sys.argv else ""
-    table_name = "_DECODE_Q8_227K" if kv else "_DECODE_227K"
+    tiles = "kv8" if kv else "dense"  # which decode tile table
     dev = pyattn.get_device()
     s = default_stream(dev)
-    base = getattr(specs, table_name)
+    base = tile_table("attn_decode", "sm_90a", tiles)
     data = {}
     for B, L in POINTS:  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
         q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
@@ -95,31 +97,28 @@ def main():
     print("candidate (kw, warps, stages, mt, minb) | " + " | ".join(f"B{B} L{L} {lay} p{ps}: us (TB/s)"
                                                                 for B, L, lay, ps in data))
     for kw, w, st, mt, mb in CANDIDATES_Q8 if kv else CANDIDATES:
-        setattr(specs, table_name, ((128, kw, w, st, mt, mb, "tuning"),) + base[1:])
-        (specs._DECODE_Q8 if kv else specs._DECODE)["sm_90a"] = getattr(specs, table_name)
-        registry._kernels.clear()
-        dec._specs.cache_clear()
-        dec._plans.clear()
-        cells = []
-        for (B, L, layout, ps), (k, v, table, q) in data.items():
-            try:
-                dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
-                dl = pyattn.asarray(np.full(B, L, np.int32))
-                pool = check_pools(dk, dv, layout)
-                scales = (None, None)
-                if kv:
-                    pool, (dk, dv), scales = _quantized_pool(pool, k, kv)
-                P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
-                                num_splits=None)
-                us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s, False,
-                                                    scales), s, dev)
-                nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
-                cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
-            except Exception as e:  # keep going: one bad candidate must not end the run
-                cells.append(f"error {type(e).__name__}: {str(e)[:60]}")
-        print(f"({kw}, {w}, {st}, {mt}, {mb}) | " + " | ".join(cells), flush=True)
-    setattr(specs, table_name, base)
-    (specs._DECODE_Q8 if kv else specs._DECODE)["sm_90a"] = base
+        rows = (DecodeTile(128, kw, w, st, mt, mb, "tuning"),) + base[1:]
+        with override_tiles("attn_decode", "sm_90a", rows, table=tiles):
+            dec._specs.cache_clear()  # the op's plans hold the previous candidate's kernels and shapes
+            dec._plans.clear()
+            cells = []
+            for (B, L, layout, ps), (k, v, table, q) in data.items():
+                try:
+                    dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
+                    dl = pyattn.asarray(np.full(B, L, np.int32))
+                    pool = check_pools(dk, dv, layout)
+                    scales = (None, None)
+                    if kv:
+                        pool, (dk, dv), scales = _quantized_pool(pool, k, kv)
+                    P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None,
+                                    scale=None, num_splits=None)
+                    us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s,
+                                                        False, scales), s, dev)
+                    nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
+                    cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
+                except Exception as e:  # keep going: one bad candidate must not end the run
+                    cells.append(f"error {type(e).__name__}: {str(e)[:60]}")
+            print(f"({kw}, {w}, {st}, {mt}, {mb}) | " + " | ".join(cells), flush=True)
     return 0
 
 

@@ -1,8 +1,9 @@
 """Time tile variants of the tensor-core kernel side by side (one subprocess per variant).
 
 Usage: PYTHONPATH=. python scripts/tune_mma.py
-Each variant replaces the big-shared-memory tile table entries in a child process (the library
-has no tuning switch); the cache key covers the rendered source, so variants never collide.
+Each variant replaces the big-shared-memory archs' attn_fwd_mma tile table in a child process
+(``pyattn.kernels.families.override_tiles``); the cache key covers the rendered source, so
+variants never collide.
 """
 
 from __future__ import annotations
@@ -13,35 +14,37 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, sys, numpy as np, ml_dtypes
+import contextlib, json, sys, numpy as np, ml_dtypes
 import pyattn
-from pyattn.kernels import specs
+from pyattn.kernels.families import MmaTile, override_tiles
 entry = json.loads(sys.argv[1])
-specs._MMA_BIG_SMEM = tuple(tuple(e) + ("tuning",) for e in entry["table"])
-specs._MMA.update({a: specs._MMA_BIG_SMEM for a in ("sm_80", "sm_90a", "sm_100a")})
+rows = tuple(MmaTile(*e, "tuning") for e in entry["table"])
 s = pyattn.Stream()
 rng = np.random.default_rng(0)
 out = {}
-for D in entry["dims"]:
-    B, S, H = 4, 4096 if D <= 64 else 2048, 16
-    q, k, v = (pyattn.asarray(rng.standard_normal((B, S, H, D)).astype(np.float16), stream=s) for _ in range(3))
-    for causal in (False, True):
-        f = lambda: pyattn.attention(q, k, v, causal=causal, stream=s)
-        f(); f()
-        ts = []
-        for _ in range(15):
-            a, b = s.record(timing=True), None
-            f()
-            b = s.record(timing=True)
-            ts.append(a.elapsed_ms(b))
-        ms = sorted(ts)[len(ts) // 2]
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        out[f"d{D}{'c' if causal else ''}"] = round(flops / ms / 1e9, 1)
+with contextlib.ExitStack() as tables:
+    for arch in ("sm_80", "sm_90a", "sm_100a"):  # the archs that share the big-shared-memory table
+        tables.enter_context(override_tiles("attn_fwd_mma", arch, rows))
+    for D in entry["dims"]:
+        B, S, H = 4, 4096 if D <= 64 else 2048, 16
+        q, k, v = (pyattn.asarray(rng.standard_normal((B, S, H, D)).astype(np.float16), stream=s) for _ in range(3))
+        for causal in (False, True):
+            f = lambda: pyattn.attention(q, k, v, causal=causal, stream=s)
+            f(); f()
+            ts = []
+            for _ in range(15):
+                a, b = s.record(timing=True), None
+                f()
+                b = s.record(timing=True)
+                ts.append(a.elapsed_ms(b))
+            ms = sorted(ts)[len(ts) // 2]
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            out[f"d{D}{'c' if causal else ''}"] = round(flops / ms / 1e9, 1)
 print(json.dumps(out))
 """
 
 VARIANTS = {
-    # name: table entries (max head_dim, block_n, warps, m_tiles, min_blocks)
+    # name: MmaTile rows without the reason (max head_dim, block_n, warps, m_tiles, min_blocks)
     "n64w4m2b2": [(128, 64, 4, 2, 2), (256, 32, 8, 1, 1)],
     "n32w4m2b2": [(128, 32, 4, 2, 2), (256, 32, 8, 1, 1)],
     "n64w4m2b1": [(128, 64, 4, 2, 1), (256, 32, 8, 1, 1)],

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pyattn.kernels.specs as specs_mod
+from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
 from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
 from pyattn.ops._paged import (DecodeProblem, PoolInfo, check_block_table, check_csr, check_pools, check_query,
@@ -414,12 +414,13 @@ def test_quantized_decode_specs_fit_and_match_traits(arch):
         KernelSpec("attn_fwd_mma", "bf16", 128, arch, kv="int8")
 
 
-def test_decode_shared_bytes_when_the_warp_merge_dominates(monkeypatch):
+def test_decode_shared_bytes_when_the_warp_merge_dominates():
     # No shipped tile has merge > ring; a hypothetical 16-warp d=32 tile does (the traits allow it).
-    monkeypatch.setitem(specs_mod._DECODE, "sm_90a", ((32, 16, 16, 2, 2, 1, "test"),) + specs_mod._DECODE["sm_90a"])
-    spec = KernelSpec("attn_decode", "f16", 32, "sm_90a", q_tiles=2)
-    ring, merge = (32 + 2 * 2 * 256) * 40 * 2, 16 * 32 * (40 + 2) * 4
-    assert merge > ring and spec.shared_bytes == merge == _cuh_smem(32, 16, 16, 2, 2)
+    rows = (DecodeTile(32, 16, 16, 2, 2, 1, "test"),) + tile_table("attn_decode", "sm_90a")
+    with override_tiles("attn_decode", "sm_90a", rows):
+        spec = KernelSpec("attn_decode", "f16", 32, "sm_90a", q_tiles=2)
+        ring, merge = (32 + 2 * 2 * 256) * 40 * 2, 16 * 32 * (40 + 2) * 4
+        assert merge > ring and spec.shared_bytes == merge == _cuh_smem(32, 16, 16, 2, 2)
 
 
 def test_decode_combine_and_append_templates():

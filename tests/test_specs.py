@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pyattn.kernels.specs as specs_mod
 from pyattn import PyattnError
 from pyattn.jit.source import kernel_headers, render
+from pyattn.kernels.families import MmaTile, override_tiles
+from pyattn.kernels.families.base import FixedTile
 from pyattn.kernels.params import ATTN_FWD_PARAMS, ParamStruct
 from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, KernelSpec, TileConfig,
                                   select_attention_spec, standard_specs, tile_config)
@@ -362,29 +363,29 @@ def test_cache_key_changes_with_compile_options(monkeypatch):
     assert spec.cache_key(TOOLCHAIN) != before
 
 
-def test_cache_key_changes_with_the_rendered_source(monkeypatch):
+def test_cache_key_changes_with_the_rendered_source():
     spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
     before_key, before_src = spec.cache_key(TOOLCHAIN), render(spec)
-    monkeypatch.setattr(specs_mod, "_SIMT", TileConfig(32, 32, 8, "test"))
-    assert render(spec) != before_src  # what NVRTC compiles changed ...
-    assert spec.cache_key(TOOLCHAIN) != before_key  # ... so the key must too
+    with override_tiles("attn_fwd_simt", "sm_90a", (FixedTile(MAX_HEAD_DIM, 32, 32, 8, "test"),)):
+        assert render(spec) != before_src  # what NVRTC compiles changed ...
+        assert spec.cache_key(TOOLCHAIN) != before_key  # ... so the key must too
+    assert spec.cache_key(TOOLCHAIN) == before_key  # and the table is back after the block
 
 
 @pytest.mark.parametrize("change", ["block_n", "warps", "m_tiles", "min_blocks"])
-def test_mma_cache_key_changes_with_the_tile_table(monkeypatch, change):
+def test_mma_cache_key_changes_with_the_tile_table(change):
     spec = KernelSpec("attn_fwd_mma", "bf16", 128, "sm_90a")
     t = spec.tiles
     before_key, before_src = spec.cache_key(TOOLCHAIN), render(spec)
     new = {"block_n": t.block_n, "warps": t.warps, "m_tiles": t.m_tiles, "min_blocks": t.min_blocks}
     new[change] += 16 if change == "block_n" else 1
-    # table entries: (max head_dim, block_n, warps, m_tiles, min_blocks, reason)
-    table = ((MAX_HEAD_DIM, new["block_n"], new["warps"], new["m_tiles"], new["min_blocks"], "test"),)
-    monkeypatch.setitem(specs_mod._MMA, "sm_90a", table)
-    assert dataclasses.astuple(spec.tiles)[:3] + (spec.tiles.min_blocks, spec.tiles.m_tiles) != (
-        t.block_m, t.block_n, t.warps, t.min_blocks, t.m_tiles)  # the patch took effect
-    assert render(spec) != before_src
-    assert spec.cache_key(TOOLCHAIN) != before_key
-    assert KernelSpec("attn_fwd_mma", "bf16", 128, "sm_80").cache_key(TOOLCHAIN) != before_key
+    table = (MmaTile(MAX_HEAD_DIM, new["block_n"], new["warps"], new["m_tiles"], new["min_blocks"], "test"),)
+    with override_tiles("attn_fwd_mma", "sm_90a", table):
+        assert dataclasses.astuple(spec.tiles)[:3] + (spec.tiles.min_blocks, spec.tiles.m_tiles) != (
+            t.block_m, t.block_n, t.warps, t.min_blocks, t.m_tiles)  # the override took effect
+        assert render(spec) != before_src
+        assert spec.cache_key(TOOLCHAIN) != before_key
+        assert KernelSpec("attn_fwd_mma", "bf16", 128, "sm_80").cache_key(TOOLCHAIN) != before_key
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import threading
 
 from ..runtime.module import Module
 
-__all__ = ["get_kernel", "loaded_kernels"]
+__all__ = ["get_kernel", "loaded_kernels", "forget_kernels"]
 
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -41,3 +41,13 @@ def get_kernel(spec, device):
 def loaded_kernels() -> dict:
     """A snapshot of the loaded kernels, ``{(ordinal, spec): Kernel}``."""
     return dict(_kernels)
+
+
+def forget_kernels() -> None:
+    """Drop every loaded kernel, so the next lookup builds from the current tile tables.
+
+    ``pyattn.kernels.families.override_tiles`` calls it: a spec keys its kernel here, but its
+    tiles come from the table in force when it is built.
+    """
+    with _lock:
+        _kernels.clear()

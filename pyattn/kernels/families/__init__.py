@@ -1,0 +1,143 @@
+"""Kernel families as data: one :class:`~.base.Family` record per kernel family, and the registry.
+
+:data:`FAMILIES` maps a family name to its record (header, parameter struct, template-id builder,
+shared-memory formula, typed per-arch tile tables with their measured reasons, constraints and
+alignment needs). :class:`~pyattn.kernels.specs.KernelSpec` looks its family up here; adding a
+kernel is a record in a module beside this one plus a line in :data:`FAMILIES`.
+
+Tuning scripts replace a tile table for a while with :func:`override_tiles`, never by patching
+the tables themselves.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from ...runtime.device import SUPPORTED_ARCHS
+from . import tables
+from .base import CTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, Family, TileConfig
+from .decode import ATTN_DECODE, KV_HEAD_DIM_BUCKETS, DecodeTile, decode_row
+from .fixed import ATTN_SPARSE, DECODE_COMBINE, KV_APPEND, MERGE_STATES
+from .mma import ATTN_FWD_MMA, ATTN_FWD_TF32, MmaTile
+from .simt import ATTN_FWD_SIMT
+from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile, wgmma_shapes
+
+__all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "KV_HEAD_DIM_BUCKETS",
+           "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
+           "decode_row", "wgmma_shapes"]
+
+FAMILIES = MappingProxyType({f.name: f for f in (
+    ATTN_FWD_MMA, ATTN_FWD_SIMT, ATTN_FWD_TF32, ATTN_FWD_WGMMA, MERGE_STATES, ATTN_DECODE, DECODE_COMBINE, KV_APPEND,
+    ATTN_SPARSE)})
+_NAMES = tuple(FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    """The record of family ``name``; ``ValueError`` naming the known families otherwise."""
+    record = FAMILIES.get(name)
+    if record is None:
+        raise ValueError(f"family: expected one of {_NAMES}, got {name!r}")
+    return record
+
+
+def _able(flag: str) -> str:
+    return " / ".join(f.name for f in FAMILIES.values() if getattr(f, flag))
+
+
+def check_spec(spec) -> None:
+    """Raise ``ValueError`` (naming the field) unless ``spec``'s family can compile it.
+
+    The fields' domains first, then the family's modifiers and dtypes, its own ``check``, and
+    whether it takes ``q_tiles``, block-sparse lists and 8-bit caches.
+    """
+    record = get_family(spec.family)
+    if spec.dtype not in CTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(CTYPES)}, got {spec.dtype!r}")
+    if spec.head_dim not in HEAD_DIM_BUCKETS:
+        raise ValueError(f"head_dim: expected one of {HEAD_DIM_BUCKETS}, got {spec.head_dim}")
+    if spec.arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {spec.arch!r}")
+    if spec.mask not in MASK_KINDS:
+        raise ValueError(f"mask: expected one of {tuple(MASK_KINDS)}, got {spec.mask!r}")
+    if spec.sparse not in (0, 1, 2):
+        raise ValueError(f"sparse: expected 0 (dense), 1 or 2 (64 x 64 tiles), got {spec.sparse!r}")
+    if spec.kv not in KV_KINDS:
+        raise ValueError(f"kv: expected one of {tuple(KV_KINDS)}, got {spec.kv!r}")
+    bad_mods = ((spec.mask != "none" and "mask" not in record.mods) or (spec.softcap and "softcap" not in record.mods)
+                or (spec.alibi and "alibi" not in record.mods))
+    bad_dtype = spec.dtype not in record.dtypes
+    if record.takes and (bad_mods or bad_dtype):
+        raise ValueError(f"family: {record.name} takes {record.takes}; got {spec}")
+    if bad_mods:
+        raise ValueError(f"mask/softcap/alibi: only attention families take score modifiers (decode: "
+                         f"softcap/alibi), got {spec}")
+    if bad_dtype:
+        raise ValueError(f"dtype: {record.label} takes {' or '.join(record.dtypes)}, got {spec.dtype!r}")
+    if record.check is not None:
+        record.check(spec)
+    if spec.q_tiles and not record.q_tiles:
+        raise ValueError(f"q_tiles: only {_able('q_tiles')} takes q_tiles, got {spec.q_tiles} for {spec.family}")
+    if spec.sparse and not record.sparse:
+        raise ValueError(f"sparse: block-sparse tile lists are read by {_able('sparse')}, got {spec.family}")
+    if spec.kv and not record.kv:
+        raise ValueError(f"kv: only {_able('kv')} read quantized caches, got {spec.family}")
+
+
+def tile_table(family: str, arch: str, table: str = "dense") -> tuple:
+    """The rows of ``family``'s tile table ``table`` on ``arch`` now (an override's, in one).
+
+    Raises
+    ------
+    ValueError
+        For an unknown family, table or arch, or an arch the family does not run on.
+    """
+    if arch not in SUPPORTED_ARCHS:  # before the family: the message the old tile_config gave
+        raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
+    return tables.rows(get_family(family), table, arch)
+
+
+def tile_config(family: str, arch: str, head_dim: int, kv: str = "", sparse: int = 0) -> TileConfig:
+    """The tile of ``family`` on ``arch`` at ``head_dim`` (a bucket); ``kv``: the cache's element
+    kind (decode); ``sparse`` 2: the 64 x 64 block-sparse tiles."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
+    record = get_family(family)
+    return tables.row(record, record.table_for(kv, sparse), arch, head_dim).config()
+
+
+def override_tiles(family: str, arch: str, rows, table: str = "dense"):
+    """Replace one tile table while the ``with`` block runs: the hook for tuning scripts.
+
+    Parameters
+    ----------
+    family : str
+        A name in :data:`FAMILIES`.
+    arch : str
+        The arch whose table is replaced (others keep theirs).
+    rows : iterable of rows
+        The new table: rows of the table's own type (e.g. :class:`MmaTile`), ascending in
+        ``max_head_dim``. Start from :func:`tile_table` to change one row only.
+    table : str
+        Which of the family's tables (``"dense"``, ``"sparse64"``, ``"kv8"``; see ``Family.tables``).
+
+    Returns
+    -------
+    context manager
+        Yields the new rows; the previous table is back when the block ends, however it ends.
+
+    Notes
+    -----
+    Specs derive their tiles, template id, shared memory and cache key from the table as it is
+    when asked, so a spec built inside the block compiles the new tiles into its own cache entry.
+    Loaded kernels are forgotten on entry and exit (their spec is the same, their tiles are not);
+    plans that ops cached keep theirs, so time the new tiles through fresh calls. Blocks nest (the
+    innermost wins). Not thread-safe: for tuning runs, not for serving.
+
+    Examples
+    --------
+    >>> from pyattn.kernels.families import MmaTile, override_tiles, tile_table
+    >>> rows = (MmaTile(128, 32, 4, 2, 2, "tuning"),) + tile_table("attn_fwd_mma", "sm_90a")[1:]
+    >>> with override_tiles("attn_fwd_mma", "sm_90a", rows):
+    ...     pass  # build and time specs here
+    """
+    return tables.override(get_family(family), arch, rows, table)

@@ -1,0 +1,194 @@
+"""What every kernel family record is made of: the record type, tile rows and shared vocabulary.
+
+A :class:`Family` holds everything that differs between kernel families (header, parameter
+struct, template id, shared-memory formula, tile table, constraints, alignment); the family
+modules beside this one each define one or a few records, and ``families/__init__.py`` collects
+them into the registry that :class:`~pyattn.kernels.specs.KernelSpec` looks up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from ...runtime.device import SUPPORTED_ARCHS
+from ..params import ParamStruct
+
+__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "KV_KINDS", "TileConfig",
+           "FixedTile", "Alignment", "Family", "every_arch", "score_mods", "entry_name", "no_shared_memory",
+           "dense_table", "table_tiles"]
+
+# NumPy dtype name -> (spec dtype tag, C++ type)
+DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}
+CTYPES = {tag: ctype for tag, ctype in DTYPES.values()}  # spec dtype tag -> C++ type
+# head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
+# smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+# Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
+MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
+# Paged-cache element kinds (attn_decode / kv_append ``kv``): "" = the query dtype, else 8-bit codes
+# with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
+KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of one kernel family on one arch, with the reason it was chosen."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    reason: str
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM: caps registers so that many fit
+    m_tiles: int = 1  # MMA kernel: m16 row tiles per warp (block_m = 16 * m_tiles * warps)
+    stages: int = 2  # wgmma kernel: K/V shared-memory ring depth
+    overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
+
+
+@dataclass(frozen=True)
+class FixedTile:
+    """A tile-table row of a family with one launch shape for every head dim up to ``max_head_dim``.
+
+    Every row type has ``max_head_dim`` (a row serves the head-dim buckets up to it, the first
+    such row of a table wins), ``reason`` (the measurement behind it) and :meth:`config`.
+    """
+
+    max_head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    reason: str
+
+    def config(self) -> TileConfig:
+        return TileConfig(self.block_m, self.block_n, self.warps, self.reason)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What a family's memory accesses need of the arrays they touch (1 = nothing): multiples of
+    so many bytes (``out_elems``: elements).
+
+    The ops check these before a launch, so a misaligned array is a ``ValueError``, never a fault.
+    """
+
+    qkv: int = 1  # q, k, v: data address and every stride but the contiguous head_dim axis
+    out: int = 1  # out: data address and strides
+    out_elems: int = 1  # out: address and strides in elements (stores of element pairs)
+    pool: int = 1  # paged K/V pools and decode's q: row address and strides
+
+
+def every_arch(rows: tuple) -> dict:
+    """One table for every supported arch (families not tuned per arch)."""
+    return {arch: rows for arch in SUPPORTED_ARCHS}
+
+
+def no_shared_memory(spec, t) -> int:
+    """``smem_bytes`` of a family whose kernel declares no dynamic shared memory."""
+    return 0
+
+
+def dense_table(kv: str, sparse: int) -> str:
+    """``table_for`` of a family with one tile table."""
+    return "dense"
+
+
+def table_tiles(spec, t: TileConfig) -> TileConfig:
+    """``spec_tiles`` of a family whose spec fields do not change its table's tile."""
+    return t
+
+
+def score_mods(spec) -> str:
+    """The ``pyattn::ScoreMods<mask kind, softcap, alibi>`` argument of the attention kernels."""
+    return f"pyattn::ScoreMods<{MASK_KINDS[spec.mask]}, {str(spec.softcap).lower()}, {str(spec.alibi).lower()}>"
+
+
+def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
+    """The ``extern "C"`` symbol: readable in profilers, no name mangling to look up.
+
+    ``stages``: name the ring depth too (decode, whose tables differ in it at equal tiles).
+    """
+    mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("_softcap" if spec.softcap else "") \
+        + ("_alibi" if spec.alibi else "")
+    mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
+    ring = f"s{t.stages}" if stages else ""
+    return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One kernel family: everything :class:`~pyattn.kernels.specs.KernelSpec` derives, as data.
+
+    Parameters
+    ----------
+    name : str
+        The family's name (``KernelSpec.family``; part of every entry name).
+    label : str
+        How error messages name it (``"the tensor-core family"``).
+    header : str
+        The ``kernels_src/`` template header the rendered unit includes.
+    params : ParamStruct
+        The kernel's parameter struct.
+    tables : mapping of str to (mapping of str to tuple of rows)
+        Tile tables by name (``"dense"``; ``"sparse64"``: 64 x 64 block-sparse tiles; ``"kv8"``:
+        8-bit caches), each by arch; rows are typed (:class:`FixedTile` or the family module's
+        row type) and ordered by ``max_head_dim``. An arch missing from a table is one the family
+        does not run on. Kept as read-only mappings; ``override_tiles`` replaces one for a while.
+    template_id : callable
+        ``template_id(spec, tiles) -> str``: the C++ function template the entry point calls.
+    dtypes : tuple of str
+        The dtype tags it takes.
+    mods : tuple of str
+        Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``.
+    alignment : Alignment
+        What its loads and stores need of the caller's arrays.
+    traits : callable, optional
+        ``traits(spec, tiles) -> str``: the C++ traits type whose ``kSmemBytes`` the rendered
+        unit ``static_assert``s equal to :attr:`smem_bytes`; None for families without dynamic
+        shared memory (their ``smem_bytes`` is 0 and nothing is asserted).
+    smem_bytes : callable
+        ``smem_bytes(spec, tiles) -> int``: dynamic shared memory per block.
+    table_for : callable
+        ``table_for(kv, sparse) -> str``: which of ``tables`` a spec reads.
+    spec_tiles : callable
+        ``spec_tiles(spec, tiles) -> TileConfig``: the table's tile adjusted by the spec's own
+        fields (decode's row tiles); the identity for most families.
+    entry_name : callable
+        ``entry_name(spec, tiles) -> str``: the ``extern "C"`` symbol.
+    takes : str
+        When set, what the family takes, in one line: a spec that breaks its ``dtypes``, ``mods``
+        or ``check`` is refused with ``family: <name> takes <takes>; got <spec>`` (one message
+        for a family whose constraints go together); else each names its own field.
+    check : callable, optional
+        ``check(spec)``: raise ``ValueError`` for a spec the family cannot compile beyond what
+        the fields above say (run after the modifier and dtype checks, before the ``q_tiles`` /
+        ``sparse`` / ``kv`` ones).
+    sparse, kv, q_tiles : bool
+        Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
+    """
+
+    name: str
+    label: str
+    header: str
+    params: ParamStruct
+    tables: Mapping[str, Mapping[str, tuple]]
+    template_id: Callable
+    dtypes: tuple = ("f32", "f16", "bf16")
+    mods: tuple = ()
+    alignment: Alignment = Alignment()
+    traits: Callable | None = None
+    smem_bytes: Callable = no_shared_memory
+    table_for: Callable = dense_table
+    spec_tiles: Callable = table_tiles
+    entry_name: Callable = entry_name
+    takes: str = ""
+    check: Callable | None = None
+    sparse: bool = False
+    kv: bool = False
+    q_tiles: bool = False
+
+    def __post_init__(self):
+        # Read-only views: a table changes through override_tiles only, never by patching.
+        frozen = {name: MappingProxyType(dict(by_arch)) for name, by_arch in self.tables.items()}
+        object.__setattr__(self, "tables", MappingProxyType(frozen))

@@ -1,0 +1,130 @@
+"""attn_decode: attention of a few query rows over a paged KV cache (16-bit or 8-bit pools).
+
+16 * q_tiles query rows per block (a GQA group x q_len); the warps split each stage's keys and
+merge their partial outputs through shared memory at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..params import DECODE_PARAMS
+from . import tables
+from .base import CTYPES, KV_KINDS, Alignment, Family, TileConfig, entry_name
+
+__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "decode_row", "PAGED_ALIGNMENT"]
+
+KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
+# The paged-cache kernels copy 16-byte chunks of pool rows (and of decode's query rows).
+PAGED_ALIGNMENT = Alignment(pool=16)
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """A tile-table row of the decode kernel (see ``FixedTile`` for the common fields)."""
+
+    max_head_dim: int
+    keys_per_warp: int
+    warps: int
+    stages: int  # K/V ring depth
+    max_q_tiles: int  # the most m16 row tiles one block takes
+    min_blocks: int
+    reason: str
+
+    def config(self) -> TileConfig:
+        """The tile at one row tile (``KernelSpec.tiles`` sets the spec's ``q_tiles``)."""
+        return TileConfig(16, self.keys_per_warp * self.warps, self.warps, self.reason, self.min_blocks, 1,
+                          self.stages)
+
+
+# 16-bit caches: smem = max(ring, warp merge) with ring = (16 q_tiles + 2 stages block_n) (d + 8) * 2
+# and merge = warps * 16 q_tiles * (d + 10) * 4.
+_227K = (  # sm_90a / sm_100a
+    DecodeTile(128, 32, 2, 3, 2, 2, "v3, H200 (scripts/tune_decode.py, bf16 Hq32 Hkv8): 3.50-3.60 TB/s at B8 L32k "
+                                    "/ B64 L4k; 2 warps x 32 keys, 3 stages, 2 blocks/SM (106 KiB); 4 warps x 16 "
+                                    "keys at 3 blocks/SM: 3.45-3.55; v1 (4 warps, 4 stages, 1 block/SM) 2.0 TB/s, "
+                                    "latency-bound at 6% occupancy"),
+    DecodeTile(256, 16, 4, 2, 1, 1, "143 KiB at d=256; one row tile (the accumulator is 128 registers); "
+                                    "unmeasured"),
+)
+_163K = (  # sm_80
+    DecodeTile(128, 16, 4, 2, 2, 2, "74 KiB at d=128: 2 blocks in sm_80's 164 KiB; unmeasured (no sm_80 machine "
+                                    "here)"),
+    DecodeTile(256, 16, 4, 2, 1, 1, "143 KiB at d=256; unmeasured"),
+)
+_99K = (  # sm_86 / sm_89
+    DecodeTile(128, 16, 4, 2, 2, 1, "74 KiB at d=128, under 99 KiB; unmeasured"),
+    DecodeTile(256, 16, 2, 2, 1, 1, "71 KiB at d=256 with 2 warps; unmeasured"),
+)
+# 8-bit caches (kv = "int8" / "fp8e4m3"): ring = (16 q_tiles (d + 8) * 2) + stages * block_n * 2 (d + 4)
+# (codes and scales); head-dim buckets 64 / 128 / 256. More warps than the 16-bit kernel: the
+# code -> fp16/bf16 conversion adds ~3 instructions per element, so more warps hide latency.
+_Q8_227K = (  # sm_90a / sm_100a
+    DecodeTile(128, 32, 4, 2, 1, 2, "H200, bf16 q, Hq32 Hkv8, B8 L32k (scripts/tune_decode.py --kv): fp8 190 us "
+                                    "(2.91 TB/s of codes + scales), int8 198; 3 stages 199 / 205; 3 blocks/SM "
+                                    "(170 regs) 185 at B8 L32k but 197 at B64 L4k; 16 keys x 4 warps 201-214; 2 or "
+                                    "8 warps 231-249 (70 KiB)"),
+    DecodeTile(256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
+)
+_Q8_163K = (  # sm_80
+    DecodeTile(128, 16, 4, 4, 2, 2, "72 KiB at d=128: 2 blocks in 164 KiB; unmeasured"),
+    DecodeTile(256, 16, 4, 3, 1, 1, "108 KiB at d=256; unmeasured"),
+)
+_Q8_99K = (  # sm_86 / sm_89
+    DecodeTile(128, 16, 4, 4, 2, 1, "72 KiB at d=128, under 99 KiB; unmeasured"),
+    DecodeTile(256, 16, 4, 2, 1, 1, "75 KiB at d=256 with 2 stages; unmeasured"),
+)
+
+
+def _by_smem(k227: tuple, k163: tuple, k99: tuple) -> dict:
+    """Per-arch table by shared memory per block: 227 KiB (sm_90a / sm_100a), 163 (sm_80), 99 (sm_86 / sm_89)."""
+    return {"sm_80": k163, "sm_86": k99, "sm_89": k99, "sm_90a": k227, "sm_100a": k227}
+
+
+def _kv_table(kv: str, sparse: int) -> str:
+    return "kv8" if kv else "dense"
+
+
+def decode_row(arch: str, head_dim: int, kv: str = "") -> DecodeTile:
+    """The decode table row serving ``head_dim`` (a bucket) on ``arch``; ``kv``: the cache's kind."""
+    return tables.row(ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
+
+
+def _spec_tiles(spec, t: TileConfig) -> TileConfig:
+    return dataclasses.replace(t, block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+
+
+def _traits(spec, t) -> str:
+    return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // t.warps}, {t.warps}, "
+            f"{t.m_tiles}, {t.stages}, {KV_KINDS[spec.kv]}>")
+
+
+def _smem_bytes(spec, t) -> int:
+    """max(K/V ring, warp merge) as AttnDecodeTraits::kSmemBytes (the kernel also traps on a mismatch)."""
+    d = spec.head_dim
+    ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
+    if spec.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
+        ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
+    return max(ring, t.warps * t.block_m * (d + 10) * 4)
+
+
+def _check(spec) -> None:
+    if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
+        raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
+                         f"got {spec.head_dim}")
+    most = decode_row(spec.arch, spec.head_dim, spec.kv).max_q_tiles
+    if not 1 <= spec.q_tiles <= most:
+        raise ValueError(f"q_tiles: attn_decode at head_dim {spec.head_dim} on {spec.arch} takes 1 to {most}, "
+                         f"got {spec.q_tiles}")
+
+
+ATTN_DECODE = Family(
+    name="attn_decode", label="attn_decode", header="attention_decode.cuh", params=DECODE_PARAMS,
+    tables={"dense": _by_smem(_227K, _163K, _99K), "kv8": _by_smem(_Q8_227K, _Q8_163K, _Q8_99K)},
+    template_id=lambda spec, t: (f"pyattn::attn_decode<{_traits(spec, t)}, {str(spec.softcap).lower()}, "
+                                 f"{str(spec.alibi).lower()}>"),
+    dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT, traits=_traits,
+    smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
+    entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
+)

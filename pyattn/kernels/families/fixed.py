@@ -1,0 +1,53 @@
+"""Families with one launch shape on every arch and no dynamic shared memory.
+
+merge_states (LSE merge of attention states) and decode_combine (the same kernel merging decode's
+fp32 split partials into the output type), kv_append (paged-cache writes) and attn_sparse (CSR
+gather attention). No traits struct, so nothing for the rendered unit to assert about shared memory.
+"""
+
+from __future__ import annotations
+
+from ..params import KV_APPEND_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
+from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, Alignment, Family, FixedTile, every_arch
+from .decode import PAGED_ALIGNMENT
+
+__all__ = ["MERGE_STATES", "DECODE_COMBINE", "KV_APPEND", "ATTN_SPARSE"]
+
+# One warp per row, 4 warps per block (memory-bound; rows are independent).
+_MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
+                               reason="memory-bound elementwise combine: one warp per row, 4 rows per block"),))
+# A grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
+_APPEND = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
+                                reason="memory-bound scatter: 256 threads, grid-stride over 16-byte chunks"),))
+# One warp per query row, 8 keys per step; 4 rows per block.
+_SPARSE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=8, warps=4,
+                                reason="gather kernel: one warp per query row (rows have their own key lists); "
+                                       "unmeasured"),))
+
+MERGE_STATES = Family(
+    name="merge_states", label="merge_states", header="merge_states.cuh", params=MERGE_STATES_PARAMS,
+    tables={"dense": _MERGE},
+    template_id=lambda spec, t: (f"pyattn::merge_states<{CTYPES[spec.dtype]}, {CTYPES[spec.dtype]}, "
+                                 f"{spec.head_dim}, {t.warps}>"),
+)
+
+DECODE_COMBINE = Family(  # fp32 split partials -> the output type
+    name="decode_combine", label="decode_combine", header="merge_states.cuh", params=MERGE_STATES_PARAMS,
+    tables={"dense": _MERGE},
+    template_id=lambda spec, t: f"pyattn::merge_states<float, {CTYPES[spec.dtype]}, {spec.head_dim}, {t.warps}>",
+    dtypes=("f16", "bf16"),
+)
+
+KV_APPEND = Family(  # the head dim is a launch parameter: one variant (bucket 32) serves every head dim
+    name="kv_append", label="kv_append", header="kv_append.cuh", params=KV_APPEND_PARAMS,
+    tables={"dense": _APPEND},
+    template_id=lambda spec, t: f"pyattn::kv_append<{CTYPES[spec.dtype]}, {KV_KINDS[spec.kv]}>",
+    dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT, kv=True,
+)
+
+ATTN_SPARSE = Family(  # rows are read and written in (up to) 16-byte aligned pieces
+    name="attn_sparse", label="attn_sparse", header="attention_sparse.cuh", params=SPARSE_PARAMS,
+    tables={"dense": _SPARSE},
+    template_id=lambda spec, t: f"pyattn::attn_sparse<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.warps}>",
+    alignment=Alignment(qkv=16, out=16),
+)
