@@ -1,3 +1,3 @@
 """Single source of the package version (also part of every kernel cache key)."""
 
-__version__ = "0.1.0"
+__version__ = "0.5.0.dev0"
