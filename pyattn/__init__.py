@@ -2,47 +2,55 @@
 
 CUDA C++ templates are compiled at run time with NVRTC for the GPU found, cached on disk, and
 launched through NVIDIA's cuda-python bindings. Importing pyattn touches no GPU, creates no
-directory and starts no thread; the driver is initialised by the first call that needs it.
+directory, starts no thread and imports nothing but this file: each public name is loaded on
+first use (PEP 562), so a process pays only for the parts it calls.
 """
 
 from ._version import __version__
-from .array import DeviceArray, asarray, empty
-from . import patterns
-from .ops.attention import attention
-from .ops.block_sparse import block_sparse_attention
-from .ops.decode import decode, paged_decode
-from .ops.merge import merge_states
-from .ops.sparse import sparse_attention
-from .ops.varlen import attention_varlen
-from .paged.book import OutOfPagesError
-from .paged.cache import PagedKVCache
-from .runtime.device import Device, device_count, get_device
-from .runtime.errors import CompileError, CudaError, NoDeviceError, NvrtcError, PyattnError
-from .runtime.stream import Event, Stream
 
-__all__ = [
-    "__version__",
-    "attention",
-    "merge_states",
-    "attention_varlen",
-    "sparse_attention",
-    "block_sparse_attention",
-    "patterns",
-    "decode",
-    "paged_decode",
-    "PagedKVCache",
-    "OutOfPagesError",
-    "DeviceArray",
-    "asarray",
-    "empty",
-    "Device",
-    "get_device",
-    "device_count",
-    "Stream",
-    "Event",
-    "PyattnError",
-    "CudaError",
-    "NoDeviceError",
-    "NvrtcError",
-    "CompileError",
-]
+# public name -> module that defines it (imported on first access)
+_EXPORTS = {
+    "attention": "ops.attention",
+    "attention_varlen": "ops.varlen",
+    "merge_states": "ops.merge",
+    "sparse_attention": "ops.sparse",
+    "block_sparse_attention": "ops.block_sparse",
+    "decode": "ops.decode",
+    "paged_decode": "ops.decode",
+    "PagedKVCache": "paged.cache",
+    "OutOfPagesError": "paged.book",
+    "DeviceArray": "array",
+    "empty": "array",
+    "asarray": "interop.convert",
+    "pinned_empty": "runtime.memory",
+    "Device": "runtime.device",
+    "get_device": "runtime.device",
+    "device_count": "runtime.device",
+    "Stream": "runtime.stream",
+    "Event": "runtime.stream",
+    "PyattnError": "runtime.errors",
+    "CudaError": "runtime.errors",
+    "NoDeviceError": "runtime.errors",
+    "NvrtcError": "runtime.errors",
+    "CompileError": "runtime.errors",
+}
+_SUBMODULES = ("patterns", "quant", "reference")
+
+__all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'pyattn' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

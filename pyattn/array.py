@@ -1,8 +1,10 @@
 """``pyattn.DeviceArray``: a strided view of device memory that other libraries can read zero-copy.
 
-Exports ``__cuda_array_interface__`` (v3) and ``__dlpack__``/``__dlpack_device__``; imports NumPy
-arrays (copied to the device), other ``DeviceArray`` objects, and any CUDA array with either
-protocol (CuPy, PyTorch, JAX, Numba) without a copy. ``strides`` are in bytes, as in NumPy.
+Exports ``__dlpack__``/``__dlpack_device__`` for every dtype (bfloat16 and fp8 included, see
+:mod:`pyattn.runtime.dlpack`) and ``__cuda_array_interface__`` (v3) for the dtypes that interface
+can name (NumPy's numeric kinds; bfloat16 and fp8 have no typestr, so consumers such as torch and
+CuPy take those through DLPack). ``strides`` are in bytes, as in NumPy. :func:`pyattn.asarray`
+(``pyattn.interop.convert``) makes DeviceArrays from NumPy and foreign CUDA arrays.
 
 Thread safety: a DeviceArray is an immutable description of memory; concurrent reads of the
 same array from several streams are fine, concurrent writes are the user's to order.
@@ -12,20 +14,19 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import numpy as np
 
 from .runtime.device import Device, get_device
-from .runtime.errors import check
-from .runtime.memory import copy_to_device, copy_to_host, get_pool, memset_async
-from .runtime.stream import Stream, as_stream
+from .runtime.dlpack import KDL_CUDA, export_capsule
+from .runtime.memory import copy_to_host, get_pool, memset_async
+from .runtime.stream import LEGACY_STREAM, as_stream, borrowed, order_after
 
-__all__ = ["DeviceArray", "asarray", "empty", "is_device_array"]
-
-_KDL_CUDA = 2  # DLPack device type for CUDA device memory
+__all__ = ["DeviceArray", "empty", "allocate", "c_strides"]
 
 
-def _c_strides(shape, itemsize: int) -> tuple:
+def c_strides(shape, itemsize: int) -> tuple:
     strides, acc = [], itemsize
     for n in reversed(shape):
         strides.append(acc)
@@ -62,9 +63,11 @@ class DeviceArray:
     def __init__(self, ptr: int, shape, dtype, device: Device, *, strides=None, owner=None, stream=None):
         self.ptr = int(ptr)
         self.shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in self.shape):
+            raise ValueError(f"shape: expected non-negative dims, got {self.shape}")
         self.dtype = np.dtype(dtype)
         itemsize = self.dtype.itemsize
-        self.strides = tuple(int(s) for s in strides) if strides is not None else _c_strides(self.shape, itemsize)
+        self.strides = tuple(int(s) for s in strides) if strides is not None else c_strides(self.shape, itemsize)
         if any(s % itemsize for s in self.strides):
             raise ValueError(f"strides: expected multiples of the item size {itemsize}, got {self.strides}")
         # Element strides, computed once: kernels take them, and the hot path hashes them.
@@ -98,7 +101,7 @@ class DeviceArray:
 
     @property
     def is_c_contiguous(self) -> bool:
-        c = _c_strides(self.shape, self.itemsize)
+        c = c_strides(self.shape, self.itemsize)
         return all(s == cs for s, cs, n in zip(self.strides, c, self.shape) if n > 1)
 
     def __len__(self) -> int:
@@ -110,6 +113,10 @@ class DeviceArray:
     # -- interchange protocols ----------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
+        if self.dtype.kind not in "biufc":
+            # bfloat16 / fp8 ('<V2', '|V1') would reach consumers as opaque bytes: raising
+            # AttributeError hides the interface, so torch, CuPy and others use __dlpack__.
+            raise AttributeError(f"__cuda_array_interface__ cannot name dtype {self.dtype}; use __dlpack__")
         cai = {
             "shape": self.shape,
             "typestr": self.dtype.str,
@@ -119,44 +126,37 @@ class DeviceArray:
             "version": 3,
         }
         if self.stream is not None:
-            cai["stream"] = self.stream.ptr  # consumers wait on the producing stream
+            cai["stream"] = self.stream.ptr or LEGACY_STREAM  # consumers wait on the producing stream
         return cai
 
     def __dlpack_device__(self) -> tuple:
-        return (_KDL_CUDA, self.device.ordinal)
+        return (KDL_CUDA, self.device.ordinal)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """Export as a DLPack capsule (through ``cuda.core``'s ``StridedMemoryView``).
+        """Export as a DLPack capsule, zero-copy, for any dtype (see :mod:`pyattn.runtime.dlpack`).
 
-        ``stream`` is the consumer's stream: it is made to wait for the work that produced this
-        array (DLPack's contract), without blocking the host.
+        ``stream`` is the consumer's stream (DLPack's contract): it is made to wait for the work that
+        produced this array, without blocking the host. ``None`` means the legacy default stream,
+        -1 no synchronisation, 1 and 2 the legacy and per-thread default streams, any other int a
+        ``CUstream`` handle.
         """
-        from cuda.core import Buffer
-        from cuda.core.utils import StridedMemoryView
-
         if copy:
             raise BufferError("DeviceArray.__dlpack__: copy=True is not supported; export is zero-copy")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"DeviceArray.__dlpack__: cannot export to device {dl_device}")
-        # DLPack's stream ints are CUstream handles (1 = CU_STREAM_LEGACY, 2 = CU_STREAM_PER_THREAD
-        # are valid driver handles too); -1 / None ask for no synchronisation.
-        if isinstance(stream, int) and stream != -1 and self.stream is not None and stream != self.stream.ptr:
-            Stream(self.device, handle=stream).wait(self.stream.record())
-        lo, hi = self._byte_extent()
-        buf = Buffer.from_handle(self.ptr + lo, max(hi - lo, 1), owner=self)
-        view = StridedMemoryView.from_buffer(buf, self.shape, self.elem_strides, dtype=self.dtype)
-        kwargs = {} if max_version is None else {"max_version": max_version}
-        try:
-            return view.__dlpack__(stream=-1, **kwargs)
-        except BufferError as exc:
-            if self.dtype.name != "bfloat16":
-                raise
-            # cuda.core (<= 1.2) cannot write a bfloat16 DLPack capsule, and building one by hand
-            # would need ctypes. Reinterpreting the bits is zero-copy and exact.
-            raise BufferError(
-                "DeviceArray.__dlpack__: this cuda.core cannot export bfloat16 through DLPack; export "
-                "the raw bits and reinterpret them, e.g. torch.from_dlpack(a.view(numpy.uint16))"
-                ".view(torch.bfloat16)") from exc
+        consumer = LEGACY_STREAM if stream is None else stream
+        if not isinstance(consumer, int) or isinstance(consumer, bool):
+            raise TypeError(f"stream: expected None or an int CUstream handle, got {type(stream).__name__}")
+        if consumer != -1 and self.stream is not None and consumer != self.stream.ptr:
+            order_after(borrowed(self.device, consumer), self.stream.ptr)
+        versioned = max_version is not None and tuple(max_version) >= (1, 0)
+        return export_capsule(self.ptr, self.shape, self.strides, self.dtype, self.device.ordinal, self,
+                              versioned=versioned)
+
+    def __cupy_get_ndarray__(self):
+        """CuPy's hook for objects without a usable ``__cuda_array_interface__`` (bfloat16 here):
+        ``cupy.asarray(a)`` then imports through DLPack. Only called by CuPy, which is imported then."""
+        return sys.modules["cupy"].from_dlpack(self)
 
     def view(self, dtype) -> "DeviceArray":
         """Reinterpret the same memory as another dtype of the same item size (zero-copy).
@@ -234,28 +234,6 @@ class DeviceArray:
         return np.ascontiguousarray(view)
 
 
-def has_cai(x) -> bool:
-    """Whether ``x`` offers ``__cuda_array_interface__``: a getter that raises (torch with
-    ``requires_grad``, old torch for bfloat16) still counts as present."""
-    try:
-        return hasattr(x, "__cuda_array_interface__")
-    except Exception:
-        return True
-
-
-def is_device_array(x) -> bool:
-    """True for a :class:`DeviceArray` or any object exposing CUDA memory via CAI or DLPack."""
-    if isinstance(x, DeviceArray) or has_cai(x):
-        return True
-    dev = getattr(x, "__dlpack_device__", None)
-    if dev is None or isinstance(x, np.ndarray):
-        return False
-    try:
-        return dev()[0] in (_KDL_CUDA, 13)  # 13 = kDLCUDAManaged
-    except Exception:
-        return False
-
-
 def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceArray:
     """Allocate an uninitialised C-contiguous device array from pyattn's memory pool.
 
@@ -266,8 +244,8 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
     device = device if device is not None else get_device()
     dtype = np.dtype(dtype)
     shape = tuple(int(n) for n in shape)
-    return allocate(device, as_stream(stream, device), shape, dtype, _c_strides(shape, dtype.itemsize),
-                    _c_strides(shape, 1), math.prod(shape) * dtype.itemsize)
+    return allocate(device, as_stream(stream, device), shape, dtype, c_strides(shape, dtype.itemsize),
+                    c_strides(shape, 1), math.prod(shape) * dtype.itemsize)
 
 
 def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:
@@ -276,79 +254,3 @@ def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> Dev
     if os.environ.get("PYATTN_POISON_ALLOC") == "1":
         memset_async(alloc.ptr, 0xFF, nbytes, stream)
     return DeviceArray._wrap(alloc.ptr, shape, dtype, strides, elem_strides, device, alloc, stream)
-
-
-def _device_of_pointer(ptr: int) -> Device:
-    from cuda.bindings import driver
-
-    attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    ordinal = check(driver.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute")
-    return get_device(int(ordinal))
-
-
-def cai_dtype(cai: dict):
-    """The dtype a CAI dict describes, or None when it is an opaque void type (torch exports
-    bfloat16 as ``'<V2'``), in which case the caller must use DLPack instead."""
-    dtype = np.dtype(cai["typestr"])
-    return None if dtype.kind == "V" else dtype
-
-
-def _from_cai(x, cai: dict, dtype, stream) -> DeviceArray:
-    ptr = cai["data"][0]
-    device = _device_of_pointer(ptr) if ptr else get_device()
-    s = as_stream(stream, device)
-    producer = cai.get("stream")
-    if producer is not None and producer != s.ptr:
-        # CAI v3: the consumer orders itself after the producer's stream (1 and 2 are the
-        # legacy and per-thread default streams, which are also valid driver handles).
-        s.wait(Stream(device, handle=producer).record())
-    return DeviceArray(ptr, cai["shape"], dtype, device, strides=cai.get("strides"), owner=x, stream=s)
-
-
-def _from_dlpack(x, stream) -> DeviceArray:
-    from cuda.core.utils import StridedMemoryView
-
-    _, ordinal = x.__dlpack_device__()
-    device = get_device(int(ordinal))
-    s = as_stream(stream, device)
-    view = StridedMemoryView.from_dlpack(x, stream_ptr=s.ptr)
-    itemsize = np.dtype(view.dtype).itemsize
-    strides = None if view.strides is None else tuple(st * itemsize for st in view.strides)
-    return DeviceArray(view.ptr, view.shape, view.dtype, device, strides=strides, owner=(view, x), stream=s)
-
-
-def asarray(x, *, device: Device | None = None, stream=None) -> DeviceArray:
-    """Return ``x`` as a :class:`DeviceArray`.
-
-    Parameters
-    ----------
-    x : array-like
-        A NumPy array (or anything ``numpy.asarray`` accepts): copied to the device.
-        A ``DeviceArray``: returned as is. An object with ``__cuda_array_interface__`` or a
-        CUDA ``__dlpack__``: wrapped without a copy (the result keeps ``x`` alive).
-    device : Device, optional
-        Target device for host data (default: the current device).
-    stream : optional
-        Stream for the copy, or the stream the view will be used on.
-
-    Returns
-    -------
-    DeviceArray
-    """
-    if isinstance(x, DeviceArray):
-        return x
-    if has_cai(x):
-        try:
-            cai = x.__cuda_array_interface__
-        except Exception:  # e.g. torch with requires_grad, or old torch for bfloat16: use DLPack
-            cai = None
-        dtype = cai_dtype(cai) if cai is not None else None
-        if dtype is not None:
-            return _from_cai(x, cai, dtype, stream)
-    if is_device_array(x):
-        return _from_dlpack(x, stream)
-    host = np.ascontiguousarray(x)
-    out = empty(host.shape, host.dtype, device=device, stream=stream)
-    out.device.activate()
-    copy_to_device(out.ptr, host, out.stream)
-    return out

@@ -4,24 +4,27 @@ Why cubin: SASS built for the device's arch loads on any driver of the same majo
 while PTX from an NVRTC newer than the driver is refused at load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
 and is JIT-compiled by the driver at every first load otherwise. PTX is produced only when the spec
 asks for it (``PYATTN_PTX=1``), and that choice is logged as a warning.
+
+The compile itself runs in a worker process (``pyattn.jit.worker`` says why), unless
+``PYATTN_NVRTC_IN_PROCESS=1``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from ..runtime.errors import CompileError, check_nvrtc
+from ..runtime.errors import CompileError, NvrtcError
+from . import _nvrtc_worker as _calls
 
-__all__ = ["compile_source"]
+__all__ = ["compile_source", "in_process"]
 
 log = logging.getLogger("pyattn.jit")
 
 
-def _program_log(nvrtc, prog) -> str:
-    size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
-    check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return buf.rstrip(b"\0").decode(errors="replace")
+def in_process() -> bool:
+    """``PYATTN_NVRTC_IN_PROCESS=1``: compile in this process (no worker process)."""
+    return os.environ.get("PYATTN_NVRTC_IN_PROCESS", "") == "1"
 
 
 def compile_source(source: str, headers, options, *, name: str, ptx: bool = False) -> tuple[bytes, str]:
@@ -43,31 +46,28 @@ def compile_source(source: str, headers, options, *, name: str, ptx: bool = Fals
     Raises
     ------
     CompileError
-        Carrying the NVRTC status name, the log, the source and the options.
+        Carrying the NVRTC status name, the log, the source and the options (also when the worker
+        process could not run: status ``NVRTC_WORKER``).
+    NvrtcError
+        An NVRTC API call other than the compile failed.
     """
-    from cuda.bindings import nvrtc
+    if ptx:
+        log.warning("pyattn: emitting PTX for %s (PYATTN_PTX=1); the driver JIT-compiles it at load", name)
+    if in_process():
+        try:
+            return _calls.nvrtc_compile(source, tuple(headers), tuple(options), name, ptx)
+        except _calls.CompileFailed as exc:
+            raise CompileError(exc.args[0], exc.args[1], source, options, name) from None
+        except _calls.NvrtcCallFailed as exc:
+            raise NvrtcError(*exc.args) from None
+    from .worker import compile_in_worker
 
-    hdr_names = [n.encode() for n, _ in headers]
-    hdr_texts = [t.encode() for _, t in headers]
-    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), len(headers),
-                                                hdr_texts, hdr_names), "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in options]
-        (code,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        text = _program_log(nvrtc, prog)
-        if int(code) != 0:
-            raise CompileError(getattr(code, "name", str(int(code))), text, source, options, name)
-        if ptx:
-            log.warning("pyattn: emitting PTX for %s (PYATTN_PTX=1); the driver JIT-compiles it at load", name)
-            size = check_nvrtc(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
-            check_nvrtc(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
-        else:
-            size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            if size == 0:  # NVRTC gives no cubin for a virtual arch: refuse rather than load nothing
-                raise CompileError("NO_CUBIN", f"no cubin produced for options {options}", source, options, name)
-            image = b" " * size
-            check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
-        return image, text
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        reply = compile_in_worker(source, headers, options, name, ptx)
+    except RuntimeError as exc:
+        raise CompileError("NVRTC_WORKER", str(exc), source, options, name) from None
+    if reply[0] == "ok":
+        return reply[1], reply[2]
+    if reply[0] == "compile":
+        raise CompileError(reply[1], reply[2], source, options, name)
+    raise NvrtcError(*reply[1:])

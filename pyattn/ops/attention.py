@@ -1,56 +1,25 @@
 """``pyattn.attention``: fused scaled-dot-product attention (forward).
 
-Host overhead matters for small calls (decode loops call this thousands of times a second), so a
-validated call is remembered as a :class:`~pyattn.ops._plan.Plan` keyed by everything validation
-looked at (shapes, element strides, dtypes, device, options). A repeat call with device arrays is a
-dict hit, one pool allocation, a small struct pack and a launch.
+A thin function over the op pipeline: read the arguments, validate them into a frozen
+``AttentionProblem`` (a repeat signature skips this: ``pipeline.plans.Memo``), then run the
+planned kernel on the stream the stream-order rule picks, or take the chunked NumPy path.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..array import DeviceArray, asarray
-from ..kernels.registry import get_kernel
-from ..runtime.stream import Stream, as_stream
-from ._plan import make_plan, ptx_requested, run_plan, spec_for
-from ._problem import make_problem
+from ..interop.inputs import read_optional
+from ..pipeline import chunks
+from ..pipeline.device import finish, start
+from ..pipeline.plans import Memo, get_plan, signature
+from ..runtime.stream import check_stream_arg
+from ..validate.attention import check_pointers, make_problem
+from ..validate.options import check_bool
+from ._fwd import build_fwd_plan, device_extras, run_fwd
 
 __all__ = ["attention"]
 
-_MAX_PLANS = 4096  # distinct call signatures remembered; a workload with more just re-validates
-_plans: dict = {}
-
-
-def _meta(x):
-    """Plan-key part of an optional argument: None, or a DeviceArray's layout (others: unkeyable)."""
-    if x is None:
-        return None
-    if type(x) is DeviceArray:
-        return (x.shape, x.elem_strides, x.dtype, x.device)
-    raise TypeError  # host or foreign arrays take the validating path
-
-
-def upload_extras(problem, mask, alibi_slopes, device, s):
-    """Mask and ALiBi slopes as DeviceArrays (host ones copied: mask C-contiguous, slopes float32)."""
-    dmask = dalibi = None
-    if mask is not None:
-        if problem.mask.on_device:
-            dmask = asarray(mask, stream=s)
-        else:
-            m = np.asarray(mask)
-            dmask = asarray(np.ascontiguousarray(m.astype(np.float32) if m.dtype == np.float64 else m),
-                            device=device, stream=s)
-    if alibi_slopes is not None:
-        if problem.alibi.on_device:
-            dalibi = asarray(alibi_slopes, stream=s)
-        else:
-            dalibi = asarray(np.ascontiguousarray(alibi_slopes, dtype=np.float32), device=device, stream=s)
-    for name, a in (("mask", dmask), ("alibi_slopes", dalibi)):
-        if a is not None and a.device is not device:
-            raise ValueError(f"{name}: expected an array on device {device.ordinal} (with q), "
-                             f"got device {a.device.ordinal}")
-    return dmask, dalibi
+_ARRAYS = ("q", "k", "v", "mask", "alibi_slopes", "out")
+_memo = Memo()
 
 
 def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
@@ -61,9 +30,9 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     ----------
     q : array, shape (batch, seqlen_q, heads_q, head_dim) for ``layout="bshd"``
         Queries. ``layout="bhsd"`` takes (batch, heads_q, seqlen_q, head_dim) (torch SDPA's order).
-        NumPy arrays are copied to the GPU; CUDA arrays (``pyattn.DeviceArray``, CuPy, PyTorch,
-        JAX, anything with ``__cuda_array_interface__`` or ``__dlpack__``) are read in place and
-        may be strided, as long as the head_dim axis is contiguous.
+        NumPy arrays are copied to the GPU; CUDA arrays (``pyattn.DeviceArray``, torch, CuPy, JAX,
+        anything with ``__cuda_array_interface__`` or ``__dlpack__``) are read in place and may be
+        strided, as long as the head_dim axis is contiguous.
     k, v : array, shape (batch, seqlen_k, heads_kv, head_dim)
         Keys and values, same layout. ``heads_q`` must be a multiple of ``heads_kv`` (GQA/MQA):
         query head ``h`` attends with key/value head ``h // (heads_q // heads_kv)``.
@@ -88,8 +57,9 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
         Score scale, default ``1 / sqrt(head_dim)``.
     layout : {"bshd", "bhsd"}
     return_lse : bool, default False
-        Also return the log-sum-exp of the final scores, natural log, float32,
-        shape (batch, heads_q, seqlen_q).
+        Also return the log-sum-exp of the final scores, natural log, float32, shape
+        (batch, heads_q, seqlen_q) in both layouts: the convention every pyattn op returns and
+        :func:`pyattn.merge_states` takes, so ``(out, lse)`` pairs merge as they are.
     allow_tf32 : bool, default False
         float32 inputs only: run on TF32 tensor cores (products of inputs rounded to a 10-bit
         mantissa, like torch's ``allow_tf32``) instead of exact CUDA-core FMA. Needs 16-byte
@@ -99,13 +69,17 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
         strides with a contiguous head_dim axis), a writable NumPy array for NumPy inputs.
     stream : optional
         Stream for all work (a ``pyattn.Stream``, an object with ``__cuda_stream__``, or an int
-        ``CUstream``). Default: pyattn's own stream. Device results are ordered on it.
+        ``CUstream``). Default (the stream-order rule, see the README): torch's current stream when
+        any input is a torch tensor, else pyattn's own stream. Either way the call first waits
+        (on the device) for the streams that produced its inputs; device results carry the stream
+        for their consumers.
 
     Returns
     -------
     out : array, q's shape and dtype
-        A NumPy array for NumPy inputs, a ``pyattn.DeviceArray`` for device inputs (``out`` itself
-        when given).
+        A NumPy array for NumPy inputs (in pinned memory from a pool), a ``pyattn.DeviceArray`` for
+        device inputs (``out`` itself when given); ``torch.from_dlpack(out)`` and
+        ``cupy.asarray(out)`` take it zero-copy, bfloat16 included.
     lse : array, optional
         Only with ``return_lse=True``.
 
@@ -127,56 +101,36 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     >>> q = np.random.randn(1, 128, 8, 64).astype(np.float16)
     >>> out = pyattn.attention(q, q, q, causal=True)  # doctest: +SKIP
     """
-    if type(q) is DeviceArray and type(k) is DeviceArray and type(v) is DeviceArray:
-        try:
-            key = (q.shape, q.elem_strides, q.dtype, q.device, k.shape, k.elem_strides, k.dtype, k.device,
-                   v.shape, v.elem_strides, v.dtype, v.device, causal, window, softcap, scale, layout,
-                   _meta(mask), _meta(alibi_slopes), _meta(out), bool(allow_tf32), ptx_requested())
-            plan = _plans.get(key)
-        except TypeError:  # an unhashable or host argument: validation below handles it
-            key = plan = None
-        if plan is not None:
-            s = stream if type(stream) is Stream else as_stream(stream, q.device)
-            q.device.activate()
-            o, lse = run_plan(plan, (q, k, v), (mask, alibi_slopes, None, None), s, return_lse=return_lse, out=out)
-            return (o, lse) if return_lse else o
-    else:
-        key = None
-
-    if not isinstance(allow_tf32, (bool, np.bool_)):
-        raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__}")
-    allow_tf32 = bool(allow_tf32)
-    problem, _ = make_problem(q, k, v, causal=causal, mask=mask, window=window, softcap=softcap,
-                              alibi_slopes=alibi_slopes, scale=scale, layout=layout, out=out)
-    if not problem.on_device:  # NumPy in/out: chunked so copies overlap the kernel (see _host)
-        from ._host import attention_numpy
-
-        return attention_numpy(q, k, v, layout=layout, return_lse=return_lse, stream=stream, out=out,
-                               options=dict(causal=causal, mask=mask, window=window, softcap=softcap,
-                                            alibi_slopes=alibi_slopes, scale=scale, allow_tf32=allow_tf32))
-    dq = asarray(q, stream=stream)  # a zero-copy view; its device comes from the pointer
-    device = dq.device
-    s = as_stream(stream, device)
-    device.activate()
-
-    # Compile (or fetch) before touching the other inputs, so a compile error costs nothing else.
-    spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(),
-                    problem.mask.kind if problem.mask is not None else "none", problem.softcap > 0,
-                    problem.alibi is not None, allow_tf32)
-    kernel = get_kernel(spec, device)
-
-    dk, dv = (asarray(x, stream=s) for x in (k, v))
-    if not (dq.device is dk.device is dv.device):
-        raise ValueError("q, k, v: expected arrays on one device, got devices "
-                         f"{dq.device.ordinal}, {dk.device.ordinal}, {dv.device.ordinal}")
-    dmask, dalibi = upload_extras(problem, mask, alibi_slopes, device, s)
-    dout = asarray(out, stream=s) if out is not None else None
-    plan = make_plan(problem, spec, kernel, (dq, dk, dv))
-    if key is not None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    o, lse = run_plan(plan, (dq, dk, dv), (dmask, dalibi, None, None), s, return_lse=return_lse, out=dout)
+    params = locals()
+    check_stream_arg(stream)
+    args = {n: read_optional(n, params[n]) for n in _ARRAYS}
+    key = signature(params, args)
+    P = _memo.get(key)
+    if P is None:
+        return_lse = check_bool("return_lse", return_lse)
+        P = make_problem(args["q"], args["k"], args["v"], causal=causal, mask=args["mask"], window=window,
+                         softcap=softcap, alibi=args["alibi_slopes"], scale=scale, layout=layout, out=args["out"],
+                         allow_tf32=check_bool("allow_tf32", allow_tf32))
+        _memo.put(key, P)
+    if not P.on_device:  # NumPy in, NumPy out: chunked so that copies overlap the kernels
+        o, lse = chunks.attention_numpy(
+            P, args["q"].obj, args["k"].obj, args["v"].obj, mask=_raw(args["mask"]),
+            alibi_slopes=_raw(args["alibi_slopes"]), return_lse=return_lse, stream=stream,
+            out=args["out"].obj if args["out"] is not None else None,
+            options=dict(window=window, softcap=softcap, scale=scale, allow_tf32=allow_tf32))
+        return (o, lse) if return_lse else o
+    check_pointers(P, args["q"], args["k"], args["v"], args["out"])
+    device, s, (dq, dk, dv, dmask, dalibi, dout) = start(
+        stream, [args[n] for n in _ARRAYS], lambda a: check_pointers(P, a[0], a[1], a[2], a[5]))
+    plan = get_plan(build_fwd_plan, P, device)
+    mask_ptr, alibi_ptr, keep = device_extras(dmask, dalibi, device, s)
+    o, lse = run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse, extras=(mask_ptr, alibi_ptr))
+    finish(s, (dq, dk, dv, dmask, dalibi, dout))
     if out is not None:
         o = out  # the caller's own array object
     return (o, lse) if return_lse else o
+
+
+def _raw(a):
+    """The user's array behind an Arg (host NumPy data, or a device array passed through)."""
+    return None if a is None else a.obj

@@ -10,21 +10,28 @@ to the visible non-zero blocks).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 
 import numpy as np
 
-from ..array import DeviceArray, asarray
-from ..kernels.registry import get_kernel
-from ..runtime.stream import as_stream
-from ._plan import make_plan, ptx_requested, run_plan, spec_for
-from ._problem import describe_input, make_problem
-from ._sparse_layout import check_block_layout, check_block_size, tile_lists
+from ..interop.inputs import read_optional
+from ..interop.streams import order_inputs
+from ..kernels.specs import select_attention_spec
+from ..pipeline import host
+from ..pipeline.device import finish, start
+from ..pipeline.host import upload
+from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.stream import check_stream_arg
+from ..validate.attention import check_pointers, make_problem
+from ..validate.block_layout import check_block_layout, check_block_size, tile_lists
+from ..validate.options import check_bool
+from ._fwd import SparseFwd, build_fwd_plan, device_extras, run_fwd
 
-__all__ = ["block_sparse_attention", "sparse_spec"]
+__all__ = ["block_sparse_attention", "sparse_mode"]
 
 _DTYPES = ("float16", "bfloat16")
+_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
 # Converted tile lists on the device, keyed by the layout's bytes and everything the conversion
 # read: converting a 16-head 16k layout takes ~25 ms of NumPy, hashing it ~0.2 ms, and a model
 # calls with the same layout every step.
@@ -32,20 +39,17 @@ _MAX_LISTS = 16
 _lists: dict = {}
 
 
-def sparse_spec(dtype: str, head_dim: int, arch: str, softcap: bool, alibi: bool, block_size: tuple):
-    """The block-sparse kernel spec: attention's spec for the problem, reading tile lists.
-
-    Blocks the standard tiles cover whole keep them (``sparse=1``); smaller blocks take 64 x 64
-    tiles (``sparse=2``): a random 10% layout of 64 x 64 blocks touches 34% of the 128 x 128 tiles.
-    """
-    spec = spec_for(dtype, head_dim, arch, ptx_requested(), "none", softcap, alibi)
-    std = dataclasses.replace(spec, sparse=1)
+@functools.lru_cache(maxsize=256)
+def sparse_mode(dtype: str, head_dim: int, arch: str, softcap: bool, alibi: bool, block_size: tuple) -> int:
+    """The kernel's sparse mode: blocks the standard tiles cover whole keep them (1); smaller blocks
+    take 64 x 64 tiles (2): a random 10% layout of 64 x 64 blocks touches 34% of the 128 x 128 tiles."""
+    t = select_attention_spec(dtype, head_dim, arch, ptx=ptx_requested(), softcap=softcap, alibi=alibi).tiles
     R, C = block_size
-    return std if R % std.tiles.block_m == 0 and C % std.tiles.block_n == 0 else dataclasses.replace(spec, sparse=2)
+    return 1 if R % t.block_m == 0 and C % t.block_n == 0 else 2
 
 
 def _device_lists(mask, block, tiles, P, device, s):
-    """(ptr, idx, bits) DeviceArrays and stride_h of ``mask`` at the kernel's tile shape (cached)."""
+    """(ptr, idx, bits) DeviceArrays of ``mask``'s tile lists at the kernel's tile shape (cached)."""
     key = (hashlib.blake2b(mask.tobytes(), digest_size=16).digest(), mask.shape, block, tiles, P.seqlen_q,
            P.seqlen_k, P.causal, P.window, device.ordinal)
     hit = _lists.get(key)
@@ -54,7 +58,7 @@ def _device_lists(mask, block, tiles, P, device, s):
     lists = tile_lists(mask, block, tiles[0], tiles[1], P.seqlen_q, P.seqlen_k, causal=P.causal, window=P.window)
     arrays = (lists.ptr, lists.idx if lists.nnz else np.zeros(1, np.int32),
               lists.bits if lists.nnz else np.zeros(1, np.uint64))
-    hit = tuple(asarray(np.ascontiguousarray(a), device=device, stream=s) for a in arrays) + (lists.stride_h,)
+    hit = tuple(upload([np.ascontiguousarray(a) for a in arrays], device, s))
     if len(_lists) >= _MAX_LISTS:
         _lists.pop(next(iter(_lists)))
     _lists[key] = hit
@@ -109,54 +113,47 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
     >>> blocks = pyattn.patterns.local(1024, window=256, causal=True, block_size=(64, 64))
     >>> out = pyattn.block_sparse_attention(q, q, q, blocks, (64, 64), causal=True)  # doctest: +SKIP
     """
+    check_stream_arg(stream)
     R, C = check_block_size(block_size)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        dt = describe_input(name, x).dtype
-        if dt.name not in _DTYPES:
-            raise TypeError(f"{name}: block_sparse_attention takes float16 or bfloat16 (tensor cores), got {dt}")
-    host = isinstance(q, np.ndarray)
-    problem, _ = make_problem(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                              scale=scale, layout=tensor_layout, out=None if host else out)
-    mask = check_block_layout(layout, block_size=(R, C), heads_q=problem.heads_q, seqlen_q=problem.seqlen_q,
-                              seqlen_k=problem.seqlen_k)
-    if host:  # stage contiguous copies; the plan then reads their (C-order) strides
-        if out is not None and not (isinstance(out, np.ndarray) and out.shape == problem.out_shape()
-                                    and out.dtype == np.dtype(q.dtype)):
-            raise ValueError(f"out: expected a NumPy array of shape {problem.out_shape()} and dtype {q.dtype}")
-        dq = asarray(np.ascontiguousarray(q), stream=stream)
-        s = as_stream(stream, dq.device)
-        dk, dv = (asarray(np.ascontiguousarray(x), device=dq.device, stream=s) for x in (k, v))
-        problem, _ = make_problem(dq, dk, dv, causal=causal, window=window, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, scale=scale, layout=tensor_layout)
-    else:
-        dq = asarray(q, stream=stream)
-        s = as_stream(stream, dq.device)
-        dk, dv = (asarray(x, stream=s) for x in (k, v))
-    device = dq.device
-    device.activate()
-    if not (dq.device is dk.device is dv.device):
-        raise ValueError("q, k, v: expected arrays on one device, got devices "
-                         f"{dq.device.ordinal}, {dk.device.ordinal}, {dv.device.ordinal}")
+    params = locals()
+    args = {n: read_optional(n, params[n]) for n in _ARRAYS}
+    for name in ("q", "k", "v"):
+        if args[name].dtype.name not in _DTYPES:
+            raise TypeError(f"{name}: block_sparse_attention takes float16 or bfloat16 (tensor cores), "
+                            f"got {args[name].dtype}")
+    return_lse = check_bool("return_lse", return_lse)
+    P = make_problem(args["q"], args["k"], args["v"], causal=causal, window=window, softcap=softcap,
+                     alibi=args["alibi_slopes"], scale=scale, layout=tensor_layout, out=args["out"])
+    mask = check_block_layout(layout, block_size=(R, C), heads_q=P.heads_q, seqlen_q=P.seqlen_q,
+                              seqlen_k=P.seqlen_k)
+    alibi = args["alibi_slopes"]
 
-    spec = sparse_spec(problem.dtype, problem.head_dim, device.arch, problem.softcap > 0, problem.alibi is not None,
-                       (R, C))
-    kernel = get_kernel(spec, device)
-    t = spec.tiles
-    d_ptr, d_idx, d_bits, stride_h = _device_lists(mask, (R, C), (t.block_m, t.block_n), problem, device, s)
-    from .attention import upload_extras
+    def run(device, s, dq, dk, dv, alibi_ptr, dout):
+        mode = sparse_mode(P.dtype, P.head_dim, device.arch, P.softcap > 0, P.alibi is not None, (R, C))
+        plan = get_plan(build_fwd_plan, SparseFwd(P, mode, mask.ndim == 3), device)
+        t = plan.spec.tiles
+        d_ptr, d_idx, d_bits = _device_lists(mask, (R, C), (t.block_m, t.block_n), P, device, s)
+        return run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse,
+                       extras=(0, alibi_ptr, 0, 0, d_ptr.ptr, d_idx.ptr, d_bits.ptr))
 
-    _, dalibi = upload_extras(problem, None, alibi_slopes, device, s)
-    dout = asarray(out, stream=s) if (out is not None and not host) else None
-    plan = make_plan(problem, spec, kernel, (dq, dk, dv), tile_stride_h=stride_h)
-    o, lse = run_plan(plan, (dq, dk, dv), (None, dalibi, None, None, d_ptr, d_idx, d_bits), s,
-                      return_lse=return_lse, out=dout)
-    if host:
-        o_host = o.numpy(s)
-        if out is not None:
-            out[...] = o_host
-            o_host = out
-        o = o_host
-        lse = lse.numpy(s) if lse is not None else None
-    elif out is not None and type(out) is not DeviceArray:
+    if not P.on_device:  # NumPy in, NumPy out (device ALiBi slopes are passed through)
+        host_alibi = np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None
+
+        def on_device(dev, s):
+            dq, dk, dv, dal = dev
+            if alibi is not None and alibi.on_device:
+                order_inputs(s, dq.device, [alibi])
+            return run(dq.device, s, dq, dk, dv, dal.ptr if dal is not None else (alibi.ptr if alibi else 0), None)
+
+        o, lse = host.call(on_device, [args["q"].obj, args["k"].obj, args["v"].obj, host_alibi],
+                           [args["out"].obj if args["out"] is not None else None], stream)
+        return (o, lse) if return_lse else o
+    check_pointers(P, args["q"], args["k"], args["v"], args["out"])
+    device, s, (dq, dk, dv, dal, dout) = start(stream, [args[n] for n in _ARRAYS],
+                                               lambda a: check_pointers(P, a[0], a[1], a[2], a[4]))
+    _, alibi_ptr, keep = device_extras(None, dal, device, s)
+    o, lse = run(device, s, dq, dk, dv, alibi_ptr, dout)
+    finish(s, (dq, dk, dv, dal, dout))
+    if out is not None:
         o = out
     return (o, lse) if return_lse else o

@@ -8,24 +8,31 @@ split across blocks and the fp32 partials merged by LSE (``merge_states<float, T
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
 
-from ..array import _c_strides, allocate, asarray
+from ..array import c_strides
+from ..interop.inputs import read_optional
+from ..interop.streams import order_inputs
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
+from ..paged.cache import PagedKVCache
+from ..pipeline import host
+from ..pipeline.device import fetch_values, finish, output, start
+from ..pipeline.host import upload
+from ..pipeline.plans import Memo, get_plan, ptx_requested, signature
 from ..runtime.launch import launch
-from ..runtime.memory import Allocation
-from ..runtime.stream import as_stream
-from .attention import upload_extras
-from ._paged import check_block_table, check_csr, check_pools, check_query, choose_num_splits
-from ._plan import ptx_requested
+from ..runtime.stream import check_stream_arg
+from ..validate.options import check_bool
+from ..validate.paged import MAX_SPLITS, check_block_table, check_csr, check_pools, check_query, check_table_form
 
-__all__ = ["decode", "paged_decode"]
+__all__ = ["decode", "paged_decode", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
+_memo = Memo()
 
 
 @functools.lru_cache(maxsize=256)
@@ -46,7 +53,6 @@ def _blocks_per_sm(spec, kernel) -> int:
     return max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
 
 
-_num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)
 
 
 class DecodePlan(NamedTuple):
@@ -71,16 +77,9 @@ class DecodePlan(NamedTuple):
     dtype: np.dtype
 
 
-_plans: dict = {}
-_MAX_PLANS = 1024
-
-
-def decode_plan(P, pool, device) -> DecodePlan:
-    """The plan of problem ``P`` over ``pool`` on ``device`` (cached: a decode loop repeats one shape)."""
-    key = (P, pool, device.ordinal, ptx_requested())
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
+def _build(P, device) -> DecodePlan:
+    """The plan of decode problem ``P`` (its pools included) on ``device``."""
+    pool = P.pool
     rows = P.group * P.q_len
     kv = pool.kv
     spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
@@ -91,7 +90,7 @@ def decode_plan(P, pool, device) -> DecodePlan:
     if P.heads_kv * row_blocks > 65535:
         raise ValueError(f"q: heads_kv x row blocks must be <= 65535, got {P.heads_kv} x {row_blocks}")
     out_shape = (P.batch, P.q_len, P.heads_q, P.head_dim)
-    qs, os_ = P.q_strides, _c_strides(out_shape, 1)
+    qs, os_ = P.q_strides, c_strides(out_shape)
     ks, vs = pool.k_strides, pool.v_strides
     kss, vss = pool.ks_strides, pool.vs_strides  # (0, 0, 0) for 16-bit pools
     packer = spec.params.partial({
@@ -123,24 +122,23 @@ def decode_plan(P, pool, device) -> DecodePlan:
                       (cspec.threads, 1, 1), t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * _blocks_per_sm(spec, kernel), out_shape, (P.batch, P.heads_q, P.q_len),
                       n_rows, D, P.dtype)
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    _plans[key] = plan
     return plan
 
 
-def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse: bool, scales=(None, None)):
+def run_decode(P, device, dq, dk, dv, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
+               scales=(None, None)):
     """Launch decode (and the split combine) for a validated problem.
 
     Parameters
     ----------
     P : DecodeProblem
-    pool : PoolInfo
-    dq, dk, dv : DeviceArray
-    tables : (indices, indptr or None, table_stride, kv_len) with DeviceArray int32 arrays
+    device : Device
+    dq, dk, dv : device arrays (anything with ``.ptr``)
+    tables : (indices, indptr or None, table_stride, kv_len): device int32 arrays (``.ptr``)
     max_len : int
         The longest sequence (host value) for the split heuristic.
-    dalibi : DeviceArray or None
+    alibi_ptr : int
+        Device float32 ALiBi slopes, or 0.
     s : Stream
     return_lse : bool
     scales : (DeviceArray, DeviceArray)
@@ -150,63 +148,76 @@ def run_decode(P, pool, dq, dk, dv, tables, max_len: int, dalibi, s, return_lse:
     -------
     (out, lse or None) as DeviceArrays
     """
-    device = dq.device
-    plan = decode_plan(P, pool, device)
+    plan = get_plan(_build, P, device)
     if P.num_splits:
         splits = P.num_splits
     else:
         visible = max_len if P.window[0] < 0 else min(max_len, P.window[0] + P.q_len + plan.block_n)
         splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots)
     dt, n_rows, D = plan.dtype, plan.n_rows, plan.head_dim
-    out = allocate(device, s, plan.out_shape, dt, _c_strides(plan.out_shape, dt.itemsize),
-                   _c_strides(plan.out_shape, 1), n_rows * D * dt.itemsize)
-    lse = None
-    if return_lse:
-        lse = allocate(device, s, plan.lse_shape, _F32, _c_strides(plan.lse_shape, 4), _c_strides(plan.lse_shape, 1),
-                       4 * n_rows)
+    out = output(device, s, plan.out_shape, dt)
+    lse = output(device, s, plan.lse_shape, _F32) if return_lse else None
     part = None
     if splits > 1:  # one block for both partials: one allocation, one free
-        part = allocate(device, s, (splits * n_rows * (D + 1),), _F32, (4,), (1,), 4 * splits * n_rows * (D + 1))
+        part = output(device, s, (splits * n_rows * (D + 1),), _F32)
         lpart_ptr = part.ptr + 4 * splits * n_rows * D
     indices, indptr, table_stride, kv_len = tables
     params = plan.packer.pack(dq.ptr, dk.ptr, dv.ptr, out.ptr, lse.ptr if lse is not None else 0,
                               part.ptr if part is not None else 0, lpart_ptr if part is not None else 0,
                               indices.ptr, indptr.ptr if indptr is not None else 0, kv_len.ptr,
-                              dalibi.ptr if dalibi is not None else 0,
+                              alibi_ptr,
                               *(a.ptr if a is not None else 0 for a in scales), splits, table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1:
         cparams = plan.cpacker.pack(part.ptr, lpart_ptr, part.ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
                                     lse.ptr if lse is not None else 0, splits - 1)
         launch(plan.ckernel, plan.cgrid, plan.cblock, 0, s, cparams)
-    for a in (dq, dk, dv, indices, indptr, kv_len, dalibi, *scales):
-        owner = a.owner if a is not None else None
-        if type(owner) is Allocation and owner.stream is not s:
-            owner.record_stream(s)  # the block's free must wait for this stream's use
     return out, lse
 
 
-def _upload_i32(x, host: np.ndarray, device, s):
-    """A device int32 array: ``x`` itself when it is one with a contiguous last axis, else ``host``
-    (its validated host copy) copied up."""
-    if x is not None and not isinstance(x, np.ndarray):
-        d = asarray(x, stream=s)
-        if d.elem_strides[-1] == 1 or d.shape[-1] <= 1:
-            return d
-    return asarray(np.ascontiguousarray(host, dtype=np.int32), device=device, stream=s)
+def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
+    """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
+    blocks per SM) when the longest sequence has ``max_tiles`` key tiles.
+
+    Every block of a decode does the same work, so the grid runs in waves: the smallest split
+    count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
+    (FlashAttention's rule, applied past one wave too: 512 blocks on 396 slots run 65% busy
+    unsplit). At least 2 key tiles per split keep the combine cheap next to the attention.
+    """
+    limit = max(1, min(MAX_SPLITS, max_tiles // 2))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = units * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
 
 
-def _alibi(alibi_slopes, P, device, s):
-    """ALiBi slopes on the device: attention's upload (float32, contiguous, same-device check)."""
-    return upload_extras(P, None, alibi_slopes, device, s)[1]
+_num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)
 
 
-def _finish(q, out, lse, return_lse: bool, s):
-    """Host queries get host results; device queries get DeviceArrays."""
-    if isinstance(q, np.ndarray):
-        out = out.numpy(s)
-        lse = lse.numpy(s) if lse is not None else None
-    return (out, lse) if return_lse else out
+def _host_q(P, q_arg, alibi, stream, launch_fn, return_lse):
+    """NumPy queries: upload q (and host ALiBi slopes), decode, and copy the results back."""
+    ins = [q_arg.obj, np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]
+
+    def run(dev, s):
+        dq, dal = dev
+        if alibi is not None and alibi.on_device:
+            order_inputs(s, dq.device, [alibi])
+        return launch_fn(dq.device, s, dq, dal.ptr if dal is not None else (alibi.ptr if alibi else 0))
+
+    o, lse = host.call(run, ins, [], stream)
+    return (o, lse) if return_lse else o
+
+
+def _alibi_ptr(alibi, device, s):
+    """Device slopes read in place; host ones uploaded as float32. Returns (pointer, keep-alive)."""
+    if alibi is None:
+        return 0, None
+    if alibi.on_device:
+        return alibi.ptr, None
+    (d,) = upload([np.asarray(alibi.obj, np.float32)], device, s)
+    return d.ptr, d
 
 
 def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=None, indices=None,
@@ -252,42 +263,55 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     Notes
     -----
     Every page index a sequence uses is range-checked before launch; device page tables are
-    copied to the host for that check (a few bytes, one synchronisation).
+    copied to the host for that check, after every other check (a few bytes, one synchronisation:
+    a decode loop should use :func:`decode` on a :class:`pyattn.PagedKVCache`, whose tables are
+    known valid).
     """
-    pool = check_pools(k_pool, v_pool, layout)
-    P = check_query(q, pool, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+    check_stream_arg(stream)
+    params = locals()
+    names = ("q", "k_pool", "v_pool", "block_table", "seq_lens", "indptr", "indices", "last_page_len",
+             "alibi_slopes")
+    a = {n: read_optional(n, params[n]) for n in names}
+    for n in ("k_pool", "v_pool"):
+        if a[n] is None:
+            raise TypeError(f"{n}: expected a device array, got None")
+    return_lse = check_bool("return_lse", return_lse)
+    pool = check_pools(a["k_pool"], a["v_pool"], layout)
+    P = check_query(a["q"], pool, causal=causal, window=window, softcap=softcap, alibi_slopes=a["alibi_slopes"],
                     scale=scale, num_splits=num_splits)
-    dk = asarray(k_pool, stream=stream)
-    device = dk.device
-    s = as_stream(stream, device)
-    device.activate()
-    fetch = lambda x: asarray(x, stream=s).numpy(s)  # noqa: E731 - a device table's values for the range check
-    if (block_table is None) == (indptr is None):
-        raise ValueError("block_table/indptr: pass exactly one page table: block_table with seq_lens, or "
-                         "indptr with indices and last_page_len")
+    check_table_form(block_table, seq_lens, indptr, indices, last_page_len)
+    fetch = fetch_values  # a device table's values, after every metadata check (see validate.paged)
     if block_table is not None:
-        if indices is not None or last_page_len is not None:
-            raise ValueError("indices/last_page_len: these belong to the CSR form; not with block_table")
-        if seq_lens is None:
-            raise ValueError("seq_lens: required with block_table")
-        table, lens, ti, _ = check_block_table(block_table, seq_lens, P.batch, pool, fetch)
-        d_table = _upload_i32(block_table, table, device, s)
-        tables = (d_table, None, d_table.elem_strides[0], _upload_i32(seq_lens, lens, device, s))
+        table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
+        host_tables = (table, None, lens)
+        dev_tables = (a["block_table"], None, a["seq_lens"])
         max_len = int(lens.max(initial=0))
     else:
-        if indices is None or last_page_len is None or seq_lens is not None:
-            raise ValueError("indices/last_page_len: the CSR form needs indptr, indices and last_page_len "
-                             "(and no seq_lens)")
-        ip, ix, kv_len = check_csr(indptr, indices, last_page_len, P.batch, pool, fetch)
-        tables = (_upload_i32(indices, ix, device, s), _upload_i32(indptr, ip, device, s), 0,
-                  _upload_i32(None, kv_len, device, s))
+        ip, ix, kv_len = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
+        host_tables = (ix, ip, kv_len)
+        dev_tables = (a["indices"], a["indptr"], None)  # kv_len is derived on the host: always uploaded
         max_len = int(kv_len.max(initial=0))
-    dq = asarray(q, device=device, stream=s)
-    dv = asarray(v_pool, stream=s)
-    if not (dq.device is dk.device is dv.device):
-        raise ValueError("q, k_pool, v_pool: expected arrays on one device")
-    out, lse = run_decode(P, pool, dq, dk, dv, tables, max_len, _alibi(alibi_slopes, P, device, s), s, return_lse)
-    return _finish(q, out, lse, return_lse, s)
+
+    def launch_fn(device, s, dq, alibi_ptr):
+        on_dev = [t if t is not None and t.on_device else None for t in dev_tables]
+        ups = upload([None if d is not None or h is None else np.ascontiguousarray(h, np.int32)
+                      for d, h in zip(on_dev, host_tables)], device, s)
+        idx, iptr, lens = (d if d is not None else u for d, u in zip(on_dev, ups))
+        # A block table's row stride in elements: the device table's own, or the uploaded copy's width.
+        stride = 0 if block_table is None else (on_dev[0].strides[0] if on_dev[0] is not None else table.shape[1])
+        return run_decode(P, device, dq, kp, vp, (idx, iptr, stride, lens), max_len, alibi_ptr, s, return_lse)
+
+    if not P.q_on_device:
+        device, s, (kp, vp, *tabs) = start(stream, [a["k_pool"], a["v_pool"], *dev_tables])
+        dev_tables = tuple(tabs)
+        return _host_q(P, a["q"], a["alibi_slopes"], s, launch_fn, return_lse)
+    device, s, (dq, kp, vp, dal, *tabs) = start(stream, [a["q"], a["k_pool"], a["v_pool"], a["alibi_slopes"],
+                                                         *dev_tables])
+    dev_tables = tuple(tabs)
+    alibi_ptr, keep = _alibi_ptr(dal, device, s)
+    out, lse = launch_fn(device, s, dq, alibi_ptr)
+    finish(s, [dq, kp, vp, dal, *tabs])
+    return (out, lse) if return_lse else out
 
 
 def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
@@ -311,23 +335,36 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
     out : array (batch, q_len, heads_q, head_dim); NumPy for NumPy q
     lse : array (batch, heads_q, q_len), float32, only with ``return_lse``
     """
-    from ..paged.cache import PagedKVCache
-
+    params = locals()
+    check_stream_arg(stream)
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a pyattn.PagedKVCache, got {type(cache).__name__}")
-    seq_ids = list(seq_ids) if not isinstance(seq_ids, (int, np.integer)) else [seq_ids]
-    pool = cache.pool_info
-    P = check_query(q, pool, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    scale=scale, num_splits=num_splits)
-    if len(seq_ids) != P.batch:
-        raise ValueError(f"seq_ids: expected {P.batch} ids (q's batch), got {len(seq_ids)}")
-    s = as_stream(stream, cache.device)
-    cache.device.activate()
-    tables, max_len = cache.device_tables(seq_ids, s)
-    dq = asarray(q, device=cache.device, stream=s)
-    if dq.device is not cache.device:
-        raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, got {dq.device.ordinal}")
+    ids = cache.check_ids(seq_ids)
+    params["seq_ids"] = len(ids)  # the problem depends on how many sequences, not which
+    args = {"q": read_optional("q", q), "alibi_slopes": read_optional("alibi_slopes", alibi_slopes)}
+    key = signature(params, args)
+    P = _memo.get(key)
+    if P is None:
+        check_bool("return_lse", return_lse)
+        P = check_query(args["q"], cache.pool_info, causal=causal, window=window, softcap=softcap,
+                        alibi_slopes=args["alibi_slopes"], scale=scale, num_splits=num_splits)
+        if len(ids) != P.batch:
+            raise ValueError(f"seq_ids: expected {P.batch} ids (q's batch), got {len(ids)}")
+        if args["q"].on_device and args["q"].ordinal not in (None, cache.device.ordinal):
+            raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, "
+                             f"got device {args['q'].ordinal}")
+        _memo.put(key, P)
     scales = (cache.k_scale, cache.v_scale) if cache.kv else (None, None)
-    out, lse = run_decode(P, pool, dq, cache.k, cache.v, tables, max_len, _alibi(alibi_slopes, P, cache.device, s), s,
-                          return_lse, scales)
-    return _finish(q, out, lse, return_lse, s)
+
+    def launch_fn(device, s, dq, alibi_ptr):
+        cache.order(s)
+        tables, max_len = cache.device_tables(ids, s)
+        return run_decode(P, device, dq, cache.k, cache.v, tables, max_len, alibi_ptr, s, return_lse, scales)
+
+    if not P.q_on_device:
+        return _host_q(P, args["q"], args["alibi_slopes"], stream, launch_fn, return_lse)
+    device, s, (dq, dal) = start(stream, [args["q"], args["alibi_slopes"]])
+    alibi_ptr, keep = _alibi_ptr(dal, device, s)
+    out, lse = launch_fn(device, s, dq, alibi_ptr)
+    finish(s, (dq, dal))
+    return (out, lse) if return_lse else out

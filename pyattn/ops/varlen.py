@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..array import asarray
-from ..kernels.registry import get_kernel
-from ..runtime.device import get_device
-from ..runtime.stream import as_stream
-from ._plan import make_plan, ptx_requested, run_plan, spec_for
-from ._problem import make_varlen_problem
+from ..interop.inputs import read_optional
+from ..interop.streams import order_inputs
+from ..pipeline import host
+from ..pipeline.device import fetch_values, finish, start
+from ..pipeline.plans import get_plan
+from ..runtime.stream import check_stream_arg
+from ..validate.attention import check_pointers, make_varlen_problem
+from ..validate.options import check_bool
+from ._fwd import build_fwd_plan, device_extras, run_fwd
 
 __all__ = ["attention_varlen"]
+
+_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "out")
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
@@ -35,7 +40,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         As in :func:`pyattn.attention`, per sequence: causal and the window align to each sequence's
         own bottom-right corner; ``alibi_slopes`` is (heads_q,) or (num_seqs, heads_q).
     return_lse : bool, default False
-        Also return the natural-log LSE, float32, shape (heads_q, total_q) (FlashAttention's layout).
+        Also return the natural-log LSE, float32, shape (heads_q, total_q): FlashAttention's varlen
+        layout, and what :func:`pyattn.merge_states` takes with ``layout="thd"``.
 
     Returns
     -------
@@ -47,45 +53,37 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     Equal to calling :func:`pyattn.attention` on each sequence alone, in one launch. There is no
     ``mask`` argument (as in FlashAttention's varlen API): a mask has no fixed shape here.
     """
-    if not isinstance(allow_tf32, (bool, np.bool_)):
-        raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__}")
-    problem, _, (cu_q, cu_k) = make_varlen_problem(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-        window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale, out=out)
-    if problem.on_device:
-        dq = asarray(q, stream=stream)
-        device = dq.device
-    else:
-        device = get_device()
-    s = as_stream(stream, device)
-    device.activate()
-    spec = spec_for(problem.dtype, problem.head_dim, device.arch, ptx_requested(), "none", problem.softcap > 0,
-                    problem.alibi is not None, bool(allow_tf32))
-    kernel = get_kernel(spec, device)
-    if not problem.on_device:
-        dq = asarray(q, device=device, stream=s)
-    dk, dv = (asarray(x, device=device, stream=s) for x in (k, v))
-    if problem.on_device:
-        dcu_q, dcu_k = (asarray(x, stream=s) for x in (cu_seqlens_q, cu_seqlens_k))
-    else:
-        dcu_q, dcu_k = (asarray(np.ascontiguousarray(x), device=device, stream=s) for x in (cu_q, cu_k))
-    for name, a in (("k", dk), ("v", dv), ("cu_seqlens_q", dcu_q), ("cu_seqlens_k", dcu_k)):
-        if a.device is not device:
-            raise ValueError(f"{name}: expected an array on device {device.ordinal} (with q), got {a.device.ordinal}")
-        if name.startswith("cu") and a.elem_strides != (1,):
-            raise ValueError(f"{name}: expected a contiguous array, got element strides {a.elem_strides}")
-    from .attention import upload_extras
+    check_stream_arg(stream)
+    params = locals()
+    args = {n: read_optional(n, params[n]) for n in _ARRAYS}
+    return_lse = check_bool("return_lse", return_lse)
+    P, (cu_q, cu_k) = make_varlen_problem(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+        lambda a: fetch_values(a) if a.on_device else a.obj, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, window=window, softcap=softcap, alibi=args["alibi_slopes"], scale=scale, out=args["out"],
+        allow_tf32=check_bool("allow_tf32", allow_tf32))
+    alibi = args["alibi_slopes"]
+    if not P.on_device:  # NumPy in, NumPy out (a device alibi_slopes is passed through)
+        ins = [args["q"].obj, args["k"].obj, args["v"].obj, cu_q.astype(np.int32), cu_k.astype(np.int32),
+               np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]
 
-    _, dalibi = upload_extras(problem, None, alibi_slopes, device, s)
-    dout = asarray(out, stream=s) if (out is not None and problem.on_device) else None
-    plan = make_plan(problem, spec, kernel, (dq, dk, dv))
-    o, lse = run_plan(plan, (dq, dk, dv), (None, dalibi, dcu_q, dcu_k), s, return_lse=return_lse, out=dout)
-    if problem.on_device:
-        if out is not None:
-            o = out
+        def run(dev, s):
+            dq, dk, dv, dcq, dck, dal = dev
+            if alibi is not None and alibi.on_device:
+                order_inputs(s, dq.device, [alibi])
+            dal_ptr = dal.ptr if dal is not None else (alibi.ptr if alibi is not None else 0)
+            return run_fwd(get_plan(build_fwd_plan, P, dq.device), dq.device, s, dq, dk, dv, return_lse=return_lse,
+                           extras=(0, dal_ptr, dcq.ptr, dck.ptr))
+
+        o, lse = host.call(run, ins, [args["out"].obj if args["out"] is not None else None], stream)
         return (o, lse) if return_lse else o
-    host_out = o.numpy(s)
+    check_pointers(P, args["q"], args["k"], args["v"], args["out"])
+    device, s, (dq, dk, dv, dcq, dck, dal, dout) = start(
+        stream, [args[n] for n in _ARRAYS], lambda a: check_pointers(P, a[0], a[1], a[2], a[6]))
+    _, alibi_ptr, keep = device_extras(None, dal, device, s)
+    o, lse = run_fwd(get_plan(build_fwd_plan, P, device), device, s, dq, dk, dv, out=dout, return_lse=return_lse,
+                     extras=(0, alibi_ptr, dcq.ptr, dck.ptr))
+    finish(s, (dq, dk, dv, dcq, dck, dal, dout))
     if out is not None:
-        out[...] = host_out
-        host_out = out
-    return (host_out, lse.numpy(s)) if return_lse else host_out
+        o = out
+    return (o, lse) if return_lse else o

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..array import asarray, empty
+from ..array import DeviceArray, empty
+from ..interop.inputs import numpy_dtype, read
+from ..interop.streams import note_use
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
-from ..ops._paged import DECODE_DTYPES, PoolInfo
-from ..ops._plan import ptx_requested
-from ..ops._problem import _dtype_of, describe_input
+from ..pipeline.device import finish, start
+from ..pipeline.host import upload
+from ..pipeline.plans import ptx_requested
 from ..quant import code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
-from ..runtime.memory import Allocation
-from ..runtime.stream import as_stream
+from ..runtime.stream import as_stream, check_stream_arg, order_after
+from ..validate.paged import DECODE_DTYPES, PoolInfo
 from .book import PageBook
 
 __all__ = ["PagedKVCache"]
@@ -94,9 +96,9 @@ class PagedKVCache:
             dt = code_dtype(kv)
         else:
             try:  # dtype instances and scalar types (np.float16, ml_dtypes.bfloat16); names go below
-                dt = _dtype_of("dtype", dtype) if isinstance(dtype, str) else np.dtype(dtype)
+                dt = numpy_dtype("dtype", dtype) if isinstance(dtype, str) else np.dtype(dtype)
             except TypeError:
-                dt = _dtype_of("dtype", dtype)  # e.g. torch.float16
+                dt = numpy_dtype("dtype", dtype)  # e.g. torch.float16
         if not kv and dt.name not in DECODE_DTYPES:
             raise TypeError(f"dtype: expected float16, bfloat16, int8 or fp8_e4m3 (ml_dtypes.float8_e4m3fn), "
                             f"got {dt}")
@@ -116,6 +118,7 @@ class PagedKVCache:
         sst = self.k_scale.elem_strides if kv else (0, 0, 0)
         self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, sst)
         self._tables = None  # (key, tables, max_len): the last decode's device page table
+        self._stream = self.k.stream  # the stream of the last op on the cache (see order)
 
     # -- bookkeeping (host only) -------------------------------------------------------------
     @property
@@ -169,6 +172,22 @@ class PagedKVCache:
         """vLLM's padded block table of ``seq_ids``: int32 NumPy ``(table, lengths)``."""
         return self.book.block_table(seq_ids, pad)
 
+    def check_ids(self, seq_ids) -> list:
+        """``seq_ids`` as a list of distinct live ids (an int is one id); raises before any device work."""
+        ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+        self.book.seq_list(ids)
+        if len(set(int(i) for i in ids)) != len(ids):
+            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        return ids
+
+    def order(self, s) -> None:
+        """Order stream ``s`` after the cache's last op and make ``s`` the cache's stream: an append
+        on one stream and a decode on another never race (neither a read of tokens not yet written,
+        nor a copy-on-write or append over slots an earlier decode still reads)."""
+        if s.ptr != self._stream.ptr:
+            order_after(s, self._stream.ptr)
+            self._stream = s
+
     # -- data --------------------------------------------------------------------------------
     def append(self, seq_ids, k, v, *, counts=None, stream=None) -> None:
         """Append new tokens' keys and values to several sequences in one kernel launch.
@@ -192,9 +211,10 @@ class PagedKVCache:
         OutOfPagesError
             Too few free pages; the cache is unchanged.
         """
+        check_stream_arg(stream)
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         self.book.seq_list(seq_ids)  # ids first: an unknown id is the likelier mistake than a shape
-        ki, vi = describe_input("k", k), describe_input("v", v)
+        ki, vi = read("k", k), read("v", v)
         H, D = self.num_kv_heads, self.head_dim
         for i in (ki, vi):
             if self._kv and i.dtype.name not in DECODE_DTYPES:
@@ -224,9 +244,19 @@ class PagedKVCache:
         else:
             raise ValueError(f"k: expected (batch, t, {H}, {D}) or packed (total, {H}, {D}), got {ki.shape}")
         total = sum(counts)
-        s = as_stream(stream, self.device)
-        self.device.activate()
-        rows = self._token_rows(k, ki, total, s), self._token_rows(v, vi, total, s)
+        for i in (ki, vi):
+            if i.on_device:
+                self._check_rows(i)
+        if ki.on_device:
+            device, s, (ki, vi) = start(stream, [ki, vi])
+            if device is not self.device:
+                raise ValueError(f"k: expected an array on the cache's device {self.device.ordinal}, "
+                                 f"got device {device.ordinal}")
+        else:
+            self.device.activate()
+            s = as_stream(stream, self.device)
+        self.order(s)
+        rows = self._token_rows(ki, total, s), self._token_rows(vi, total, s)
         # The spec's dtype is the new tokens' type (the pool's, for a 16-bit cache).
         spec = KernelSpec("kv_append", DTYPES[ki.dtype.name][0], 32, self.device.arch, ptx_requested(), kv=self._kv)
         kernel = get_kernel(spec, self.device)
@@ -236,7 +266,7 @@ class PagedKVCache:
             return
         dst = np.concatenate([plan.dst, plan.copy_dst])
         src = np.concatenate([np.arange(total, dtype=np.int32), -1 - plan.copy_src])
-        d_items = asarray(np.stack([dst, src]).astype(np.int32), device=self.device, stream=s)
+        (d_items,) = upload([np.stack([dst, src]).astype(np.int32)], self.device, s)
         (dk, ks), (dv, vs) = rows
         pi = self.pool_info
         pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
@@ -253,33 +283,30 @@ class PagedKVCache:
         threads = n_items * H * (32 if self._kv else D // 8)
         grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
-        for a in (dk, dv, d_items):
-            if a is not None and type(a.owner) is Allocation and a.owner.stream is not s:
-                a.owner.record_stream(s)
+        finish(s, [ki, vi])
 
-    def _token_rows(self, x, info, total: int, s) -> tuple:
-        """(DeviceArray, (token stride, head stride)) of new tokens as rows; host data is uploaded."""
-        if total == 0:
-            return None, (0, 0)
-        if not info.on_device:
-            host = np.ascontiguousarray(np.asarray(x).reshape(total, self.num_kv_heads, self.head_dim))
-            d = asarray(host, device=self.device, stream=s)
-            return d, d.elem_strides[:2]
-        d = asarray(x, stream=s)
-        if d.device is not self.device:
-            raise ValueError(f"{info.name}: expected an array on the cache's device {self.device.ordinal}, "
-                             f"got device {d.device.ordinal}")
-        st = d.elem_strides
-        if st[-1] != 1 or any(x % 8 for x in st[:-1]) or d.ptr % 16:
-            raise ValueError(f"{info.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
+    def _check_rows(self, i) -> None:
+        """A device token array the append kernel can read (16-byte chunks, collapsible rows)."""
+        st = i.strides
+        if st[-1] != 1 or any(x % 8 for x in st[:-1]) or i.ptr % 16:
+            raise ValueError(f"{i.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
                              f"strides multiples of 8 elements and a 16-byte aligned address; got element "
                              f"strides {st}")
-        if d.ndim == 4:  # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
-            if d.shape[0] > 1 and d.shape[1] > 0 and st[0] != d.shape[1] * st[1]:
-                raise ValueError(f"{info.name}: (batch, t) must collapse into one token axis (stride_b == t * "
-                                 f"stride_t), got element strides {st}; pass a contiguous array")
-            return d, (st[1], st[2])
-        return d, (st[0], st[1])
+        if len(i.shape) == 4 and i.shape[0] > 1 and i.shape[1] > 0 and st[0] != i.shape[1] * st[1]:
+            # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
+            raise ValueError(f"{i.name}: (batch, t) must collapse into one token axis (stride_b == t * "
+                             f"stride_t), got element strides {st}; pass a contiguous array")
+
+    def _token_rows(self, i, total: int, s) -> tuple:
+        """(device pointer holder, (token stride, head stride)) of new tokens as rows; host data is uploaded."""
+        if total == 0:
+            return None, (0, 0)
+        if not i.on_device:
+            host = np.ascontiguousarray(np.asarray(i.obj).reshape(total, self.num_kv_heads, self.head_dim))
+            (d,) = upload([host], self.device, s)
+            return d, d.elem_strides[:2]
+        st = i.strides
+        return i, ((st[1], st[2]) if len(i.shape) == 4 else (st[0], st[1]))
 
     def device_tables(self, seq_ids, s) -> tuple:
         """Device CSR page table of ``seq_ids`` for the decode kernel, reused while nothing changed.
@@ -288,17 +315,13 @@ class PagedKVCache:
         """
         key = (tuple(seq_ids), self.book.version)
         if self._tables is not None and self._tables[0] == key:
-            owner = self._tables[1][0].owner.owner
-            if type(owner) is Allocation and owner.stream is not s:
-                owner.record_stream(s)  # its free must wait for this stream's use too
+            note_use(s, self._tables[1][:1])  # its block's free must wait for this stream's use too
             return self._tables[1], self._tables[2]
         indptr, indices, _ = self.book.csr(seq_ids)
         lens = self.book.lengths(seq_ids)
         packed = np.concatenate([indptr, lens, indices if len(indices) else np.zeros(1, np.int32)]).astype(np.int32)
-        d = asarray(packed, device=self.device, stream=s)  # one upload for all three
+        (d,) = upload([packed], self.device, s)  # one upload for all three
         n = len(seq_ids)
-        from ..array import DeviceArray
-
         views = [DeviceArray(d.ptr + 4 * off, (m,), np.int32, self.device, owner=d, stream=s)
                  for off, m in ((0, n + 1), (n + 1, n), (2 * n + 1, max(len(indices), 1)))]
         tables = (views[2], views[0], 0, views[1])

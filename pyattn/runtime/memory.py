@@ -27,10 +27,12 @@ from ._resource import per_device, release_quietly
 from .errors import check
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool", "get_staging",
-           "copy_to_device", "copy_to_host", "memset_async"]
+           "copy_to_device", "copy_to_host", "memset_async", "pinned_empty"]
 
 _pools: dict[int, "DevicePool"] = {}
 _staging: dict[int, "StagingPool"] = {}
+_results = None  # the process's _ResultBlocks, made on first use
+_results_lock = threading.Lock()
 
 
 _driver = None
@@ -218,6 +220,74 @@ class StagingPool:
 def get_staging(device: Device) -> StagingPool:
     """Return the process's staging pool for ``device``."""
     return per_device(_staging, device, StagingPool)
+
+
+class _Lease:
+    """The base object of a NumPy result that views a pooled pinned block; when the last view of
+    it is gone, the block goes back to the pool (``__del__``: one per result, cheaper than a
+    finalizer object)."""
+
+    def __init__(self, buf: PinnedBuffer, nbytes: int, pool: "_ResultBlocks"):
+        self.buf, self.pool = buf, pool
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (buf.ptr, False), "version": 3}
+
+    def __del__(self):
+        try:
+            self.pool.give_back(self.buf)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _ResultBlocks:
+    """Pinned blocks for NumPy results, pooled by power-of-two size class.
+
+    A fresh pinned block costs ~4 ms per 16 MiB (cuMemHostAlloc + cuMemFreeHost, measured on an
+    H200 host) and a pageable result costs its page faults plus a host copy; pooled pinned blocks
+    let the device-to-host copy write the result array itself, at PCIe speed. At most
+    ``_KEEP_BYTES`` of free blocks are kept; the rest are freed when they come back.
+    """
+
+    _KEEP_BYTES = 512 << 20
+
+    def __init__(self):
+        self._free: dict[int, list] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> PinnedBuffer:
+        size = 1 << max(int(nbytes) - 1, 4095).bit_length()
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                self._free_bytes -= size
+                return blocks.pop()
+        return PinnedBuffer(size)
+
+    def give_back(self, buf: PinnedBuffer) -> None:
+        with self._lock:
+            if self._free_bytes + buf.nbytes <= self._KEEP_BYTES:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._free_bytes += buf.nbytes
+                return
+        buf.close()
+
+
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous NumPy array in page-locked (pinned) memory from a pool.
+
+    The memory goes back to the pool when the array (and every view of it) is garbage-collected.
+    Device-to-host copies into it run asynchronously at full PCIe speed.
+    """
+    global _results
+    if _results is None:
+        with _results_lock:
+            if _results is None:
+                _results = _ResultBlocks()
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = _results.take(max(nbytes, 1))
+    raw = np.asarray(_Lease(buf, max(nbytes, 1), _results))
+    return raw[:nbytes].view(dtype).reshape(shape)
 
 
 def copy_to_device(dst_ptr: int, host: np.ndarray, stream) -> None:

@@ -11,15 +11,23 @@ it); creating and closing one is not synchronised against concurrent use of the 
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from .device import Device, get_device
 from ._resource import Closeable, per_device, release_quietly
 from .errors import check
 
-__all__ = ["Stream", "Event", "as_stream", "default_stream"]
+__all__ = ["Stream", "Event", "as_stream", "default_stream", "borrowed", "check_stream_arg", "order_after",
+           "LEGACY_STREAM"]
 
 _default_streams: dict[int, "Stream"] = {}
+# Borrowed wrappers of foreign handles (torch's current stream, CAI producer streams), keyed by
+# (ordinal, handle): a wrapper costs ~1 us to make and a hot loop sees the same few handles.
+_borrowed: dict = {}
+_MAX_BORROWED = 256
+_order_events = threading.local()  # one ordering event per thread and device
+LEGACY_STREAM = 1  # CU_STREAM_LEGACY: the legacy default stream, a valid handle in every context
 
 
 def _drv():
@@ -133,6 +141,50 @@ def default_stream(device: Device) -> Stream:
     return per_device(_default_streams, device, Stream)
 
 
+def borrowed(device: Device, handle: int, owner=None) -> Stream:
+    """A cached :class:`Stream` wrapping the foreign ``CUstream`` ``handle`` (never destroyed here).
+
+    ``owner`` (e.g. the user's stream object) is kept alive by the wrapper, so arrays allocated on
+    the stream keep its handle valid until they are freed.
+    """
+    key = (device.ordinal, handle)
+    s = _borrowed.get(key)
+    if s is None or (owner is not None and s._owner is not owner):
+        if len(_borrowed) >= _MAX_BORROWED:
+            _borrowed.clear()
+        s = _borrowed[key] = Stream(device, handle=handle, owner=owner)
+    return s
+
+
+def order_after(consumer: Stream, producer_handle: int) -> None:
+    """Make later work on ``consumer`` wait for the work queued so far on ``producer_handle``
+    (an event recorded there and waited on; no host block). One reusable event per thread and
+    device: ``cuStreamWaitEvent`` captures the event's state when it is called, so recording it
+    again afterwards is safe."""
+    driver = _drv()
+    events = getattr(_order_events, "by_device", None)
+    if events is None:
+        events = _order_events.by_device = {}
+    ev = events.get(consumer.device.ordinal)
+    if ev is None:
+        ev = events[consumer.device.ordinal] = Event(consumer.device)
+    check(driver.cuEventRecord(ev.handle, driver.CUstream(producer_handle)), "cuEventRecord")
+    check(driver.cuStreamWaitEvent(consumer.handle, ev.handle, 0), "cuStreamWaitEvent")
+
+
+def check_stream_arg(stream) -> None:
+    """Refuse a ``stream=`` argument of the wrong kind before any device work (TypeError)."""
+    if stream is None or isinstance(stream, Stream):
+        return
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        if not 0 <= stream < 2**64:
+            raise ValueError(f"stream: expected a CUstream handle in [0, 2**64), got {stream}")
+        return
+    if getattr(stream, "__cuda_stream__", None) is None:
+        raise TypeError(f"stream: expected None, a pyattn.Stream, an int CUstream handle or an object with "
+                        f"__cuda_stream__, got {type(stream).__name__}")
+
+
 def as_stream(stream, device: Device) -> Stream:
     """Normalise a user's ``stream=`` argument.
 
@@ -153,13 +205,9 @@ def as_stream(stream, device: Device) -> Stream:
         return default_stream(device)
     if isinstance(stream, Stream):
         return stream
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        return Stream(device, handle=stream)
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        _, ptr = proto() if callable(proto) else proto
-        return Stream(device, handle=int(ptr), owner=stream)
-    raise TypeError(
-        f"stream: expected None, a pyattn.Stream, an int CUstream handle or an object with "
-        f"__cuda_stream__, got {type(stream).__name__}"
-    )
+    check_stream_arg(stream)
+    if isinstance(stream, int):
+        return borrowed(device, stream)
+    proto = stream.__cuda_stream__
+    _, ptr = proto() if callable(proto) else proto
+    return borrowed(device, int(ptr), owner=stream)

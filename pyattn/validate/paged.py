@@ -1,26 +1,25 @@
-"""Validate decode inputs: queries, K/V page pools, page tables; choose the split count.
+"""Validate decode inputs: queries, K/V page pools, page tables.
 
-No driver call here (device page tables are copied back for their range check by the caller's
-``fetch``), so every mistake is a ``ValueError``/``TypeError`` naming the argument before any GPU
-work, and all of it is testable without a GPU.
+Inputs are :class:`~pyattn.interop.inputs.Arg` objects. No driver call here (device page tables
+are copied back for their range check by the caller's ``fetch``, after everything else is
+checked), so every mistake is a ``ValueError``/``TypeError`` naming the argument, and all of it is
+testable without a GPU.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._options import check_causal, check_softcap, check_window, describe_alibi
-from ._problem import _check_scale, describe_input
+from .options import check_alibi, check_causal, check_int, check_scale, check_softcap, check_window
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_block_table", "check_csr",
-           "choose_num_splits", "POOL_LAYOUTS", "DECODE_DTYPES"]
+           "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
-_MAX_SPLITS = 256
+MAX_SPLITS = 256
 _MAX_GRID_YZ = 65535
 
 
@@ -61,27 +60,22 @@ class DecodeProblem:
     window: tuple
     softcap: float
     scale: float
-    alibi: object  # _options.AlibiInfo or None
+    alibi: object  # options.AlibiInfo or None
     num_splits: int | None  # the caller's override
+    pool: PoolInfo = None  # the pools it reads
 
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
 
-def _int_arg(name: str, x) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    return int(x)
-
-
 def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
-    """Validate K/V pools of shape (num_pages, page_size, heads_kv, head_dim) (``"nhd"``) or
+    """Validate K/V pool Args of shape (num_pages, page_size, heads_kv, head_dim) (``"nhd"``) or
     (num_pages, heads_kv, page_size, head_dim) (``"hnd"``): device arrays, fp16/bf16, head_dim
     contiguous, 16-byte aligned rows (the kernel copies 16-byte chunks)."""
     if layout not in POOL_LAYOUTS:
         raise ValueError(f"layout: expected one of {POOL_LAYOUTS}, got {layout!r}")
-    ins = [describe_input(n, x) for n, x in (("k_pool", k_pool), ("v_pool", v_pool))]
+    ins = [k_pool, v_pool]
     for i in ins:
         if not i.on_device:
             raise TypeError(f"{i.name}: expected a device array (the page pool lives on the GPU), got a host array")
@@ -94,7 +88,12 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
             raise ValueError(f"{i.name}: the head_dim axis must be contiguous, got element strides {i.strides}")
         if any(st % 8 for st in i.strides[:-1]):
             raise ValueError(f"{i.name}: strides must be multiples of 8 elements (16-byte rows), got {i.strides}")
+        if i.ptr % 16:
+            raise ValueError(f"{i.name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, "
+                             f"got {i.ptr:#x}")
     k, v = ins
+    if k.ordinal is not None and v.ordinal is not None and k.ordinal != v.ordinal:
+        raise ValueError(f"v_pool: expected an array on k_pool's device {k.ordinal}, got device {v.ordinal}")
     if k.dtype != v.dtype:
         raise TypeError(f"v_pool: expected dtype {k.dtype} (k_pool's), got {v.dtype}")
     if k.shape != v.shape:
@@ -116,8 +115,8 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
 
 
 def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, scale, num_splits) -> DecodeProblem:
-    """Validate q (batch, q_len, heads_q, head_dim) against the pool and the options."""
-    i = describe_input("q", q)
+    """Validate q (an Arg, (batch, q_len, heads_q, head_dim)) against the pool and the options."""
+    i = q
     if pool.kv:  # 8-bit codes dequantize to the query's fp16/bf16
         if i.dtype.name not in DECODE_DTYPES:
             raise TypeError(f"q: expected dtype float16 or bfloat16 over an 8-bit ({pool.kv}) cache, got {i.dtype}")
@@ -134,42 +133,62 @@ def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, sca
         raise ValueError(f"q: expected q_len >= 1, got shape {i.shape}")
     if batch > _MAX_GRID_YZ:
         raise ValueError(f"q: batch must be <= {_MAX_GRID_YZ}, got {batch}")
-    if i.on_device and (i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1])):
-        raise ValueError(f"q: the head_dim axis must be contiguous and other strides multiples of 8 elements, "
-                         f"got element strides {i.strides}")
+    if i.on_device and (i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1]) or i.ptr % 16):
+        raise ValueError(f"q: the head_dim axis must be contiguous, other strides multiples of 8 elements and the "
+                         f"address 16-byte aligned, got element strides {i.strides} at {i.ptr:#x}")
     if num_splits is not None:
-        num_splits = _int_arg("num_splits", num_splits)
-        if not 1 <= num_splits <= _MAX_SPLITS:
-            raise ValueError(f"num_splits: expected 1 to {_MAX_SPLITS} (or None: chosen from the SM count), "
-                             f"got {num_splits}")
-    alibi = describe_alibi(alibi_slopes, batch, heads_q, describe_input)
-    return DecodeProblem(batch, q_len, heads_q, pool.heads_kv, dim, i.dtype, tuple(i.strides[:3]), i.on_device,
-                         check_causal(causal), check_window(window), check_softcap(softcap), _check_scale(scale, dim),
-                         alibi, num_splits)
+        num_splits = check_int("num_splits", num_splits, 1, MAX_SPLITS)
+    alibi = check_alibi(alibi_slopes, batch, heads_q)
+    strides = tuple(i.strides[:3]) if i.on_device else (q_len * heads_q * dim, heads_q * dim, dim)
+    return DecodeProblem(batch, q_len, heads_q, pool.heads_kv, dim, i.dtype, strides, i.on_device,
+                         check_causal(causal), check_window(window), check_softcap(softcap), check_scale(scale, dim),
+                         alibi, num_splits, pool)
 
 
-def _int32_vector(name: str, x, fetch, ndim: int = 1) -> tuple:
-    """(host copy, input description) of an int32 index array; device arrays come back via ``fetch``."""
-    i = describe_input(name, x)
+def check_table_form(block_table, seq_lens, indptr, indices, last_page_len) -> None:
+    """Exactly one page-table form: ``block_table`` + ``seq_lens``, or ``indptr`` + ``indices`` +
+    ``last_page_len`` (vLLM's or FlashInfer's)."""
+    if (block_table is None) == (indptr is None):
+        raise ValueError("block_table/indptr: pass exactly one page table: block_table with seq_lens, or "
+                         "indptr with indices and last_page_len")
+    if block_table is not None:
+        if indices is not None or last_page_len is not None:
+            raise ValueError("indices/last_page_len: these belong to the CSR form; not with block_table")
+        if seq_lens is None:
+            raise ValueError("seq_lens: required with block_table")
+    elif indices is None or last_page_len is None or seq_lens is not None:
+        raise ValueError("indices/last_page_len: the CSR form needs indptr, indices and last_page_len "
+                         "(and no seq_lens)")
+
+
+def _int32_meta(i, ndim: int = 1) -> None:
+    """Metadata checks of an int32 index array Arg."""
     if i.dtype != np.int32:
-        raise TypeError(f"{name}: expected dtype int32, got {i.dtype}")
+        raise TypeError(f"{i.name}: expected dtype int32, got {i.dtype}")
     if len(i.shape) != ndim:
-        raise ValueError(f"{name}: expected {ndim} dim(s), got shape {i.shape}")
-    return (fetch(x) if i.on_device else np.asarray(x)), i
+        raise ValueError(f"{i.name}: expected {ndim} dim(s), got shape {i.shape}")
+    if i.on_device and i.strides[-1] != 1 and i.shape[-1] > 1:
+        raise ValueError(f"{i.name}: the last axis must be contiguous, got element strides {i.strides}")
+
+
+def _values(args, fetch) -> list:
+    """Host values of index Args, called once all their metadata checks have passed: a device
+    array's values come back through ``fetch`` (the one piece of device work before the range check)."""
+    return [fetch(a) if a.on_device else np.asarray(a.obj) for a in args]
 
 
 def check_block_table(block_table, seq_lens, batch: int, pool: PoolInfo, fetch) -> tuple:
-    """Range-check a vLLM-style block table (batch, max_pages) and seq_lens (batch,).
+    """Range-check a vLLM-style block table (batch, max_pages) and seq_lens (batch,), both Args.
 
     Only the entries a sequence uses are checked (padding may hold anything). Returns the host
-    copies and the table's descriptions ``(table, lens, table_info, lens_info)``.
+    values ``(table, lens)``.
     """
-    table, ti = _int32_vector("block_table", block_table, fetch, 2)
-    lens, li = _int32_vector("seq_lens", seq_lens, fetch)
+    ti, li = block_table, seq_lens
+    _int32_meta(ti, 2)
+    _int32_meta(li)
     if ti.shape[0] != batch or li.shape != (batch,):
         raise ValueError(f"block_table, seq_lens: expected {batch} rows (q's batch), got shapes {ti.shape}, {li.shape}")
-    if ti.on_device and ti.strides[1] != 1:
-        raise ValueError(f"block_table: rows must be contiguous, got element strides {ti.strides}")
+    table, lens = _values((ti, li), fetch)
     if (lens < 0).any() or (lens > ti.shape[1] * pool.page_size).any():
         bad = int(np.flatnonzero((lens < 0) | (lens > ti.shape[1] * pool.page_size))[0])
         raise ValueError(f"seq_lens: expected 0 <= seq_lens[i] <= {ti.shape[1]} pages x {pool.page_size} = "
@@ -178,28 +197,26 @@ def check_block_table(block_table, seq_lens, batch: int, pool: PoolInfo, fetch) 
     cols = np.arange(ti.shape[1])[None, :]
     entries = table[cols < used[:, None]] if table.size else np.empty(0, np.int32)
     _check_pages("block_table", entries, pool.num_pages)
-    return table, lens, ti, li
+    return table, lens
 
 
 def check_csr(indptr, indices, last_page_len, batch: int, pool: PoolInfo, fetch) -> tuple:
-    """Range-check FlashInfer's CSR page table and return host ``(indptr, indices, kv_len)``."""
-    ip, ipi = _int32_vector("indptr", indptr, fetch)
-    ix, ixi = _int32_vector("indices", indices, fetch)
-    lp, _ = _int32_vector("last_page_len", last_page_len, fetch)
-    if ipi.shape != (batch + 1,) or lp.shape != (batch,):
+    """Range-check FlashInfer's CSR page table (Args) and return host ``(indptr, indices, kv_len)``."""
+    for a in (indptr, indices, last_page_len):
+        _int32_meta(a)
+    if indptr.shape != (batch + 1,) or last_page_len.shape != (batch,):
         raise ValueError(f"indptr, last_page_len: expected shapes ({batch + 1},), ({batch},) for batch {batch}, "
-                         f"got {ipi.shape}, {lp.shape}")
-    if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] > ixi.shape[0]:
+                         f"got {indptr.shape}, {last_page_len.shape}")
+    ip, ix, lp = _values((indptr, indices, last_page_len), fetch)
+    if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] > indices.shape[0]:
         raise ValueError(f"indptr: must start at 0, be non-decreasing and end at most at len(indices) = "
-                         f"{ixi.shape[0]}, got {ip.tolist() if ip.size <= 16 else ip}")
+                         f"{indices.shape[0]}, got {ip.tolist() if ip.size <= 16 else ip}")
     n_pages = np.diff(ip).astype(np.int64)
     lo, hi = np.where(n_pages > 0, 1, 0), np.where(n_pages > 0, pool.page_size, 0)
     if ((lp < lo) | (lp > hi)).any():
         bad = int(np.flatnonzero((lp < lo) | (lp > hi))[0])
         raise ValueError(f"last_page_len: expected 1 to page_size = {pool.page_size} for a sequence with pages "
                          f"(0 without), got last_page_len[{bad}] = {int(lp[bad])} with {int(n_pages[bad])} page(s)")
-    if ixi.on_device and ixi.strides[0] != 1:
-        raise ValueError(f"indices: must be contiguous, got element strides {ixi.strides}")
     _check_pages("indices", ix[: ip[-1]], pool.num_pages)
     kv_len = np.where(n_pages > 0, (n_pages - 1) * pool.page_size + lp, 0)
     if (kv_len >= 2**31).any():
@@ -213,21 +230,3 @@ def _check_pages(name: str, pages: np.ndarray, num_pages: int) -> None:
         j = int(np.flatnonzero(bad.ravel())[0])
         raise ValueError(f"{name}: page indices must be in [0, {num_pages}) (the pool's pages), "
                          f"got {int(pages.ravel()[j])} among the used entries")
-
-
-def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
-    """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
-    blocks per SM) when the longest sequence has ``max_tiles`` key tiles.
-
-    Every block of a decode does the same work, so the grid runs in waves: the smallest split
-    count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
-    (FlashAttention's rule, applied past one wave too: 512 blocks on 396 slots run 65% busy
-    unsplit). At least 2 key tiles per split keep the combine cheap next to the attention.
-    """
-    limit = max(1, min(_MAX_SPLITS, max_tiles // 2))
-    effs = []
-    for s in range(1, limit + 1):
-        waves = units * s / slots
-        effs.append(waves / math.ceil(waves))
-    best = max(effs)
-    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)

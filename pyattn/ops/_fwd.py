@@ -1,0 +1,133 @@
+"""Launch plans of the forward attention kernels, shared by ``attention``, ``attention_varlen`` and
+``block_sparse_attention``; and the per-call extras (a host mask or ALiBi slopes with device q).
+
+A :class:`FwdPlan` holds everything a validated call needs besides its pointers and stream: the
+kernel, the launch shape, and the parameter struct with every non-pointer field pre-packed. A
+repeat call is then one pool allocation, a small ``struct.pack`` and a launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..array import c_strides
+from ..interop.inputs import numpy_dtype
+from ..kernels.registry import get_kernel
+from ..kernels.specs import select_attention_spec
+from ..pipeline.device import output
+from ..pipeline.host import upload
+from ..pipeline.plans import ptx_requested
+from ..runtime.launch import launch
+
+__all__ = ["FwdPlan", "SparseFwd", "build_fwd_plan", "run_fwd", "device_extras"]
+
+_LOG2E = 1.4426950408889634
+_F32 = np.dtype(np.float32)
+_N_EXTRAS = 7  # pointer fields of AttnFwdParams after q, k, v, o, lse
+
+
+@dataclass(frozen=True)
+class SparseFwd:
+    """A block-sparse forward problem: the attention problem, the kernel's sparse mode (1: the
+    standard tiles, 2: 64 x 64 tiles) and whether the layout has one tile list per query head."""
+
+    base: object
+    sparse: int
+    per_head: bool
+
+
+class FwdPlan(NamedTuple):
+    """Everything a validated call needs besides the data pointers and the stream."""
+
+    spec: object
+    kernel: object
+    grid: tuple
+    block: tuple
+    shared_bytes: int
+    packer: object  # PartialPack: q, k, v, o, lse, mask, alibi, cu_q, cu_k, tile pointers -> param bytes
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: np.dtype
+    empty: bool  # nothing to launch (a zero-size dimension)
+
+
+def _bsh(elem_strides: tuple, layout: str) -> tuple:
+    """Element strides (batch, seq, head) of an output in ``layout``."""
+    if layout == "thd":
+        return (0, elem_strides[0], elem_strides[1])
+    sb, s1, s2, _ = elem_strides
+    return (sb, s1, s2) if layout == "bshd" else (sb, s2, s1)
+
+
+def build_fwd_plan(problem, device) -> FwdPlan:
+    """The plan of an ``AttentionProblem`` (or a :class:`SparseFwd`) on ``device``."""
+    P, sparse, per_head = (problem.base, problem.sparse, problem.per_head) if isinstance(problem, SparseFwd) \
+        else (problem, 0, False)
+    spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
+                                 mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
+                                 alibi=P.alibi is not None, allow_tf32=P.allow_tf32)
+    if sparse:
+        spec = dataclasses.replace(spec, sparse=sparse)
+    kernel = get_kernel(spec, device)
+    out_shape = P.out_shape()
+    out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
+    qs, ks, vs, os_ = P.q_strides, P.k_strides, P.v_strides, _bsh(out_elem, P.layout)
+    if P.layout == "thd":  # FlashAttention's varlen LSE: (Hq, total_q)
+        lse_b, lse_h = 0, P.total_q
+    else:
+        lse_b, lse_h = P.heads_q * P.seqlen_q, P.seqlen_q
+    mask_strides = P.mask.strides if P.mask is not None else (0, 0, 0, 0)
+    tiles = spec.tiles
+    packer = spec.params.partial({
+        "q_stride_b": qs[0], "q_stride_s": qs[1], "q_stride_h": qs[2],
+        "k_stride_b": ks[0], "k_stride_s": ks[1], "k_stride_h": ks[2],
+        "v_stride_b": vs[0], "v_stride_s": vs[1], "v_stride_h": vs[2],
+        "o_stride_b": os_[0], "o_stride_s": os_[1], "o_stride_h": os_[2],
+        "mask_stride_b": mask_strides[0], "mask_stride_h": mask_strides[1],
+        "mask_stride_q": mask_strides[2], "mask_stride_k": mask_strides[3],
+        "lse_stride_b": lse_b, "lse_stride_h": lse_h,
+        "batch": P.batch, "heads_q": P.heads_q, "heads_kv": P.heads_kv, "group": P.group,
+        "seqlen_q": P.seqlen_q, "seqlen_k": P.seqlen_k, "head_dim": P.head_dim, "causal": P.causal,
+        "window_left": P.window[0], "window_right": P.window[1],
+        "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
+        "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
+        "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0,
+    })
+    empty = int(np.prod(out_shape)) == 0 or P.batch == 0
+    return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
+                   packer, out_shape, P.lse_shape(), numpy_dtype("q", P.dtype), empty)
+
+
+def run_fwd(plan: FwdPlan, device, s, q, k, v, *, out=None, return_lse=False, extras=()):
+    """Allocate the results (``out``: the caller's, already validated) and launch.
+
+    ``q, k, v, out``: device Args or DeviceArrays (anything with ``.ptr``); ``extras``: pointers of
+    (mask, alibi, cu_seqlens_q, cu_seqlens_k, tile_ptr, tile_idx, tile_bits), missing ones null.
+    Returns ``(out, lse or None)``; ``out`` is a new DeviceArray unless given.
+    """
+    o = out if out is not None else output(device, s, plan.out_shape, plan.dtype)
+    lse = output(device, s, plan.lse_shape, _F32) if return_lse else None
+    if not plan.empty:
+        ptrs = list(extras) + [0] * (_N_EXTRAS - len(extras))
+        params = plan.packer.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0, *ptrs)
+        launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
+    return o, lse
+
+
+def device_extras(mask, alibi, device, s) -> tuple:
+    """Device pointers of a mask and ALiBi slopes (Args or None): device ones read in place, host
+    ones uploaded C-contiguous (a float64 mask and float slopes as float32). Returns
+    ``(mask_ptr, alibi_ptr, keep_alive)``."""
+    host = [None, None]
+    if mask is not None and not mask.on_device:
+        m = np.asarray(mask.obj)
+        host[0] = np.ascontiguousarray(m.astype(np.float32) if m.dtype == np.float64 else m)
+    if alibi is not None and not alibi.on_device:
+        host[1] = np.ascontiguousarray(alibi.obj, dtype=np.float32)
+    up = upload(host, device, s) if any(h is not None for h in host) else (None, None)
+    ptrs = [u.ptr if u is not None else (a.ptr if a is not None else 0) for a, u in zip((mask, alibi), up)]
+    return ptrs[0], ptrs[1], up
