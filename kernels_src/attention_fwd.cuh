@@ -24,6 +24,8 @@ struct AttnFwdSimtTraits {
   static constexpr int kDimsPerLane = HEAD_DIM_ / 32;
   // K rows padded by one float: lane l reads K[l][d], and the pad puts those 32 reads in 32 banks.
   static constexpr int kKStride = HEAD_DIM_ + 1;
+  // Dynamic shared memory, fp32: Q [BLOCK_M][D], K [BLOCK_N][kKStride], V [BLOCK_N][D] (the kernel's carve-up).
+  static constexpr int kSmemBytes = 4 * (BLOCK_M_ * HEAD_DIM_ + BLOCK_N_ * kKStride + BLOCK_N_ * HEAD_DIM_);
   static_assert(BLOCK_N_ == 32, "one key per lane");
   static_assert(HEAD_DIM_ % 32 == 0, "head-dim bucket must be a multiple of the warp width");
   static_assert(BLOCK_M_ % WARPS_ == 0, "rows must split evenly across warps");

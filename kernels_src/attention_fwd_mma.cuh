@@ -32,6 +32,7 @@ struct AttnFwdMmaTraits {
   static_assert(HEAD_DIM_ % 32 == 0, "head-dim bucket: whole k16 steps and ldmatrix.x4 pairs");
   static_assert(BLOCK_N_ % 16 == 0, "key tile: whole k16 steps of P V");
   static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kStride;  // Q + 2 stages of K and V
+  static constexpr int kSmemBytes = kSmemElems * static_cast<int>(sizeof(T_));
 };
 
 template <class Tr>

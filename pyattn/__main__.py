@@ -267,11 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``python -m pyattn`` and the ``pyattn`` script; returns the exit status."""
+    from .runtime.errors import PyattnError
+
     try:
         args = build_parser().parse_args(argv)
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe must show up here, inside the handler below
         return status
+    except PyattnError as exc:  # a diagnosed failure (driver, headers, compile): its message, no traceback
+        sys.stdout.flush()
+        print(f"pyattn: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -269,6 +269,13 @@ def test_warmup_refuses_headers_that_do_not_fit_nvrtc(cache_dir, misfit_headers)
     assert not cache_dir.exists() or KernelCache(cache_dir).entries() == []
 
 
+def test_demo_reports_headers_that_do_not_fit_nvrtc_without_traceback(cache_dir, misfit_headers):
+    # With or without a GPU the demo compiles (a fresh cache), and the header check refuses first.
+    r = run_cli("demo", "--quiet", cache=cache_dir, extra_env=misfit_headers)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "do not fit NVRTC" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_info_reports_headers_that_do_not_fit_nvrtc(cache_dir, misfit_headers):
     info = run_cli("info", cache=cache_dir, extra_env=misfit_headers)
     assert info.returncode == 0  # info keeps going: it is the diagnosis tool

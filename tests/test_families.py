@@ -1,4 +1,4 @@
-"""Kernel family records and the tile-table override hook (CPU only)."""
+"""Kernel family records, the tile-table override hook and the shared-memory agreement (CPU only)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from pyattn.jit.source import kernel_headers
+from pyattn import CompileError
+from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels import registry
 from pyattn.kernels.families import (FAMILIES, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family, override_tiles,
                                      tile_config, tile_table)
@@ -69,6 +70,30 @@ def _some_specs():
                 yield KernelSpec("attn_decode", "bf16", d, arch, q_tiles=1, kv="int8")
             if d % 64 == 0 and arch == "sm_90a":
                 yield KernelSpec("attn_fwd_wgmma", "f16", d, arch, sparse=d // 64 % 3)
+
+
+def test_render_asserts_shared_memory_exactly_for_families_with_traits():
+    for spec in _some_specs():
+        src = render(spec)
+        asserts = re.findall(r"^static_assert\((.*)::kSmemBytes == (\d+), ", src, re.M)
+        if spec.traits is None:
+            assert spec.shared_bytes == 0 and not asserts, spec.describe()
+        else:
+            assert asserts == [(spec.traits, str(spec.shared_bytes))], spec.describe()
+            assert src.index(f'#include "{spec.header}"') < src.index("::kSmemBytes ==") < src.index('extern "C"')
+
+
+def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
+    from pyattn.jit.headers import cuda_include_dir
+    from pyattn.jit.nvrtc import compile_source
+
+    spec = KernelSpec("attn_fwd_mma", "f16", 64, "sm_80")
+    fields = ("describe", "header", "params", "traits", "threads", "tiles", "entry_name", "template_id")
+    wrong = types.SimpleNamespace(**{f: getattr(spec, f) for f in fields}, shared_bytes=spec.shared_bytes + 16)
+    with pytest.raises(CompileError) as info:
+        compile_source(render(wrong), kernel_headers(), spec.compile_options((str(cuda_include_dir()[0]),)),
+                       name="wrong smem")
+    assert "the traits' shared memory differs from the family's formula" in info.value.log
 
 
 @pytest.mark.parametrize("spec, match", [

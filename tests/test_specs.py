@@ -516,6 +516,9 @@ def test_render_contains_entry_template_and_struct(arch):
         assert spec.params.c_declaration() in src
         assert f"static_assert(sizeof({spec.params.name}) == {spec.params.size}" in src
         assert f"const __grid_constant__ pyattn::{spec.params.name} params" in src
+        # the traits' own shared-memory size must equal what the launch asks for (checked by NVRTC)
+        assert f"static_assert({spec.traits}::kSmemBytes == {spec.shared_bytes}, " in src
+        assert spec.traits.startswith(f"pyattn::{TRAITS_FOR[spec.family]}<") and spec.traits in spec.template_id
         # the struct is declared before the template header that uses it
         assert src.index("struct AttnFwdParams") < src.index(f'#include "{spec.header}"')
         assert src.index('#include "common.cuh"') < src.index(f'#include "{spec.header}"')

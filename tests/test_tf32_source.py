@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyattn.kernels.specs import HEAD_DIM_BUCKETS
+from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec
 
 SRC = (Path(__file__).resolve().parents[1] / "kernels_src" / "attention_fwd_tf32.cuh").read_text()
 LANES = np.arange(32)
@@ -178,45 +178,15 @@ def test_shared_memory_accesses_are_conflict_free(d):
                 assert len(set((addr + off) % 32)) == 32, (d, kk, dt)
 
 
-# -- NVRTC: render the unit exactly as pyattn.jit.source.render would -------------------------------
-# Tile choices (block_n, warps, m_tiles) by head-dim bound; the smem formula must fit the arch.
+# -- NVRTC: the library's own units (their static_assert checks the shared-memory formula) -------
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024,
               "sm_100a": 227 * 1024}
-TILES_BIG = ((128, 32, 4, 1), (256, 16, 4, 1))
-TILES_SMALL = ((96, 32, 4, 1), (192, 16, 4, 1), (256, 16, 2, 1))
-
-
-def tf32_tiles(arch: str, d: int):
-    table = TILES_SMALL if arch in ("sm_86", "sm_89") else TILES_BIG
-    return next((bn, w, mt) for bound, bn, w, mt in table if d <= bound)
-
-
-def smem_bytes(d: int, bn: int, warps: int, mt: int) -> int:
-    return 4 * ((16 * mt * warps + 2 * bn) * (d + 4) + 2 * bn * (d + 8))
-
-
-def render_unit(d, bn, warps, mt, mods="0, false, false", name="pyattn_attn_fwd_tf32_test"):
-    from pyattn.kernels.params import ATTN_FWD_PARAMS
-
-    tr = f"pyattn::AttnFwdTf32Traits<{d}, {bn}, {warps}, {mt}>"
-    return (f"// pyattn kernel tf32 test unit\n"
-            f'#include "common.cuh"\n'
-            f'#include "mma.cuh"\n'
-            f"namespace pyattn {{\n{ATTN_FWD_PARAMS.c_declaration()}}}  // namespace pyattn\n"
-            f'#include "attention_fwd_tf32.cuh"\n\n'
-            f'static_assert({tr}::kSmemBytes == {smem_bytes(d, bn, warps, mt)}, "smem formula");\n'
-            f'static_assert({tr}::kThreads == {32 * warps}, "threads");\n'
-            f'extern "C" __global__ void __launch_bounds__({32 * warps}, 1)\n'
-            f"{name}(const __grid_constant__ pyattn::AttnFwdParams params) {{\n"
-            f"  pyattn::attn_fwd_tf32<{tr}, pyattn::ScoreMods<{mods}>>(params);\n"
-            f"}}\n")
 
 
 @pytest.mark.parametrize("arch", tuple(SMEM_LIMIT))
 def test_tile_choices_fit_shared_memory(arch):
     for d in HEAD_DIM_BUCKETS:
-        bn, w, mt = tf32_tiles(arch, d)
-        assert smem_bytes(d, bn, w, mt) <= SMEM_LIMIT[arch], (arch, d)
+        assert KernelSpec("attn_fwd_tf32", "f32", d, arch).shared_bytes <= SMEM_LIMIT[arch], (arch, d)
 
 
 @pytest.mark.parametrize("arch", tuple(SMEM_LIMIT))
@@ -226,22 +196,19 @@ def test_compiles_for_every_arch(arch):
     pytest.importorskip("cuda.bindings")
     from pyattn.jit.headers import cuda_include_dir
     from pyattn.jit.nvrtc import compile_source
-    from pyattn.jit.source import kernel_headers
+    from pyattn.jit.source import kernel_headers, render
 
     inc = cuda_include_dir()[0]
-    jobs = [(d, m) for d in (32, 64, 128, 256) for m in ("0, false, false",)] + [(32, "1, true, true"),
-                                                                                 (256, "1, true, true")]
+    specs = [KernelSpec("attn_fwd_tf32", "f32", d, arch) for d in (32, 64, 128, 256)]
+    specs += [KernelSpec("attn_fwd_tf32", "f32", d, arch, mask="bool", softcap=True, alibi=True) for d in (32, 256)]
 
-    def build(job):
-        d, mods = job
-        src = render_unit(d, *tf32_tiles(arch, d), mods=mods)
-        opts = (f"-arch={arch}", "-std=c++17", "-lineinfo", "-DNDEBUG", f"-I{inc}", "-Xptxas=-v")
-        image, log = compile_source(src, kernel_headers(), opts, name=f"tf32_d{d}_{arch}")
-        return image, log
+    def build(spec):
+        opts = spec.compile_options((str(inc),)) + ("-Xptxas=-v",)  # -v: the spill counts below
+        return compile_source(render(spec), kernel_headers(), opts, name=spec.describe())
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for (d, mods), (image, log) in zip(jobs, pool.map(build, jobs)):
-            assert image[:4] == b"\x7fELF", (arch, d, mods)
-            assert b"pyattn_attn_fwd_tf32_test\0" in image
+        for spec, (image, log) in zip(specs, pool.map(build, specs)):
+            assert image[:4] == b"\x7fELF", spec.describe()
+            assert spec.entry_name.encode() + b"\0" in image
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
-            assert spills and max(spills) == 0, (arch, d, mods, log)
+            assert spills and max(spills) == 0, (spec.describe(), log)

@@ -1,4 +1,4 @@
-"""The kernel cache's file format and file names (no I/O here).
+"""The kernel cache's location, file format and file names (no I/O here).
 
 Each entry is one file ``<key>.pyattnk``::
 
@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import re
 import struct
+from dataclasses import dataclass
 
-__all__ = ["CorruptEntry", "check_key", "normalise_meta", "encode", "decode", "ENTRY_SUFFIX",
+__all__ = ["CacheEntry", "default_cache_dir", "CorruptEntry", "check_key", "normalise_meta", "encode", "decode", "ENTRY_SUFFIX",
            "LOCK_SUFFIX", "ENTRY_RE", "LOCK_RE", "temp_name", "temp_writer_pid"]
 
 _MAGIC = b"PYATTNK1"
@@ -37,6 +39,43 @@ LOCK_RE = re.compile(r"[0-9a-f]{16,128}" + re.escape(LOCK_SUFFIX))
 # ".<key>.<pid>.<hex>.tmp"; the pid part is optional for the mkstemp names of pyattn <= 0.4
 # (".<key>.<random>.tmp"), which are then judged by age alone.
 _TMP_RE = re.compile(r"\.[0-9a-f]{16,128}\.(?:([0-9]+)\.)?[A-Za-z0-9_]+" + re.escape(_TMP_SUFFIX))
+
+
+def default_cache_dir() -> pathlib.Path:
+    """Return the default kernel cache directory, without creating it.
+
+    Returns
+    -------
+    pathlib.Path
+        ``$PYATTN_CACHE_DIR`` if set and non-empty (``~`` expanded), else
+        ``$XDG_CACHE_HOME/pyattn`` if set and non-empty, else ``~/.cache/pyattn``.
+    """
+    explicit = os.environ.get("PYATTN_CACHE_DIR")
+    if explicit:
+        return pathlib.Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return pathlib.Path(xdg).expanduser() / "pyattn"
+    return pathlib.Path.home() / ".cache" / "pyattn"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One entry file found in the cache directory.
+
+    Attributes
+    ----------
+    key : str
+        The hex key the entry was stored under.
+    path : pathlib.Path
+        Location of the entry file.
+    size : int
+        Size of the file on disk in bytes (header and checksum included).
+    """
+
+    key: str
+    path: pathlib.Path
+    size: int
 
 
 def temp_name(key: str) -> str:

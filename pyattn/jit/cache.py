@@ -26,52 +26,15 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from . import _keylock, _trust
+from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
+                     default_cache_dir, encode, normalise_meta, temp_name)
 from ._litter import remove_litter
-from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CorruptEntry, check_key, decode, encode,
-                     normalise_meta, temp_name)
 
 __all__ = ["CacheEntry", "KernelCache", "default_cache_dir"]
 
 logger = logging.getLogger("pyattn.cache")
-
-def default_cache_dir() -> pathlib.Path:
-    """Return the default kernel cache directory, without creating it.
-
-    Returns
-    -------
-    pathlib.Path
-        ``$PYATTN_CACHE_DIR`` if set and non-empty (``~`` expanded), else
-        ``$XDG_CACHE_HOME/pyattn`` if set and non-empty, else ``~/.cache/pyattn``.
-    """
-    explicit = os.environ.get("PYATTN_CACHE_DIR")
-    if explicit:
-        return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return pathlib.Path(xdg).expanduser() / "pyattn"
-    return pathlib.Path.home() / ".cache" / "pyattn"
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """One entry file found in the cache directory.
-
-    Attributes
-    ----------
-    key : str
-        The hex key the entry was stored under.
-    path : pathlib.Path
-        Location of the entry file.
-    size : int
-        Size of the file on disk in bytes (header and checksum included).
-    """
-
-    key: str
-    path: pathlib.Path
-    size: int
 
 
 class KernelCache:

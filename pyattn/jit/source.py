@@ -41,13 +41,23 @@ def sources_digest() -> str:
 
 def render(spec) -> str:
     """Return the translation unit for ``spec``: the generated params struct, the template
-    header, and one ``extern "C"`` entry point instantiating ``spec.template_id``."""
+    header, and one ``extern "C"`` entry point instantiating ``spec.template_id``.
+
+    For a family with dynamic shared memory the unit also ``static_assert``s that the C++ traits'
+    ``kSmemBytes`` (the layout the kernel carves) equals ``spec.shared_bytes`` (the Python formula
+    the launch asks for), so the two cannot drift apart. Families without (``spec.traits`` None)
+    launch with 0 bytes and assert nothing.
+    """
+    smem_check = "" if spec.traits is None else (
+        f"static_assert({spec.traits}::kSmemBytes == {spec.shared_bytes}, "
+        f'"pyattn: the traits\' shared memory differs from the family\'s formula (pyattn/kernels/families)");\n')
     return (
         f"// pyattn kernel {spec.describe()} (generated; edit kernels_src/{spec.header} instead)\n"
         f'#include "common.cuh"\n'
         f'#include "mma.cuh"\n'
         f"namespace pyattn {{\n{spec.params.c_declaration()}}}  // namespace pyattn\n"
         f'#include "{spec.header}"\n\n'
+        f"{smem_check}"
         f'extern "C" __global__ void __launch_bounds__({spec.threads}, {spec.tiles.min_blocks})\n'
         f"{spec.entry_name}(const __grid_constant__ pyattn::{spec.params.name} params) {{\n"
         f"  {spec.template_id}(params);\n"
