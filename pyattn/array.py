@@ -13,20 +13,19 @@ same array from several streams are fine, concurrent writes are the user's to or
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import numpy as np
 
 from .runtime.device import Device, get_device
 from .runtime.dlpack import KDL_CUDA, export_capsule
-from .runtime.memory import copy_to_host, get_pool, memset_async
+from .runtime.memory import copy_to_host, get_pool, memset_async, poison_alloc
 from .runtime.stream import LEGACY_STREAM, as_stream, borrowed, order_after
 
 __all__ = ["DeviceArray", "empty", "allocate", "c_strides"]
 
 
-def c_strides(shape, itemsize: int) -> tuple:
+def c_strides(shape, itemsize: int = 1) -> tuple:
     strides, acc = [], itemsize
     for n in reversed(shape):
         strides.append(acc)
@@ -147,7 +146,8 @@ class DeviceArray:
         consumer = LEGACY_STREAM if stream is None else stream
         if not isinstance(consumer, int) or isinstance(consumer, bool):
             raise TypeError(f"stream: expected None or an int CUstream handle, got {type(stream).__name__}")
-        if consumer != -1 and self.stream is not None and consumer != self.stream.ptr:
+        # Handle 0 is the legacy default stream (torch's default stream), the same stream as 1.
+        if consumer != -1 and self.stream is not None and (consumer or LEGACY_STREAM) != (self.stream.ptr or LEGACY_STREAM):
             order_after(borrowed(self.device, consumer), self.stream.ptr)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return export_capsule(self.ptr, self.shape, self.strides, self.dtype, self.device.ordinal, self,
@@ -237,7 +237,8 @@ class DeviceArray:
 def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceArray:
     """Allocate an uninitialised C-contiguous device array from pyattn's memory pool.
 
-    With the environment variable ``PYATTN_POISON_ALLOC=1`` every new array is filled with
+    With ``PYATTN_POISON_ALLOC=1`` in the environment at the first allocation (or
+    ``pyattn.runtime.memory.POISON_ALLOC = True``) every new array is filled with
     0xFF bytes (NaN for floating types), so tests catch elements a kernel forgot to write even
     when the pool hands back a block holding an earlier, valid result.
     """
@@ -251,6 +252,6 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
 def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:
     """:func:`empty` for callers that already hold normalised fields (the per-call op path)."""
     alloc = get_pool(device).allocate(nbytes, stream)
-    if os.environ.get("PYATTN_POISON_ALLOC") == "1":
+    if poison_alloc():
         memset_async(alloc.ptr, 0xFF, nbytes, stream)
     return DeviceArray._wrap(alloc.ptr, shape, dtype, strides, elem_strides, device, alloc, stream)

@@ -364,7 +364,14 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=Fals
     return (out, lse) if return_lse else out
 
 
-def merge_states_ref(outputs: Sequence, lses: Sequence):
+_LSE_ROWS = {  # an op's LSE -> the shape of its output's leading axes, and back
+    "bshd": (lambda x: np.swapaxes(x, -1, -2), lambda x: np.swapaxes(x, -1, -2)),
+    "bhsd": (lambda x: x, lambda x: x),
+    "thd": (lambda x: x.T, lambda x: x.T),
+}
+
+
+def merge_states_ref(outputs: Sequence, lses: Sequence, layout: str = "bshd"):
     """Combine partial attention states computed over disjoint key sets.
 
     ``lse = logaddexp_i(lse_i)``, ``o = sum_i exp(lse_i - lse) * o_i``. Parts with
@@ -373,18 +380,21 @@ def merge_states_ref(outputs: Sequence, lses: Sequence):
 
     Parameters
     ----------
-    outputs : sequence of array_like, each of shape (..., D)
-        Partial outputs, all of the same shape; any leading axes, e.g. (B, H, Sq, D) from
-        layout ``"bhsd"`` or (total_q, H, D) from varlen.
-    lses : sequence of array_like, each of shape ``outputs[i].shape[:-1]``
-        Matching log-sum-exps. Note ``attention_ref`` returns (B, H, Sq): for ``"bshd"``
-        outputs (B, Sq, H, D) pass ``lse.transpose(0, 2, 1)``; for varlen pass ``lse.T``.
+    outputs : sequence of array_like
+        Partial outputs, all of one shape, in ``layout``: (B, S, H, D), (B, H, S, D) or (T, H, D).
+    lses : sequence of array_like
+        Matching log-sum-exps in the shape every op returns: (B, H, S) for both 4-D layouts,
+        (H, T) for ``"thd"``, so ``attention_ref(..., return_lse=True)`` results merge as they are.
+    layout : {"bshd", "bhsd", "thd"}
 
     Returns
     -------
     out : ndarray of float64, shape of ``outputs[0]``
     lse : ndarray of float64, shape of ``lses[0]``
     """
+    if layout not in _LSE_ROWS:
+        raise ValueError(f"layout: expected one of {tuple(_LSE_ROWS)}, got {layout!r}")
+    to_rows, from_rows = _LSE_ROWS[layout]
     if len(outputs) == 0 or len(outputs) != len(lses):
         raise ValueError(f"outputs, lses: expected equally long non-empty sequences, got "
                          f"{len(outputs)} and {len(lses)}")
@@ -393,20 +403,21 @@ def merge_states_ref(outputs: Sequence, lses: Sequence):
     ls_ = [_as_float_array(x, f"lses[{i}]").astype(np.float64, copy=False)
            for i, x in enumerate(lses)]
     for i, (o, lse) in enumerate(zip(os_, ls_)):
-        if o.ndim < 1 or o.shape != os_[0].shape:
-            raise ValueError(f"outputs[{i}]: expected shape {os_[0].shape}, got {o.shape}")
-        if lse.shape != o.shape[:-1]:
-            raise ValueError(f"lses[{i}]: expected shape {o.shape[:-1]} (= outputs[{i}]"
-                             f".shape[:-1]), got {lse.shape}")
+        if o.ndim != (3 if layout == "thd" else 4) or o.shape != os_[0].shape:
+            raise ValueError(f"outputs[{i}]: expected shape {os_[0].shape} of layout {layout}, got {o.shape}")
+        if lse.ndim != o.ndim - 1 or to_rows(lse).shape != o.shape[:-1]:
+            want = from_rows(np.empty(o.shape[:-1])).shape
+            raise ValueError(f"lses[{i}]: expected shape {want} (the LSE of a {layout} output), got {lse.shape}")
         if np.isnan(lse).any() or np.isposinf(lse).any():
             raise ValueError(f"lses[{i}]: must be finite or -inf")
+    ls_ = [to_rows(x) for x in ls_]
     lse = np.logaddexp.reduce(np.stack(ls_), axis=0)  # logaddexp(-inf, -inf) = -inf
     ref = np.where(lse == -np.inf, 0.0, lse)  # avoids -inf - -inf = NaN
     out = np.zeros_like(os_[0])
     for o, li in zip(os_, ls_):
         w = np.exp(li - ref)[..., None]
         out += np.where(w > 0, w * o, 0.0)  # where: a dead part's NaN must not leak
-    return out, lse
+    return out, from_rows(lse)
 
 
 def attention_lowp(q, k, v, *, return_lse=False, **options):

@@ -1,8 +1,8 @@
-"""Decode-path validation (``pyattn.ops._paged``) and decode kernel specs/params (CPU only).
+"""Decode-path validation (``pyattn.validate.paged``) and decode kernel specs/params (CPU only).
 
-Device arrays are faked with ``__cuda_array_interface__`` (data pointer 0, never dereferenced);
-bfloat16, which CAI cannot express (typestr ``<V2``), is read from the ``.dtype``/``.shape``/
-``.strides`` attributes, as ``_problem._foreign_meta`` does for real libraries.
+Device arrays are faked with ``__cuda_array_interface__`` (data pointer 0, never dereferenced).
+The validators take arrays read by ``pyattn.interop.inputs.read``; the wrappers below read them
+the way the ops do.
 """
 
 from __future__ import annotations
@@ -21,8 +21,28 @@ from hypothesis import strategies as st
 from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
 from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
-from pyattn.ops._paged import (DecodeProblem, PoolInfo, check_block_table, check_csr, check_pools, check_query,
-                               choose_num_splits)
+from pyattn.interop.inputs import read, read_optional
+from pyattn.ops.decode import choose_num_splits
+from pyattn.validate import paged as V
+from pyattn.validate.paged import DecodeProblem, PoolInfo
+
+
+def check_pools(k_pool, v_pool, layout="nhd"):
+    return V.check_pools(read("k_pool", k_pool), read("v_pool", v_pool), layout)
+
+
+def check_query(q, pool_info, *, alibi_slopes=None, **kw):
+    return V.check_query(read("q", q), pool_info, alibi_slopes=read_optional("alibi_slopes", alibi_slopes), **kw)
+
+
+def check_block_table(table, lens, batch, pool_info, fetch):
+    return V.check_block_table(read("block_table", table), read("seq_lens", lens), batch, pool_info,
+                               lambda a: fetch(a.obj))
+
+
+def check_csr(indptr, indices, last_page_len, batch, pool_info, fetch):
+    return V.check_csr(read("indptr", indptr), read("indices", indices), read("last_page_len", last_page_len),
+                       batch, pool_info, lambda a: fetch(a.obj))
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -162,8 +182,8 @@ BAD_QUERIES = {
     "no heads": (dict(shape=(3, 1, 0, 64)), ValueError, r"^q: query heads \(0\)"),
     "q_len 0": (dict(shape=(3, 0, 8, 64)), ValueError, r"^q: expected q_len >= 1"),
     "batch 65536": (dict(shape=(65536, 1, 2, 64)), ValueError, r"^q: batch must be <= 65535"),
-    "splits 0": (dict(num_splits=0), ValueError, r"^num_splits: expected 1 to 256"),
-    "splits 257": (dict(num_splits=257), ValueError, r"^num_splits: expected 1 to 256"),
+    "splits 0": (dict(num_splits=0), ValueError, r"^num_splits: expected an int in \[1, 256\]"),
+    "splits 257": (dict(num_splits=257), ValueError, r"^num_splits: expected an int in \[1, 256\]"),
     "splits bool": (dict(num_splits=True), TypeError, r"^num_splits: expected an int, got bool"),
     "splits float": (dict(num_splits=2.0), TypeError, r"^num_splits: expected an int, got float"),
     "window 3": (dict(window=(1, 2, 3)), ValueError, r"^window:"),
@@ -199,8 +219,8 @@ def test_query_device_strides_checked():
 def test_block_table_padding_unchecked():
     table = np.array([[3, 9, -1, 2**31 - 1], [0, -5, -5, -5], [-1, -1, -1, -1]], np.int32)
     lens = np.array([8, 3, 0], np.int32)  # 2 pages, 1 page, none
-    t, l, ti, li = check_block_table(table, lens, 3, POOL, _no_fetch)
-    assert t is table and l is lens and ti.shape == (3, 4) and li.shape == (3,) and not ti.on_device
+    t, l = check_block_table(table, lens, 3, POOL, _no_fetch)
+    assert t is table and l is lens
 
 
 @pytest.mark.parametrize("row, lens, bad", [
@@ -236,15 +256,20 @@ def test_block_table_device_uses_fetched_copy():
         return x.payload
 
     dt = FakeDev((1, 3), np.int32, payload=good)
-    t, l, ti, _ = check_block_table(dt, lens, 1, POOL, fetch)
-    assert t is good and l is lens and ti.on_device and fetched == [dt]
+    t, l = check_block_table(dt, lens, 1, POOL, fetch)
+    assert t is good and l is lens and fetched == [dt]
     with pytest.raises(ValueError, match=r"^block_table: .* got 77 among the used entries"):
         check_block_table(FakeDev((1, 3), np.int32, payload=bad), lens, 1, POOL, fetch)
     dl = FakeDev((1,), np.int32, payload=np.array([13], np.int32))
     with pytest.raises(ValueError, match=r"^seq_lens: .* got seq_lens\[0\] = 13"):
         check_block_table(dt, dl, 1, POOL, fetch)
-    with pytest.raises(ValueError, match=r"^block_table: rows must be contiguous"):
+    fetched.clear()
+    with pytest.raises(ValueError, match=r"^block_table: the last axis must be contiguous"):
         check_block_table(FakeDev((1, 3), np.int32, strides=(6, 2), payload=good), lens, 1, POOL, fetch)
+    dl = FakeDev((2,), np.int32, payload=np.array([4, 4], np.int32))
+    with pytest.raises(ValueError, match=r"^block_table, seq_lens: expected 1 rows"):  # a shape error...
+        check_block_table(dt, dl, 1, POOL, fetch)
+    assert fetched == []  # ...is found before any device value is fetched
 
 
 # --------------------------------------------------------------------------------------------

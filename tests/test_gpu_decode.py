@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _check, _has_gpu  # noqa: E402
+from pyattn.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,7 +29,7 @@ DT16 = ["float16", "bfloat16"]
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("PYATTN_POISON_ALLOC", "1")
+    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _rand(rng, shape, dtype):

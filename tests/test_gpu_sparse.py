@@ -19,13 +19,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _check, _has_gpu, _inputs  # noqa: E402
+from pyattn.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
 
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("PYATTN_POISON_ALLOC", "1")
+    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 KINDS = ("empty", "all", "subset", "one", "sparse")

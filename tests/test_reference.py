@@ -364,21 +364,39 @@ def test_merge_states_of_split_keys_equals_whole(prob, parts, bshd):
         o, l = attention_ref(t(q), t(k[:, idx]), t(v[:, idx]), mask=m, layout=layout,
                              return_lse=True)
         outs.append(o)
-        lses.append(l.transpose(0, 2, 1) if bshd else l)  # lse shape == out.shape[:-1]
+        lses.append(l)  # (B, H, S) in both layouts: merged as attention returns it
     assert (lses[-1] == -np.inf).all()
     outs[-1] = np.full_like(outs[-1], np.nan)  # a dead part's garbage must not leak
-    o, l = merge_states_ref(outs, lses)
+    o, l = merge_states_ref(outs, lses, layout)
     close(o, whole_o)
-    close(l.transpose(0, 2, 1) if bshd else l, whole_l)
+    close(l, whole_l)
 
 
 def test_merge_states_all_dead_and_shapes():
-    o, l = merge_states_ref([np.ones((3, 2, 4))] * 2, [np.full((3, 2), -np.inf)] * 2)
-    assert (o == 0).all() and (l == -np.inf).all()
-    with pytest.raises(ValueError, match=r"lses\[1\]"):
-        merge_states_ref([np.ones((3, 2, 4))] * 2, [np.zeros((3, 2)), np.zeros((2, 3))])
+    o, l = merge_states_ref([np.ones((3, 2, 4))] * 2, [np.full((2, 3), -np.inf)] * 2, "thd")  # lse (H, T)
+    assert (o == 0).all() and (l == -np.inf).all() and l.shape == (2, 3)
+    with pytest.raises(ValueError, match=r"lses\[1\]: expected shape \(2, 3\)"):
+        merge_states_ref([np.ones((3, 2, 4))] * 2, [np.zeros((2, 3)), np.zeros((3, 2))], "thd")
+    with pytest.raises(ValueError, match=r"lses\[0\]: expected shape \(1, 3, 2\)"):  # bshd: (B, H, S)
+        merge_states_ref([np.ones((1, 2, 3, 4))] * 2, [np.zeros((1, 2, 3))] * 2, "bshd")
     with pytest.raises(ValueError, match="outputs"):
         merge_states_ref([], [])
+    with pytest.raises(ValueError, match="^layout"):
+        merge_states_ref([np.ones((3, 2, 4))], [np.zeros((2, 3))], "tdh")
+
+
+def test_merge_states_layouts_agree():
+    """One set of states, written in each layout with its own LSE shape, merges to the same numbers."""
+    rng = np.random.default_rng(7)
+    o = rng.standard_normal((3, 2, 5, 4, 8))  # (n, B, S, H, D)
+    lse = rng.standard_normal((3, 2, 4, 5))  # (n, B, H, S)
+    a, la = merge_states_ref(list(o), list(lse), "bshd")
+    b, lb = merge_states_ref(list(o.transpose(0, 1, 3, 2, 4)), list(lse), "bhsd")
+    np.testing.assert_allclose(a, b.transpose(0, 2, 1, 3), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(la, lb, rtol=1e-12, atol=0)
+    c, lc = merge_states_ref(list(o[:, 0].reshape(3, 5, 4, 8)), list(lse[:, 0]), "thd")  # T = S, lse (H, T)
+    np.testing.assert_allclose(c, a[0], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(lc, la[0], rtol=1e-12, atol=0)
 
 
 # --------------------------------------------------------------------------- tolerance rule

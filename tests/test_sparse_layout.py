@@ -1,4 +1,4 @@
-"""Block-sparse layouts (``pyattn.ops._sparse_layout``): validation of both layout forms, the band,
+"""Block-sparse layouts (``pyattn.validate.block_layout``): validation of both layout forms, the band,
 and the conversion to the kernels' per-tile lists with 16 x 16 sub-block bit masks (CPU only)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyattn.ops._sparse_layout import (TileLists, band_limits, block_mask_to_dense, check_block_layout,
+from pyattn.validate.block_layout import (TileLists, band_limits, block_mask_to_dense, check_block_layout,
                                        check_block_size, tile_lists, tiles_to_dense)
 
 TILES = [(128, 128), (128, 64), (256, 64), (128, 32), (64, 16)]

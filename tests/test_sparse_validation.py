@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 import pyattn
 import pyattn.runtime.device as device_mod
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec
-from pyattn.ops.sparse import _check_aligned, check_csr, sparse_attention
+from _problems import problem
+from pyattn.ops.sparse import sparse_attention
+from pyattn.validate.csr import check_csr, check_row_access
 
 BLOCKED = "driver blocked by test_sparse_validation"
 B, SQ, HQ, HKV, SK, D = 2, 5, 4, 2, 7, 64
@@ -246,48 +248,52 @@ def test_qkv_errors_come_before_index_errors(blocked_driver):
 ])
 def test_alignment_check(ptr, strides, ok):
     shape = (1 if strides[0] == 12345 else B, SQ, HQ, D)
-    a = types.SimpleNamespace(ptr=ptr, dtype=np.dtype(np.float16), elem_strides=strides, shape=shape)
+    a = types.SimpleNamespace(name="k", ptr=ptr, dtype=np.dtype(np.float16), strides=strides, shape=shape)
     if ok:
-        _check_aligned("k", a)
+        check_row_access(a)
     else:
         with pytest.raises(ValueError, match=r"^k: the sparse kernel accesses rows in 16-byte aligned pieces"):
-            _check_aligned("k", a)
+            check_row_access(a)
 
 
 # --------------------------------------------------------------------------------------------
 # The launch a valid call makes, with the device layer faked
 # --------------------------------------------------------------------------------------------
 class _Fake:
-    """A device array / device / stream stand-in: the attributes the op reads."""
+    """A device array stand-in: the attributes the launch reads."""
 
     def __init__(self, **kw):
-        self.__dict__.update(kw, owner=None, activate=lambda: None)
-
-    def numpy(self, stream=None):
-        return np.zeros(self.shape, self.dtype)
+        self.__dict__.update(kw)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
+    """The device layer of ``ops.sparse._run`` faked: plans, outputs, uploads and launches."""
     import pyattn.ops.sparse as mod
 
     device, launches, ptrs = _Fake(arch="sm_90a", ordinal=0), [], iter(range(0x10000, 2**40, 0x10000))
 
-    def array(shape, dtype, elem_strides):
-        return _Fake(ptr=next(ptrs), shape=tuple(shape), dtype=np.dtype(dtype), elem_strides=tuple(elem_strides),
-                     device=device)
+    def array(shape, dtype):
+        return _Fake(ptr=next(ptrs), shape=tuple(shape), dtype=np.dtype(dtype), device=device)
 
-    def asarray(x, device=None, stream=None):
-        x = np.asarray(x)
-        return array(x.shape, x.dtype, [st // x.itemsize for st in np.ascontiguousarray(x).strides])
-
-    monkeypatch.setattr(mod, "get_device", lambda: device)
-    monkeypatch.setattr(mod, "as_stream", lambda stream, dev: "stream")
-    monkeypatch.setattr(mod, "get_kernel", lambda spec, dev: spec)
-    monkeypatch.setattr(mod, "asarray", asarray)
-    monkeypatch.setattr(mod, "allocate", lambda dev, s, shape, dtype, strides, elem, nbytes: array(shape, dtype, elem))
+    monkeypatch.setattr(mod, "get_plan", lambda build, P, dev: mod._Plan(_spec_of(P, dev), None))
+    monkeypatch.setattr(mod, "output", lambda dev, s, shape, dtype: array(shape, dtype))
+    monkeypatch.setattr(mod, "upload", lambda arrays, dev, s: [array(a.shape, a.dtype) for a in arrays])
     monkeypatch.setattr(mod, "launch", lambda *args: launches.append(args))
-    return launches
+
+    def run(q, k, v, indices, offsets, *, layout="bshd", scale=None, return_lse=False):
+        P = problem(q, k, v, layout=layout, scale=scale)
+        csr = check_csr(indices, offsets, P.batch, P.heads_q, P.seqlen_q, P.seqlen_k)
+        dq, dk, dv = (array(x.shape, x.dtype) for x in (q, k, v))
+        return mod._run(P, csr, device, "stream", dq, dk, dv, None, return_lse)
+
+    return run, launches
+
+
+def _spec_of(P, device):
+    bucket = next(b for b in HEAD_DIM_BUCKETS if b >= P.head_dim)
+    return KernelSpec("attn_sparse", {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[P.dtype], bucket,
+                      device.arch)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
@@ -295,11 +301,13 @@ def fake_gpu(monkeypatch):
 def test_launch_parameters(layout, shape, fake_gpu):
     import struct
 
+    run, launches = fake_gpu
     q, k, v = qkv(np.float16, layout=layout)
-    out, lse = sparse_attention(q, k, v, INDICES, np.broadcast_to(OFFSETS, shape).copy(), layout=layout, scale=0.5,
-                                return_lse=True)
+    out, lse = run(q, k, v, INDICES, np.broadcast_to(OFFSETS, shape).copy(), layout=layout, scale=0.5,
+                   return_lse=True)
     assert out.shape == q.shape and out.dtype == np.float16 and lse.shape == (B, HQ, SQ) and lse.dtype == np.float32
-    (spec, grid, block, smem, stream, raw), = fake_gpu
+    (kernel, grid, block, smem, stream, raw), = launches
+    spec = _spec_of(problem(q, k, v, layout=layout), _Fake(arch="sm_90a"))
     assert (spec.family, spec.dtype, spec.head_dim, spec.arch) == ("attn_sparse", "f16", 64, "sm_90a")
     assert grid == (-(-SQ // 4), HQ, B) and block == (128, 1, 1) and smem == 0 and stream == "stream"
     p = dict(zip([n for n, _ in spec.params.fields], struct.unpack_from(spec.params.format, raw)))
@@ -317,9 +325,10 @@ def test_launch_parameters(layout, shape, fake_gpu):
 
 
 def test_empty_problem_launches_nothing(fake_gpu):
+    run, launches = fake_gpu
     q, k, v = qkv()
-    out = sparse_attention(q[:, :0], k, v, np.zeros(0, np.int32), np.zeros(1, np.int32))
-    assert out.shape == (B, 0, HQ, D) and fake_gpu == []
+    out, _ = run(q[:, :0], k, v, np.zeros(0, np.int32), np.zeros(1, np.int32))
+    assert out.shape == (B, 0, HQ, D) and launches == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +390,7 @@ def csr_cases(draw):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(csr_cases(), st.sampled_from([np.int32, np.int64]), st.sampled_from([1, 3, 1 << 22]))
 def test_checker_agrees_with_a_per_row_reference(case, dtype, chunk):
-    import pyattn.ops.sparse as mod
+    import pyattn.validate.csr as mod
 
     indices, offsets, batch, heads_q, seqlen_q, seqlen_k = case
     indices = indices.astype(dtype)

@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 
 import pyattn
 import pyattn.runtime.device as device_mod
-from pyattn.array import DeviceArray, is_device_array
-from pyattn.ops._problem import AttentionProblem, describe_input, make_problem
+from _problems import problem
+from pyattn.array import DeviceArray
+from pyattn.interop.inputs import read
+from pyattn.validate.attention import AttentionProblem
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BLOCKED = "driver blocked by test_validation"
@@ -124,7 +126,7 @@ BAD = {
                             r"^q: expected dtype .* got float64"),
     # not arrays / host mixed with device
     "q is a list": _case(host(Q).tolist(), host(KV), host(KV), TypeError,
-                         r"^q: expected a NumPy array or a CUDA device array"),
+                         r"^q: expected a NumPy array or a CUDA array"),
     "v is None": _case(host(Q), host(KV), None, TypeError, r"^v: expected a NumPy array"),
     "q host, k/v device": _case(host(Q), dev(KV), dev(KV), TypeError,
                                 r"^q, k, v: expected all host \(NumPy\) or all device arrays, "
@@ -144,7 +146,7 @@ BAD = {
     "scale inf": _case(host(Q), host(KV), host(KV), ValueError, r"^scale:", scale=math.inf),
     "scale -inf": _case(host(Q), host(KV), host(KV), ValueError, r"^scale:", scale=-math.inf),
     "scale np.float32 nan": _case(host(Q), host(KV), host(KV), ValueError, r"^scale:", scale=np.float32("nan")),
-    "scale str": _case(host(Q), host(KV), host(KV), ValueError, r"^scale:", scale="0.125"),
+    "scale str": _case(host(Q), host(KV), host(KV), TypeError, r"^scale: expected a number", scale="0.125"),
     # device arrays whose head_dim axis is not contiguous (CAI strides are in bytes)
     "q head_dim stride 2": _case(dev(Q, strides=(2 * 5 * 4 * 128 * 4, 4 * 128 * 4, 128 * 4, 8)),
                                  dev(KV), dev(KV), ValueError,
@@ -180,24 +182,24 @@ def test_bad_input_raises_naming_the_argument(case):
 
 @pytest.mark.parametrize("case", list(BAD.values()), ids=list(BAD))
 def test_make_problem_rejects_the_same_inputs(case):
-    """The op adds no checks of its own before the GPU: make_problem alone rejects every case."""
+    """The op adds no checks of its own before the GPU: reading and validation alone reject every case."""
     q, k, v, kwargs, exc, match = case
     with pytest.raises(exc, match=match):
-        make_problem(q, k, v, **kwargs)
+        problem(q, k, v, **kwargs)
 
 
 def test_bhsd_shapes_are_read_with_heads_on_axis_1(blocked_driver):
     q, kv = host((2, 4, 6, 64)), host((2, 2, 3, 64))  # bhsd: Hq=4, Hkv=2; bshd: Hq=6, Hkv=3
-    p, _ = make_problem(q, kv, kv, layout="bhsd")
+    p = problem(q, kv, kv, layout="bhsd")
     assert (p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k) == (4, 2, 6, 3)
-    p, _ = make_problem(q, kv, kv, layout="bshd")
+    p = problem(q, kv, kv, layout="bshd")
     assert (p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k) == (6, 3, 4, 2)
     q2, kv2 = host((2, 4, 6, 64)), host((2, 4, 3, 64))  # bhsd: Hq=4, Hkv=4
     bad_kv = host((2, 3, 4, 64))  # bhsd: Hkv=3 does not divide Hq=4; bshd: Hkv=4 does not divide Hq=6
     with pytest.raises(ValueError, match=r"^k: query heads \(4\) must be a multiple of key/value heads \(3\)"):
-        make_problem(q2, bad_kv, bad_kv, layout="bhsd")
+        problem(q2, bad_kv, bad_kv, layout="bhsd")
     with pytest.raises(ValueError, match=r"^k: query heads \(6\) must be a multiple of key/value heads \(4\)"):
-        make_problem(q2, bad_kv, bad_kv, layout="bshd")
+        problem(q2, bad_kv, bad_kv, layout="bshd")
     with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):
         pyattn.attention(q2, kv2, kv2, layout="bhsd")
 
@@ -215,6 +217,9 @@ class _DLPackOnly:
 
     def __dlpack_device__(self):
         return (2, 0)  # kDLCUDA, device 0
+
+    def __dlpack__(self, **kwargs):  # the import happens only at launch, after validation
+        raise AssertionError("validation must not import the array")
 
     def stride(self):
         return self._stride
@@ -281,49 +286,47 @@ def test_valid_numpy_call_without_gpu_raises_no_device_error(dtype, layout):
 
 
 # --------------------------------------------------------------------------------------------
-# describe_input classification
+# reading the inputs (pyattn.interop.inputs.read)
 # --------------------------------------------------------------------------------------------
-def test_describe_input_host_ignores_strides():
+def test_read_host_ignores_strides():
     x = host((2, 6, 4, 16))[:, ::2]  # a non-contiguous view: copied contiguously to the device
-    d = describe_input("q", x)
+    d = read("q", x)
     assert (d.name, d.shape, d.dtype, d.on_device) == ("q", (2, 3, 4, 16), np.dtype(np.float32), False)
     assert d.strides == (3 * 4 * 16, 4 * 16, 16, 1)
 
 
-def test_describe_input_cuda_array_interface():
+def test_read_cuda_array_interface():
     f = dev((2, 3, 4, 16), np.float16, strides=(2 * 3 * 4 * 16 * 2, 4 * 16 * 2 * 2, 16 * 2, 2))
-    assert is_device_array(f)
-    d = describe_input("k", f)
+    d = read("k", f)
     assert d.on_device and d.shape == (2, 3, 4, 16) and d.dtype == np.float16
     assert d.strides == (2 * 3 * 4 * 16, 4 * 16 * 2, 16, 1)  # bytes -> elements
-    d = describe_input("k", dev((2, 3, 4, 16)))  # strides None = C-contiguous
+    d = read("k", dev((2, 3, 4, 16)))  # strides None = C-contiguous
     assert d.strides == (3 * 4 * 16, 4 * 16, 16, 1)
 
 
-def test_describe_input_device_array_without_touching_the_gpu(blocked_driver):
+def test_read_device_array_without_touching_the_gpu(blocked_driver):
     # A DeviceArray is only a description; classifying it must not need its device.
     a = DeviceArray(0, (1, 4, 2, 32), BF16, device=None, strides=(4 * 2 * 64 * 2, 2 * 64 * 2, 64 * 2, 2))
-    d = describe_input("v", a)
+    d = read("v", a)
     assert d.on_device and d.dtype == BF16 and d.strides == (4 * 2 * 64, 2 * 64, 64, 1)
     bad = DeviceArray(0, (1, 4, 2, 32), BF16, device=None, strides=(4 * 2 * 64 * 2, 2 * 64 * 2, 2, 2 * 2))
     with pytest.raises(ValueError, match=r"^q: the head_dim axis must be contiguous"):
         pyattn.attention(bad, bad, bad)
 
 
-def test_describe_input_uses_the_dtype_attribute_without_cai():
+def test_read_uses_the_dtype_attribute_without_cai():
     x = _DLPackOnly((1, 8, 2, 64))
-    assert is_device_array(x)
-    d = describe_input("q", x)
+    d = read("q", x)
     assert d.on_device and d.shape == (1, 8, 2, 64) and d.dtype == BF16
     assert d.strides == (8 * 2 * 64, 2 * 64, 64, 1)
     with pytest.raises(TypeError, match=r"^k: expected dtype .* got complex64"):
-        make_problem(x, _DLPackOnly((1, 8, 2, 64), dtype="torch.complex64"), x)
+        problem(x, _DLPackOnly((1, 8, 2, 64), dtype="torch.complex64"), x)
 
 
 def test_bf16_tensor_exported_as_void_typestr_is_accepted(blocked_driver):
     """torch (and DeviceArray) export bfloat16 through CAI as '<V2'; the object's dtype says bf16."""
     x = _TorchBF16VoidTypestr((1, 8, 2, 64))
-    d = describe_input("q", x)
+    d = read("q", x)
     assert d.on_device and d.dtype == BF16 and d.strides == (8 * 2 * 64, 2 * 64, 64, 1)
     with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):
         pyattn.attention(x, x, x)
@@ -340,7 +343,7 @@ def test_dlpack_tensor_with_strided_head_dim_is_rejected(blocked_driver):
 # make_problem fields
 # --------------------------------------------------------------------------------------------
 def test_make_problem_fields_bshd():
-    p, ins = make_problem(host(Q, np.float16), host(KV, np.float16), host(KV, np.float16), causal=np.bool_(True))
+    p = problem(host(Q, np.float16), host(KV, np.float16), host(KV, np.float16), causal=np.bool_(True))
     assert isinstance(p, AttentionProblem)
     assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim) == (2, 4, 2, 5, 7, 64)
     assert p.group == 2 and p.dtype == "float16" and p.layout == "bshd" and p.on_device is False
@@ -349,12 +352,11 @@ def test_make_problem_fields_bshd():
     assert p.out_shape() == Q
     assert p.q_strides == (5 * 4 * 64, 4 * 64, 64)  # (batch, seq, head), elements
     assert p.k_strides == p.v_strides == (7 * 2 * 64, 2 * 64, 64)
-    assert [i.name for i in ins] == ["q", "k", "v"]
 
 
 def test_make_problem_fields_bhsd():
     q, kv = host((3, 6, 5, 96), BF16), host((3, 2, 9, 96), BF16)
-    p, _ = make_problem(q, kv, kv, layout="bhsd", scale=2)
+    p = problem(q, kv, kv, layout="bhsd", scale=2)
     assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim) == (3, 6, 2, 5, 9, 96)
     assert p.group == 3 and p.dtype == "bfloat16" and p.layout == "bhsd" and p.causal == 0
     assert p.scale == 2.0 and type(p.scale) is float
@@ -364,7 +366,7 @@ def test_make_problem_fields_bhsd():
 
 def test_make_problem_device_strides():
     q = dev(Q, strides=(5 * 4 * 64 * 8, 4 * 64 * 8, 64 * 4, 4))
-    p, _ = make_problem(q, dev(KV), dev(KV))
+    p = problem(q, dev(KV), dev(KV))
     assert p.on_device is True
     assert p.q_strides == (5 * 4 * 64 * 2, 4 * 64 * 2, 64)
 
@@ -380,7 +382,7 @@ def test_make_problem_property(b, hkv, group, sq, sk, d, layout, dtype):
         return (b, s, h, d) if layout == "bshd" else (b, h, s, d)
 
     q, kv = np.empty(shape(sq, hq), dtype), np.empty(shape(sk, hkv), dtype)
-    p, _ = make_problem(q, kv, kv, layout=layout)
+    p = problem(q, kv, kv, layout=layout)
     assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim) == (b, hq, hkv, sq, sk, d)
     assert p.group == group
     assert p.out_shape() == q.shape
@@ -405,7 +407,7 @@ def test_device_strides_not_multiple_of_itemsize_are_rejected(blocked_driver):
 
 def test_bf16_tensor_whose_cai_getter_raises_is_classified(blocked_driver):
     x = _TorchBF16NoTypestr((1, 8, 2, 64))
-    d = describe_input("q", x)
+    d = read("q", x)
     assert d.on_device and d.dtype == BF16
     with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):
         pyattn.attention(x, x, x)
@@ -421,4 +423,4 @@ class _BareCAI:
 def test_bare_cai_with_void_typestr_is_a_type_error_naming_the_argument():
     x = _BareCAI({"shape": (1, 2, 1, 8), "typestr": "<V2", "data": (0, False), "strides": None, "version": 3})
     with pytest.raises(TypeError, match=r"^q:"):
-        make_problem(x, x, x)
+        problem(x, x, x)

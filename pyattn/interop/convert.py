@@ -19,8 +19,9 @@ def device_of(a) -> Device:
     array interface that does not say it)."""
     if a.ordinal is not None:
         return get_device(a.ordinal)
+    current = get_device()  # first: initialises the driver (a clear NoDeviceError without one)
     if not a.ptr:
-        return get_device()
+        return current
     from cuda.bindings import driver
 
     attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL

@@ -66,7 +66,8 @@ class Arg(NamedTuple):
 
 
 def _read_device_array(name, a):
-    return Arg(name, DEVICE, a.shape, a.dtype, a.elem_strides, a.device.ordinal, a.ptr, a.stream, a)
+    ordinal = a.device.ordinal if a.device is not None else None
+    return Arg(name, DEVICE, a.shape, a.dtype, a.elem_strides, ordinal, a.ptr, a.stream, a)
 
 
 def _read_numpy(name, x):
@@ -95,20 +96,27 @@ def _read_torch(name, t):
                TORCH_PRODUCER, t)
 
 
-def _read_cai(name, x):
-    try:
-        cai = x.__cuda_array_interface__
-    except Exception as exc:  # e.g. torch < 2.x with requires_grad, or a dtype CAI cannot express
-        if _has_cuda_dlpack(x):
-            return _read_dlpack(name, x)
-        raise TypeError(f"{name}: reading its __cuda_array_interface__ failed: {exc}") from None
+def _read_cai(name, x, cai):
     shape, dtype, strides, ptr, producer = _parse_cai(name, cai)
-    if dtype.kind == "V":  # an opaque type (bfloat16 from torch/JAX): only DLPack names it
-        if _has_cuda_dlpack(x):
+    if dtype.kind == "V":  # an opaque type ('<V2': bfloat16 from torch or CuPy): the dtype attribute names it
+        named = _named_dtype(x, dtype.itemsize)
+        if named is not None:
+            dtype = named
+        elif _has_cuda_dlpack(x):
             return _read_dlpack(name, x)
-        raise TypeError(f"{name}: its __cuda_array_interface__ has the opaque type {cai['typestr']!r} and it has "
-                        f"no __dlpack__ to tell the real dtype")
+        else:
+            raise TypeError(f"{name}: its __cuda_array_interface__ has the opaque type {cai['typestr']!r}, and "
+                            f"neither a .dtype attribute nor __dlpack__ tells the real dtype")
     return Arg(name, CAI, shape, dtype, strides, _dlpack_ordinal(x), ptr, producer, x)
+
+
+def _named_dtype(x, itemsize: int):
+    """The NumPy dtype the object's own ``.dtype`` names, if it has that item size."""
+    try:
+        dt = numpy_dtype("", x.dtype)
+    except Exception:
+        return None
+    return dt if dt.itemsize == itemsize and dt.type is not np.void else None
 
 
 def _parse_cai(name, cai):
@@ -220,7 +228,9 @@ def numpy_dtype(name: str, dt) -> np.dtype:
 
 
 def _choose(tp):
-    """The reader for objects of type ``tp`` (decided once per type)."""
+    """The reader for objects of type ``tp`` (decided once per type). Types pyattn does not know
+    get the generic reader, which looks at each object: an array interface may be set per
+    instance (a SimpleNamespace wrapper, as in Numba's examples)."""
     if issubclass(tp, DeviceArray):
         return _read_device_array
     if issubclass(tp, np.ndarray):
@@ -228,13 +238,26 @@ def _choose(tp):
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(tp, torch.Tensor):
         return _read_torch
-    if hasattr(tp, "__cuda_array_interface__"):
-        return _read_cai
-    if hasattr(tp, "__dlpack__") and hasattr(tp, "__dlpack_device__"):
-        return _read_dlpack_or_host
-    if hasattr(tp, "__array__") or hasattr(tp, "__array_interface__"):
-        return _read_array_like
-    return _reject
+    return _read_generic
+
+
+def _read_generic(name, x):
+    # The interface is read once: CuPy builds its dict (and looks up its current stream) per access.
+    try:
+        cai = x.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    except Exception as exc:  # a getter that raises (old torch with bfloat16 or requires_grad): present
+        if _has_cuda_dlpack(x):
+            return _read_dlpack(name, x)
+        raise TypeError(f"{name}: reading its __cuda_array_interface__ failed: {exc}") from None
+    if cai is not None:
+        return _read_cai(name, x, cai)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return _read_dlpack_or_host(name, x)
+    if hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
+        return _read_array_like(name, x)
+    return _reject(name, x)
 
 
 def _read_dlpack_or_host(name, x):

@@ -25,7 +25,7 @@ import sys
 from ..array import DeviceArray
 from ..runtime.memory import Allocation
 from ..runtime.stream import LEGACY_STREAM, Stream, as_stream, borrowed, default_stream, order_after
-from .inputs import DLPACK, LEGACY_PRODUCER, TORCH, TORCH_PRODUCER, Arg
+from .inputs import DLPACK, HOST, LEGACY_PRODUCER, TORCH, TORCH_PRODUCER, Arg
 
 __all__ = ["choose_stream", "order_inputs", "note_use", "torch_current_stream"]
 
@@ -48,45 +48,33 @@ def choose_stream(stream, device, args) -> Stream:
     return default_stream(device)
 
 
-def _producer_handle(a: Arg, torch_handle):
-    """The CUstream handle that wrote ``a`` (None: nothing to wait for)."""
-    p = a.producer
-    if p is None:
-        return None
-    if p is TORCH_PRODUCER:
-        return torch_handle()
-    if p is LEGACY_PRODUCER:
-        return LEGACY_STREAM
-    if isinstance(p, Stream):
-        return p.ptr
-    return int(p)
-
-
 def order_inputs(s: Stream, device, args) -> list:
     """Order ``s`` after the producers of ``args`` and import DLPack-only inputs on ``s``.
 
     Returns the args with DLPack imports resolved (their ``ptr`` and a keep-alive ``obj``); other
     args are returned as they are.
     """
-    done = {s.ptr}
+    done = s.ptr or LEGACY_STREAM  # handles already waited for (0 is the legacy stream, as 1): an int, then a set
+    torch_handle = None
     out = []
-    cached = []
-
-    def torch_handle():  # read once per call, and only when a torch tensor is there
-        if not cached:
-            cached.append(torch_current_stream(device).ptr)
-        return cached[0]
-
     for a in args:
-        if a is None or not a.on_device:
-            out.append(a)
-            continue
-        if a.kind == DLPACK:
-            a = _import_dlpack(a, s)
-        handle = _producer_handle(a, torch_handle)
-        if handle is not None and handle not in done:
-            order_after(s, handle)
-            done.add(handle)
+        if a is not None and a.kind != HOST:
+            if a.kind == DLPACK:
+                a = _import_dlpack(a, s)
+            p = a.producer
+            if p is not None:
+                if p is TORCH_PRODUCER:
+                    if torch_handle is None:  # read once per call, and only when a torch tensor is there
+                        torch_handle = torch_current_stream(device).ptr or LEGACY_STREAM
+                    handle = torch_handle
+                elif p is LEGACY_PRODUCER:
+                    handle = LEGACY_STREAM
+                else:
+                    ptr = getattr(p, "ptr", None)  # a Stream (a DeviceArray's producer), else a CAI int
+                    handle = (int(p) if ptr is None else ptr) or LEGACY_STREAM
+                if handle != done and (type(done) is int or handle not in done):
+                    order_after(s, handle)
+                    done = {done, handle} if type(done) is int else done | {handle}
         out.append(a)
     return out
 
@@ -108,7 +96,9 @@ def note_use(s: Stream, arrays) -> None:
     """Tell pyattn's pool that ``s`` uses the blocks behind ``arrays`` (DeviceArrays or Args), so a
     block's stream-ordered free also waits for ``s`` when it was allocated on another stream."""
     for x in arrays:
-        owner = x.obj if isinstance(x, Arg) else x
+        if x is None:
+            continue
+        owner = x.obj if type(x) is Arg else x
         while isinstance(owner, DeviceArray):
             owner = owner.owner
         if type(owner) is Allocation and owner.stream is not s:

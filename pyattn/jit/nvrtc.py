@@ -4,27 +4,30 @@ Why cubin: SASS built for the device's arch loads on any driver of the same majo
 while PTX from an NVRTC newer than the driver is refused at load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
 and is JIT-compiled by the driver at every first load otherwise. PTX is produced only when the spec
 asks for it (``PYATTN_PTX=1``), and that choice is logged as a warning.
-
-The compile itself runs in a worker process (``pyattn.jit.worker`` says why), unless
-``PYATTN_NVRTC_IN_PROCESS=1``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+from ..runtime.errors import CompileError, check_nvrtc
+from ._log import LazyLogger
 
-from ..runtime.errors import CompileError, NvrtcError
-from . import _nvrtc_worker as _calls
+__all__ = ["compile_source"]
 
-__all__ = ["compile_source", "in_process"]
-
-log = logging.getLogger("pyattn.jit")
+log = LazyLogger("pyattn.jit")
 
 
-def in_process() -> bool:
-    """``PYATTN_NVRTC_IN_PROCESS=1``: compile in this process (no worker process)."""
-    return os.environ.get("PYATTN_NVRTC_IN_PROCESS", "") == "1"
+def _buffer(size: int) -> bytearray:
+    """A fresh writable buffer for NVRTC to fill. Not ``b" " * size``: for size 1 (an empty log) that
+    is the interpreter's shared ``b" "``, and NVRTC writing its NUL there made every later ``b" "``
+    in the process a ``b"\\0"`` (print's separator came out as NUL once encoded)."""
+    return bytearray(size)
+
+
+def _program_log(nvrtc, prog) -> str:
+    size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    buf = _buffer(size)
+    check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+    return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 
 def compile_source(source: str, headers, options, *, name: str, ptx: bool = False) -> tuple[bytes, str]:
@@ -46,28 +49,31 @@ def compile_source(source: str, headers, options, *, name: str, ptx: bool = Fals
     Raises
     ------
     CompileError
-        Carrying the NVRTC status name, the log, the source and the options (also when the worker
-        process could not run: status ``NVRTC_WORKER``).
-    NvrtcError
-        An NVRTC API call other than the compile failed.
+        Carrying the NVRTC status name, the log, the source and the options.
     """
-    if ptx:
-        log.warning("pyattn: emitting PTX for %s (PYATTN_PTX=1); the driver JIT-compiles it at load", name)
-    if in_process():
-        try:
-            return _calls.nvrtc_compile(source, tuple(headers), tuple(options), name, ptx)
-        except _calls.CompileFailed as exc:
-            raise CompileError(exc.args[0], exc.args[1], source, options, name) from None
-        except _calls.NvrtcCallFailed as exc:
-            raise NvrtcError(*exc.args) from None
-    from .worker import compile_in_worker
+    from cuda.bindings import nvrtc
 
+    hdr_names = [n.encode() for n, _ in headers]
+    hdr_texts = [t.encode() for _, t in headers]
+    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), len(headers),
+                                                hdr_texts, hdr_names), "nvrtcCreateProgram")
     try:
-        reply = compile_in_worker(source, headers, options, name, ptx)
-    except RuntimeError as exc:
-        raise CompileError("NVRTC_WORKER", str(exc), source, options, name) from None
-    if reply[0] == "ok":
-        return reply[1], reply[2]
-    if reply[0] == "compile":
-        raise CompileError(reply[1], reply[2], source, options, name)
-    raise NvrtcError(*reply[1:])
+        opts = [o.encode() for o in options]
+        (code,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        text = _program_log(nvrtc, prog)
+        if int(code) != 0:
+            raise CompileError(getattr(code, "name", str(int(code))), text, source, options, name)
+        if ptx:
+            log.warning("pyattn: emitting PTX for %s (PYATTN_PTX=1); the driver JIT-compiles it at load", name)
+            size = check_nvrtc(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            image = _buffer(size)
+            check_nvrtc(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+        else:
+            size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            if size == 0:  # NVRTC gives no cubin for a virtual arch: refuse rather than load nothing
+                raise CompileError("NO_CUBIN", f"no cubin produced for options {options}", source, options, name)
+            image = _buffer(size)
+            check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+        return bytes(image), text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

@@ -14,10 +14,11 @@ import threading
 
 from ..runtime.module import Module
 
-__all__ = ["get_kernel", "loaded_kernels", "forget_kernels"]
+__all__ = ["get_kernel", "loaded_kernels", "forget_kernels", "generation"]
 
 _kernels: dict = {}
 _lock = threading.Lock()
+_generation = [0]  # bumped by forget_kernels: anything holding kernels (launch plans) rebuilds
 
 
 def get_kernel(spec, device):
@@ -51,3 +52,9 @@ def forget_kernels() -> None:
     """
     with _lock:
         _kernels.clear()
+        _generation[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever loaded kernels are forgotten (plans key on it)."""
+    return _generation[0]

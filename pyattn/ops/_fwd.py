@@ -27,7 +27,7 @@ __all__ = ["FwdPlan", "SparseFwd", "build_fwd_plan", "run_fwd", "device_extras"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
-_N_EXTRAS = 7  # pointer fields of AttnFwdParams after q, k, v, o, lse
+_ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def run_fwd(plan: FwdPlan, device, s, q, k, v, *, out=None, return_lse=False, ex
     o = out if out is not None else output(device, s, plan.out_shape, plan.dtype)
     lse = output(device, s, plan.lse_shape, _F32) if return_lse else None
     if not plan.empty:
-        ptrs = list(extras) + [0] * (_N_EXTRAS - len(extras))
+        ptrs = extras + _ZEROS[len(extras):] if extras else _ZEROS
         params = plan.packer.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0, *ptrs)
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
     return o, lse

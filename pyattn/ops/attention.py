@@ -7,7 +7,7 @@ planned kernel on the stream the stream-order rule picks, or take the chunked Nu
 
 from __future__ import annotations
 
-from ..interop.inputs import read_optional
+from ..interop.inputs import read, read_optional
 from ..pipeline import chunks
 from ..pipeline.device import finish, start
 from ..pipeline.plans import Memo, get_plan, signature
@@ -103,7 +103,8 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     """
     params = locals()
     check_stream_arg(stream)
-    args = {n: read_optional(n, params[n]) for n in _ARRAYS}
+    args = {"q": read("q", q), "k": read("k", k), "v": read("v", v), "mask": read_optional("mask", mask),
+            "alibi_slopes": read_optional("alibi_slopes", alibi_slopes), "out": read_optional("out", out)}
     key = signature(params, args)
     P = _memo.get(key)
     if P is None:
@@ -123,8 +124,11 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     device, s, (dq, dk, dv, dmask, dalibi, dout) = start(
         stream, [args[n] for n in _ARRAYS], lambda a: check_pointers(P, a[0], a[1], a[2], a[5]))
     plan = get_plan(build_fwd_plan, P, device)
-    mask_ptr, alibi_ptr, keep = device_extras(dmask, dalibi, device, s)
-    o, lse = run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse, extras=(mask_ptr, alibi_ptr))
+    extras = ()
+    if dmask is not None or dalibi is not None:
+        mask_ptr, alibi_ptr, keep = device_extras(dmask, dalibi, device, s)
+        extras = (mask_ptr, alibi_ptr)
+    o, lse = run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse, extras=extras)
     finish(s, (dq, dk, dv, dmask, dalibi, dout))
     if out is not None:
         o = out  # the caller's own array object

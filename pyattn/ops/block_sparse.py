@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from ..interop.inputs import read_optional
+from ..interop.inputs import read, read_optional
 from ..interop.streams import order_inputs
 from ..kernels.specs import select_attention_spec
 from ..pipeline import host
@@ -32,6 +32,7 @@ __all__ = ["block_sparse_attention", "sparse_mode"]
 
 _DTYPES = ("float16", "bfloat16")
 _ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
+_REQUIRED = ("q", "k", "v")
 # Converted tile lists on the device, keyed by the layout's bytes and everything the conversion
 # read: converting a 16-head 16k layout takes ~25 ms of NumPy, hashing it ~0.2 ms, and a model
 # calls with the same layout every step.
@@ -116,7 +117,7 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
     check_stream_arg(stream)
     R, C = check_block_size(block_size)
     params = locals()
-    args = {n: read_optional(n, params[n]) for n in _ARRAYS}
+    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
     for name in ("q", "k", "v"):
         if args[name].dtype.name not in _DTYPES:
             raise TypeError(f"{name}: block_sparse_attention takes float16 or bfloat16 (tensor cores), "

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..array import c_strides
-from ..interop.inputs import read_optional
+from ..interop.inputs import read, read_optional
 from ..interop.streams import order_inputs
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
@@ -271,10 +271,7 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     params = locals()
     names = ("q", "k_pool", "v_pool", "block_table", "seq_lens", "indptr", "indices", "last_page_len",
              "alibi_slopes")
-    a = {n: read_optional(n, params[n]) for n in names}
-    for n in ("k_pool", "v_pool"):
-        if a[n] is None:
-            raise TypeError(f"{n}: expected a device array, got None")
+    a = {n: (read if n in ("q", "k_pool", "v_pool") else read_optional)(n, params[n]) for n in names}
     return_lse = check_bool("return_lse", return_lse)
     pool = check_pools(a["k_pool"], a["v_pool"], layout)
     P = check_query(a["q"], pool, causal=causal, window=window, softcap=softcap, alibi_slopes=a["alibi_slopes"],
@@ -341,7 +338,7 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
         raise TypeError(f"cache: expected a pyattn.PagedKVCache, got {type(cache).__name__}")
     ids = cache.check_ids(seq_ids)
     params["seq_ids"] = len(ids)  # the problem depends on how many sequences, not which
-    args = {"q": read_optional("q", q), "alibi_slopes": read_optional("alibi_slopes", alibi_slopes)}
+    args = {"q": read("q", q), "alibi_slopes": read_optional("alibi_slopes", alibi_slopes)}
     key = signature(params, args)
     P = _memo.get(key)
     if P is None:

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
-from ..interop.inputs import DLPACK
+from ..interop.inputs import DLPACK, HOST
 from ..interop.streams import choose_stream, note_use, order_inputs
 
 __all__ = ["start", "output", "finish", "fetch_values"]
@@ -20,30 +20,41 @@ def start(stream, args, recheck=None):
     Returns ``(device, stream, args)`` with DLPack-only args imported; their addresses are known
     only then, so ``recheck(args)`` (the op's per-call address checks) runs again on them.
     """
-    first = next(a for a in args if a is not None and a.on_device)
+    first = next(a for a in args if a is not None and a.kind != HOST)
     device = device_of(first)
+    ordinal, dlpack = device.ordinal, False
     for a in args:
-        if a is not None and a.ordinal is not None and a.ordinal != device.ordinal:
-            raise ValueError(f"{a.name}: expected an array on device {device.ordinal} (with {first.name}), "
-                             f"got device {a.ordinal}")
+        if a is not None:
+            if a.ordinal is not None and a.ordinal != ordinal:
+                raise ValueError(f"{a.name}: expected an array on device {ordinal} (with {first.name}), "
+                                 f"got device {a.ordinal}")
+            dlpack = dlpack or a.kind == DLPACK
     device.activate()
     s = choose_stream(stream, device, args)
     ordered = order_inputs(s, device, args)
-    if recheck is not None and any(a is not None and a.kind == DLPACK for a in args):
+    if recheck is not None and dlpack:
         recheck(ordered)
     return device, s, ordered
 
 
+_layouts: dict = {}  # (shape, dtype) -> (dtype, byte strides, element strides, nbytes): ~3 us saved per result
+
+
 def output(device, s, shape: tuple, dtype) -> DeviceArray:
     """A C-contiguous result array from pyattn's pool, ordered on ``s``."""
-    dtype = np.dtype(dtype)
-    return allocate(device, s, shape, dtype, c_strides(shape, dtype.itemsize), c_strides(shape, 1),
-                    int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    fields = _layouts.get((shape, dtype))
+    if fields is None:
+        dt = np.dtype(dtype)
+        if len(_layouts) >= 4096:
+            _layouts.clear()
+        fields = _layouts[(shape, dtype)] = (dt, c_strides(shape, dt.itemsize), c_strides(shape, 1),
+                                             int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+    return allocate(device, s, shape, *fields)
 
 
 def finish(s, args) -> None:
     """After the launches: blocks from pyattn's pool used on ``s`` are freed only after ``s``'s use."""
-    note_use(s, [a for a in args if a is not None and a.on_device])
+    note_use(s, args)
 
 
 def fetch_values(a) -> np.ndarray:

@@ -1,36 +1,46 @@
 """The NumPy ending shared by every op: host inputs in, host results out, at PCIe speed.
 
-Inputs are copied by worker threads into pinned staging memory (one thread copies at ~12 GB/s,
-eight at ~51 GB/s on an H200 host, so the copy is split) in segments, and each segment's H2D copy
-is issued as soon as its host copy is done, so the DMA engine works while later segments are
-staged. Results are copied device-to-host straight into NumPy arrays that live in pooled pinned
-memory (``runtime.memory.pinned_empty``): no host copy after the DMA and no page faults on a fresh
-array. ``call`` returns when the results are on the host; work the caller queued on ``stream``
-before the call runs first.
+Inputs go through pinned staging memory. Worker threads copy pieces of ~2 MiB into it and each
+worker issues its own piece's H2D copy right after, so the DMA engine starts on the first piece
+and never waits for a thread hand-off: measured on an H200 host, eight threads stage at ~45 GB/s
+(one at ~12), and a main thread that issued the H2D copies itself waited up to 0.15 ms for the
+GIL on every driver call while eight workers copied. Staging is bounded: pieces are grouped in
+waves of ``_WAVE_BYTES``, at most ``_WAVES_IN_FLIGHT`` waves in flight, a wave's buffer reused once its H2D copies
+are done. Small uploads skip the threads. Results are copied device-to-host straight into NumPy
+arrays in pooled pinned memory (``runtime.memory.pinned_empty``): no host copy after the DMA and
+no page faults on a fresh array. ``call`` returns when the results are on the host; work the
+caller queued on ``stream`` before the call runs first.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
+from typing import NamedTuple
 
 import numpy as np
 
-from ..array import DeviceArray
+from ..array import DeviceArray, c_strides
 from ..runtime.device import get_device
 from ..runtime.errors import check
 from ..runtime.memory import get_pool, get_staging, pinned_empty
 from ..runtime.stream import as_stream
 
 __all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split_range", "h2d", "d2h",
-           "d2h_region", "addr"]
+           "d2h_region", "addr", "cuts"]
 
 # Tuning constants (read at call time, so tests and benchmarks may change them).
-_PIECE_BYTES = 512 << 10  # smallest host copy worth handing to a worker thread (~20 us of memcpy)
-_SEGMENT_BYTES = 8 << 20  # staged bytes per H2D copy: a segment's DMA overlaps the next one's staging
-_ALIGN = 256  # offset of each array in a staging block (the kernels need 16 bytes)
+# Measured on an H200 host (dev/probe_upload.py): 4 MiB pieces beat 2 MiB ones by ~15% (fewer GIL
+# hand-offs, which is what a worker's H2D call mostly waits for: ~2 us alone, 30-120 us while seven
+# other workers copy).
+_PIECE_BYTES = 4 << 20  # a worker's unit: one host copy (~0.7 ms at ~6 GB/s per thread), then its H2D
+_SMALL_BYTES = 1 << 20  # uploads up to this size: one copy and one H2D on the calling thread
+_WAVE_BYTES = 16 << 20  # staged bytes per pinned buffer: the granularity of on_ready
+_WAVES_IN_FLIGHT = 3  # buffers staged ahead of the DMA
+_ALIGN = 256  # offset of each array in a device block (the kernels need 16 bytes)
 
 _executor = None  # (ThreadPoolExecutor, worker count), made on the first big copy
 _executor_lock = threading.Lock()
@@ -158,47 +168,176 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _segments(dst: np.ndarray, src: np.ndarray) -> list:
-    """``(dst, src)`` cut along the first axis longer than 1 into pieces of about ``_SEGMENT_BYTES``;
-    ``dst`` is C-contiguous, and so is each of its pieces (the axes before the cut have length 1)."""
-    n = -(-dst.nbytes // _SEGMENT_BYTES)
-    ax = next((i for i, d in enumerate(dst.shape) if d > 1), None)
-    if n <= 1 or ax is None:
-        return [(dst, src)]
-    pre = (0,) * ax
-    return [(dst[pre + (slice(a, b),)], src[pre + (slice(a, b),)]) for a, b in split_range(dst.shape[ax], n)]
+def cuts(shape: tuple, itemsize: int, target: int) -> list:
+    """Cut a C-contiguous array of ``shape`` into contiguous pieces of about ``target`` bytes (and
+    at most that, unless one element row is larger). Returns ``(index, byte offset, shape)`` per
+    piece, in memory order; ``index`` selects the piece (integers on leading axes, then a slice)."""
+    out = []
+    n_dims = len(shape)
+
+    def rec(prefix, ax, offset):
+        if ax == n_dims:
+            out.append((prefix, offset, ()))
+            return
+        row = math.prod(shape[ax + 1:]) * itemsize  # bytes of one index along ``ax``
+        n = shape[ax]
+        if n * row <= target or row == 0:
+            out.append((prefix, offset, shape[ax:]))
+        elif row > target and ax + 1 < n_dims:
+            for i in range(n):
+                rec(prefix + (i,), ax + 1, offset + i * row)
+        else:
+            per = max(1, target // row)
+            for a in range(0, n, per):
+                b = min(a + per, n)
+                out.append((prefix + (slice(a, b),), offset + a * row, (b - a,) + shape[ax + 1:]))
+
+    rec((), 0, 0)
+    return out
 
 
-def upload(arrays, device, s) -> list:
-    """Copy host arrays (None entries kept) to one device block through pinned staging, in segments
-    whose H2D copies overlap the staging of the next. Returns C-contiguous DeviceArrays on ``s``."""
+def _send(device, pieces, stage_ptr, dev_ptr, s) -> None:
+    """Worker: copy each piece into staging, then queue its H2D copy at once."""
+    device.activate()  # the driver call needs the context current on this thread
+    for dst, src, stage_off, dev_off, nbytes in pieces:
+        _copy(dst, src)
+        h2d(dev_ptr + dev_off, stage_ptr + stage_off, nbytes, s)
+
+
+class _Piece(NamedTuple):
+    array: int  # index into the upload's arrays
+    src: np.ndarray
+    dtype: np.dtype  # the staged dtype
+    dev_off: int  # byte offset in the device block
+    nbytes: int
+    shape: tuple
+
+
+def _plan_pieces(arrays, offs) -> list:
+    pieces = []
+    for i, (a, o) in enumerate(zip(arrays, offs)):
+        if a is None:
+            continue
+        src, dt = a if isinstance(a, tuple) else (a, a.dtype)
+        for idx, off, shape in cuts(src.shape, dt.itemsize, _PIECE_BYTES):
+            pieces.append(_Piece(i, src[idx] if idx else src, dt, o + off, math.prod(shape) * dt.itemsize, shape))
+    return pieces
+
+
+def _waves(pieces) -> list:
+    """Consecutive pieces grouped into waves of at most ``_WAVE_BYTES`` staged bytes (a single larger
+    piece is a wave of its own), each piece with its staging offset."""
+    waves, cur, used = [], [], 0
+    for p in pieces:
+        size = -(-p.nbytes // 64) * 64
+        if cur and used + size > _WAVE_BYTES:
+            waves.append((cur, used))
+            cur, used = [], 0
+        cur.append((p, used))
+        used += size
+    if cur:
+        waves.append((cur, used))
+    return waves
+
+
+def upload(arrays, device, s, on_ready=None) -> list:
+    """Copy host arrays to one device block, ordered on ``s``; returns C-contiguous DeviceArrays
+    (None entries kept).
+
+    An entry may be ``(array, dtype)`` to stage it converted (e.g. a float64 mask as float32).
+    ``on_ready(i, views)``, if given, is called (on this thread, for each ``i`` in order) once every
+    H2D copy of array ``i`` is queued on ``s``, with the list of all the DeviceArrays (those after
+    ``i`` are not filled yet): a consumer on another stream may wait for an event recorded then.
+    Arrays are sent in the order given, so the ones needed first should come first.
+    """
     offs, total = [], 0
     for a in arrays:
         offs.append(total)
-        total += _aligned(a.nbytes) if a is not None else 0
-    if total == 0:
-        return [None if a is None else DeviceArray(0, a.shape, a.dtype, device, stream=s) for a in arrays]
-    staging = get_staging(device)
-    buf = staging.acquire(total)
-    raw = buf.array(np.uint8, (buf.nbytes,))
+        if a is not None:
+            src, dt = a if isinstance(a, tuple) else (a, a.dtype)
+            total += _aligned(src.size * np.dtype(dt).itemsize)
     alloc = get_pool(device).allocate(total, s)
-    jobs = []  # (staging byte end, futures), in staging order
+    views = []
+    for a, o in zip(arrays, offs):
+        if a is None:
+            views.append(None)
+            continue
+        src, dt = a if isinstance(a, tuple) else (a, a.dtype)
+        dt = np.dtype(dt)
+        views.append(DeviceArray._wrap(alloc.ptr + o, src.shape, dt, c_strides(src.shape, dt.itemsize),
+                                       c_strides(src.shape), device, alloc, s))
+    ready = None if on_ready is None else (lambda i: on_ready(i, views))
+    if total:
+        pieces = _plan_pieces([None if a is None else (a if isinstance(a, tuple) else (a, a.dtype)) for a in arrays],
+                              offs)
+        if total > _SMALL_BYTES:
+            _upload_waves(pieces, len(arrays), device, alloc.ptr, s, ready)
+            return views
+        _upload_here(pieces, device, alloc.ptr, s)
+    if ready is not None:
+        for i in range(len(arrays)):
+            ready(i)
+    return views
+
+
+def _upload_here(pieces, device, dev_ptr, s) -> None:
+    """A small upload: one staging buffer, copies on this thread, one H2D copy."""
+    staging = get_staging(device)
+    end = max(p.dev_off + p.nbytes for p in pieces)
+    buf = staging.acquire(end)
     try:
-        for a, o in zip(arrays, offs):
-            if a is not None:
-                dst = raw[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
-                jobs += [(addr(p) - buf.ptr + p.nbytes, start_copies([(p, q)])) for p, q in _segments(dst, a)]
-        done = 0
-        for i, (end, futures) in enumerate(jobs):
-            finish_copies(futures)
-            if end - done >= _SEGMENT_BYTES or i == len(jobs) - 1:
-                h2d(alloc.ptr + done, buf.ptr + done, end - done, s)
-                done = end
+        raw = buf.array(np.uint8, (buf.nbytes,))
+        for p in pieces:
+            _copy(raw[p.dev_off:p.dev_off + p.nbytes].view(p.dtype).reshape(p.shape), p.src)
+        h2d(dev_ptr, buf.ptr, end, s)
     finally:
-        _wait_futures([f for _, futures in jobs for f in futures])  # nothing may write the buffer once released
         staging.release(buf, s)  # reusable once s has read it
-    return [None if a is None else DeviceArray(alloc.ptr + o, a.shape, a.dtype, device, owner=alloc, stream=s)
-            for a, o in zip(arrays, offs)]
+
+
+def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
+    staging = get_staging(device)
+    ex, workers = _executor_get()
+    waves = _waves(pieces)
+    last_wave = {}  # array index -> the wave holding its last piece
+    for w, (wp, _) in enumerate(waves):
+        for p, _ in wp:
+            last_wave[p.array] = w
+    signalled = 0
+    bufs, events, futures = {}, {}, {}
+
+    def finish(w):
+        nonlocal signalled
+        finish_copies(futures.pop(w))
+        events[w] = s.record()
+        if on_ready is not None:
+            while signalled < n_arrays and last_wave.get(signalled, -1) <= w:
+                on_ready(signalled)
+                signalled += 1
+
+    try:
+        depth = _WAVES_IN_FLIGHT
+        for w, (wp, used) in enumerate(waves):
+            if w >= depth:  # at most ``depth`` waves staged ahead of the DMA: reuse wave w-depth's buffer
+                events.pop(w - depth).synchronize()
+                buf = bufs.pop(w - depth)
+                if buf.nbytes < used:
+                    staging.release(buf)
+                    buf = staging.acquire(used)
+            else:
+                buf = staging.acquire(max(used, min(_WAVE_BYTES, sum(p.nbytes for p in pieces))))
+            bufs[w] = buf
+            raw = buf.array(np.uint8, (buf.nbytes,))
+            jobs = [(raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, off, p.dev_off, p.nbytes)
+                    for p, off in wp]
+            futures[w] = [ex.submit(_send, device, jobs[j::workers], buf.ptr, dev_ptr, s)
+                          for j in range(min(workers, len(jobs)))]
+            if w >= 1:
+                finish(w - 1)
+        finish(len(waves) - 1)
+    finally:
+        _wait_futures([f for fs in futures.values() for f in fs])  # nothing may write a buffer once released
+        for buf in bufs.values():
+            staging.release(buf, s)  # reusable once s has read it
 
 
 def download(results, outs, s) -> list:

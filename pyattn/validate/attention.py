@@ -106,15 +106,18 @@ def _check_qkv(ins, allow_tf32: bool) -> int:
     ordinals = {a.ordinal for a in ins if a.ordinal is not None}
     if len(ordinals) > 1:
         raise ValueError(f"q, k, v: expected arrays on one device, got devices {sorted(ordinals)}")
-    tensor_cores = ins[0].dtype.itemsize == 2 or allow_tf32
-    if not tensor_cores:
-        return 1
-    per_chunk = TENSOR_CORE_ALIGN // ins[0].dtype.itemsize
+    return TENSOR_CORE_ALIGN if ins[0].dtype.itemsize == 2 or allow_tf32 else 1
+
+
+def _check_tc_strides(ins, align: int) -> None:
+    """The tensor-core kernels read 16-byte chunks: every device stride a multiple of 16 bytes."""
+    if align <= 1:
+        return
+    per_chunk = align // ins[0].dtype.itemsize
     for a in ins:
         if a.on_device and any(st % per_chunk for st, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1):
             raise ValueError(f"{a.name}: the tensor-core kernel reads 16-byte chunks; strides must be multiples of "
                              f"{per_chunk} elements, got {a.strides} (copy the array to make it contiguous)")
-    return TENSOR_CORE_ALIGN
 
 
 def _check_heads(Hq, Hk, D, Dk, Sq, Sk, B):
@@ -166,6 +169,7 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
     if Bk != B:
         raise ValueError(f"k: expected batch {B} (from q), got {Bk}")
     _check_heads(Hq, Hk, D, Dk, Sq, Sk, B)
+    _check_tc_strides(ins, align)
     scale = check_scale(scale, D)
     window, softcap = check_window(window), check_softcap(softcap)
     mask_info = check_mask(mask, (B, Hq, Sq, Sk))
@@ -211,6 +215,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
     if v.shape != k.shape:
         raise ValueError(f"v: expected the same shape as k {k.shape}, got {v.shape}")
     _check_heads(Hq, Hk, D, Dk, Tq, Tk, 1)
+    _check_tc_strides(ins, align)
     scale = check_scale(scale, D)
     window, softcap = check_window(window), check_softcap(softcap)
     for cu in (cu_seqlens_q, cu_seqlens_k):

@@ -47,7 +47,7 @@ def check_fp32(name: str, x, *, positive: bool = True) -> float:
         raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
     v = float(x)
     if not math.isfinite(v) or (positive and v <= 0):
-        raise ValueError(f"{name}: expected a finite number{' > 0' if positive else ''}, got {x!r}")
+        raise ValueError(f"{name}: expected a finite {'positive ' if positive else ''}number, got {x!r}")
     if abs(v) > _FP32_MAX or (v != 0 and abs(v) < _FP32_TINY):
         raise ValueError(f"{name}: {x!r} is outside float32's range (the kernels take it as a float32)")
     return v

@@ -1,0 +1,210 @@
+"""Every invalid call is refused before any device work, naming the argument (hypothesis fuzz).
+
+A valid call of random shapes is built for each entry point, then exactly one defect is injected
+(a wrong dtype, rank, shape, place, array interface, option value or type, a number outside
+float32's range, a bad stream, ...). The driver is blocked: a call that got past validation would
+raise the blocking NoDeviceError, which fails the test, and so does any exception other than a
+``ValueError``/``TypeError`` whose message starts with an argument's name. Runs with or without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyattn
+import pyattn.runtime.device as device_mod
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+BLOCKED = "driver blocked by test_validate_first"
+NAMED = r"^[A-Za-z_][\w\[\], /]*: "  # "q: ...", "os[1]: ...", "block_table, seq_lens: ...", "merge_states: ..."
+
+
+class Dev:
+    """A CUDA array seen through its array interface only (16-byte aligned fake address)."""
+
+    def __init__(self, shape, dtype=np.float16, strides=None, **extra):
+        dt = np.dtype(dtype)
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dt.str, "data": (0x100000, False),
+                                         "strides": strides, "version": 3, **extra}
+
+
+def _malformed(shape, dtype):
+    return types.SimpleNamespace(__cuda_array_interface__={"shape": shape, "data": (0x100000, False), "version": 3})
+
+
+# Defects of an array argument (one per call): each a function of the valid (shape, dtype).
+ARRAY_DEFECTS = {
+    "float64": lambda shape, dt: np.zeros(shape, np.float64),
+    "complex": lambda shape, dt: np.zeros(shape, np.complex64),
+    "rank+1": lambda shape, dt: np.zeros((1, *shape), dt),
+    "rank-1": lambda shape, dt: np.zeros(shape[1:], dt),
+    "list": lambda shape, dt: [[1, 2], [3, 4]],
+    "str": lambda shape, dt: "q",
+    "object array": lambda shape, dt: np.empty(shape, object),
+    "negative dim (device)": lambda shape, dt: Dev((*shape[:-1], -shape[-1]), dt),
+    "malformed interface": _malformed,
+    "read-only interface": lambda shape, dt: types.SimpleNamespace(__cuda_array_interface__={
+        "shape": shape, "typestr": np.dtype(dt).str, "data": (0x100000, True), "version": 3}),
+    "interface stream 0": lambda shape, dt: Dev(shape, dt, stream=0),
+}
+
+
+def _bad_value(draw, name):
+    options = {
+        "scale": [0, -1.0, float("nan"), float("inf"), 1e300, 1e-300, "0.1", True],
+        "softcap": [0, -1.0, float("inf"), 1e39, "1"],
+        "window": [(1,), (-2, 0), (2**31, 0), "x", (1.5, 0), (True, 0)],
+        "causal": [1, "yes", None, 2.0],
+        "layout": ["bhds", None, 3],
+        "stream": ["bogus", -1, 1.5, object(), 2**64],
+        "return_lse": ["yes", 1, None],
+        "allow_tf32": ["yes", 1],
+        "num_splits": [0, 257, 1.5, True],
+        "max_seqlen_q": [2**31, -1, "x", 1.5],
+        "alibi_slopes": [np.full(4, np.inf), np.full(4, 1e39), np.ones(3), np.ones(4, np.int32)],
+        "mask": [np.full((1, 1, 1, 1), np.nan), np.full((1, 1, 1, 1), 1e39), np.ones((7, 7), bool)],
+        "tensor_layout": ["bsdh"],
+        "block_size": [(15, 16), (16,), (0, 16), ("a", 16)],
+    }[name]
+    return draw(st.sampled_from(options))
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    def _no_driver():
+        raise pyattn.NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", BLOCKED, "cuInit")
+
+    monkeypatch.setattr(device_mod, "_driver", _no_driver)
+
+
+@st.composite
+def calls(draw):
+    """``(entry name, function, positional args, keyword args, what was broken)``."""
+    entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
+                                  "merge_states", "paged_decode", "decode"]))
+    B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
+    dt = draw(st.sampled_from([np.float16, BF16]))
+    device = draw(st.booleans())
+    arr = (lambda shape: Dev(shape, dt)) if device else (lambda shape: np.zeros(shape, dt))
+    if entry in ("attention", "sparse_attention", "block_sparse_attention"):
+        shapes = {"q": (B, S, H, D), "k": (B, S, 2, D), "v": (B, S, 2, D)}
+        args = [arr(shapes[n]) for n in ("q", "k", "v")]
+        kwargs = {}
+        if entry == "sparse_attention":
+            args += [np.arange(S, dtype=np.int32), np.arange(S + 1, dtype=np.int32).clip(0, S)]
+        if entry == "block_sparse_attention":
+            nb = -(-S // 16)
+            args += [np.ones((nb, nb), bool), (16, 16)]
+        options = {"attention": ["scale", "softcap", "window", "causal", "layout", "stream", "return_lse", "allow_tf32",
+                                 "alibi_slopes", "mask"],
+                   "sparse_attention": ["scale", "layout", "stream", "return_lse"],
+                   "block_sparse_attention": ["scale", "softcap", "window", "causal", "tensor_layout", "stream",
+                                              "return_lse", "block_size"]}[entry]
+        names = ["q", "k", "v"]
+    elif entry == "attention_varlen":
+        T = B * S
+        args = [arr((T, H, D)), arr((T, 2, D)), arr((T, 2, D))]
+        cu = np.arange(B + 1, dtype=np.int32) * S
+        args += [cu if not device else Dev((B + 1,), np.int32), cu if not device else Dev((B + 1,), np.int32)]
+        kwargs, names = {}, ["q", "k", "v"]
+        options = ["scale", "softcap", "window", "causal", "stream", "return_lse", "max_seqlen_q"]
+    elif entry == "merge_states":
+        o = arr((B, S, H, D))
+        lse = np.zeros((B, H, S), np.float32) if not device else Dev((B, H, S), np.float32)
+        args, kwargs, names, options = [o, lse, o, lse], {}, ["o_a", "lse_a", "o_b", "lse_b"], ["layout", "stream"]
+    else:  # decode over pools or a cache: q is (batch, q_len, Hq, D)
+        args = [arr((B, 1, H, D))]
+        names, options = ["q"], ["scale", "softcap", "window", "causal", "stream", "num_splits", "return_lse"]
+        if entry == "paged_decode":
+            pool = Dev((8, 16, 2, D), dt)
+            args += [pool, pool]
+            kwargs = {"block_table": np.zeros((B, 2), np.int32), "seq_lens": np.full(B, 3, np.int32)}
+        else:
+            args.append(draw(st.just("CACHE")))  # replaced by the test's cache
+            args.append(list(range(B)))
+            kwargs = {}
+    defect = draw(st.sampled_from(["array", "option"]))
+    if defect == "array":
+        i = draw(st.integers(0, len(names) - 1))
+        what = draw(st.sampled_from(sorted(ARRAY_DEFECTS)))
+        good = args[i]
+        shape = tuple(good.shape) if hasattr(good, "shape") else tuple(good.__cuda_array_interface__["shape"])
+        args[i] = ARRAY_DEFECTS[what](shape, dt)
+        return entry, args, kwargs, f"{names[i]} {what}"
+    name = draw(st.sampled_from(options))
+    value = _bad_value(draw, name)
+    if name == "block_size":
+        args[4] = value
+    else:
+        kwargs[name] = value
+    return entry, args, kwargs, f"{name}={value!r}"
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    """A PagedKVCache made without a GPU (its pools are descriptions, never touched)."""
+    import pyattn.paged.cache as cache_mod
+
+    dev = types.SimpleNamespace(ordinal=0, arch="sm_90a", activate=lambda: None)
+
+    def empty(shape, dtype, device=None):
+        return pyattn.DeviceArray(0x200000, shape, dtype, dev, stream=types.SimpleNamespace(
+            ptr=1, synchronize=lambda: None))
+
+    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
+    monkeypatch.setattr(cache_mod, "empty", empty)
+    caches = {}
+
+    def make(D, dt):
+        if (D, dt) not in caches:
+            c = caches[(D, dt)] = pyattn.PagedKVCache(32, 16, 2, D, dt)
+            for _ in range(3):
+                c.add_sequence()
+        return caches[(D, dt)]
+    return make
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(call=calls())
+def test_invalid_calls_are_refused_before_device_work(blocked, cache, call):
+    entry, args, kwargs, what = call
+    if entry == "decode":
+        q = args[0]
+        D = q.shape[-1] if hasattr(q, "shape") and len(q.shape) == 4 else 32
+        dt = q.dtype if isinstance(q, np.ndarray) and q.dtype in (np.float16, BF16) else np.float16
+        args[1] = cache(D, dt)
+    try:
+        getattr(pyattn, entry)(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        assert re.match(NAMED, str(exc)), f"{entry} with {what}: message names no argument: {exc}"
+        return
+    except pyattn.NoDeviceError as exc:
+        pytest.fail(f"{entry} with {what} reached the driver: {exc}")
+    pytest.fail(f"{entry} with {what} was accepted")
+
+
+def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
+    """The generator's base calls are valid: without a defect, each entry point gets to the driver."""
+    q, kv = np.zeros((1, 8, 4, 32), np.float16), np.zeros((1, 8, 2, 32), np.float16)
+    valid = [
+        lambda: pyattn.attention(q, kv, kv, causal=True),
+        lambda: pyattn.sparse_attention(q, kv, kv, np.arange(8, dtype=np.int32), np.arange(9, dtype=np.int32).clip(0, 8)),
+        lambda: pyattn.block_sparse_attention(q, kv, kv, np.ones((1, 1), bool), (16, 16)),
+        lambda: pyattn.attention_varlen(q[0], kv[0], kv[0], np.array([0, 8], np.int32), np.array([0, 8], np.int32)),
+        lambda: pyattn.merge_states(q, np.zeros((1, 4, 8), np.float32), q, np.zeros((1, 4, 8), np.float32)),
+        lambda: pyattn.paged_decode(np.zeros((1, 1, 4, 32), np.float16), Dev((8, 16, 2, 32)), Dev((8, 16, 2, 32)),
+                                    block_table=np.zeros((1, 2), np.int32), seq_lens=np.full(1, 3, np.int32)),
+        lambda: pyattn.decode(np.zeros((1, 1, 4, 32), np.float16), cache(32, np.float16), [0]),
+    ]
+    for call in valid:
+        with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):
+            call()
