@@ -8,20 +8,26 @@ asks for it (``PYATTN_PTX=1``), and that choice is logged as a warning.
 
 from __future__ import annotations
 
-import logging
-
 from ..runtime.errors import CompileError, check_nvrtc
+from ._log import LazyLogger
 
 __all__ = ["compile_source"]
 
-log = logging.getLogger("pyattn.jit")
+log = LazyLogger("pyattn.jit")
+
+
+def _buffer(size: int) -> bytearray:
+    """A fresh writable buffer for NVRTC to fill. Not ``b" " * size``: for size 1 (an empty log) that
+    is the interpreter's shared ``b" "``, and NVRTC writing its NUL there made every later ``b" "``
+    in the process a ``b"\\0"`` (print's separator came out as NUL once encoded)."""
+    return bytearray(size)
 
 
 def _program_log(nvrtc, prog) -> str:
     size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
+    buf = _buffer(size)
     check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return buf.rstrip(b"\0").decode(errors="replace")
+    return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 
 def compile_source(source: str, headers, options, *, name: str, ptx: bool = False) -> tuple[bytes, str]:
@@ -60,14 +66,14 @@ def compile_source(source: str, headers, options, *, name: str, ptx: bool = Fals
         if ptx:
             log.warning("pyattn: emitting PTX for %s (PYATTN_PTX=1); the driver JIT-compiles it at load", name)
             size = check_nvrtc(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
+            image = _buffer(size)
             check_nvrtc(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
         else:
             size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
             if size == 0:  # NVRTC gives no cubin for a virtual arch: refuse rather than load nothing
                 raise CompileError("NO_CUBIN", f"no cubin produced for options {options}", source, options, name)
-            image = b" " * size
+            image = _buffer(size)
             check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
-        return image, text
+        return bytes(image), text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
