@@ -35,7 +35,7 @@ if [[ $what == all || $what == tests ]]; then
   rc=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == bench ]]; then
-  bench bench_startup '.' 12 --importtime   # fresh processes: before anything else loads the GPU
+  bench bench_startup '.' 30 --importtime   # fresh processes, a warm kernel cache: the start-up breakdown
   bench bench_foundation '.' 20
   bench bench_prefill '.' 45                # pyattn vs torch SDPA FA2 / cuDNN, ceilings, NumPy end to end
   bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth

@@ -118,10 +118,7 @@ class Bench:
             self.stream = pyattn.Stream(self.device, handle=self.tstream.cuda_stream, owner=self.tstream)
         else:
             self.tstream, self.stream = None, pyattn.Stream(self.device)
-        from cuda.bindings import driver
-
-        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
-        self.l2 = _cu(driver.cuDeviceGetAttribute(attr, _cu(driver.cuDeviceGet(self.device.ordinal))))
+        self.l2 = self.device.l2_bytes
         self._sleep, self.preroll_kind = None, None
         self.unheld: list = []  # labels of GPU timings whose pre-roll ran out (host gaps may be in them)
 
