@@ -323,7 +323,7 @@ def to_pyattn(t, stream):
         return pyattn.asarray(t.view(torch.int16), stream=stream).view(ml_dtypes.bfloat16)
 
 
-def to_torch(a, stream=None):
+def to_torch(a):
     """A pyattn array (or a torch tensor, returned as is) as a torch tensor, zero-copy (bf16 as its
     uint16 bits through DLPack, as the README says)."""
     import torch
