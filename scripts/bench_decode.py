@@ -1,56 +1,49 @@
-"""Decode benchmark: pyattn paged / contiguous decode against torch SDPA (FA2, cuDNN), one GPU, one run.
+"""Decode benchmark: pyattn decode over paged / contiguous KV against torch SDPA (FA2, cuDNN), one GPU, one run.
 
 Usage: PYTHONPATH=. python scripts/bench_decode.py [--json out.json] [--quick] [--splits N]
        [--configs 8x4096,64x32768] [--layouts p16,p128,contig] [--budget 240]
 
 - Shapes (the decode issue's): bf16, D 128, Hq 32, Hkv 8, q_len 1, batch 1/8/64, context 4096/32768.
-  KV layouts: paged NHD pools, page_size 16 and 128, each sequence's pages a random permutation of
-  the pool; and contiguous (batch, ctx, Hkv, D) K/V, given to the same kernel as one page per sequence.
-- Time per call: CUDA events on one torch stream around a loop of back-to-back calls, median of
-  several loops. Kernel figures (pyattn us, FA2 us, cuDNN us) start each loop behind a
-  torch.cuda._sleep pre-roll long enough for the host to queue the whole loop: GPU time, host
-  overhead left out. pyattn's kernel figure calls pyattn.ops.decode.run_decode with page tables
-  uploaded once (the launches paged_decode makes, without its per-call table checks and upload).
-  "API us" times pyattn.paged_decode itself (NumPy page tables, no pre-roll): a Python loop's cost.
-- KV bytes = batch * ctx * Hkv * D * 2 (K and V) * 2 bytes; GB/s = KV bytes / time; % of copy is
-  against the device copy bandwidth measured at start (torch copy_ of 1 GiB, read + write counted,
-  as bench_prefill.py). Inputs under 4x the L2 size are replicated and the loop cycles through the
-  replicas, so back-to-back calls do not find their KV in L2.
+- Layouts: p16 / p128: a pyattn.PagedKVCache with pages of 16 / 128 tokens, filled by append() one
+  page of tokens at a time for the whole batch (so a sequence's pages interleave with the other
+  sequences'); contig: contiguous (batch, ctx, Hkv, D) K/V given to pyattn.paged_decode as one page
+  per sequence.
+- GPU us (harness.Bench.gpu_ms: pre-roll, median of repeats): p16 / p128: pyattn.decode over the
+  cache, a loop of back-to-back calls (the cache keeps its device page table between calls, so
+  this is the decode kernel and its split combine). contig (marked †): paged_decode with NumPy
+  tables, each call behind its own pre-roll (paged_decode uploads host tables through pinned
+  staging buffers, which waits on earlier work, so a loop cannot be queued ahead): one call's GPU
+  time including the tables' upload.
+- pd us: that paged_decode figure for every layout (the pools of the cache, its block table), the
+  one compared across layouts (target 3). API us: paged_decode wall time per call of a Python
+  loop with one sync at the end (host validation included).
+- KV bytes = batch * ctx * Hkv * D * 2 (K, V) * 2 bytes; GB/s = KV bytes / GPU time; % of copy
+  against the device copy ceiling measured at start. Inputs under 4x the L2 are replicated (one
+  cache per replica) and the calls rotate among the replicas, so no call finds its KV in L2.
 - torch: scaled_dot_product_attention(q (B, Hq, 1, D), K/V (B, Hkv, ctx, D), enable_gqa=True) under
-  sdpa_kernel(FLASH_ATTENTION) and sdpa_kernel(CUDNN_ATTENTION); a backend that rejects enable_gqa is
-  timed on K/V expanded to Hq heads (repeat_interleave: 4x the bytes), marked '*'.
-- Every pyattn result is checked against an fp32 reference (max abs error; flagged above 2e-2,
-  absolute or relative to max |ref|).
-- Detail for batch 8, ctx 4096, page 16: block table vs CSR, NumPy vs device page tables, and
-  pyattn.decode on a PagedKVCache filled by append(): GPU time vs wall time per call of a Python
-  loop with one sync at the end (the host overhead of each path).
+  the FA2 and cuDNN backends; a backend that rejects enable_gqa is timed on K/V expanded to Hq
+  heads (4x the bytes), marked '*'.
+- Every pyattn result is checked against an fp32 reference and torch's output (max abs error;
+  flagged above 2e-2, absolute or relative to max |ref|).
+- Detail for batch 8, ctx 4096, page 16: decode(PagedKVCache) and paged_decode with a NumPy block
+  table, NumPy CSR and device tables: GPU time vs wall time per call (the host cost of each path).
 - PASS/MISS against the issue's targets at the end. A failing configuration prints its error and
   the run goes on; exit code 1 when a pyattn measurement failed or a result was flagged.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
-import os
 import sys
 import time
 import traceback
-import warnings
 
 import numpy as np
 
-try:  # torch before pyattn: importing torch after pyattn had loaded NVRTC failed once
-    import torch
-except ImportError:
-    torch = None
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-import pyattn  # noqa: E402
+import harness
+import pyattn
+from harness import attempt, fmt
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(b, c) for b in (1, 8, 64) for c in (4096, 32768)]
@@ -64,142 +57,10 @@ def kv_bytes(batch: int, ctx: int) -> int:
     return batch * ctx * HKV * D * 2 * 2
 
 
-def _f(x, spec: str) -> str:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-    return format(x, spec) if ok else "n/a"
-
-
-# -- timing ------------------------------------------------------------------------------------------
-
-
-class Clock:
-    """CUDA events on ``stream``, with an optional torch.cuda._sleep pre-roll before each loop."""
-
-    def __init__(self, stream):
-        self.stream, self.cycles_per_ms = stream, None
-        try:
-            for _ in range(2):  # the first includes the sleep kernel's load
-                a = self.mark()
-                torch.cuda._sleep(2_000_000)
-                ms = self.elapsed(a, self.mark())
-            self.cycles_per_ms = 2e6 / max(ms, 1e-3)
-        except Exception as exc:  # noqa: BLE001 - no pre-roll: host gaps may enter small kernel times
-            print(f"no pre-roll (torch.cuda._sleep: {exc}); host gaps may enter the kernel times")
-
-    def mark(self):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(self.stream)
-        return e
-
-    @staticmethod
-    def elapsed(a, b) -> float:
-        b.synchronize()
-        return a.elapsed_time(b)
-
-    def time(self, fns, loop: int, reps: int, preroll: bool = True) -> tuple:
-        """(median GPU ms per call, host ms per call to queue a loop) of calling ``fns`` round robin."""
-        n = len(fns)
-        for f in fns * 2:  # warmup: compile, caches, allocator
-            f()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for i in range(loop):
-            fns[i % n]()
-        host = (time.perf_counter() - t) * 1e3
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            if preroll and self.cycles_per_ms:
-                torch.cuda._sleep(int(self.cycles_per_ms * min(1.5 * host + 0.1, 2000.0)))
-            a = self.mark()
-            for i in range(loop):
-                fns[i % n]()
-            times.append(self.elapsed(a, self.mark()) / loop)
-        return float(np.median(times)), host / loop
-
-
-def wall_us(fn, loop: int, reps: int) -> float:
-    """Median wall microseconds per call of a Python loop of ``loop`` calls with one sync at the end."""
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(loop):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e6 / loop)
-    return float(np.median(times))
-
-
-def copy_gbs(clock, reps: int) -> float:
-    """Device-to-device copy GB/s (bytes read + written) of a 1 GiB torch copy_."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms, _ = clock.time([lambda: dst.copy_(src)], 20, reps, preroll=False)
-    return 2 * n / ms / 1e6
-
-
-# -- helpers -----------------------------------------------------------------------------------------
-
-
-def attempt(row: dict, what: str, fn):
-    """``fn()``, or None with the error noted in ``row["errors"]`` and printed: the run goes on."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        msg = f"{what}: {type(exc).__name__}: {str(exc)[:300]}"
-        row.setdefault("errors", []).append(msg)
-        print(f"    FAILED {msg}", flush=True)
-        traceback.print_exc(limit=6)
-        return None
-
-
-def to_pyattn(t, ps):
-    """A torch tensor as a zero-copy DeviceArray (bf16 through int16 bits when DLPack refuses it)."""
-    try:
-        return pyattn.asarray(t, stream=ps)
-    except Exception:  # noqa: BLE001
-        if t.dtype != torch.bfloat16:
-            raise
-        import ml_dtypes
-        return pyattn.asarray(t.view(torch.int16), stream=ps).view(ml_dtypes.bfloat16)
-
-
-def dev_i32(x, ps):
-    return pyattn.asarray(np.ascontiguousarray(x, dtype=np.int32), stream=ps)
-
-
-def predicted_splits(batch: int, ctx: int, forced):
-    """num_splits as run_decode chooses it (same helpers), or the forced value."""
-    if forced:
-        return forced
-    from pyattn.ops._paged import choose_num_splits
-    from pyattn.ops._plan import ptx_requested
-    from pyattn.kernels.registry import get_kernel
-    from pyattn.ops.decode import _blocks_per_sm, _specs
-
-    dev, rows = pyattn.get_device(), HQ // HKV  # rows = group * q_len
-    spec, _ = _specs("bfloat16", D, dev.arch, ptx_requested(), rows, False, False)
-    t = spec.tiles
-    units = batch * HKV * -(-rows // t.block_m)
-    return choose_num_splits(units, -(-ctx // t.block_n), dev.sm_count * _blocks_per_sm(spec, get_kernel(spec, dev)))
-
-
-def kernel_fn(q_d, k_d, v_d, tables, max_len: int, splits, ps):
-    """run_decode with prevalidated inputs and device tables: the paged_decode launches alone."""
-    from pyattn.ops._paged import check_pools, check_query
-    from pyattn.ops.decode import run_decode
-
-    pool = check_pools(k_d, v_d, "nhd")
-    P = check_query(q_d, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
-                    num_splits=splits)
-    k_d.device.activate()
-    return lambda: run_decode(P, pool, q_d, k_d, v_d, tables, max_len, None, ps, False)[0]
-
-
 def reference(q, k, v):
     """fp32 attention of q (B, 1, Hq, D) over k, v (B, Hkv, ctx, D): (B, Hq, D), one sequence at a time."""
+    import torch
+
     out = torch.empty(q.shape[0], HQ, D, device=q.device, dtype=torch.float32)
     for b in range(q.shape[0]):
         qb = q[b, 0].float().view(HKV, HQ // HKV, D)
@@ -208,43 +69,35 @@ def reference(q, k, v):
     return out
 
 
-def errors(out, ref, ps=None) -> tuple:
-    """(max abs error, that / max |ref|) of a pyattn DeviceArray or torch tensor against ``ref`` (B, Hq, D)."""
-    if not torch.is_tensor(out):
-        out = torch.from_numpy(out.numpy(ps).astype(np.float32)).to(ref.device)
-    err = (out.float().reshape(ref.shape) - ref).abs().max().item()
+def errors(out, ref) -> tuple:
+    """(max abs error, that / max |ref|) of a pyattn array or torch tensor against ``ref`` (B, Hq, D)."""
+    err = (harness.to_torch(out).float().reshape(ref.shape) - ref).abs().max().item()
     return err, err / max(ref.abs().max().item(), 1e-30)
 
 
-def check(row: dict, outs, refs, ps) -> None:
-    """Errors of pyattn's outputs (DeviceArrays) against the fp32 reference and torch SDPA's output."""
+def check(row: dict, outs, refs) -> None:
+    """Errors of pyattn's outputs against the fp32 reference and torch SDPA's output."""
     ref, sdpa = refs
     for name, fn in outs:
-        out = attempt(row, f"check {name}", lambda: fn())
-        e = out is not None and attempt(row, f"check {name}", lambda: errors(out, ref, ps))
+        e = attempt(row, f"check {name}", lambda: errors(fn(), ref))
         if not e:
             continue
         row["max_err"], row["rel_err"] = max(row.get("max_err", 0.0), e[0]), max(row.get("rel_err", 0.0), e[1])
         if sdpa is not None:
-            row["err_vs_sdpa"] = max(row.get("err_vs_sdpa", 0.0), errors(out, sdpa, ps)[0])
+            row["err_vs_sdpa"] = max(row.get("err_vs_sdpa", 0.0), errors(fn(), sdpa)[0])
         if not (e[0] <= TOL and e[1] <= TOL and row.get("err_vs_sdpa", 0.0) <= TOL):  # also catches NaN
             row["flagged"] = True
             print(f"!!!!! WARNING: pyattn ({name}) differs from the fp32 reference by {e[0]:.3e} (relative {e[1]:.3e}; "
-                  f"from torch SDPA by {_f(row.get('err_vs_sdpa'), '.3e')}) for B={row['batch']} ctx={row['ctx']} "
+                  f"from torch SDPA by {fmt(row.get('err_vs_sdpa'), '.3e')}) for B={row['batch']} ctx={row['ctx']} "
                   f"{row['layout']} !!!!!")
 
 
-# -- torch SDPA --------------------------------------------------------------------------------------
-
-
-def bench_torch(q, k, v, B: int, n_rep: int, clock, args) -> dict:
+def bench_torch(bench, q, k, v, B: int, n_rep: int, args) -> dict:
     """FA2 and cuDNN times; enable_gqa first, K/V expanded to Hq heads where a backend rejects it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    sdpa, qs, res = torch.nn.functional.scaled_dot_product_attention, q.view(B, HQ, 1, D), {}
-    for name, backend in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+    torch, qs, res = bench.torch, q.view(B, HQ, 1, D), {}
+    for name in harness.SDPA_BACKENDS:
         for expanded in (False, True):
-            kk = vv = None
+            kk = vv = fns = None
             try:
                 if expanded:
                     need = 4 * 2 * k.numel() * k.element_size() * 1.1 + (2 << 30)
@@ -254,13 +107,10 @@ def bench_torch(q, k, v, B: int, n_rep: int, clock, args) -> dict:
                     kw = {}
                 else:
                     kk, vv, kw = k, v, {"enable_gqa": True}
-                fns = [lambda r=r: sdpa(qs, kk[r * B:(r + 1) * B], vv[r * B:(r + 1) * B], is_causal=False, **kw)
+                fns = [harness.sdpa(torch, name, qs, kk[r * B:(r + 1) * B], vv[r * B:(r + 1) * B], **kw)
                        for r in range(n_rep)]
-                with warnings.catch_warnings(), sdpa_kernel(backend):
-                    warnings.simplefilter("ignore")
-                    ms, _ = clock.time(fns, args.loop, args.reps)
-                    res[f"{name}_out"] = fns[0]()
-                res[f"{name}_us"], res[f"{name}_expanded"] = ms * 1e3, expanded
+                t = bench.gpu_ms(fns, loop=args.loop, reps=args.reps, label=f"{name} B{B}")
+                res[f"{name}_out"], res[f"{name}_us"], res[f"{name}_expanded"] = fns[0](), t.ms * 1e3, expanded
                 break
             except Exception as exc:  # noqa: BLE001 - a backend torch cannot run here is "n/a"
                 res[f"{name}_error" + ("_expanded" if expanded else "")] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -270,99 +120,85 @@ def bench_torch(q, k, v, B: int, n_rep: int, clock, args) -> dict:
     return res
 
 
-# -- pyattn --------------------------------------------------------------------------------------------
+def fill_caches(bench, k_nhd, v_nhd, B: int, n_rep: int, page: int) -> list:
+    """One PagedKVCache per replica with B sequences of k_nhd / v_nhd (S, ctx, Hkv, D), appended a
+    page of tokens at a time: [(cache, seq_ids)]."""
+    ctx, out = k_nhd.shape[1], []
+    for r in range(n_rep):
+        cache = pyattn.PagedKVCache(B * -(-ctx // page) + 1, page, HKV, D, "bfloat16")
+        seqs = [cache.add_sequence() for _ in range(B)]
+        for t0 in range(0, ctx, page):
+            k, v = (harness.to_pyattn(x[r * B:(r + 1) * B, t0:t0 + page].contiguous(), bench.stream)
+                    for x in (k_nhd, v_nhd))
+            cache.append(seqs, k, v, stream=bench.stream)
+        out.append((cache, seqs))
+    return out
 
 
-def bench_layout(row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, clock, ps, detail) -> None:
+def bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, detail) -> None:
     """Fill ``row`` with pyattn's figures for one layout (and the detail list for DETAIL)."""
-    S, page = n_rep * B, LAYOUTS[row["layout"]] or ctx
-    npg = ctx // page
-    if LAYOUTS[row["layout"]] is None:
-        kp, vp, table = k_nhd, v_nhd, np.arange(S, dtype=np.int32).reshape(S, 1)
+    page, ps, splits = LAYOUTS[row["layout"]], bench.stream, args.splits
+    if page is None:  # contig: the (S, ctx, Hkv, D) arrays are pools of one ctx-token page per sequence
+        k_d, v_d = (harness.to_pyattn(x, ps) for x in (k_nhd, v_nhd))
+        lens = np.full(B, ctx, np.int32)
+        tables = [(k_d, v_d, np.arange(r * B, (r + 1) * B, dtype=np.int32).reshape(B, 1), lens) for r in range(n_rep)]
+        caches = []
     else:
-        perm = torch.randperm(S * npg + 7, generator=torch.Generator().manual_seed(ctx + page + B))
-        kp, vp = (torch.zeros(S * npg + 7, page, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        idx = perm[: S * npg].cuda()  # 7 spare pages nobody uses
-        kp[idx] = k_nhd.view(S * npg, page, HKV, D)
-        vp[idx] = v_nhd.view(S * npg, page, HKV, D)
-        table = perm[: S * npg].numpy().astype(np.int32).reshape(S, npg)
-    k_d, v_d = to_pyattn(kp, ps), to_pyattn(vp, ps)
-    lens = np.full(B, ctx, np.int32)
-    tabs = [np.ascontiguousarray(table[r * B:(r + 1) * B]) for r in range(n_rep)]
-    d_lens = dev_i32(lens, ps)
+        caches = fill_caches(bench, k_nhd, v_nhd, B, n_rep, page)
+        tables = [(c.k, c.v, *c.block_table(s)) for c, s in caches]
 
-    def kfn(t):
-        d_t = dev_i32(t, ps)
-        return kernel_fn(q_d, k_d, v_d, (d_t, None, d_t.elem_strides[0], d_lens), ctx, args.splits, ps)
-
-    def afn(t, **kw):
-        kw = kw or {"block_table": t, "seq_lens": lens}
-        return lambda: pyattn.paged_decode(q_d, k_d, v_d, num_splits=args.splits, stream=ps, **kw)
-
-    afns = [afn(t) for t in tabs]
-    kfns = attempt(row, "pyattn kernel path setup", lambda: [kfn(t) for t in tabs])
-    r = kfns and attempt(row, "pyattn kernel path", lambda: clock.time(kfns, args.loop, args.reps))
-    if not r:  # the internals moved: time the public call behind the pre-roll instead (marked '+')
-        row["pyattn_path"] = "paged_decode behind the pre-roll"
-        r = attempt(row, "pyattn.paged_decode (pre-roll)", lambda: clock.time(afns, args.loop, args.reps))
-    if r:
-        row["pyattn_us"], row["kernel_host_us"] = r[0] * 1e3, r[1] * 1e3
-    r = attempt(row, "pyattn.paged_decode", lambda: clock.time(afns, args.loop, args.reps, preroll=False))
-    if r:
-        row["api_us"], row["api_host_us"] = r[0] * 1e3, r[1] * 1e3
-    check(row, ([("kernel path", kfns[0])] if kfns else []) + [("paged_decode", afns[0])], refs, ps)
+    def pd(k, v, table, lens, **kw):
+        kw = kw or {"block_table": table, "seq_lens": lens}
+        return lambda: pyattn.paged_decode(q_d, k, v, num_splits=splits, stream=ps, **kw)
+    pds = [pd(*t) for t in tables]
+    decs = [lambda c=c, s=s: pyattn.decode(q_d, c, s, num_splits=splits, stream=ps) for c, s in caches]
+    tag = f"B{B} ctx{ctx} {row['layout']}"
+    t = attempt(row, "paged_decode", lambda: bench.gpu_ms(pds, loop=args.loop, reps=args.reps, per_call=True,
+                                                         label=f"paged_decode {tag}"))
+    if t:
+        row["pd_us"] = t.ms * 1e3
+    if decs:  # the kernel path; contig has none, its GPU figure is paged_decode's
+        t = attempt(row, "decode", lambda: bench.gpu_ms(decs, loop=args.loop, reps=args.reps, label=f"decode {tag}"))
+    if t:
+        row["pyattn_us"], row["held"] = t.ms * 1e3, t.held
+    row["api_us"] = attempt(row, "paged_decode (wall)", lambda: bench.wall_ms(pds[0], loop=args.loop,
+                                                                             reps=args.reps) * 1e3)
+    check(row, [("paged_decode", pds[0])] + ([("decode", decs[0])] if decs else []), refs)
     if (B, ctx, row["layout"]) != DETAIL:
         return
-
-    # Detail: one replica each, so every path reads the same pages.
-    t0 = tabs[0]
-    indptr, last = np.arange(B + 1, dtype=np.int32) * npg, np.full(B, page, np.int32)
-    paths = [("kernel only, block table", lambda: kfn(t0), True),
-             ("kernel only, CSR table", lambda: kernel_fn(q_d, k_d, v_d, (dev_i32(t0.ravel(), ps), dev_i32(indptr, ps),
-                                                                          0, d_lens), ctx, args.splits, ps), True),
-             ("paged_decode, NumPy block table", lambda: afn(t0), False),
-             ("paged_decode, NumPy CSR", lambda: afn(t0, indptr=indptr, indices=t0.ravel(), last_page_len=last), False),
-             ("paged_decode, device block table", lambda: afn(t0, block_table=torch.from_numpy(t0).cuda(),
-                                                            seq_lens=torch.from_numpy(lens).cuda()), False)]
-
-    def cache_fn():
-        cache = pyattn.PagedKVCache(B * npg + 8, page, HKV, D, "bfloat16")
-        torch.cuda.synchronize()  # its pools were allocated on pyattn's own stream, not ps
-        seqs = [cache.add_sequence() for _ in range(B)]
-        cache.append(seqs, k_nhd[:B], v_nhd[:B], stream=ps)
-        return lambda: pyattn.decode(q_d, cache, seqs, num_splits=args.splits, stream=ps)
-    paths.append(("decode(PagedKVCache)", cache_fn, True))
-    for name, make, preroll in paths:
+    (cache, seqs), (k, v, table, lens) = caches[0], tables[0]
+    tt = bench.torch.from_numpy
+    paths = [("decode(PagedKVCache)", decs[0], False), ("paged_decode, NumPy block table", pds[0], True),
+             ("paged_decode, NumPy CSR", pd(k, v, None, None, **dict(zip(("indptr", "indices", "last_page_len"),
+                                                                         cache.page_table(seqs)))), True),
+             ("paged_decode, device block table", pd(k, v, None, None, block_table=tt(table).cuda(),
+                                                     seq_lens=tt(lens).cuda()), True)]
+    for name, fn, per_call in paths:
         d = {"path": name}
-        fn = attempt(d, name, make)
-        if fn is not None:
-            r = attempt(d, name, lambda: clock.time([fn], args.loop, args.reps, preroll=preroll))
-            if r:
-                d["gpu_us"], d["host_us"] = r[0] * 1e3, r[1] * 1e3
-            d["wall_us"] = attempt(d, name + " (wall)", lambda: wall_us(fn, args.loop, args.reps))
-            e = attempt(d, name + " (check)", lambda: errors(fn(), refs[0], ps))
-            if e:
-                d["max_err"] = e[0]
+        t = attempt(d, name, lambda: bench.gpu_ms(fn, loop=args.loop, reps=args.reps, per_call=per_call, label=name))
+        if t:
+            d["gpu_us"], d["held"] = t.ms * 1e3, t.held
+        d["wall_us"] = attempt(d, name + " (wall)", lambda: bench.wall_ms(fn, loop=args.loop, reps=args.reps) * 1e3)
+        e = attempt(d, name + " (check)", lambda: errors(fn(), refs[0]))
+        d["max_err"] = e[0] if e else None
         detail.append(d)
-        fn = None
     row.setdefault("errors", []).extend(f"detail {e}" for d in detail for e in d.get("errors", []))
 
 
-def bench_shape(B, ctx, layouts, args, clock, ps, l2, detail) -> list:
+def bench_shape(bench, B, ctx, args, detail) -> list:
+    torch = bench.torch
     nbytes = kv_bytes(B, ctx)
-    n_rep = 1 if nbytes >= 4 * l2 else min(8, math.ceil(4 * l2 / nbytes))
-    S = n_rep * B
+    n_rep = bench.replicas(nbytes)
     g = torch.Generator(device="cuda").manual_seed(1000 * B + ctx)
     q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(S, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(n_rep * B, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     ref = reference(q, k[:B], v[:B])
-    base = {"batch": B, "ctx": ctx, "kv_bytes": nbytes, "replicas": n_rep}
-    notes = {}  # torch's and the split helper's failures: reported, not counted as pyattn failures
-    base["splits"] = attempt(notes, "num_splits", lambda: predicted_splits(B, ctx, args.splits))
-    tres = attempt(notes, "torch SDPA", lambda: bench_torch(q, k, v, B, n_rep, clock, args)) or {}
+    base = {"batch": B, "ctx": ctx, "kv_bytes": nbytes, "replicas": n_rep, "splits": args.splits or "auto"}
+    notes = {}  # torch's failures: reported, not counted as pyattn failures
+    tres = attempt(notes, "torch SDPA", lambda: bench_torch(bench, q, k, v, B, n_rep, args)) or {}
     base["notes"] = notes.get("errors", [])
     sdpa = None  # torch SDPA's output (FA2's, else cuDNN's): pyattn is checked against it too
-    for name in ("fa2", "cudnn"):
+    for name in harness.SDPA_BACKENDS:
         out = tres.pop(f"{name}_out", None)
         if out is not None:
             base[f"{name}_err"] = errors(out, ref)[0]
@@ -371,23 +207,19 @@ def bench_shape(B, ctx, layouts, args, clock, ps, l2, detail) -> list:
     k_nhd, v_nhd = (x.transpose(1, 2).contiguous() for x in (k, v))  # (S, ctx, Hkv, D)
     k = v = None
     torch.cuda.empty_cache()
-    q_d = to_pyattn(q, ps)
-    rows = []
-    for name in layouts:
+    q_d, rows = harness.to_pyattn(q, bench.stream), []
+    for name in args.layouts:
         row = dict(base, layout=name, page_size=LAYOUTS[name] or ctx)
-        attempt(row, f"pyattn {name}", lambda: bench_layout(row, B, ctx, n_rep, q_d, k_nhd, v_nhd, (ref, sdpa), args,
-                                                            clock, ps, detail))
+        attempt(row, f"pyattn {name}", lambda: bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, (ref, sdpa),
+                                                            args, detail))
         rows.append(row)
         gc.collect()
         torch.cuda.empty_cache()
-        print(f"  B={B} ctx={ctx} {name}: pyattn {_f(row.get('pyattn_us'), '.1f')} us (API "
-              f"{_f(row.get('api_us'), '.1f')}), FA2 {_f(row.get('fa2_us'), '.1f')}, cuDNN "
-              f"{_f(row.get('cudnn_us'), '.1f')}; max err {_f(row.get('max_err'), '.1e')} (fp32 ref), "
-              f"{_f(row.get('err_vs_sdpa'), '.1e')} (SDPA)", flush=True)
+        print(f"  B={B} ctx={ctx} {name}: pyattn {fmt(row.get('pyattn_us'), '.1f')} us (paged_decode "
+              f"{fmt(row.get('pd_us'), '.1f')}, API {fmt(row.get('api_us'), '.1f')}), FA2 {fmt(row.get('fa2_us'), '.1f')}, "
+              f"cuDNN {fmt(row.get('cudnn_us'), '.1f')}; max err {fmt(row.get('max_err'), '.1e')} (fp32 ref), "
+              f"{fmt(row.get('err_vs_sdpa'), '.1e')} (SDPA)", flush=True)
     return rows
-
-
-# -- report --------------------------------------------------------------------------------------------
 
 
 def derive(row: dict, copy: float | None) -> None:
@@ -396,60 +228,55 @@ def derive(row: dict, copy: float | None) -> None:
     if us:
         row["gbs"] = row["kv_bytes"] / us / 1e3
         row["pct_copy"] = row["gbs"] / copy * 100 if copy else None
-        for name in ("fa2", "cudnn"):
+        for name in harness.SDPA_BACKENDS:
             if row.get(f"{name}_us"):
                 row[f"x_{name}"] = row[f"{name}_us"] / us
 
 
 def table(rows: list) -> list:
-    cols = ("batch", "ctx", "layout", "splits", "pyattn us", "GB/s", "% of copy", "API us", "FA2 us", "cuDNN us",
-            "x FA2", "x cuDNN", "max err")
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        star = {n: "*" if r.get(f"{n}_expanded") else "" for n in ("fa2", "cudnn")}
-        us = _f(r.get("pyattn_us"), ".1f") + ("+" if r.get("pyattn_path") else "")
-        cells = (r["batch"], r["ctx"], r["layout"], r.get("splits") or "n/a", "FAILED" if us == "n/a" else us,
-                 _f(r.get("gbs"), ".0f"), _f(r.get("pct_copy"), ".0f"), _f(r.get("api_us"), ".1f"),
-                 _f(r.get("fa2_us"), ".1f") + star["fa2"], _f(r.get("cudnn_us"), ".1f") + star["cudnn"],
-                 _f(r.get("x_fa2"), ".2f") + star["fa2"], _f(r.get("x_cudnn"), ".2f") + star["cudnn"],
-                 _f(r.get("max_err"), ".1e") + (" !" if r.get("flagged") else ""))
-        out.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return out
+    def cells(r):
+        star = {n: "*" if r.get(f"{n}_expanded") else "" for n in harness.SDPA_BACKENDS}
+        us = fmt(r.get("pyattn_us"), ".1f")
+        us = "FAILED" if us == "n/a" else us + ("†" if r["layout"] == "contig" else "") + ("" if r.get("held") else "~")
+        return (r["batch"], r["ctx"], r["layout"], us, fmt(r.get("gbs"), ".0f"), fmt(r.get("pct_copy"), ".0f"),
+                fmt(r.get("pd_us"), ".1f"), fmt(r.get("api_us"), ".1f"), fmt(r.get("fa2_us"), ".1f") + star["fa2"],
+                fmt(r.get("cudnn_us"), ".1f") + star["cudnn"], fmt(r.get("x_fa2"), ".2f") + star["fa2"],
+                fmt(r.get("x_cudnn"), ".2f") + star["cudnn"], fmt(r.get("max_err"), ".1e") + (" !" if r.get("flagged") else ""))
+    return harness.md_table("", ("batch", "ctx", "layout", "GPU us", "GB/s", "% of copy", "pd us", "API us", "FA2 us",
+                                 "cuDNN us", "x FA2", "x cuDNN", "max err"), [cells(r) for r in rows])[1:]
 
 
 def targets(rows: list) -> list:
-    """[(pass: True/False/None, text)] for the issue's three targets."""
+    """The issue's three targets, as harness.print_targets takes them."""
     res, by = [], {(r["batch"], r["ctx"], r["layout"]): r for r in rows}
     for r in rows:
         if r["batch"] >= 8 and r["ctx"] >= 4096 and r["layout"] in ("p16", "contig"):
             p = r.get("pct_copy")
-            res.append((None if p is None else p >= 85, f"(1) B={r['batch']} ctx={r['ctx']} {r['layout']}: "
-                        f"{_f(p, '.1f')}% of copy bandwidth (target >= 85%)"))
+            res.append({"pass": None if p is None else p >= 85, "text": f"(1) B={r['batch']} ctx={r['ctx']} "
+                        f"{r['layout']}: {fmt(p, '.1f')}% of copy bandwidth (target >= 85%)"})
     for r in rows:
         if r["batch"] == 1 and r["ctx"] == 32768:
             us, cu = r.get("pyattn_us"), r.get("cudnn_us")
-            ok = None if not (us and cu) else us <= cu / 1.2
-            res.append((ok, f"(2) B=1 ctx=32768 {r['layout']}: pyattn {_f(us, '.1f')} us vs cuDNN {_f(cu, '.1f')} us "
-                        f"/ 1.2 = {_f(cu / 1.2 if cu else None, '.1f')} us"
-                        + (" (cuDNN ran on expanded K/V)" if r.get("cudnn_expanded") else "")))
+            res.append({"pass": None if not (us and cu) else us <= cu / 1.2,
+                        "text": f"(2) B=1 ctx=32768 {r['layout']}: pyattn {fmt(us, '.1f')} us vs cuDNN {fmt(cu, '.1f')} "
+                                f"us / 1.2 = {fmt(cu / 1.2 if cu else None, '.1f')} us"
+                                + (" (cuDNN ran on expanded K/V)" if r.get("cudnn_expanded") else "")})
     for (b, c, lay), r in by.items():
         if lay == "p16" and (b, c, "contig") in by:
-            a, z = r.get("pyattn_us"), by[(b, c, "contig")].get("pyattn_us")
+            a, z = r.get("pd_us"), by[(b, c, "contig")].get("pd_us")
             ratio = a / z if a and z else None
-            res.append((None if ratio is None else ratio <= 1.10,
-                        f"(3) B={b} ctx={c}: paged p16 / contiguous time = {_f(ratio, '.3f')} (target <= 1.10)"))
+            res.append({"pass": None if ratio is None else ratio <= 1.10, "text": f"(3) B={b} ctx={c}: paged p16 / "
+                        f"contiguous paged_decode GPU time = {fmt(ratio, '.3f')} (target <= 1.10)"})
     return res
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write every figure to this JSON file (rewritten after each shape)")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter loops")
-    parser.add_argument("--splits", type=int, default=None, help="force pyattn's num_splits (default: its choice)")
-    parser.add_argument("--configs", help="comma list of BATCHxCTX, e.g. 8x4096,64x32768 (default: all six)")
-    parser.add_argument("--layouts", default="p16,p128,contig", help="comma list of p16, p128, contig")
-    parser.add_argument("--budget", type=float, default=240.0, help="skip shapes not started after this many s")
-    args = parser.parse_args(argv)
+    p = harness.parser(__doc__)
+    p.add_argument("--splits", type=int, default=None, help="force pyattn's num_splits (default: its choice)")
+    p.add_argument("--configs", help="comma list of BATCHxCTX, e.g. 8x4096,64x32768 (default: all six)")
+    p.add_argument("--layouts", default="p16,p128,contig", help="comma list of p16, p128, contig")
+    p.add_argument("--budget", type=float, default=240.0, help="skip shapes not started after this many s")
+    args = p.parse_args(argv)
     args.reps, args.loop = (3, 10) if args.quick else (7, 20)
     try:
         args.layouts = [x for x in args.layouts.split(",") if x]
@@ -458,60 +285,39 @@ def parse_args(argv=None):
         assert all(len(x) == 2 for x in args.shapes) and args.layouts and set(args.layouts) <= set(LAYOUTS)
         assert args.splits is None or 1 <= args.splits <= 256
     except (ValueError, AssertionError):
-        parser.error(f"--configs: BATCHxCTX,...; --layouts: a subset of {','.join(LAYOUTS)}; --splits: 1 to 256")
+        p.error(f"--configs: BATCHxCTX,...; --layouts: a subset of {','.join(LAYOUTS)}; --splits: 1 to 256")
     return args
 
 
-def run(args, dev, result: dict, save) -> None:
-    """Measure the copy ceiling, then every shape (rows into ``result``, saved after each)."""
-    from pyattn.runtime.memory import get_pool
-
-    t_start, ts = time.perf_counter(), torch.cuda.Stream()
-    torch.cuda.synchronize()
-    ps = pyattn.Stream(dev, handle=ts.cuda_stream, owner=ts)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    l2 = result["environment"]["l2_bytes"] = getattr(props, "L2_cache_size", 0) or (50 << 20)
-    with torch.cuda.stream(ts):
-        clock = Clock(ts)
-        result["preroll"] = clock.cycles_per_ms is not None
+def run(bench, args, result: dict) -> None:
+    """Every shape in turn, rows into ``result``, the JSON saved after each."""
+    for B, ctx in args.shapes:
+        if harness.over_budget(result, args.budget, f"B={B} ctx={ctx}"):
+            continue
         try:
-            result["copy_gbs"] = copy_gbs(clock, args.reps)
-        except Exception as exc:  # noqa: BLE001
-            print(f"copy ceiling failed: {exc}")
-        torch.cuda.empty_cache()
-        print(f"== pyattn decode benchmark on {dev.name} ({dev.arch}, {dev.sm_count} SMs), torch {torch.__version__}; "
-              f"d2d copy {_f(result.get('copy_gbs'), '.0f')} GB/s (read + write)", flush=True)
-        for B, ctx in args.shapes:
-            if time.perf_counter() - t_start > args.budget:
-                print(f"  B={B} ctx={ctx}: skipped (past the --budget of {args.budget:.0f} s)")
-                result.setdefault("skipped", []).append([B, ctx])
-                continue
-            try:
-                rows = bench_shape(B, ctx, args.layouts, args, clock, ps, l2, result["detail"])
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs
-                traceback.print_exc()
-                rows = [{"batch": B, "ctx": ctx, "layout": lay, "kv_bytes": kv_bytes(B, ctx),
-                         "errors": [f"setup: {type(exc).__name__}: {exc}"]} for lay in args.layouts]
-            for r in rows:
-                derive(r, result.get("copy_gbs"))
-            result["rows"] += rows
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            attempt({}, "pyattn pool trim", lambda: get_pool(dev).trim())
-            save()
+            rows = bench_shape(bench, B, ctx, args, result["detail"])
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs
+            traceback.print_exc()
+            rows = [{"batch": B, "ctx": ctx, "layout": lay, "kv_bytes": kv_bytes(B, ctx),
+                     "errors": [f"setup: {type(exc).__name__}: {exc}"]} for lay in args.layouts]
+        for r in rows:
+            derive(r, result["copy_gbs"])
+        result["rows"] += rows
+        gc.collect()
+        bench.torch.cuda.empty_cache()
+        harness.save_json(args.json, result)
 
 
-def report(result: dict, args) -> int:
+def report(bench, result: dict, args) -> int:
     """Print the table, torch's n/a reasons, the detail table and the targets; returns the failure count."""
-    rows, env = result["rows"], result["environment"]
-    print(f"\n== decode: bf16, D={D}, Hq={HQ}, Hkv={HKV}, q_len 1; {env['gpu']}; d2d copy "
-          f"{_f(result.get('copy_gbs'), '.0f')} GB/s; median of {args.reps} loops of {args.loop} calls")
+    rows = result["rows"]
+    print(f"\n== decode: bf16, D={D}, Hq={HQ}, Hkv={HKV}, q_len 1; {harness.env_line(result['environment'])}; "
+          f"d2d copy {fmt(result['copy_gbs'], '.0f')} GB/s; median of {args.reps} x {args.loop} calls")
     print("\n".join(table(rows)))
-    print("(pyattn us: GPU time of the kernel path; API us: pyattn.paged_decode in a Python loop, host included; "
-          "x = torch time / pyattn time, above 1: pyattn faster; * = torch on K/V expanded to Hq heads, 4x the "
-          "bytes; + = run_decode failed, paged_decode timed behind the pre-roll; ! = error above 2e-2)"
-          + ("" if result.get("preroll") else " [no pre-roll: host gaps may be in the GPU times]"))
+    print("(GPU us: pyattn.decode over a PagedKVCache behind a pre-roll; † contig: paged_decode with NumPy tables, "
+          "one call behind its own pre-roll, the tables' upload included; pd us: that figure for every layout; "
+          "API us: paged_decode in a Python loop, host included; x = torch time / pyattn time, above 1: pyattn "
+          "faster; * = torch on K/V expanded to Hq heads, 4x the bytes; ~ = the pre-roll ran out; ! = error > 2e-2)")
     for r in rows:
         where = f"B={r['batch']} ctx={r['ctx']}"
         for e in r.get("errors", []):
@@ -520,56 +326,40 @@ def report(result: dict, args) -> int:
             for e in r.get("notes", []) + [f"{k}: {v[:150]}" for k, v in r.items() if "_error" in k]:
                 print(f"  torch {where}: {e}")
     if result["detail"]:
-        print(f"\nB={DETAIL[0]} ctx={DETAIL[1]} page {LAYOUTS[DETAIL[2]]}, one replica: GPU us per call (events; "
-              "pre-roll for the kernel and cache paths) vs wall us per call (Python loop, one sync at the end)")
-        print("| path | GPU us | wall us | wall - GPU | max err |\n|---|---|---|---|---|")
-        for d in result["detail"]:
-            g, w = d.get("gpu_us"), d.get("wall_us")
-            print(f"| {d['path']} | {_f(g, '.1f')} | {_f(w, '.1f')} | {_f(w - g if g and w else None, '.1f')} | "
-                  f"{_f(d.get('max_err'), '.1e')} |")
-    result["targets"] = [{"pass": ok, "text": text} for ok, text in targets(rows)]
-    print("\n== targets (pyattn us, the kernel path)")
-    for t in result["targets"]:
-        print(f"  {'PASS' if t['pass'] else 'MISS' if t['pass'] is False else 'n/a '}  {t['text']}")
+        print(f"\nB={DETAIL[0]} ctx={DETAIL[1]} page {LAYOUTS[DETAIL[2]]}, one replica: GPU us per call (pre-roll) "
+              "vs wall us per call (Python loop, one sync at the end)")
+        print("\n".join(harness.md_table("", ("path", "GPU us", "wall us", "wall - GPU", "max err"), [
+            (d["path"], fmt(d.get("gpu_us"), ".1f") + ("" if d.get("held") else "~"), fmt(d.get("wall_us"), ".1f"),
+             fmt(d["wall_us"] - d["gpu_us"] if d.get("gpu_us") and d.get("wall_us") else None, ".1f"),
+             fmt(d.get("max_err"), ".1e")) for d in result["detail"]])[1:]))
+        print("(~: the pre-roll ran out, e.g. device tables are copied back for the range check: one synchronisation)")
+    result["targets"] = targets(rows)
+    harness.print_targets(result["targets"])
     failures = sum(bool(r.get("errors")) or bool(r.get("flagged")) for r in rows)
     skipped = result.get("skipped", [])
-    print(f"  {sum(t['pass'] is True for t in result['targets'])} of {len(result['targets'])} targets met; "
-          f"{failures} row(s) with errors or flags" + (f"; shapes skipped (budget): {skipped}" if skipped else ""))
+    print(f"  {failures} row(s) with errors or flags" + (f"; shapes skipped (budget): {skipped}" if skipped else ""))
     return failures + len(skipped)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    if torch is None or not torch.cuda.is_available():
-        print("this benchmark needs torch with a visible GPU")
+    bench = harness.open_bench(need_torch=True)
+    if bench is None:
         return 1
+    result = {"args": {k: v for k, v in vars(args).items()}, "rows": [], "detail": [], "t0": time.perf_counter(),
+              "copy_gbs": bench.ceilings(matmul=(), reps=args.reps).get("d2d_copy_gbs")}
+    bench.torch.cuda.empty_cache()
+    print(f"== pyattn decode benchmark; d2d copy {fmt(result['copy_gbs'], '.0f')} GB/s (read + write)", flush=True)
     try:
-        dev = pyattn.get_device()
-    except pyattn.NoDeviceError as exc:
-        print(f"no GPU: {exc}")
-        return 1
-    result = {"environment": {"gpu": dev.name, "arch": dev.arch, "sm_count": dev.sm_count, "torch": torch.__version__,
-                              "pyattn": pyattn.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-              "args": dict(vars(args)), "copy_gbs": None, "rows": [], "detail": []}
-
-    def save():
-        if args.json:
-            try:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1, default=str)
-            except Exception as exc:  # noqa: BLE001
-                print(f"could not write {args.json}: {exc}")
-
-    try:
-        run(args, dev, result, save)
+        run(bench, args, result)
     except Exception:  # noqa: BLE001 - whatever broke, report what was measured
         traceback.print_exc()
         result["rows"].append({"batch": 0, "ctx": 0, "layout": "-", "kv_bytes": 0, "errors": ["run aborted"]})
-    failures = report(result, args)
-    result.update(failures=failures, seconds=time.perf_counter() - t_start)
-    print(f"({result['seconds']:.0f} s)")
-    save()
+    result["environment"] = harness.environment(bench)
+    failures = report(bench, result, args)
+    result.update(failures=failures, seconds=time.perf_counter() - result.pop("t0"), preroll_ran_out=bench.unheld)
+    print(harness.unheld_note(bench) + f"({result['seconds']:.0f} s)")
+    harness.save_json(args.json, result)
     return 1 if failures else 0
 
 

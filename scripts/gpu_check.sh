@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine: environment, `pyattn info`, the whole test suite (GPU tests
-# included), then the benchmarks; the short tables come last. Usage:
-#   scripts/gpu_check.sh [all|tests|bench]      (run from anywhere; logs go to $OUT or /tmp/pyattn-out)
+# included), then the benchmarks (all on scripts/harness.py) and the headline plot; the short
+# tables come last. Usage:
+#   scripts/gpu_check.sh [all|tests|bench]      (run from anywhere; output goes to $OUT or /tmp/pyattn-out)
+# $OUT receives pytest.log, one bench_*.json and bench_*.log per benchmark, and benchmarks.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -12,44 +14,46 @@ export PYATTN_CACHE_DIR=${PYATTN_CACHE_DIR:-/tmp/pyattn-cache}
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || true
-python3 - <<'PY'
-import importlib.metadata as md, sys
-names = ["cuda-bindings", "cuda-core", "cuda-pathfinder", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "numpy",
-         "ml_dtypes", "torch", "hypothesis"]
-def v(n):
-    try:
-        return md.version(n)
-    except md.PackageNotFoundError:
-        return "-"
-print("python", sys.version.split()[0], "|", ", ".join(f"{n} {v(n)}" for n in names))
-PY
+python3 -c 'import sys; sys.path.insert(0, "scripts"); import harness; print(harness.env_line(harness.environment()))'
 python3 -m pyattn info
 
 rc=0
+# bench NAME FILTER TAIL [ARGS...]: run scripts/NAME.py with --json into $out, keep its log, show
+# the lines matching FILTER (the tables and targets), at most TAIL of them.
+bench() {
+  local name=$1 filter=$2 tail=$3
+  shift 3
+  echo "== $name"
+  python3 "scripts/$name.py" --json "$out/$name.json" "$@" 2>&1 | tee "$out/$name.log" | grep -E "$filter" | tail -"$tail"
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+}
+tables='^\||^==|MISS|PASS|targets|WARNING|FAILED'
+
 if [[ $what == all || $what == tests ]]; then
   echo "== tests (pytest, GPU tests included)"
   python3 -m pytest -q -p no:cacheprovider -ra tests 2>&1 | tee "$out/pytest.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == bench ]]; then
-  echo "== benchmarks"
-  python3 scripts/bench_foundation.py --json "$out/bench_foundation.json" 2>&1 | tee "$out/bench.log" | tail -20
-  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
-  echo "== prefill benchmark (pyattn vs torch SDPA FA2/cuDNN, ceilings, NumPy end to end)"
-  python3 scripts/bench_prefill.py --json "$out/bench_prefill.json" --png "$out/bench_prefill.png" 2>&1 \
-    | tee "$out/bench_prefill.log" | tail -40
-  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
-  echo "== decode benchmark (paged / contiguous KV vs torch SDPA FA2/cuDNN, copy bandwidth)"
-  python3 scripts/bench_decode.py --json "$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log" \
-    | grep -E '^\||^==|MISS|PASS|targets' | tail -45
-  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
-  echo "== sparse benchmark (block-sparse vs dense pyattn / SDPA, patterns, CSR sparse_attention)"
-  python3 scripts/bench_sparse.py --json "$out/bench_sparse.json" 2>&1 | tee "$out/bench_sparse.log" \
-    | grep -E '^\||^==|MISS|PASS|targets|WARNING' | tail -50
-  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
-  echo "== 8-bit KV cache benchmark (decode over bf16 / int8 / fp8 caches, accuracy)"
-  python3 scripts/bench_quant.py --json "$out/bench_quant.json" 2>&1 | tee "$out/bench_quant.log" \
-    | grep -E '^\||^==|MISS|PASS|targets|WARNING' | tail -60
-  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  bench bench_startup '.' 30 --importtime   # fresh processes, a warm kernel cache: the start-up breakdown
+  bench bench_foundation '.' 20
+  bench bench_prefill '.' 45                # pyattn vs torch SDPA FA2 / cuDNN, ceilings, NumPy end to end
+  bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth
+  bench bench_sparse "$tables" 50           # block-sparse vs dense pyattn / SDPA, patterns, CSR
+  bench bench_quant "$tables" 60            # bf16 / int8 / fp8 KV caches: speed and accuracy
+  # Boundary benchmark (host cost per input kind: NumPy, DeviceArray, torch, CuPy, DLPack): runs
+  # once the lead engineer adds scripts/bench_boundary.py.
+  if [[ -f scripts/bench_boundary.py ]]; then
+    bench bench_boundary "$tables" 40
+  fi
+  # Examples: each examples/*.py must run to completion on the GPU (they print their own checks).
+  for ex in examples/*.py; do
+    [[ -f $ex ]] || continue
+    echo "== example $ex"
+    python3 "$ex" > "$out/example_$(basename "$ex" .py).log" 2>&1 || { echo "FAILED: $ex"; rc=1; }
+    tail -3 "$out/example_$(basename "$ex" .py).log"
+  done
+  echo "== headline plot"
+  python3 scripts/plot_benchmarks.py -o "$out/benchmarks.png" "$out"/bench_*.json || rc=1
 fi
 exit $rc

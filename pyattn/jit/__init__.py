@@ -7,11 +7,11 @@ disk cache; :func:`build_many` does it for a list (``pyattn warmup``, CI), in pa
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import time
 
 from .._version import __version__
+from ._log import LazyLogger
 from .cache import KernelCache
 from .headers import check_headers_match_nvrtc, cuda_include_dir, nvrtc_identity
 from .nvrtc import compile_source
@@ -19,7 +19,7 @@ from .source import kernel_headers, render, sources_digest
 
 __all__ = ["toolchain_fingerprint", "get_cache", "build", "build_many", "compile_spec"]
 
-log = logging.getLogger("pyattn.jit")
+log = LazyLogger("pyattn.jit")
 
 
 @functools.lru_cache(maxsize=None)

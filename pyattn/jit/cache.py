@@ -19,7 +19,6 @@ The caller compiles: no CUDA here.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import pathlib
 import stat
@@ -31,10 +30,11 @@ from . import _keylock, _trust
 from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
                      default_cache_dir, encode, normalise_meta, temp_name)
 from ._litter import remove_litter
+from ._log import LazyLogger
 
 __all__ = ["CacheEntry", "KernelCache", "default_cache_dir"]
 
-logger = logging.getLogger("pyattn.cache")
+logger = LazyLogger("pyattn.cache")
 
 
 class KernelCache:

@@ -1,6 +1,6 @@
 """Where does the host time of a small device-resident ``attention`` call go?
 
-Usage: PYTHONPATH=. python scripts/profile_host.py
+Usage: PYTHONPATH=. python dev/profile_host.py
 Prints a cProfile of many tiny calls (sorted by own time) and a step-by-step timing of a warm
 kernel load in this process (what a new process pays before its first launch).
 """

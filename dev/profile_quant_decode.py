@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:attn_decode --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        python3 scripts/profile_quant_decode.py [int8|fp8e4m3] [B] [ctx]
+        python3 dev/profile_quant_decode.py [int8|fp8e4m3] [B] [ctx]
 
 Fills the pools with random codes and positive scales (through the tuning helper), then decodes
 bf16 queries, Hq 32, Hkv 8, D 128, page 16, a few times.

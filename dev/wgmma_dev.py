@@ -1,10 +1,10 @@
 """Develop the Hopper wgmma forward kernel (kernels_src/attention_fwd_wgmma.cuh) outside the library.
 
 Usage (repository root):
-  PYTHONPATH=. python3 scripts/wgmma_dev.py                 # compile every variant for sm_90a, report
-  PYTHONPATH=. python3 scripts/wgmma_dev.py --emit-header   # regenerate kernels_src/wgmma.cuh
+  PYTHONPATH=. python3 dev/wgmma_dev.py                 # compile every variant for sm_90a, report
+  PYTHONPATH=. python3 dev/wgmma_dev.py --emit-header   # regenerate kernels_src/wgmma.cuh
                                                             # (= python -m pyattn.jit.wgmma_gen)
-  PYTHONPATH=. python3 scripts/wgmma_dev.py --run [--quick] # on an sm_90 GPU: probe, check, time
+  PYTHONPATH=. python3 dev/wgmma_dev.py --run [--quick] # on an sm_90 GPU: probe, check, time
 
 Without a GPU it renders each variant with pyattn.jit.source.render (its tiles put in the wgmma
 family's table through pyattn.kernels.families.override_tiles), compiles it with NVRTC for sm_90a

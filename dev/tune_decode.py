@@ -6,7 +6,7 @@ forgets loaded kernels), clears the decode op's plan caches, and times ``run_dec
 combine, CUDA events over back-to-back calls) on paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16,
 at the issue's batch/context points.
 
-    PYTHONPATH=. python3 scripts/tune_decode.py [--kv int8|fp8e4m3]
+    PYTHONPATH=. python3 dev/tune_decode.py [--kv int8|fp8e4m3]
 
 With ``--kv`` the 8-bit-cache table (``"kv8"``) is overridden instead and the pools hold random
 codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).

@@ -1,6 +1,6 @@
 """Time tile variants of the tensor-core kernel side by side (one subprocess per variant).
 
-Usage: PYTHONPATH=. python scripts/tune_mma.py
+Usage: PYTHONPATH=. python dev/tune_mma.py
 Each variant replaces the big-shared-memory archs' attn_fwd_mma tile table in a child process
 (``pyattn.kernels.families.override_tiles``); the cache key covers the rendered source, so
 variants never collide.
