@@ -1,6 +1,6 @@
 """Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
 threads), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
-registered and pageable memory. Decides how ``pyattn.ops._host`` should move NumPy data."""
+registered and pageable memory. Decided how ``pyattn.pipeline`` moves NumPy data."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def main():
             a = time.perf_counter(); reg(); unreg(); ts.append(time.perf_counter() - a)
         print(f"register+unregister again: {1e3 * np.median(ts):.2f} ms")
     q = np.random.default_rng(1).standard_normal((1, 4096, 16, 128)).astype(np.float16)
-    from pyattn.ops import _host
+    from pyattn.pipeline import chunks as _host
     import cProfile, pstats
     for label, min_bytes in (("pipelined (default)", _host._MIN_PIPELINE_BYTES), ("one chunk", 1 << 40)):
         _host._MIN_PIPELINE_BYTES = min_bytes

@@ -18,7 +18,8 @@ import numpy as np
 
 import pyattn
 from pyattn.ops import decode as dec
-from pyattn.ops._paged import check_pools, check_query
+from pyattn.interop.inputs import read
+from pyattn.validate.paged import check_pools, check_query
 from pyattn.runtime.stream import default_stream
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -37,11 +38,11 @@ def main():
     q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(npages, device="cuda").int().reshape(B, L // PS)
     dq, dk, dt = pyattn.asarray(q), pyattn.asarray(k), pyattn.asarray(table)
-    pool, (ck, cv), scales = _quantized_pool(check_pools(dk, dk), k, kv)
+    pool, (ck, cv), scales = _quantized_pool(check_pools(read("k_pool", dk), read("v_pool", dk)), k, kv)
     dl = pyattn.asarray(np.full(B, L, np.int32))
-    P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None)
+    P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None)
     for _ in range(6):
-        dec.run_decode(P, pool, dq, ck, cv, (dt, None, L // PS, dl), L, None, s, False, scales)
+        dec.run_decode(P, dev, dq, ck, cv, (dt, None, L // PS, dl), L, 0, s, False, scales)
     s.synchronize()
 
 

@@ -2,9 +2,9 @@
 pyattn/kernels/families/decode.py).
 
 Puts each candidate in the sm_90a decode tile table's d <= 128 row (``override_tiles``, which also
-forgets loaded kernels), clears the decode op's plan caches, and times ``run_decode`` (kernel + split
-combine, CUDA events over back-to-back calls) on paged bf16 KV, D=128, Hq=32, Hkv=8, page size 16,
-at the issue's batch/context points.
+forgets loaded kernels; plans and decode specs key on the registry's generation, so they rebuild),
+and times ``run_decode`` (kernel + split combine, CUDA events over back-to-back calls) on paged
+bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
 
     PYTHONPATH=. python3 dev/tune_decode.py [--kv int8|fp8e4m3]
 
@@ -23,7 +23,8 @@ import numpy as np
 import pyattn
 from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
 from pyattn.ops import decode as dec
-from pyattn.ops._paged import check_pools, check_query
+from pyattn.interop.inputs import read
+from pyattn.validate.paged import check_pools, check_query
 from pyattn.runtime.stream import Event, default_stream
 
 # DecodeTile fields after max_head_dim: (keys per warp, warps, stages, max q_tiles, min blocks)
@@ -81,11 +82,11 @@ def main():
     k, v, table, q = data[(*POINTS[0], "nhd", PS)]
     dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
     tiny = pyattn.asarray(np.full(1, 16, np.int32))
-    pool = check_pools(dk, dv)
+    pool = check_pools(read("k_pool", dk), read("v_pool", dv))
     for splits in (1, 8):
-        P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
+        P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
                         num_splits=splits)
-        fn = lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, table.shape[1], tiny), 16, None, s, False)  # noqa: E731
+        fn = lambda: dec.run_decode(P, dev, dq, dk, dv, (dt, None, table.shape[1], tiny), 16, 0, s, False)  # noqa: E731
         fn()
         s.synchronize()
         t0 = time.perf_counter()
@@ -99,20 +100,18 @@ def main():
     for kw, w, st, mt, mb in CANDIDATES_Q8 if kv else CANDIDATES:
         rows = (DecodeTile(128, kw, w, st, mt, mb, "tuning"),) + base[1:]
         with override_tiles("attn_decode", "sm_90a", rows, table=tiles):
-            dec._specs.cache_clear()  # the op's plans hold the previous candidate's kernels and shapes
-            dec._plans.clear()
             cells = []
             for (B, L, layout, ps), (k, v, table, q) in data.items():
                 try:
                     dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
                     dl = pyattn.asarray(np.full(B, L, np.int32))
-                    pool = check_pools(dk, dv, layout)
+                    pool = check_pools(read("k_pool", dk), read("v_pool", dv), layout)
                     scales = (None, None)
                     if kv:
                         pool, (dk, dv), scales = _quantized_pool(pool, k, kv)
-                    P = check_query(dq, pool, causal=True, window=None, softcap=None, alibi_slopes=None,
+                    P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None,
                                     scale=None, num_splits=None)
-                    us = time_us(lambda: dec.run_decode(P, pool, dq, dk, dv, (dt, None, L // ps, dl), L, None, s,
+                    us = time_us(lambda: dec.run_decode(P, dev, dq, dk, dv, (dt, None, L // ps, dl), L, 0, s,
                                                         False, scales), s, dev)
                     nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
                     cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")

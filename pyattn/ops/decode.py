@@ -37,9 +37,10 @@ _memo = Memo()
 
 @functools.lru_cache(maxsize=256)
 def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
-           kv: str = "") -> tuple:
+           kv: str = "", generation: int = 0) -> tuple:
     """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head; ``kv``: the
-    cache's 8-bit kind ("" for 16-bit caches)."""
+    cache's 8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
+    replaced by ``override_tiles`` is read again."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
@@ -83,7 +84,7 @@ def _build(P, device) -> DecodePlan:
     rows = P.group * P.q_len
     kv = pool.kv
     spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
-                         P.alibi is not None, kv)
+                         P.alibi is not None, kv, generation())
     kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)

@@ -34,7 +34,7 @@ class MmaTile:
 TENSOR_CORE_ALIGNMENT = Alignment(qkv=16, out_elems=2)
 
 # Smem = (16*m_tiles*warps + 4*block_n) * (head_dim + 8) * 2 bytes (see _mma_smem_bytes).
-_MMA_BIG_SMEM = (  # sm_80 (163 KiB per block), sm_90a / sm_100a (227 KiB); measured on H200 (scripts/tune_mma.py)
+_MMA_BIG_SMEM = (  # sm_80 (163 KiB per block), sm_90a / sm_100a (227 KiB); measured on H200 (dev/tune_mma.py)
     MmaTile(64, 64, 4, 2, 1, "best of 5 variants at d=64: 260 / 220 TFLOP/s (non-causal / causal); "
                              "8 warps x 1 tile: 231"),
     MmaTile(128, 64, 8, 2, 1, "best of 5 variants at d=128: 281 / 190 TFLOP/s; 8 warps x 1 row tile: 244 "

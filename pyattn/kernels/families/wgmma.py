@@ -37,7 +37,7 @@ class WgmmaTile:
                           self.stages, self.overlap)
 
 
-# Head-dim buckets are multiples of 64. Measured on H200 (scripts/wgmma_dev.py, same run as torch
+# Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, same run as torch
 # SDPA; TFLOP/s non-causal / causal, fp16).
 _SM90 = (
     WgmmaTile(64, 64, 2, 4, True, 2, "B4 S4096 H16: 356 / 304 TFLOP/s = 1.21 / 1.19x FA2; 128 registers, "
