@@ -201,3 +201,40 @@ def test_tile_lists_large():
     assert tl.bits.dtype == np.uint64 and tl.n_rows == h * s // 128
     causal = tile_lists(mask, (64, 64), 128, 128, s, s, causal=1)
     assert 0.45 * tl.nnz < causal.nnz < 0.55 * tl.nnz
+
+
+# -- the plan reads the lists the way tile_lists lays them out -------------------------------------
+
+
+class _Arch:
+    ordinal = 0
+
+    def __init__(self, arch):
+        self.arch = arch
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("heads_in_layout", [1, 4])
+@pytest.mark.parametrize("block", [(128, 128), (48, 80)])  # the standard tiles, and 64 x 64 tiles
+def test_plan_tile_stride_matches_the_lists(monkeypatch, arch, heads_in_layout, block):
+    """A shared layout (H = 1) has one list for all heads: the kernel's row for head h must not step
+    by tiles-per-head (that read past the list: found on the GPU); per-head layouts step by it."""
+    import struct
+
+    from _problems import problem
+    from pyattn.ops import _fwd
+    from pyattn.ops.block_sparse import sparse_problem
+
+    monkeypatch.setattr(_fwd, "get_kernel", lambda spec, device: None)
+    q, kv = np.zeros((1, 268, 4, 64), np.float16), np.zeros((1, 210, 2, 64), np.float16)
+    P = problem(q, kv, kv, causal="top_left")
+    R, C = block
+    mask = np.random.default_rng(0).random((heads_in_layout, -(-268 // R), -(-210 // C))) < 0.3
+    plan = _fwd.build_fwd_plan(sparse_problem(P, mask, block, arch), _Arch(arch))
+    fmt = plan.spec.params.format
+    names = [n for n, _ in plan.spec.params.fields]
+    values = dict(zip(names, struct.unpack(fmt, plan.packer.pack(*[0] * 12)[:struct.calcsize(fmt)])))
+    t = plan.spec.tiles
+    lists = tile_lists(mask, block, t.block_m, t.block_n, 268, 210, causal=2, window=(-1, -1))
+    assert values["tile_stride_h"] == lists.stride_h
+    assert values["tile_stride_h"] == (0 if heads_in_layout == 1 else -(-268 // t.block_m))

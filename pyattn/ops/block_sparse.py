@@ -28,7 +28,7 @@ from ..validate.block_layout import check_block_layout, check_block_size, tile_l
 from ..validate.options import check_bool
 from ._fwd import SparseFwd, build_fwd_plan, device_extras, run_fwd
 
-__all__ = ["block_sparse_attention", "sparse_mode"]
+__all__ = ["block_sparse_attention", "sparse_mode", "sparse_problem"]
 
 _DTYPES = ("float16", "bfloat16")
 _ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
@@ -47,6 +47,14 @@ def sparse_mode(dtype: str, head_dim: int, arch: str, softcap: bool, alibi: bool
     t = select_attention_spec(dtype, head_dim, arch, ptx=ptx_requested(), softcap=softcap, alibi=alibi).tiles
     R, C = block_size
     return 1 if R % t.block_m == 0 and C % t.block_n == 0 else 2
+
+
+def sparse_problem(P, mask, block_size: tuple, arch: str) -> SparseFwd:
+    """The kernel problem of a block-sparse call: the mode, and one tile list per query head exactly
+    when the validated layout ``mask`` (H, Mb, Nb) has H > 1, as ``tile_lists`` lays the rows out
+    (its ``stride_h`` is 0 for a shared layout: the plan's ``tile_stride_h`` must agree)."""
+    mode = sparse_mode(P.dtype, P.head_dim, arch, P.softcap > 0, P.alibi is not None, tuple(block_size))
+    return SparseFwd(P, mode, mask.shape[0] > 1)
 
 
 def _device_lists(mask, block, tiles, P, device, s):
@@ -130,8 +138,7 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
     alibi = args["alibi_slopes"]
 
     def run(device, s, dq, dk, dv, alibi_ptr, dout):
-        mode = sparse_mode(P.dtype, P.head_dim, device.arch, P.softcap > 0, P.alibi is not None, (R, C))
-        plan = get_plan(build_fwd_plan, SparseFwd(P, mode, mask.ndim == 3), device)
+        plan = get_plan(build_fwd_plan, sparse_problem(P, mask, (R, C), device.arch), device)
         t = plan.spec.tiles
         d_ptr, d_idx, d_bits = _device_lists(mask, (R, C), (t.block_m, t.block_n), P, device, s)
         return run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse,
