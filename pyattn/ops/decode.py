@@ -16,7 +16,7 @@ import numpy as np
 from ..array import c_strides
 from ..interop.inputs import read, read_optional
 from ..interop.streams import order_inputs
-from ..kernels.registry import get_kernel
+from ..kernels.registry import generation, get_kernel
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
 from ..paged.cache import PagedKVCache
 from ..pipeline import host
