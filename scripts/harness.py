@@ -42,7 +42,8 @@ _VERSIONS = ("cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-run
 
 def load_torch():
     """torch, or None (not installed, or it cannot see a GPU). Called before pyattn compiles or
-    launches anything: importing torch after pyattn had loaded NVRTC failed once on the GPU host."""
+    launches anything, so that every benchmark runs in the same order (torch first); the reverse
+    order works too (bench_boundary.py checks it in a fresh process)."""
     try:
         import torch
     except ImportError:
