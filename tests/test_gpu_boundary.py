@@ -199,3 +199,22 @@ def test_compiling_first_then_importing_torch_works(tmp_path):
     env = dict(os.environ, PYATTN_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK 3.0 torch.float16" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_a_script_that_keeps_results_exits_cleanly(tmp_path):
+    """Results left in globals are torn down at exit after their streams: their frees must not reach
+    the driver then (it segfaulted in about half of such runs)."""
+    code = textwrap.dedent("""
+        import numpy as np, pyattn
+        q = pyattn.asarray(np.ones((1, 128, 4, 64), np.float16))
+        out = pyattn.attention(q, q, q)
+        s = pyattn.Stream()
+        out2 = pyattn.attention(q, q, q, stream=s)
+        host = pyattn.attention(np.ones((1, 64, 2, 64), np.float16), np.ones((1, 64, 2, 64), np.float16),
+                                np.ones((1, 64, 2, 64), np.float16))
+        print("done")
+    """)
+    env = dict(os.environ, PYATTN_CACHE_DIR=str(tmp_path / "cache"))
+    for _ in range(6):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-2000:])

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 
-__all__ = ["Closeable", "release_quietly", "per_device"]
+__all__ = ["Closeable", "release_quietly", "per_device", "exiting", "watch_exit"]
 
 _registry_lock = threading.RLock()
+_exit = {"watched": False, "exiting": False}
+
+
+def _mark_exit() -> None:
+    _exit["exiting"] = True
+
+
+def watch_exit() -> None:
+    """Have :func:`exiting` turn true when the interpreter starts to exit (an ``atexit`` hook,
+    registered once, by the first owner of a driver resource).
+
+    Why: at exit, objects are torn down in no useful order, so a block's stream-ordered free could
+    name a stream whose finalizer already destroyed it, which crashed the driver (a segfault in
+    about half of the runs of a script that kept a result in a global). The driver frees the
+    context's memory, streams and events when the process ends anyway, so past this point pyattn
+    releases nothing itself.
+    """
+    if not _exit["watched"]:
+        with _registry_lock:
+            if not _exit["watched"]:
+                atexit.register(_mark_exit)
+                _exit["watched"] = True
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting (see :func:`watch_exit`)."""
+    return _exit["exiting"]
 
 
 class Closeable:
@@ -26,6 +54,8 @@ def release_quietly(destroy: str, handle) -> None:
     """Call ``cuda.bindings.driver.<destroy>(handle)`` from a finalizer, ignoring failures:
     at interpreter shutdown the driver (or the context) may already be gone, and a finalizer
     has nobody to report to."""
+    if _exit["exiting"]:
+        return
     try:
         from cuda.bindings import driver
 

@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 
 from .device import Device
-from ._resource import per_device, release_quietly
+from ._resource import exiting, per_device, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool", "get_staging",
@@ -95,6 +95,8 @@ class Allocation:
 
 
 def _free_async(ptr, stream, used_on) -> None:
+    if exiting():  # the streams may be gone; the driver frees the pool with the context
+        return
     try:
         driver = _drv()
         for other in (used_on or {}).values():
@@ -118,6 +120,7 @@ class DevicePool:
 
     def __init__(self, device: Device):
         driver = _drv()
+        watch_exit()
         self.device = device
         props = driver.CUmemPoolProps()
         props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED

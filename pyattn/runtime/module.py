@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from .device import Device
-from ._resource import Closeable, release_quietly
+from ._resource import Closeable, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Module", "Kernel"]
@@ -37,6 +37,7 @@ class Module(Closeable):
     def __init__(self, device: Device, image: bytes):
         self.device = device
         device.activate()
+        watch_exit()
         self.handle = check(_drv().cuModuleLoadData(image), "cuModuleLoadData")
         self._finalizer = weakref.finalize(self, release_quietly, "cuModuleUnload", self.handle)
 

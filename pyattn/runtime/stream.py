@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from .device import Device, get_device
-from ._resource import Closeable, per_device, release_quietly
+from ._resource import Closeable, per_device, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Stream", "Event", "as_stream", "default_stream", "borrowed", "check_stream_arg", "order_after",
@@ -57,6 +57,7 @@ class Stream(Closeable):
 
     def __init__(self, device: Device | None = None, *, handle: int | None = None, owner=None):
         driver = _drv()
+        watch_exit()
         self.device = device if device is not None else get_device()
         self._owner = owner
         if handle is None:
