@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import textwrap
 import sys
 
 from pyattn.jit.headers import header_version
@@ -49,3 +50,28 @@ def test_a_compile_leaves_the_interpreters_shared_bytes_alone():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout == "a b True\n", repr(p.stdout)
+
+
+def test_a_compile_leaves_locale_and_text_handling_as_they_were():
+    """The 'import torch after a compile' failure (torch's schema parser saw ``annotate(strtag)``
+    without its spaces) came from the shared ``b" "`` above, not from NVRTC's locale handling: a
+    compile, with a failing one too, leaves the process and thread locale, and the encoding of
+    strings with spaces, as they were."""
+    code = textwrap.dedent('''
+        import locale
+        from pyattn import CompileError
+        from pyattn.jit.nvrtc import compile_source
+        before = (locale.setlocale(locale.LC_ALL), locale.getlocale(), locale.localeconv()["decimal_point"])
+        compile_source('extern "C" __global__ void k(float* x) { x[0] = 1.5f; }', (), ("-arch=sm_90a",), name="k")
+        try:
+            compile_source("garbage", (), ("-arch=sm_80",), name="bad")
+        except CompileError as e:
+            assert "error" in e.log
+        after = (locale.setlocale(locale.LC_ALL), locale.getlocale(), locale.localeconv()["decimal_point"])
+        assert before == after, (before, after)
+        s = "aten::annotate(str type, Any(a) item) -> Any(a)"
+        assert s.encode() == bytes(s, "ascii") and b" " in s.encode() and float("1.5") == 1.5
+        print("ok")
+    ''')
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "ok\n", p.stderr[-2000:]
