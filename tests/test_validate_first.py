@@ -208,3 +208,13 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
     for call in valid:
         with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):
             call()
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+@pytest.mark.parametrize("value", [2**31, -1])
+def test_varlen_max_seqlen_out_of_range_is_refused_before_the_lengths_are_fetched(blocked, name, value):
+    """Device cu_seqlens are copied back for their range check; a max_seqlen no int32 holds is known
+    bad before that copy (the fuzz found it on a GPU machine, where the copy could run)."""
+    a = [Dev((8, 4, 32)), Dev((8, 2, 32)), Dev((8, 2, 32)), Dev((3,), np.int32), Dev((3,), np.int32)]
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        pyattn.attention_varlen(*a, **{name: value})

@@ -232,6 +232,8 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None and (isinstance(given, (bool, np.bool_)) or not isinstance(given, (int, np.integer))):
             raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
+        if given is not None and not 0 <= given <= INT32_MAX:  # before the values are fetched from the device
+            raise ValueError(f"{name}: expected an int in [0, 2**31 - 1], got {given!r}")
     strides = tuple((0, a.strides[0], a.strides[1]) for a in ins)
     problem = AttentionProblem(n, Hq, Hk, 0, 0, D, q.dtype.name, "thd", causal, scale, q.on_device, *strides,
                                window, softcap, None, alibi_info, total_q=Tq, allow_tf32=bool(allow_tf32),
