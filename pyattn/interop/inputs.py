@@ -56,11 +56,6 @@ class Arg(NamedTuple):
     def on_device(self) -> bool:
         return self.kind != HOST
 
-    @property
-    def key(self) -> tuple:
-        """What a plan may depend on: layout, dtype, place."""
-        return (self.kind == HOST, self.shape, self.strides, self.dtype, self.ordinal)
-
 
 # -- readers ----------------------------------------------------------------------------------------
 

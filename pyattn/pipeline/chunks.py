@@ -173,9 +173,7 @@ class _Call:
         mask4, mask_dt = mask
         arrays = [(mask4, mask_dt) if mask4 is not None else None, slopes]
         if self.rows:
-            arrays += [k, v]
-            rows = (slice(None),) * self.seq_axis
-            arrays += [q[rows + (slice(c.s0, c.s1),)] for c in self.chunks]
+            arrays += [k, v] + [q[_rows(self.P.layout, c.s0, c.s1)] for c in self.chunks]
         else:
             arrays += [x[c.b0:c.b1] for c in self.chunks for x in (q, k, v)]
         width = 1 if self.rows else 3  # arrays per chunk, after the shared ones

@@ -213,12 +213,13 @@ class _Piece(NamedTuple):
     shape: tuple
 
 
-def _plan_pieces(arrays, offs) -> list:
+def _plan_pieces(items, offs) -> list:
+    """The pieces of ``items`` (``(array, staged dtype)`` or None) placed at byte offsets ``offs``."""
     pieces = []
-    for i, (a, o) in enumerate(zip(arrays, offs)):
-        if a is None:
+    for i, (item, o) in enumerate(zip(items, offs)):
+        if item is None:
             continue
-        src, dt = a if isinstance(a, tuple) else (a, a.dtype)
+        src, dt = item
         for idx, off, shape in cuts(src.shape, dt.itemsize, _PIECE_BYTES):
             pieces.append(_Piece(i, src[idx] if idx else src, dt, o + off, math.prod(shape) * dt.itemsize, shape))
     return pieces
@@ -250,26 +251,21 @@ def upload(arrays, device, s, on_ready=None) -> list:
     ``i`` are not filled yet): a consumer on another stream may wait for an event recorded then.
     Arrays are sent in the order given, so the ones needed first should come first.
     """
+    # Each entry as (array, staged dtype), once.
+    items = [None if a is None else (a[0], np.dtype(a[1])) if isinstance(a, tuple) else (a, a.dtype) for a in arrays]
     offs, total = [], 0
-    for a in arrays:
+    for item in items:
         offs.append(total)
-        if a is not None:
-            src, dt = a if isinstance(a, tuple) else (a, a.dtype)
-            total += _aligned(src.size * np.dtype(dt).itemsize)
+        if item is not None:
+            total += _aligned(item[0].size * item[1].itemsize)
     alloc = get_pool(device).allocate(total, s)
-    views = []
-    for a, o in zip(arrays, offs):
-        if a is None:
-            views.append(None)
-            continue
-        src, dt = a if isinstance(a, tuple) else (a, a.dtype)
-        dt = np.dtype(dt)
-        views.append(DeviceArray._wrap(alloc.ptr + o, src.shape, dt, c_strides(src.shape, dt.itemsize),
-                                       c_strides(src.shape), device, alloc, s))
+    views = [None if item is None else
+             DeviceArray._wrap(alloc.ptr + o, item[0].shape, item[1], c_strides(item[0].shape, item[1].itemsize),
+                               c_strides(item[0].shape), device, alloc, s)
+             for item, o in zip(items, offs)]
     ready = None if on_ready is None else (lambda i: on_ready(i, views))
     if total:
-        pieces = _plan_pieces([None if a is None else (a if isinstance(a, tuple) else (a, a.dtype)) for a in arrays],
-                              offs)
+        pieces = _plan_pieces(items, offs)
         if total > _SMALL_BYTES:
             _upload_waves(pieces, len(arrays), device, alloc.ptr, s, ready)
             return views
@@ -314,6 +310,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
                 on_ready(signalled)
                 signalled += 1
 
+    first_size = min(_WAVE_BYTES, sum(p.nbytes for p in pieces))  # the first buffers: one size, reusable
     try:
         depth = _WAVES_IN_FLIGHT
         for w, (wp, used) in enumerate(waves):
@@ -324,7 +321,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
                     staging.release(buf)
                     buf = staging.acquire(used)
             else:
-                buf = staging.acquire(max(used, min(_WAVE_BYTES, sum(p.nbytes for p in pieces))))
+                buf = staging.acquire(max(used, first_size))
             bufs[w] = buf
             raw = buf.array(np.uint8, (buf.nbytes,))
             jobs = [(raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, off, p.dev_off, p.nbytes)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ..interop.inputs import HOST, Arg
+from ..interop.inputs import HOST
 from ..kernels.registry import generation
 
 __all__ = ["get_plan", "ptx_requested", "Memo", "signature"]
@@ -64,31 +64,13 @@ def get_plan(build, problem, device):
 
 
 class Memo:
-    """Signature -> validated problem, for one op (bounded; a workload with more signatures just
-    validates again)."""
+    """Signature (:func:`signature`) -> validated problem, for one op (bounded; a workload with more
+    signatures just validates again)."""
 
     _MAX = 4096
 
     def __init__(self):
         self._entries: dict = {}
-
-    @staticmethod
-    def key(values):
-        """The signature of a call whose arguments are ``values`` (``Arg`` for arrays), or None when it
-        cannot be memoised (host arrays, unhashable options)."""
-        parts = []
-        for v in values:
-            if type(v) is Arg:
-                if v.kind == HOST:
-                    return None
-                v = v[1:6]  # kind, shape, dtype, strides, ordinal: a plain tuple slice, no Python loop
-            parts.append(v)
-        key = tuple(parts)
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
 
     def get(self, key):
         return None if key is None else self._entries.get(key)
@@ -103,7 +85,7 @@ class Memo:
 
 def signature(params: dict, args: dict):
     """The memo key of a call: ``params`` is the op's ``locals()`` taken first thing (every parameter,
-    in order), ``args`` the :class:`Arg` (or None) read for its array parameters; ``stream`` is per
+    in order), ``args`` the :class:`~pyattn.interop.inputs.Arg` (or None) read for its array parameters; ``stream`` is per
     call. None when the call cannot be memoised (host arrays, unhashable options)."""
     values = dict(params)  # a copy keeps the parameters' order; the array entries are overwritten in place
     del values["stream"]
