@@ -3,8 +3,11 @@
 //
 // One block owns BLOCK_M = 64 * WARPGROUPS query rows of one (batch, query head); warpgroup w
 // owns rows [64w, 64w + 64) (the M of one wgmma). Q, K and V tiles sit in shared memory with the
-// 128-byte swizzle (wgmma.cuh), K/V tiles of BLOCK_N keys in a STAGES-deep cp.async ring that all
-// threads fill (no producer warpgroup, no TMA: the parameter struct carries no tensor map).
+// 128-byte swizzle (wgmma.cuh), K/V tiles of BLOCK_N keys in a STAGES-deep cp.async ring. Without
+// WS all threads fill the ring and meet at a __syncthreads per tile; with WS (warp-specialized) a
+// producer warpgroup fills it alone (its registers cut to 56 by setmaxnreg, the consumers' raised
+// to 224) and hands stages over through "full" / "empty" mbarriers (wgmma_pipe.cuh), so the
+// consumer warpgroups never wait for each other and issue no copies.
 // Per key tile j and warpgroup:
 //   S_j = Q K_j^T        wgmma m64 n{BLOCK_N} k16, A = Q and B = K from shared memory (K-major)
 //   online softmax on S_j in registers (fp32, base 2), P_j packed to 16 bits in registers
@@ -15,12 +18,14 @@
 // That keeps tiles j-1 (V) and j (K) resident, so a tile loads STAGES - 2 tiles ahead
 // (STAGES - 1 without OVERLAP).
 //
-// Semantics are attention_fwd_mma.cuh's without the score modifiers: GQA, bshd/bhsd strides,
-// causal and sliding window (whole tiles skipped, per-element masks only on boundary tiles),
-// varlen, natural-log LSE, empty rows -> 0 / -inf, head_dim padding, sequence tails.
-// Requires pyattn::AttnFwdParams, common.cuh, mma.cuh (pack2, fast_exp2) and wgmma.cuh.
+// Semantics are attention_fwd_mma.cuh's: GQA, bshd/bhsd strides, causal and sliding window (whole
+// tiles skipped, per-element masks only on boundary tiles), varlen, natural-log LSE, empty rows
+// -> 0 / -inf, head_dim padding, sequence tails, and the score modifiers (Mods: mask tensor,
+// soft-cap, ALiBi), applied to S in registers by FastMods (attention_mask.cuh) between the QK^T
+// wgmma and the softmax; without modifiers none of that code is compiled in.
+// Requires pyattn::AttnFwdParams, common.cuh, mma.cuh (pack2, fast_exp2), wgmma.cuh, wgmma_pipe.cuh.
 //
-// Launch: Traits::kThreads = 128 * WARPGROUPS threads, Traits::kSmemBytes dynamic shared memory
+// Launch: Traits::kThreads = 128 * (WARPGROUPS + WS) threads, Traits::kSmemBytes dynamic shared memory
 // (opt in above 48 KiB), grid (ceil(max seqlen_q / BLOCK_M), heads_q, batch or varlen sequences);
 // causal launches walk blockIdx.x from the last query tile down (most work first). The caller
 // guarantees 16-byte aligned q/k/v/o and row strides that are multiples of 8 elements (cp.async
@@ -30,18 +35,29 @@
 #include "attention_mask.cuh"
 #include "block_sparse.cuh"
 #include "wgmma.cuh"
+#include "wgmma_pipe.cuh"
 
 namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
-          bool OVERLAP_ = true>
+          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   static constexpr int kHeadDim = HEAD_DIM_;  // compiled bucket; params.head_dim <= kHeadDim
   static constexpr int kBlockM = BLOCK_M_;
   static constexpr int kBlockN = BLOCK_N_;
   static constexpr int kWarpgroups = WARPGROUPS_;
-  static constexpr int kThreads = 128 * WARPGROUPS_;
+  static constexpr bool kWS = WS_;
+  static constexpr int kThreads = 128 * (WARPGROUPS_ + WS_);  // the producer is the last warpgroup
+  static constexpr int kConsumerThreads = 128 * WARPGROUPS_;
+  // WS register split (setmaxnreg): 128 * 56 + 256 * 224 = 64512, the file at 1 block/SM. The
+  // cp.async producer needs addresses and bounds, not just a TMA issue: at 24 / 240 it spilled 232
+  // bytes, at 40 / 232 48; the consumers, who issue no copies, fit in 224 (d = 128, ptxas -v).
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static_assert(!WS_ || WARPGROUPS_ == 2, "WS: the register split is for two consumer warpgroups");
+  // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
+  // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
+  static constexpr bool kPingPong = WS_ && OVERLAP_;
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
   // How many tiles ahead of the one in use a tile is loaded (see the header comment).
@@ -56,50 +72,22 @@ struct AttnFwdWgmmaTraits {
   static constexpr int kQBytes = BLOCK_M_ * HEAD_DIM_ * 2;
   static constexpr int kKVBytes = BLOCK_N_ * HEAD_DIM_ * 2;  // one K or one V tile
   static constexpr int kStageBytes = 2 * kKVBytes;
+  // A mask tensor's tile (BLOCK_M x BLOCK_N elements of MASK_BYTES each; 0 = no mask tensor) rides
+  // in the ring with its K/V tile when the mask's rows are 16-byte aligned (else it is read from
+  // global memory in place). Rows are padded by 16 bytes: the 8 rows a warp reads at once then
+  // start in different banks.
+  static constexpr int kMaskBytes = MASK_BYTES_;
+  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + 16 : 0;
+  static constexpr int kMaskTileBytes = BLOCK_M_ * kMaskRow;
+  static_assert(MASK_BYTES_ == 0 || (BLOCK_N_ * MASK_BYTES_) % 16 == 0, "mask tile rows: whole 16-byte chunks");
+  // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles.
+  static constexpr int kBarrierBytes = WS_ ? 16 * STAGES_ : 0;
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.
-  static constexpr int kSmemBytes = kQBytes + STAGES_ * kStageBytes + 1024;
+  static constexpr int kSmemBytes = kQBytes + STAGES_ * (kStageBytes + kMaskTileBytes) + kBarrierBytes + 1024;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
-// Copy rows [row0, row0 + ROWS) of a (seq, head_dim) slice into a 128-byte-swizzled tile at
-// shared address `dst`; rows at or past `row_end` and columns at or past `head_dim` are
-// zero-filled (padded dims and keys past the end then contribute exactly nothing).
-template <class Tr, int ROWS>
-__device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr::T* src, long long row_stride,
-                                                int row0, int row_end, int head_dim) {
-  constexpr int kChunksPerRow = Tr::kHeadDim / 8;  // 16-byte chunks
-  if constexpr (Tr::kThreads % kChunksPerRow == 0) {
-    // Each thread keeps one chunk column; consecutive threads walk one row (coalesced).
-    constexpr int kRowsPerPass = Tr::kThreads / kChunksPerRow;
-    constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
-    const int cc = threadIdx.x % kChunksPerRow, col = cc * 8;
-    const unsigned col_block = (cc >> 3) * (ROWS * 128);  // which 64-element column block
-    const bool col_ok = col < head_dim;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int r = pass * kRowsPerPass + threadIdx.x / kChunksPerRow;
-      if (ROWS % kRowsPerPass == 0 || r < ROWS) {
-        const bool ok = col_ok && row0 + r < row_end;
-        const typename Tr::T* g = ok ? src + (row0 + r) * row_stride + col : src;
-        wg::cp_async_16(dst + col_block + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
-      }
-    }
-  } else {  // e.g. HEAD_DIM 192: 24 chunks per row; walk the flat chunk index instead
-    constexpr int kChunks = ROWS * kChunksPerRow;
-#pragma unroll
-    for (int c0 = 0; c0 < kChunks; c0 += Tr::kThreads) {
-      const int c = c0 + threadIdx.x;
-      if (kChunks % Tr::kThreads == 0 || c < kChunks) {
-        const int r = c / kChunksPerRow, cc = c % kChunksPerRow, col = cc * 8;
-        const bool ok = col < head_dim && row0 + r < row_end;
-        const typename Tr::T* g = ok ? src + (row0 + r) * row_stride + col : src;
-        wg::cp_async_16(dst + (cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
-      }
-    }
-  }
-}
-
-template <class Tr, bool SPARSE>
+template <class Tr, class Mods, bool SPARSE>
 struct AttnFwdWgmmaMainloop {
   using T = typename Tr::T;
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
@@ -117,7 +105,11 @@ struct AttnFwdWgmmaMainloop {
   KeyTiles<BM, BN, SPARSE> tiles;  // the band's key tiles, or this query tile's block-sparse list
   unsigned sKV;                    // shared address of stage 0 (K; V kKVBytes later)
   unsigned long long q_desc, k_desc0, v_desc0;
-  int n_tiles, sk, head_dim;
+  FastMods<Mods> mods;             // score modifiers (unused without)
+  unsigned sMask;                  // shared address of stage 0's mask tile (stage s: + s * kMaskTileBytes)
+  const unsigned char* mask_smem;  // the same as a generic pointer
+  bool staged;                     // the mask tensor's tiles ride in the ring (else read in place)
+  int m0, n_tiles, sq, sk, head_dim;
   int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
   int sub_row;                     // this thread's row of 16 x 16 sub-blocks within the query tile
   float sl2;
@@ -126,6 +118,75 @@ struct AttnFwdWgmmaMainloop {
   float row_max[2], row_sum[2];
   unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP)
   int stage, prev_stage, load_stage;
+  unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
+  unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
+  int wgi;                         // this thread's consumer warpgroup
+
+  // Key tile at n_load (K, V and a staged mask tile) into ring stage `st`, by NT threads.
+  template <int NT>
+  __device__ __forceinline__ void load(int st, int n_load, int tid) {
+    const unsigned kv = sKV + st * Tr::kStageBytes;
+    wgmma_load_tile<Tr, BN, NT>(kv, k, k_stride, n_load, sk, head_dim, tid);
+    wgmma_load_tile<Tr, BN, NT>(kv + Tr::kKVBytes, v, v_stride, n_load, sk, head_dim, tid);
+    if constexpr (Tr::kMaskBytes > 0)
+      if (staged)
+        wgmma_load_mask<Tr, NT>(sMask + st * Tr::kMaskTileBytes, mods.mask, mods.m_sq, m0, sq, n_load, sk, tid);
+  }
+
+  // WS producer: Q and every key tile through the ring. A stage is reused once all consumer warps
+  // released it; it is handed over once this thread's copies into it landed and were fenced for
+  // the async proxy (each of the 128 producer threads arrives on "full").
+  __device__ __forceinline__ void produce(unsigned sQ, const T* q, long long q_stride, int tid) {
+    wgmma_load_tile<Tr, BM, 128>(sQ, q, q_stride, m0, sq, head_dim, tid);  // with tile 0's group
+    int st = 0;
+    unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
+    for (int i = 0; i < n_tiles; ++i) {
+      pipe::wait(bar_empty + 8 * st, empty_parity);
+      load<128>(st, tiles.n0(i), tid);
+      wg::cp_async_commit();
+      if (i > 0) {  // tile i - 1 landed (one group may stay in flight): hand its stage over
+        wg::cp_async_wait<1>();
+        wg::fence_proxy_async_smem();
+        pipe::arrive(bar_full + 8 * (st == 0 ? STAGES - 1 : st - 1));
+      }
+      if (++st == STAGES) st = 0, empty_parity ^= 1;
+    }
+    wg::cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    pipe::arrive(bar_full + 8 * (st == 0 ? STAGES - 1 : st - 1));
+  }
+
+  // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it.
+  __device__ __forceinline__ void release(int st) const {
+    if constexpr (Tr::kWS) {
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) pipe::arrive(bar_empty + 8 * st);
+    }
+  }
+
+  // The mask tensor on key tile n0 in S's register layout: a float mask's log2-unit terms in
+  // mt, a bool mask's pair words in mw (index 2 i + h); nothing past the ends is read.
+  __device__ __forceinline__ void gather_mask(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const {
+    if (Tr::kMaskBytes > 0 && staged) {
+      const char* at = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes +
+                       (row_a - m0) * Tr::kMaskRow + 2 * t * Tr::kMaskBytes;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          mods.pair_at(at + h * 8 * Tr::kMaskRow + i * 8 * Tr::kMaskBytes, mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1],
+                       mw[2 * i + h]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
+          mods.pair_in_place(row, key, row < sq && key < sk, row < sq && key + 1 < sk, mt[4 * i + 2 * h],
+                             mt[4 * i + 2 * h + 1], mw[2 * i + h]);
+        }
+    }
+  }
 
   // O += P V with V in `st`'s stage.
   __device__ __forceinline__ void pv(int st) {
@@ -144,12 +205,17 @@ struct AttnFwdWgmmaMainloop {
     // Tile j landed (this thread's copies), is visible to the async proxy, and everyone's copies
     // are done; every warpgroup also finished the wgmmas that read the stage refilled below
     // (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
-    wg::cp_async_wait<AHEAD - 1>();
-    wg::fence_proxy_async_smem();
-    __syncthreads();
+    if constexpr (Tr::kWS) {
+      pipe::wait(bar_full + 8 * stage, full_parity);  // the producer filled and fenced it
+    } else {
+      wg::cp_async_wait<AHEAD - 1>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+    }
 
     // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
     float s[S_REGS];
+    if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
     wg::fence_operands(acc);
     wg::fence();
     const unsigned long long k_desc = wg::desc_add(k_desc0, stage * Tr::kStageBytes);
@@ -164,15 +230,21 @@ struct AttnFwdWgmmaMainloop {
       pv(prev_stage);
       wg::commit();
     }
-    // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
-    if (j + AHEAD < n_tiles) {
-      const unsigned st = sKV + load_stage * Tr::kStageBytes;
-      const int n_load = tiles.n0(j + AHEAD);
-      wgmma_load_tile<Tr, BN>(st, k, k_stride, n_load, sk, head_dim);
-      wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, v, v_stride, n_load, sk, head_dim);
+    // The other warpgroup's turn. Warpgroup 1 gave warpgroup 0 its first turn before the loop, so
+    // it skips its last hand-over: every arrival then meets a sync.
+    if constexpr (Tr::kPingPong)
+      if (wgi == 0 || j + 1 < n_tiles) pipe::bar_arrive(1 + (wgi ^ 1), 256);
+    if constexpr (!Tr::kWS) {
+      // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
+      if (j + AHEAD < n_tiles) load<Tr::kThreads>(load_stage, tiles.n0(j + AHEAD), threadIdx.x);
+      wg::cp_async_commit();  // possibly empty: keeps one group per tile for wait<AHEAD-1>
+      load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
     }
-    wg::cp_async_commit();  // possibly empty: keeps one group per tile for wait<AHEAD-1>
-    load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
+    // -- the mask's terms of tile j, gathered while the tensor cores run: all loads of a tile in
+    // one batch (one per element pair, interleaved with the scores, they cost 2x the dense time)
+    float mt[S_REGS];
+    unsigned mw[BN / 4];
+    if constexpr (Mods::kMask != kMaskNone) gather_mask(mt, mw, n0);
     if constexpr (WITH_PV) {
       wg::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
     } else {
@@ -180,8 +252,30 @@ struct AttnFwdWgmmaMainloop {
     }
     wg::fence_operands(s);
 
-    // -- mask keys past the end and outside the band (only tiles that cross a boundary)
-    if (!band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk)) {
+    const bool full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
+    if constexpr (Mods::kAny) {
+      // -- every score through the modifiers (log2 units after this); masked -> -inf. Rows past
+      // the end get -inf and never read the mask tensor.
+      const bool rows_in = wg_row0 + 63 < sq;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
+          const bool row_in = rows_in || row < sq;
+          const bool in0 = row_in && key < sk, in1 = row_in && key + 1 < sk;
+          bool ok0 = full ? row_in : in0 && band.allows(row, key);
+          bool ok1 = full ? row_in : in1 && band.allows(row, key + 1);
+          if constexpr (FastMods<Mods>::kBool) {
+            ok0 = ok0 && (mw[2 * i + h] & 0xffu);
+            ok1 = ok1 && (mw[2 * i + h] & 0xff00u);
+          }
+          float& s0 = s[4 * i + 2 * h];
+          float& s1 = s[4 * i + 2 * h + 1];
+          s0 = ok0 ? mods.score(s0, row, key, mt[4 * i + 2 * h]) : -inf();
+          s1 = ok1 ? mods.score(s1, row, key + 1, mt[4 * i + 2 * h + 1]) : -inf();
+        }
+    } else if (!full) {  // -- mask keys past the end and outside the band (boundary tiles only)
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
@@ -223,6 +317,7 @@ struct AttnFwdWgmmaMainloop {
     if constexpr (WITH_PV) {
       wg::wait<0>();
       wg::fence_operands(acc);
+      release(prev_stage);  // V_{j-1} read
     }
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
@@ -244,17 +339,17 @@ struct AttnFwdWgmmaMainloop {
       wg::commit();
       wg::wait<0>();
       wg::fence_operands(acc);
+      release(stage);
     }
     prev_stage = stage;
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
+    if (++stage == STAGES) stage = 0, full_parity ^= 1;
   }
 };
 
 template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
-  static_assert(!Mods::kAny, "score modifiers (mask, soft-cap, ALiBi) stay on the mma.sync kernel");
   using T = typename Tr::T;
-  using Mainloop = AttnFwdWgmmaMainloop<Tr, SPARSE>;
+  using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
 
@@ -262,6 +357,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sQ = smem0;
   const unsigned sKV = smem0 + Tr::kQBytes;  // stage s: K at + s * kStageBytes, V kKVBytes later
+  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // stage s's mask tile at + s * kMaskTileBytes
 
   // Causal blocks near the end of the sequence do the most work: start them first.
   const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -283,17 +379,27 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   band_key_range<BN>(ml.band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
   ml.tiles.init(p, head, m_block, n_begin, n_end);
   ml.n_tiles = ml.tiles.count;
+  ml.sq = sq;
   ml.sk = sk;
+  ml.mods.init(p, batch, head, sq, sk);
+  ml.m0 = m0;
+  ml.sMask = sMask;
+  ml.mask_smem = smem_raw + (sMask - wg::smem_u32(smem_raw));
+  ml.staged = false;
+  if constexpr (Tr::kMaskBytes > 0)  // 16-byte aligned rows of consecutive keys: copy tiles by cp.async
+    ml.staged = ml.mods.m_sk == 1 && (ml.mods.m_sq * Tr::kMaskBytes) % 16 == 0 &&
+                reinterpret_cast<unsigned long long>(ml.mods.mask) % 16 == 0;
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
 
   const int wgi = threadIdx.x / 128;  // warpgroup
+  ml.wgi = wgi;
   const int lane = threadIdx.x % 32, g = lane / 4;
   ml.t = lane % 4;
   ml.wg_row0 = m0 + wgi * 64;
   ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + g;
   ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
-  ml.sl2 = p.scale_log2;
+  ml.sl2 = FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;  // modified scores are in log2 units already
 
   // Descriptors (128-byte swizzle). K-major operands step 32 B per k16 inside a 64-column block,
   // then jump to the next block; V is read MN-major: 16 keys = 2048 B per k16 step, LBO = the
@@ -302,25 +408,45 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
   ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
 
+  ml.stage = ml.prev_stage = 0;
+  ml.load_stage = AHEAD % STAGES;
+  ml.full_parity = 0;
+
+  if constexpr (Tr::kWS) {
+    // -- barriers: "full" takes the 128 producer threads' arrivals, "empty" one per consumer warp
+    ml.bar_full = sMask + STAGES * Tr::kMaskTileBytes;
+    ml.bar_empty = ml.bar_full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        pipe::init(ml.bar_full + 8 * st, 128);
+        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+      }
+      pipe::init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
+      pipe::regs_dec<Tr::kProducerRegs>();
+      if (ml.n_tiles > 0) ml.produce(sQ, q, p.q_stride_s, threadIdx.x - Tr::kConsumerThreads);
+      return;
+    }
+    pipe::regs_inc<Tr::kConsumerRegs>();
+    if constexpr (Tr::kPingPong)
+      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+  }
 #pragma unroll
   for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
   ml.row_max[0] = ml.row_max[1] = -inf();
   ml.row_sum[0] = ml.row_sum[1] = 0.f;
-  ml.stage = ml.prev_stage = 0;
-  ml.load_stage = AHEAD % STAGES;
 
   if (ml.n_tiles > 0) {  // CTA-uniform
-    // -- prologue: Q with tile 0, then tiles 1 .. AHEAD-1, one cp.async group per tile
-    wgmma_load_tile<Tr, BM>(sQ, q, p.q_stride_s, m0, sq, p.head_dim);
+    if constexpr (!Tr::kWS) {
+      // -- prologue: Q with tile 0, then tiles 1 .. AHEAD-1, one cp.async group per tile
+      wgmma_load_tile<Tr, BM, Tr::kThreads>(sQ, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
 #pragma unroll
-    for (int i = 0; i < AHEAD; ++i) {
-      if (i < ml.n_tiles) {
-        const unsigned st = sKV + i * Tr::kStageBytes;
-        const int n_load = ml.tiles.n0(i);
-        wgmma_load_tile<Tr, BN>(st, ml.k, ml.k_stride, n_load, sk, p.head_dim);
-        wgmma_load_tile<Tr, BN>(st + Tr::kKVBytes, ml.v, ml.v_stride, n_load, sk, p.head_dim);
+      for (int i = 0; i < AHEAD; ++i) {
+        if (i < ml.n_tiles) ml.template load<Tr::kThreads>(i, ml.tiles.n0(i), threadIdx.x);
+        wg::cp_async_commit();
       }
-      wg::cp_async_commit();
     }
     // -- main loop: tile 0 has no previous P V to overlap
     ml.template step<false>(0);

@@ -85,6 +85,103 @@ __device__ __forceinline__ float score_mod(const AttnFwdParams& p, const ModStat
   return x * kLog2e;
 }
 
+// The score modifiers as the wgmma kernel's inner loop applies them: the final score in log2
+// units straight from a raw dot product, with scale and log2(e) folded into two constants and the
+// soft-cap through tanh.approx.f32 (one MUFU op, like the softmax's exp2; its relative error of
+// 2^-11 is below what a 16-bit score carries, see the GPU tests' 2x rule). The mma.sync kernel's
+// score_mod keeps the accurate tanhf. Order as the reference: scale, soft-cap, ALiBi, mask.
+// A bool mask is a visibility predicate, not a term: its key pairs are gathered as 16-bit words
+// (byte e nonzero = key 2u + e visible) and folded into the band test, so with a bool mask alone
+// the scores stay raw and the softmax scales them as without modifiers (kScoresFinal false).
+template <class Mods>
+struct FastMods {
+  static constexpr bool kBool = Mods::kMask == kMaskBool;
+  static constexpr bool kFloatMask = Mods::kMask != kMaskNone && !kBool;
+  static constexpr bool kScoresFinal = Mods::kSoftcap || Mods::kAlibi || kFloatMask;  // else raw scores
+  static constexpr int kSize = kBool ? 1 : Mods::kMask == kMaskF32 ? 4 : 2;
+  const char* mask;         // at (batch, head)
+  long long m_sq, m_sk;     // mask strides (elements)
+  bool pairs;               // keys (2u, 2u + 1) of a row are one aligned pair load
+  float pre, post;          // y = raw * pre, or tanh(raw * pre) * post with the soft-cap
+  float slope;              // ALiBi slope in log2 units
+  int diag;                 // sk - sq
+
+  __device__ __forceinline__ void init(const AttnFwdParams& p, int batch, int head, int sq, int sk) {
+    mask = nullptr;
+    m_sq = p.mask_stride_q;
+    m_sk = p.mask_stride_k;
+    pairs = false;
+    if constexpr (Mods::kMask != kMaskNone) {
+      mask = static_cast<const char*>(p.mask) + (batch * p.mask_stride_b + head * p.mask_stride_h) * kSize;
+      // A pair load needs consecutive keys (stride 1) and every row's even key 2 * kSize aligned.
+      pairs = m_sk == 1 && m_sq % 2 == 0 && reinterpret_cast<unsigned long long>(mask) % (2 * kSize) == 0;
+    }
+    if constexpr (Mods::kSoftcap) {
+      pre = p.scale / p.softcap;
+      post = p.softcap * kLog2e;
+    } else {
+      pre = p.scale * kLog2e;
+      post = 1.f;
+    }
+    slope = 0.f;
+    if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + head] * kLog2e;
+    diag = sk - sq;
+  }
+
+  __device__ __forceinline__ static float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+
+  // The mask at keys (key, key + 1) of `row`, read in place: a float mask's log2-unit terms in
+  // a / b, or a bool mask's pair word in `word`. `in0` / `in1` say which keys lie inside the
+  // sequence; the others are never read (terms 0, bytes 0).
+  __device__ __forceinline__ void pair_in_place(int row, int key, bool in0, bool in1, float& a, float& b,
+                                                unsigned& word) const {
+    a = b = 0.f;
+    word = 0;
+    if constexpr (Mods::kMask != kMaskNone) {
+      const long long idx = row * m_sq + key * m_sk;
+      if (pairs && in1) {  // in1 implies in0 (key + 1 in range)
+        pair_at(mask + idx * kSize, a, b, word);
+      } else if constexpr (kBool) {
+        const unsigned char* m = reinterpret_cast<const unsigned char*>(mask);
+        word = (in0 && __ldg(m + idx) ? 0x01u : 0u) | (in1 && __ldg(m + idx + m_sk) ? 0x100u : 0u);
+      } else {
+        if (in0) a = mask_value<Mods::kMask>(mask, idx) * kLog2e;
+        if (in1) b = mask_value<Mods::kMask>(mask, idx + m_sk) * kLog2e;
+      }
+    }
+  }
+
+  // The pair at `at` (global or shared memory, aligned to two elements).
+  __device__ __forceinline__ static void pair_at(const char* at, float& a, float& b, unsigned& word) {
+    if constexpr (kBool) {
+      word = *reinterpret_cast<const unsigned short*>(at);
+    } else if constexpr (Mods::kMask == kMaskF16) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(at));
+      a = f.x * kLog2e, b = f.y * kLog2e;
+    } else if constexpr (Mods::kMask == kMaskBF16) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(at));
+      a = f.x * kLog2e, b = f.y * kLog2e;
+    } else if constexpr (Mods::kMask == kMaskF32) {
+      const float2 f = *reinterpret_cast<const float2*>(at);
+      a = f.x * kLog2e, b = f.y * kLog2e;
+    }
+  }
+
+  // The final log2-unit score of a visible (row, key) from its raw dot product and a float
+  // mask's term `m` (raw when !kScoresFinal: the softmax scales it).
+  __device__ __forceinline__ float score(float raw, int row, int key, float m) const {
+    if constexpr (!kScoresFinal) return raw;
+    float y = Mods::kSoftcap ? tanh_approx(raw * pre) * post : raw * pre;
+    if constexpr (Mods::kAlibi) y -= slope * fabsf(static_cast<float>(row + diag - key));
+    if constexpr (kFloatMask) y += m;  // -inf for a -inf float mask
+    return y;
+  }
+};
+
 // Masks (and, with modifiers, forms) the S accumulators of one warp: MT m16 row tiles x NT n8
 // key tiles in the mma.sync C layout (this lane: rows row0 and row0 + 8 of each row tile, keys
 // key0 and key0 + 1 of each key tile). Modifiers apply to every tile; without them only tiles

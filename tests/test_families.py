@@ -97,7 +97,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
 
 
 @pytest.mark.parametrize("spec, match", [
-    (("attn_fwd_wgmma", "f16", 64, "sm_90a", False, "none", True), r"^family: attn_fwd_wgmma takes f16/bf16"),
+    (("attn_fwd_wgmma", "f32", 64, "sm_90a", False, "none", True), r"^family: attn_fwd_wgmma takes f16/bf16"),
     (("attn_fwd_wgmma", "f16", 96, "sm_90a"), r"^family: attn_fwd_wgmma takes"),
     (("attn_fwd_mma", "f32", 64, "sm_80"), r"^dtype: the tensor-core family takes f16 or bf16, got 'f32'"),
     (("decode_combine", "f32", 64, "sm_80"), r"^dtype: decode_combine takes f16 or bf16, got 'f32'"),

@@ -64,9 +64,10 @@ def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
         assert spec.head_dim == bucket, d
         assert spec.head_dim >= d and spec.head_dim - d < (64 if family == "attn_fwd_wgmma" else 32)
         assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, family)
-        # score modifiers always take the mma.sync kernel, at 32-wide buckets
-        mods = select_attention_spec(dtype_name, d, arch, softcap=True)
-        assert mods.family == FAMILY_FOR[dtype_name] and mods.head_dim - d < 32
+        # score modifiers take the same family and bucket (wgmma on sm_90a compiles them in)
+        for mods in (dict(softcap=True), dict(alibi=True), dict(mask="bool"), dict(mask="f32", softcap=True)):
+            m = select_attention_spec(dtype_name, d, arch, **mods)
+            assert (m.family, m.head_dim) == (spec.family, spec.head_dim), mods
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
 
 
@@ -93,7 +94,10 @@ def test_select_spot_values_and_ptx_flag():
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
     assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", ptx=True)
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")
-    assert spec == KernelSpec("attn_fwd_mma", "bf16", 96, "sm_90a", mask="bool")
+    assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", mask="bool")
+    spec = select_attention_spec("float16", 100, "sm_90a", mask="f32", softcap=True, alibi=True)
+    assert spec.template_id.endswith("pyattn::ScoreMods<4, true, true>, false>")
+    assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
     assert spec.template_id == ("pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
                                 "true>, pyattn::ScoreMods<0, false, false>, false>")
@@ -132,7 +136,6 @@ def test_select_rejects_unknown_dtype():
     ({"family": "attn_fwd_wgmma", "head_dim": 96}, r"^family: attn_fwd_wgmma takes"),
     ({"family": "attn_fwd_wgmma", "arch": "sm_80"}, r"^family: attn_fwd_wgmma takes"),
     ({"family": "attn_fwd_wgmma", "dtype": "f32"}, r"^family: attn_fwd_wgmma takes"),
-    ({"family": "attn_fwd_wgmma", "mask": "bool"}, r"^family: attn_fwd_wgmma takes"),
     ({"family": "attn_fwd"}, r"^family:"),
     ({"family": "attn_fwd_mma", "dtype": "f32"}, r"^dtype:"),  # tensor cores take 16-bit inputs only
     ({"family": "attn_fwd_mma", "dtype": "f64"}, r"^dtype:"),

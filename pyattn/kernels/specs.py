@@ -87,7 +87,7 @@ class KernelSpec:
 
     @property  # not cached: override_tiles changes the tables; launch paths keep what they need in plans
     def tiles(self) -> TileConfig:
-        t = tile_config(self.family, self.arch, self.head_dim, self.kv, self.sparse)
+        t = tile_config(self.family, self.arch, self.head_dim, self.kv, self.sparse, self.mask)
         return self.record.spec_tiles(self, t)
 
     @property
@@ -190,11 +190,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
     tag = DTYPES[dtype_name][0]
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
-    # warpgroup MMA on sm_90a (its buckets are multiples of 64), except with score modifiers.
-    mods = mask != "none" or softcap or alibi
+    # warpgroup MMA on sm_90a (its buckets are multiples of 64, score modifiers included).
     if tag == "f32":
         family = "attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt"
-    elif arch in WGMMA_ARCHS and not mods:
+    elif arch in WGMMA_ARCHS:
         family, bucket = "attn_fwd_wgmma", -(-head_dim // 64) * 64
     else:
         family = "attn_fwd_mma"

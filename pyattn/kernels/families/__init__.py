@@ -96,13 +96,14 @@ def tile_table(family: str, arch: str, table: str = "dense") -> tuple:
     return tables.rows(get_family(family), table, arch)
 
 
-def tile_config(family: str, arch: str, head_dim: int, kv: str = "", sparse: int = 0) -> TileConfig:
+def tile_config(family: str, arch: str, head_dim: int, kv: str = "", sparse: int = 0,
+                mask: str = "none") -> TileConfig:
     """The tile of ``family`` on ``arch`` at ``head_dim`` (a bucket); ``kv``: the cache's element
-    kind (decode); ``sparse`` 2: the 64 x 64 block-sparse tiles."""
+    kind (decode); ``sparse`` 2: the 64 x 64 block-sparse tiles; ``mask``: the mask tensor's kind."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch: no tile config for {family} on {arch!r}; supported: {SUPPORTED_ARCHS}")
     record = get_family(family)
-    return tables.row(record, record.table_for(kv, sparse), arch, head_dim).config()
+    return tables.row(record, record.table_for(kv, sparse, mask), arch, head_dim).config()
 
 
 def override_tiles(family: str, arch: str, rows, table: str = "dense"):

@@ -45,6 +45,7 @@ class TileConfig:
     m_tiles: int = 1  # MMA kernel: m16 row tiles per warp (block_m = 16 * m_tiles * warps)
     stages: int = 2  # wgmma kernel: K/V shared-memory ring depth
     overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
+    ws: bool = False  # wgmma kernel: a producer warpgroup fills the ring (counted in ``warps``)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def no_shared_memory(spec, t) -> int:
     return 0
 
 
-def dense_table(kv: str, sparse: int) -> str:
+def dense_table(kv: str, sparse: int, mask: str = "none") -> str:
     """``table_for`` of a family with one tile table."""
     return "dense"
 
@@ -132,7 +133,8 @@ class Family:
         The kernel's parameter struct.
     tables : mapping of str to (mapping of str to tuple of rows)
         Tile tables by name (``"dense"``; ``"sparse64"``: 64 x 64 block-sparse tiles; ``"kv8"``:
-        8-bit caches), each by arch; rows are typed (:class:`FixedTile` or the family module's
+        8-bit caches; ``"mask1"``/``"mask2"``/``"mask4"``: with a mask tensor of so many bytes per
+        element), each by arch; rows are typed (:class:`FixedTile` or the family module's
         row type) and ordered by ``max_head_dim``. An arch missing from a table is one the family
         does not run on. Kept as read-only mappings; ``override_tiles`` replaces one for a while.
     template_id : callable
@@ -150,7 +152,7 @@ class Family:
     smem_bytes : callable
         ``smem_bytes(spec, tiles) -> int``: dynamic shared memory per block.
     table_for : callable
-        ``table_for(kv, sparse) -> str``: which of ``tables`` a spec reads.
+        ``table_for(kv, sparse, mask) -> str``: which of ``tables`` a spec reads.
     spec_tiles : callable
         ``spec_tiles(spec, tiles) -> TileConfig``: the table's tile adjusted by the spec's own
         fields (decode's row tiles); the identity for most families.

@@ -82,7 +82,7 @@ def _by_smem(k227: tuple, k163: tuple, k99: tuple) -> dict:
     return {"sm_80": k163, "sm_86": k99, "sm_89": k99, "sm_90a": k227, "sm_100a": k227}
 
 
-def _kv_table(kv: str, sparse: int) -> str:
+def _kv_table(kv: str, sparse: int, mask: str = "none") -> str:
     return "kv8" if kv else "dense"
 
 

@@ -73,7 +73,7 @@ def _by_smem(big: tuple, small: tuple) -> dict:
     return {"sm_80": big, "sm_86": small, "sm_89": small, "sm_90a": big, "sm_100a": big}
 
 
-def sparse64_table(kv: str, sparse: int) -> str:
+def sparse64_table(kv: str, sparse: int, mask: str = "none") -> str:
     """``table_for`` of the block-sparse capable kernels: ``sparse=2`` reads the 64 x 64 tiles."""
     return "sparse64" if sparse == 2 else "dense"
 

@@ -1,4 +1,4 @@
-"""attn_fwd_wgmma: the sm_90a warpgroup-MMA attention kernel (16-bit inputs, no score modifiers).
+"""attn_fwd_wgmma: the sm_90a warpgroup-MMA attention kernel (16-bit inputs, every score modifier).
 
 64 query rows per warpgroup, K/V in a ``stages``-deep cp.async ring of 128-byte swizzled tiles.
 :func:`wgmma_shapes` lists the instruction shapes its tiles use, from which
@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 from ..params import ATTN_FWD_PARAMS
 from .base import CTYPES, HEAD_DIM_BUCKETS, Family, TileConfig, score_mods
-from .mma import TENSOR_CORE_ALIGNMENT, sparse64_table
+from .mma import TENSOR_CORE_ALIGNMENT
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "wgmma_shapes"]
 
 WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
-_TAKES = (f"f16/bf16, a head-dim bucket that is a multiple of 64, arch in {WGMMA_ARCHS} and no score "
-          f"modifiers")
+_TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
 
 @dataclass(frozen=True)
@@ -31,10 +30,11 @@ class WgmmaTile:
     overlap: bool  # issue P V of tile j-1 behind Q K^T of tile j (needs 3 stages)
     min_blocks: int
     reason: str
+    ws: bool = False  # warp-specialized: a producer warpgroup (the last) fills the ring
 
     def config(self) -> TileConfig:
-        return TileConfig(64 * self.warpgroups, self.block_n, 4 * self.warpgroups, self.reason, self.min_blocks, 1,
-                          self.stages, self.overlap)
+        return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, same run as torch
@@ -47,6 +47,28 @@ _SM90 = (
     WgmmaTile(192, 64, 2, 2, False, 1, "unmeasured: compiles to 221 registers, 145 KiB (no overlap: registers)"),
     WgmmaTile(256, 64, 2, 2, False, 1, "B2 S4096 H16: 392 / 309 = 1.23 / 1.12x FA2; 246 registers, 193 KiB"),
 )
+# With a mask tensor its tiles ride in the ring, BLOCK_M x (BLOCK_N * element + 16) bytes per
+# stage: 64-key tiles, and as deep a ring as 227 KiB allows for the mask's element size (a
+# 2-stage ring could not hide the mask's scattered DRAM reads: bool mask 2.19x the dense time at
+# (1, 16k, 16, 128) bf16, H200). Tables "mask1" (bool), "mask2" (f16 / bf16), "mask4" (f32).
+_SM90_MASK1 = (
+    WgmmaTile(64, 64, 2, 4, True, 1, "bool mask: 121 KiB; 2 blocks/SM would cap registers at 128 (spills)"),
+    WgmmaTile(128, 64, 2, 4, True, 1, "bool mask: 201 KiB, loads 2 tiles ahead"),
+    WgmmaTile(192, 64, 2, 2, False, 1, "bool mask: 165 KiB (no overlap: registers, as dense)"),
+    WgmmaTile(256, 64, 1, 2, False, 1, "bool mask: 171 KiB with one warpgroup"),
+)
+_SM90_MASK2 = (
+    WgmmaTile(64, 64, 2, 4, True, 1, "16-bit mask: 153 KiB"),
+    WgmmaTile(128, 64, 2, 3, True, 1, "16-bit mask: 183 KiB (4 stages: 233 KiB, over 227)"),
+    WgmmaTile(192, 64, 2, 2, False, 1, "16-bit mask: 181 KiB"),
+    WgmmaTile(256, 64, 1, 2, False, 1, "16-bit mask: 179 KiB with one warpgroup"),
+)
+_SM90_MASK4 = (
+    WgmmaTile(64, 64, 2, 4, True, 1, "f32 mask: 217 KiB"),
+    WgmmaTile(128, 64, 2, 2, False, 1, "f32 mask: 165 KiB (3 stages with overlap: 231 KiB, over 227)"),
+    WgmmaTile(192, 64, 2, 2, False, 1, "f32 mask: 213 KiB"),
+    WgmmaTile(256, 64, 1, 2, False, 1, "f32 mask: 195 KiB with one warpgroup (two: 261 KiB)"),
+)
 # Block-sparse layouts of small blocks (sparse=2): 64 x 64 tiles, one warpgroup (see mma.py).
 _SM90_SPARSE64 = (
     WgmmaTile(64, 64, 1, 4, True, 2, "74 KiB: 3 blocks/SM; unmeasured"),
@@ -56,14 +78,29 @@ _SM90_SPARSE64 = (
 )
 
 
+# Bytes per element of each mask kind (AttnFwdWgmmaTraits' MASK_BYTES; 0: no mask tensor).
+_MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4}
+
+
 def _traits(spec, t) -> str:
+    # Trailing defaults (MASK_BYTES 0, WS false) left out: the units of older rows stay as they were.
+    tail = f", {_MASK_BYTES[spec.mask]}, true" if t.ws else f", {_MASK_BYTES[spec.mask]}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
-            f"{t.warps // 4}, {t.stages}, {str(t.overlap).lower()}>")
+            f"{t.warps // 4 - t.ws}, {t.stages}, {str(t.overlap).lower()}{tail}>")
 
 
 def _smem_bytes(spec, t) -> int:
-    """Swizzled tiles, unpadded; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
-    return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + 1024
+    """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes, two 8-byte mbarriers per
+    stage when warp-specialized; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
+    mb = _MASK_BYTES[spec.mask]
+    mask_tile = t.block_m * (t.block_n * mb + 16) if mb else 0
+    barriers = 16 * t.stages if t.ws else 0
+    return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + t.stages * mask_tile + barriers + 1024
+
+
+def _table(kv: str, sparse: int, mask: str = "none") -> str:
+    """``sparse=2`` reads the 64 x 64 block-sparse tiles; a mask tensor ``mask<element bytes>``."""
+    return "sparse64" if sparse == 2 else f"mask{_MASK_BYTES[mask]}" if mask != "none" else "dense"
 
 
 def _check(spec) -> None:
@@ -73,11 +110,14 @@ def _check(spec) -> None:
 
 ATTN_FWD_WGMMA = Family(
     name="attn_fwd_wgmma", label="the wgmma family", header="attention_fwd_wgmma.cuh", params=ATTN_FWD_PARAMS,
-    tables={"dense": {arch: _SM90 for arch in WGMMA_ARCHS}, "sparse64": {arch: _SM90_SPARSE64 for arch in WGMMA_ARCHS}},
+    tables={"dense": {arch: _SM90 for arch in WGMMA_ARCHS}, "sparse64": {arch: _SM90_SPARSE64 for arch in WGMMA_ARCHS},
+            **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
+               for n, rows in ((1, _SM90_MASK1), (2, _SM90_MASK2), (4, _SM90_MASK4))}},
     template_id=lambda spec, t: (f"pyattn::attn_fwd_wgmma<{_traits(spec, t)}, {score_mods(spec)}, "
                                  f"{str(bool(spec.sparse)).lower()}>"),
-    dtypes=("f16", "bf16"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits, smem_bytes=_smem_bytes,
-    table_for=sparse64_table, takes=_TAKES, check=_check, sparse=True,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
+    smem_bytes=_smem_bytes,
+    table_for=_table, takes=_TAKES, check=_check, sparse=True,
 )
 
 

@@ -1,0 +1,50 @@
+"""Dev probe (no GPU): registers, spills and shared memory of kernel variants as ptxas reports them.
+
+Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods]
+
+Compiles the library's own rendered units (``pyattn.jit.source.render``) with NVRTC plus
+``--ptxas-options=-v`` and prints ptxas's one-line summary per variant, with the compile time:
+a quick check that a kernel change did not push a tile over 255 registers (spills) before
+spending GPU time on it. ``--mods`` adds the score-modifier variants of every attention family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+from pyattn.jit.headers import check_headers_match_nvrtc
+from pyattn.jit.nvrtc import compile_source
+from pyattn.jit.source import kernel_headers, render
+from pyattn.kernels.specs import select_attention_spec
+
+_MODS = ({}, {"softcap": True}, {"alibi": True}, {"mask": "bool"}, {"mask": "bf16"},
+         {"mask": "f32", "softcap": True, "alibi": True})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--mods", action="store_true")
+    ap.add_argument("--dims", type=int, nargs="*", default=[64, 128, 256])
+    args = ap.parse_args()
+    include = str(check_headers_match_nvrtc())
+    headers = kernel_headers()
+    specs = []
+    for d in args.dims:
+        for mods in _MODS if args.mods else _MODS[:1]:
+            specs.append(select_attention_spec("bfloat16", d, args.arch, **mods))
+    for spec in dict.fromkeys(specs):
+        opts = list(spec.compile_options((include,))) + ["--ptxas-options=-v"]
+        t0 = time.perf_counter()
+        _, log = compile_source(render(spec), headers, opts, name=spec.entry_name)
+        dt = time.perf_counter() - t0
+        regs = re.search(r"Used (\d+) registers", log)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        print(f"{spec.describe():60} {dt:5.2f} s  regs {regs.group(1) if regs else '?':>3}  "
+              f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+
+
+if __name__ == "__main__":
+    main()

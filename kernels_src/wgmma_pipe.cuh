@@ -1,0 +1,119 @@
+// The wgmma kernel's loads and its producer/consumer pipeline (sm_90a): cp.async copies of
+// 128-byte-swizzled K/V/Q tiles and of mask tiles, and the mbarriers through which a producer
+// warpgroup hands ring stages to the consumer warpgroups (AttnFwdWgmmaTraits WS).
+//
+// Why cp.async and not TMA: a tensor map per call is a host-side driver call per array (and
+// tensor maps in the parameter struct); cp.async needs neither, and a producer warpgroup that
+// does nothing else hides its latency the same way. The producer makes its copies visible to the
+// async proxy (wgmma reads shared memory through it) itself: it waits for its own copies, fences
+// (fence.proxy.async) and only then arrives on the stage's "full" barrier, the documented order
+// for generic-proxy writes that async-proxy reads consume.
+// Requires wgmma.cuh (cp_async_16).
+#pragma once
+
+namespace pyattn {
+namespace pipe {
+
+__device__ __forceinline__ void init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Make initialised barriers visible to the other threads (with a __syncthreads after it).
+__device__ __forceinline__ void init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+__device__ __forceinline__ void arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Wait until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Named barriers (id 0 is __syncthreads): wait for / signal `count` threads.
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Registers per thread of the calling warpgroup (all of its warps execute it).
+template <int N> __device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace pipe
+
+// Copy rows [row0, row0 + ROWS) of a (seq, head_dim) slice into a 128-byte-swizzled tile at
+// shared address `dst`; rows at or past `row_end` and columns at or past `head_dim` are
+// zero-filled (padded dims and keys past the end then contribute exactly nothing). NT threads
+// share the copy; this one is `tid`.
+template <class Tr, int ROWS, int NT>
+__device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr::T* src, long long row_stride,
+                                                int row0, int row_end, int head_dim, int tid) {
+  constexpr int kChunksPerRow = Tr::kHeadDim / 8;  // 16-byte chunks
+  if constexpr (NT % kChunksPerRow == 0) {
+    // Each thread keeps one chunk column; consecutive threads walk one row (coalesced).
+    constexpr int kRowsPerPass = NT / kChunksPerRow;
+    constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+    const int cc = tid % kChunksPerRow, col = cc * 8;
+    const unsigned col_block = (cc >> 3) * (ROWS * 128);  // which 64-element column block
+    const bool col_ok = col < head_dim;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * kRowsPerPass + tid / kChunksPerRow;
+      if (ROWS % kRowsPerPass == 0 || r < ROWS) {
+        const bool ok = col_ok && row0 + r < row_end;
+        const typename Tr::T* g = ok ? src + (row0 + r) * row_stride + col : src;
+        wg::cp_async_16(dst + col_block + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
+      }
+    }
+  } else {  // e.g. HEAD_DIM 192: 24 chunks per row; walk the flat chunk index instead
+    constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += NT) {
+      const int c = c0 + tid;
+      if (kChunks % NT == 0 || c < kChunks) {
+        const int r = c / kChunksPerRow, cc = c % kChunksPerRow, col = cc * 8;
+        const bool ok = col < head_dim && row0 + r < row_end;
+        const typename Tr::T* g = ok ? src + (row0 + r) * row_stride + col : src;
+        wg::cp_async_16(dst + (cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
+      }
+    }
+  }
+}
+
+// Copy the mask tile of query rows [m0, m0 + BLOCK_M) and keys [n0, n0 + BLOCK_N) to shared
+// address `dst` (rows kMaskRow bytes apart), by NT threads (this one: `tid`). The caller guarantees 16-byte aligned mask rows with
+// consecutive keys; rows past `sq` are not read, a chunk crossing `sk` reads only its keys in range
+// (the rest is zero-filled: those keys are masked by position anyway).
+template <class Tr, int NT>
+__device__ __forceinline__ void wgmma_load_mask(unsigned dst, const char* mask, long long row_stride, int m0, int sq,
+                                                int n0, int sk, int tid) {
+  constexpr int MB = Tr::kMaskBytes, CPR = Tr::kBlockN * MB / 16, CHUNKS = Tr::kBlockM * CPR;
+#pragma unroll
+  for (int c0 = 0; c0 < CHUNKS; c0 += NT) {
+    const int c = c0 + tid;
+    if (CHUNKS % NT == 0 || c < CHUNKS) {
+      const int r = c / CPR, key0 = n0 + (c % CPR) * (16 / MB);
+      const int bytes = m0 + r < sq ? max(0, min(16, (sk - key0) * MB)) : 0;
+      const char* src = bytes > 0 ? mask + ((m0 + r) * row_stride + key0) * MB : mask;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + r * Tr::kMaskRow + (c % CPR) * 16),
+                   "l"(src), "r"(bytes) : "memory");
+    }
+  }
+}
+
+}  // namespace pyattn
