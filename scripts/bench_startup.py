@@ -22,7 +22,8 @@ import figures and these JIT steps are measured (for sm_90a, whose kernel the fi
 compiles with NVRTC).
 
 The processes use a private bytecode cache (``PYTHONPYCACHEPREFIX`` in a temporary directory,
-``PYTHONDONTWRITEBYTECODE`` cleared), written by the first process: an installed wheel has its
+``PYTHONDONTWRITEBYTECODE`` cleared), written by the first process (whose figures are therefore
+cold for both caches): an installed wheel has its
 ``.pyc`` files, while a process that compiles every module from source pays about twice the import
 time. ``--no-bytecode-cache`` measures with the environment as it is (the JSON and the report say
 which). The cache is a new temporary directory unless ``--cache-dir`` names one. ``--importtime``
