@@ -2,7 +2,8 @@
 
 Usage: PYTHONPATH=. python dev/profile_host.py
 Prints a cProfile of many tiny calls (sorted by own time) and a step-by-step timing of a warm
-kernel load in this process (what a new process pays before its first launch).
+kernel load in this process (what a new process pays before its first launch; the first call as a
+whole, step by step, is dev/probe_startup.py's).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def warm_load_steps() -> None:
 
     dev = step("get_device + activate (driver init)", lambda: (pyattn.get_device(), pyattn.get_device().activate())[0])
     from pyattn import jit
-    from pyattn.jit.headers import cuda_include_dir, nvrtc_identity
+    from pyattn.jit.headers import cuda_include_dir
+    from pyattn.jit.toolchain import headers_identity, nvrtc_identity
     from pyattn.jit.source import sources_digest
     from pyattn.kernels.registry import get_kernel
     from pyattn.kernels.specs import select_attention_spec
 
     step("nvrtc_identity", nvrtc_identity)
     step("cuda_include_dir", cuda_include_dir)
+    step("headers_identity", headers_identity)
     step("sources_digest", sources_digest)
     fp = step("toolchain_fingerprint (rest)", jit.toolchain_fingerprint)
     spec = select_attention_spec("float16", 64, dev.arch)

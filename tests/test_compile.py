@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import os
 import pathlib
 import re
 import struct
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 import pyattn.jit as jit
 from pyattn import CompileError, PyattnError
 from pyattn.jit.cache import KernelCache
-from pyattn.jit.headers import cuda_include_dir, header_version, nvrtc_identity, nvrtc_version
+from pyattn.jit.headers import cuda_include_dir, header_version, nvrtc_version
 from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render, sources_digest
 from pyattn.kernels.params import ParamStruct
@@ -216,24 +217,20 @@ def test_virtual_arch_without_ptx_flag_is_refused():
 
 def test_toolchain_fingerprint_names_its_inputs():
     from cuda.bindings import nvrtc
+    from cuda.pathfinder import load_nvidia_dynamic_lib
 
-    err, major, minor = nvrtc.nvrtcVersion()
+    err, major, minor = nvrtc.nvrtcVersion()  # loads NVRTC the way a compile does
     assert int(err) == 0
     assert nvrtc_version() == (major, minor)
     fp = jit.toolchain_fingerprint()
     inc, hv = cuda_include_dir()
-    # NVRTC is identified by its version, or (pip wheel, to avoid loading it on a warm start) by the
-    # library file's path, size and mtime: either way a different NVRTC gives a different key.
-    ident = nvrtc_identity()
-    assert f"nvrtc={ident};" in fp
-    if ident.startswith("wheel:"):
-        path, size, mtime_ns = ident[len("wheel:"):].rsplit(":", 2)
-        st = pathlib.Path(path).stat()
-        assert "nvrtc" in pathlib.Path(path).name and (st.st_size, st.st_mtime_ns) == (int(size), int(mtime_ns))
-    else:
-        assert ident == f"{major}.{minor}"
-    assert f"headers={hv[0]}.{hv[1]}@{inc};" in fp
-    assert f"src={sources_digest()};" in fp
+    # NVRTC is named by the library file cuda.bindings loaded (size, mtime, device, inode), which
+    # the fingerprint finds without loading it; the headers by directory, version and files.
+    st = os.stat(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    assert fp.startswith(f"nvrtc={st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino};")
+    fp16 = os.stat(inc / "cuda_fp16.h")
+    assert f";headers={hv[0]}.{hv[1]}@{inc}|{fp16.st_size}:{fp16.st_mtime_ns}:" in fp
+    assert f";src={sources_digest()};" in fp
     assert fp.endswith(f"pyattn={jit.__version__}")
     assert hv[0] == major and hv <= (major, minor)  # the installed headers fit this NVRTC
 
@@ -280,7 +277,7 @@ def test_fitting_override_headers_are_used(fake_include):
     major, _ = nvrtc_version()
     _write_headers(fake_include, major * 1000)  # same major, minor 0: older is fine
     assert cuda_include_dir() == (fake_include, (major, 0))
-    assert f"headers={major}.0@{fake_include};" in jit.toolchain_fingerprint()
+    assert f"headers={major}.0@{fake_include}|" in jit.toolchain_fingerprint()
 
 
 def test_override_without_cuda_fp16_is_refused(fake_include):

@@ -1,5 +1,6 @@
-"""The JIT side of a warm start stays light: a cache hit imports no logging, and the header version
-is read from the head of cuda_runtime_api.h (falling back to the whole file)."""
+"""The JIT side of a warm start stays light: a cache hit imports no logging, the first call on device
+arrays imports neither the NumPy path nor the compiler, and the header version is read from the
+head of cuda_runtime_api.h (falling back to the whole file)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def test_a_cache_hit_imports_no_logging(tmp_path):
     assert all(p.returncode == 0 for p in runs), [p.stderr for p in runs]
     assert runs[0].stdout.split()[0] == "True"
     assert runs[1].stdout.split() == ["False", "False"], "a warm start imported logging"
+
+
+# What a first call on device arrays with a warm cache never needs: the NumPy path (its worker
+# threads bring concurrent.futures and logging) and everything that compiles. Each was ~0.3-4 ms of
+# the 15 ms start-up budget.
+_NOT_ON_THE_WARM_DEVICE_PATH = ("pyattn.pipeline.chunks", "pyattn.pipeline.host", "concurrent.futures", "logging",
+                                "pyattn.jit.nvrtc", "pyattn.jit._keylock", "pyattn.jit._litter", "cuda.bindings.nvrtc")
+
+
+def test_the_first_device_call_imports_no_numpy_path_and_no_compiler():
+    code = ("import sys, numpy, pyattn\npyattn.asarray, pyattn.attention\nfrom pyattn import jit\n"
+            "import pyattn.kernels.registry\n"
+            f"print(sorted(m for m in {_NOT_ON_THE_WARM_DEVICE_PATH!r} if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
 
 
 def test_header_version_past_the_first_64_kib(tmp_path):

@@ -2,6 +2,10 @@
 
 :func:`build` turns a :class:`~pyattn.kernels.specs.KernelSpec` into a code image, through the
 disk cache; :func:`build_many` does it for a list (``pyattn warmup``, CI), in parallel threads.
+
+A warm start (every kernel on disk) computes keys and reads entries only: it neither loads NVRTC
+nor imports the compiling modules (:mod:`.toolchain` says how the key identifies the toolchain
+without NVRTC, and how a compile checks that identification).
 """
 
 from __future__ import annotations
@@ -13,9 +17,8 @@ import time
 from .._version import __version__
 from ._log import LazyLogger
 from .cache import KernelCache
-from .headers import check_headers_match_nvrtc, cuda_include_dir, nvrtc_identity
-from .nvrtc import compile_source
-from .source import kernel_headers, render, sources_digest
+from . import toolchain
+from .toolchain import ToolchainChanged, check_unchanged
 
 __all__ = ["toolchain_fingerprint", "get_cache", "build", "build_many", "compile_spec"]
 
@@ -24,10 +27,16 @@ log = LazyLogger("pyattn.jit")
 
 @functools.lru_cache(maxsize=None)
 def toolchain_fingerprint() -> str:
-    """Everything besides the spec that changes the compiled bytes: the NVRTC library, the header
-    version and directory, the kernel-source digest and the pyattn version."""
-    inc, hv = cuda_include_dir()
-    return f"nvrtc={nvrtc_identity()};headers={hv[0]}.{hv[1]}@{inc};src={sources_digest()};pyattn={__version__}"
+    """Everything besides the spec that changes the compiled bytes, computed once a process: the
+    NVRTC library file, the header directory, version and files, the kernel-source digest and the
+    pyattn version (see :mod:`pyattn.jit.toolchain`).
+
+    Returns
+    -------
+    str
+        ``nvrtc=<file id>;headers=<version>@<dir>|<file ids>;src=<sha256>;pyattn=<version>``.
+    """
+    return toolchain.fingerprint()
 
 
 _caches: dict = {}
@@ -47,6 +56,11 @@ def get_cache() -> KernelCache:
 
 def compile_spec(spec) -> tuple[bytes, dict]:
     """Compile ``spec`` now, bypassing the cache; returns ``(image, meta)``."""
+    # Imported here: a warm start never compiles (these load NVRTC's bindings and the renderer).
+    from .headers import check_headers_match_nvrtc
+    from .nvrtc import compile_source
+    from .source import kernel_headers, render
+
     inc = check_headers_match_nvrtc()
     options = spec.compile_options((str(inc),))
     t0 = time.perf_counter()
@@ -56,15 +70,32 @@ def compile_spec(spec) -> tuple[bytes, dict]:
     return image, meta
 
 
+_toolchain_warned = []  # the first ToolchainChanged of the process was logged as a warning
+
+
 def build(spec) -> tuple[bytes, dict, bool]:
-    """Return ``(image, meta, compiled_now)`` for ``spec``, compiling on a cache miss."""
-    key = spec.cache_key(toolchain_fingerprint())
+    """Return ``(image, meta, compiled_now)`` for ``spec``, compiling on a cache miss.
+
+    A miss first checks that the toolchain the compile will use is the one the key names
+    (``toolchain.check_unchanged``); if not, the kernel is compiled and returned but not stored,
+    so no entry is ever filed under a toolchain that did not make it.
+    """
+    fingerprint = toolchain_fingerprint()
+    key = spec.cache_key(fingerprint)
 
     def _compile():
+        check_unchanged(fingerprint)
         log.info("pyattn: compiling 1 kernel (%s)", spec.describe())
         return compile_spec(spec)
 
-    return get_cache().get_or_build(key, _compile)
+    try:
+        return get_cache().get_or_build(key, _compile)
+    except ToolchainChanged as exc:
+        (log.debug if _toolchain_warned else log.warning)(
+            "pyattn: compiling %s without caching it: %s", spec.describe(), exc)
+        _toolchain_warned.append(True)
+        image, meta = compile_spec(spec)
+        return image, meta, True
 
 
 def build_many(specs, *, workers: int | None = None, progress=None) -> list:

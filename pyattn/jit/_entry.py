@@ -20,7 +20,7 @@ import os
 import pathlib
 import re
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["CacheEntry", "default_cache_dir", "CorruptEntry", "check_key", "normalise_meta", "encode", "decode", "ENTRY_SUFFIX",
            "LOCK_SUFFIX", "ENTRY_RE", "LOCK_RE", "temp_name", "temp_writer_pid"]
@@ -59,9 +59,11 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "pyattn"
 
 
-@dataclass(frozen=True)
-class CacheEntry:
-    """One entry file found in the cache directory.
+class CacheEntry(NamedTuple):
+    """One entry file found in the cache directory (immutable).
+
+    A NamedTuple rather than a frozen dataclass: building the dataclass's methods at import took
+    ~0.5 ms of a fresh process's first call (a 15 ms budget), the named tuple ~0.1 ms.
 
     Attributes
     ----------

@@ -26,11 +26,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from . import _keylock, _trust
+from . import _trust
 from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
                      default_cache_dir, encode, normalise_meta, temp_name)
-from ._litter import remove_litter
 from ._log import LazyLogger
+
+# _keylock and _litter are imported where writes need them: a warm start only reads.
 
 __all__ = ["CacheEntry", "KernelCache", "default_cache_dir"]
 
@@ -154,6 +155,8 @@ class KernelCache:
         """
         key = check_key(key)
         data = encode(key, bytes(payload), normalise_meta(meta))
+        from ._litter import remove_litter
+
         with self._dir_fd(create=True) as dfd:
             if dfd is None:
                 return None
@@ -246,6 +249,8 @@ class KernelCache:
         int
             Number of entry files removed.
         """
+        from ._litter import remove_litter
+
         removed, failed = 0, []
         with self._dir_fd(create=False) as dfd:
             for name in self._listdir(dfd):
@@ -348,6 +353,8 @@ class KernelCache:
     @contextlib.contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
         """Hold the per-key thread lock and file lock if they come within lock_timeout."""
+        from . import _keylock
+
         deadline = time.monotonic() + self._lock_timeout
         tlock = self._thread_lock(key)
         have_tlock = tlock.acquire(timeout=self._lock_timeout)
@@ -372,6 +379,8 @@ class KernelCache:
 
     def _acquire_file_lock(self, key: str, deadline: float) -> tuple[int, int] | None:
         """Return (directory fd, lock fd) holding <key>.lock, or None (warned) if not possible."""
+        from . import _keylock
+
         dfd = self._open_dir(create=True)
         if dfd is None:
             return None

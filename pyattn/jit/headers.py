@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..runtime.errors import PyattnError, check_nvrtc
 
-__all__ = ["nvrtc_version", "nvrtc_identity", "cuda_include_dir", "check_headers_match_nvrtc", "header_version"]
+__all__ = ["nvrtc_version", "cuda_include_dir", "check_headers_match_nvrtc", "header_version"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,29 +31,12 @@ def nvrtc_version() -> tuple[int, int]:
 
 def _in_cu13_wheel(*parts: str):
     """First ``site-packages/nvidia/cu13/<parts>`` on ``sys.path`` (where the CUDA 13 wheels put
-    NVRTC and the headers, and where ``cuda.pathfinder`` looks first), or None."""
+    the headers, and where ``cuda.pathfinder`` looks first), or None."""
     for entry in sys.path:
         path = Path(entry or ".", "nvidia", "cu13", *parts)
         if path.exists():
             return path
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def nvrtc_identity() -> str:
-    """A string that changes whenever the NVRTC in use changes, for cache keys.
-
-    Loading libnvrtc costs ~50 ms, which would dominate a warm start whose kernels are all on
-    disk. So when NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel (the first place
-    ``cuda.pathfinder`` looks, in ``sys.path`` order), the library file's path, size and mtime
-    identify it without loading it; otherwise NVRTC is loaded and its version is used.
-    """
-    lib = _in_cu13_wheel("lib", "libnvrtc.so.13")
-    if lib is not None:
-        st = lib.stat()
-        return f"wheel:{lib.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    major, minor = nvrtc_version()
-    return f"{major}.{minor}"
 
 
 _CUDART_VERSION = re.compile(rb"#define\s+CUDART_VERSION\s+(\d+)")

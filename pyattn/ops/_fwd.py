@@ -19,7 +19,6 @@ from ..interop.inputs import numpy_dtype
 from ..kernels.registry import get_kernel
 from ..kernels.specs import select_attention_spec
 from ..pipeline.device import output
-from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 
@@ -122,6 +121,8 @@ def device_extras(mask, alibi, device, s) -> tuple:
     """Device pointers of a mask and ALiBi slopes (Args or None): device ones read in place, host
     ones uploaded C-contiguous (a float64 mask and float slopes as float32). Returns
     ``(mask_ptr, alibi_ptr, keep_alive)``."""
+    from ..pipeline.host import upload  # the NumPy path's module: only for host extras (see ops.attention)
+
     host = [None, None]
     if mask is not None and not mask.on_device:
         m = np.asarray(mask.obj)

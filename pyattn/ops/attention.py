@@ -8,7 +8,6 @@ planned kernel on the stream the stream-order rule picks, or take the chunked Nu
 from __future__ import annotations
 
 from ..interop.inputs import read, read_optional
-from ..pipeline import chunks
 from ..pipeline.device import finish, start
 from ..pipeline.plans import Memo, get_plan, signature
 from ..runtime.stream import check_stream_arg
@@ -114,6 +113,10 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
                          allow_tf32=check_bool("allow_tf32", allow_tf32))
         _memo.put(key, P)
     if not P.on_device:  # NumPy in, NumPy out: chunked so that copies overlap the kernels
+        # Imported here: the NumPy path's modules (worker threads, concurrent.futures, logging) cost
+        # ~4 ms of a first call on device arrays, which never uses them.
+        from ..pipeline import chunks
+
         o, lse = chunks.attention_numpy(
             P, args["q"].obj, args["k"].obj, args["v"].obj, mask=_raw(args["mask"]),
             alibi_slopes=_raw(args["alibi_slopes"]), return_lse=return_lse, stream=stream,

@@ -3,12 +3,17 @@
 Everything here looks at shapes, dtypes, strides and host values only: no driver call, so every
 mistake is a ``ValueError``/``TypeError`` naming the argument before any GPU work, and all of it is
 testable without a GPU. The frozen :class:`AttentionProblem` is what plans are cached on.
+
+The problem records here and in :mod:`.options` are NamedTuples, not frozen dataclasses: both are
+immutable, hashable values, but a frozen dataclass builds its methods with ``exec`` when its module
+is imported, which cost ~0.5 ms per class of a fresh process's first call (a 15 ms budget), while a
+named tuple costs ~0.1 ms. Plans key on a problem together with the function that plans it, so a
+tuple comparing equal to a record of another type never meets it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,8 +29,7 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y/z, which carry heads and batch
 TENSOR_CORE_ALIGN = 16  # the tensor-core kernels read q/k/v in 16-byte chunks (cp.async)
 
 
-@dataclass(frozen=True)
-class AttentionProblem:
+class AttentionProblem(NamedTuple):
     """A validated attention call. Shapes are logical (layout already resolved).
 
     Strides are in elements, ordered (batch, seq, head); the head dim is contiguous. ``causal`` is
@@ -139,7 +143,7 @@ def _with_out(problem: AttentionProblem, out, dtype) -> AttentionProblem:
         if problem.align > 1 and any(st % 2 for st in out_strides[:-1]):
             raise ValueError(f"out: the tensor-core kernel writes pairs of elements; strides must be even, "
                              f"got {out_strides}")
-        problem = dataclasses.replace(problem, out_strides=out_strides)
+        problem = problem._replace(out_strides=out_strides)
     return problem
 
 
@@ -250,7 +254,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
                                  f"got {given!r}")
             actual = int(given)
         longest.append(actual)
-    return dataclasses.replace(problem, seqlen_q=longest[0], seqlen_k=longest[1]), (cu_q, cu_k)
+    return problem._replace(seqlen_q=longest[0], seqlen_k=longest[1]), (cu_q, cu_k)
 
 
 def check_pointers(problem, q, k, v, out=None) -> None:

@@ -9,8 +9,8 @@ follow ``pyattn.reference``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import NamedTuple
 
 import numpy as np
 
@@ -98,8 +98,7 @@ def check_scale(scale, head_dim: int) -> float:
     return v
 
 
-@dataclass(frozen=True)
-class MaskInfo:
+class MaskInfo(NamedTuple):
     """A validated mask: its kernel kind and its element strides over (B, Hq, Sq, Sk), 0 on
     broadcast axes. Host masks are uploaded C-contiguous (``strides`` describe that copy)."""
 
@@ -143,8 +142,7 @@ def check_mask(mask, shape4: tuple) -> MaskInfo | None:
     return MaskInfo(_MASK_KINDS[name], strides, mask.on_device)
 
 
-@dataclass(frozen=True)
-class AlibiInfo:
+class AlibiInfo(NamedTuple):
     """Validated ALiBi slopes: float32 on the device, ``stride_b`` 0 for per-head slopes."""
 
     stride_b: int
