@@ -6,17 +6,18 @@ loading libnvrtc costs 10-50 ms (a ~140 MB library), more than a warm start's wh
 version (13.0) does not even tell two builds of one version apart. So the toolchain is identified
 by its files:
 
-- NVRTC: the library file cuda.bindings uses, by size, mtime, device and inode (two files that
-  exist at once never share device and inode; the path is left out so that two spellings of one
-  path give one key). Which file that is follows ``cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc")``,
+- NVRTC: the library file cuda.bindings uses, by size and mtime (nanoseconds). Not by device and
+  inode, nor path: a cache warmed while an image was built (``pyattn warmup --arch``) must still hit
+  in the container run from it, where the same files sit on another device and inode, and two
+  spellings of one path must give one key. Which file that is follows ``cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc")``,
   which cuda.bindings calls on its first NVRTC call: a libnvrtc already loaded in the process wins; else the first found in pip
   wheels (``nvidia/cu13/lib``, then ``nvidia/cuda_nvrtc/lib``, in site-packages order), then under
   ``$CONDA_PREFIX``. Those steps only look at files and are mirrored here; past them only the
   dynamic loader can tell (``LD_LIBRARY_PATH``, ``ldconfig``, ``CUDA_HOME``), so NVRTC is loaded
   and asked where it is, as the compile would. A reinstall writes new files (pip does not keep the
   archive's times), so their mtimes change even when the version does not.
-- Headers: the include directory and its ``CUDART_VERSION`` (:mod:`.headers`), plus size, mtime and
-  inode of the headers the kernels include (and ``cuda_runtime_api.h``), so headers replaced in place
+- Headers: the include directory and its ``CUDART_VERSION`` (:mod:`.headers`), plus size and mtime
+  of the headers the kernels include (and ``cuda_runtime_api.h``), so headers replaced in place
   by another build of the same version change the key too. The headers those include in turn
   (``vector_types.h``...) are covered as part of a release (a reinstall rewrites these files too),
   not one by one: a hand edit of only such a header would not be seen.
@@ -58,12 +59,12 @@ class ToolchainChanged(Exception):
 
 
 def file_identity(path) -> str:
-    """``size:mtime_ns:dev:ino`` of the file at ``path`` (symlinks followed), ``-`` if missing."""
+    """``size:mtime_ns`` of the file at ``path`` (symlinks followed), ``-`` if missing."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return "-"
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino}"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def _site_packages() -> list:
