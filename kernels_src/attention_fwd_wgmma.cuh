@@ -290,27 +290,31 @@ struct AttnFwdWgmmaMainloop {
         if (!tiles.visible(sub, sub_row, i * 8)) s[4 * i] = s[4 * i + 1] = s[4 * i + 2] = s[4 * i + 3] = -inf();
     }
 
-    // -- online softmax: the 4 lanes of a quad share rows row_a and row_a + 8
+    // -- online softmax: the 4 lanes of a quad share rows row_a and row_a + 8. Row max and sum run
+    // as four interleaved chains: as one running chain they were BN / 4 dependent instructions per
+    // row and tile, and the kernel is bound by its instruction latency (ncu: "wait" the top stall).
     float corr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
+      // Four independent running maxima / sums (4 x shorter dependency chains than one).
+      float m4[4] = {row_max[h], -inf(), -inf(), -inf()};
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      for (int i = 0; i < BN / 8; ++i) m4[i % 4] = fmaxf(m4[i % 4], fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
       // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
       const float ref = mx == -inf() ? 0.f : mx * sl2;
       corr[h] = fast_exp2(fmaf(row_max[h], sl2, -ref));
       row_max[h] = mx;
-      float sum = 0.f;
+      float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i) {
         s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
         s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
-        sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+        s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
       }
-      row_sum[h] = row_sum[h] * corr[h] + sum;  // quad-partial; reduced once in the epilogue
+      row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));  // quad-partial; reduced in the epilogue
     }
 
     // -- O (tiles < j, under the old max) *= corr, once P_{j-1} V_{j-1} has landed

@@ -2,9 +2,9 @@
 ring, setmaxnreg, ping-pong) against the fp64 reference; marked ``gpu``, skipped without an
 sm_90a GPU.
 
-No default tile row is warp-specialized yet (dev/probe_ws.py measured it at 0.86-1.07x the
-current rows, BENCHMARKS.md), so these tests put WS rows in the tables through
-``override_tiles``, as tuning does, and keep that path correct until it becomes a default.
+Only the dense d = 128 row is warp-specialized by default (dev/probe_ws.py, BENCHMARKS.md), so
+these tests also put WS rows in the d = 64 bucket and the bool-mask table through
+``override_tiles``, as tuning does, and keep those paths correct.
 """
 
 from __future__ import annotations

@@ -100,8 +100,9 @@ def test_select_spot_values_and_ptx_flag():
     assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
     assert spec.template_id == ("pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
-                                "true>, pyattn::ScoreMods<0, false, false>, false>")
-    assert spec.threads == 256 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 1024
+                                "true, 0, true>, pyattn::ScoreMods<0, false, false>, false>")
+    assert spec.tiles.warps == 12 and spec.entry_name.endswith("_m128n128w12")  # 2 consumer + 1 producer warpgroups
+    assert spec.threads == 384 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 16 * 3 + 1024  # + mbarriers
     assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
     assert select_attention_spec("float32", 64, "sm_86") == KernelSpec("attn_fwd_simt", "f32", 64, "sm_86")
     assert select_attention_spec("float32", 200, "sm_90a", ptx=True) == KernelSpec("attn_fwd_simt", "f32", 224,
@@ -213,7 +214,7 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
         elif s.family == "attn_fwd_wgmma":  # one m64 row block per warpgroup; 64-wide head-dim buckets
-            assert t.block_m == 64 * (t.warps // 4) and t.warps % 4 == 0 and s.head_dim % 64 == 0, s.describe()
+            assert t.block_m == 64 * (t.warps // 4 - t.ws) and t.warps % 4 == 0 and s.head_dim % 64 == 0, s.describe()
             assert t.block_n % 16 == 0 and (t.stages >= 3 or not t.overlap), s.describe()
         else:  # AttnFwdMmaTraits/Tf32Traits: the kernel derives BLOCK_M itself, so the grid must agree
             assert s.family in ("attn_fwd_mma", "attn_fwd_tf32")

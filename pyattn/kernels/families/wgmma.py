@@ -37,13 +37,15 @@ class WgmmaTile:
                           self.min_blocks, 1, self.stages, self.overlap, self.ws)
 
 
-# Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, same run as torch
-# SDPA; TFLOP/s non-causal / causal, fp16).
+# Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
+# same run as torch SDPA; TFLOP/s non-causal / causal). Warp-specialized rows need 1 block/SM
+# (384 threads): at d = 64 they lose to two 256-thread blocks per SM (0.80-0.94x, dev/probe_ws.py).
 _SM90 = (
     WgmmaTile(64, 64, 2, 4, True, 2, "B4 S4096 H16: 356 / 304 TFLOP/s = 1.21 / 1.19x FA2; 128 registers, "
                                      "2 blocks/SM"),
-    WgmmaTile(128, 128, 2, 3, True, 1, "B4 S2048 H16: 348 / 268 = 1.03 / 1.09x FA2; no overlap 335/263, "
-                                       "3 warpgroups 318/251, block_n 64 338/261; 252 registers, no spill, 225 KiB"),
+    WgmmaTile(128, 128, 2, 3, True, 1, "warp-specialized (producer warpgroup, ping-pong): bf16 S4k/16k "
+                                       "516/514 TFLOP/s, causal 466/535 = 1.05-1.18x the all-threads-load row "
+                                       "(dev/probe_ws.py, H200); consumers 224 registers, no spill", ws=True),
     WgmmaTile(192, 64, 2, 2, False, 1, "unmeasured: compiles to 221 registers, 145 KiB (no overlap: registers)"),
     WgmmaTile(256, 64, 2, 2, False, 1, "B2 S4096 H16: 392 / 309 = 1.23 / 1.12x FA2; 246 registers, 193 KiB"),
 )
