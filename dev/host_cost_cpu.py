@@ -62,40 +62,6 @@ def counts(fn) -> tuple:
     return seen["call"] - 2 * stubs, seen["c_call"], driver
 
 
-def fake_torch(current_stream=0x7000):
-    """A stand-in for ``torch`` (installed as ``sys.modules["torch"]``): what pyattn reads of a tensor.
-    Its current stream is a non-default one, as in the GPU harness."""
-    torch = types.ModuleType("torch")
-
-    class Dtype:
-        def __init__(self, name):
-            self.name = name
-
-        def __str__(self):
-            return f"torch.{self.name}"
-
-    dtypes = {}
-
-    class Tensor:
-        def __init__(self, shape, ptr, dtype="float16"):
-            self.shape, self._ptr = tuple(shape), ptr
-            self.dtype = dtypes.setdefault(dtype, Dtype(dtype))
-            self._stride = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-
-        def data_ptr(self):
-            return self._ptr
-
-        def stride(self):
-            return self._stride
-
-        def get_device(self):
-            return 0
-
-    torch.Tensor = Tensor
-    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda ordinal: current_stream)
-    return torch
-
-
 class CaiArray:
     """A CuPy-like array: a CUDA array interface v3 dict built per access, with its stream, and
     ``__dlpack_device__`` (which tells its device without a driver call)."""
@@ -192,7 +158,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000, help="calls per timing run")
     n = ap.parse_args().n
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "torch", fake_torch())
+        mp.setitem(sys.modules, "torch", fake_driver.fake_torch())
         fake_driver.install(mp)
         stub = per_call_us(lambda: fake_driver.driver.cuEventRecord(0, 0), n)
         print(f"fake driver call (counted stub): {stub:.2f} us each (included in the times below)")

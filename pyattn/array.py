@@ -125,7 +125,7 @@ class DeviceArray:
             "version": 3,
         }
         if self.stream is not None:
-            cai["stream"] = self.stream.ptr or LEGACY_STREAM  # consumers wait on the producing stream
+            cai["stream"] = self.stream.ptr  # consumers wait on the producing stream (never 0, see Stream)
         return cai
 
     def __dlpack_device__(self) -> tuple:
@@ -146,9 +146,10 @@ class DeviceArray:
         consumer = LEGACY_STREAM if stream is None else stream
         if not isinstance(consumer, int) or isinstance(consumer, bool):
             raise TypeError(f"stream: expected None or an int CUstream handle, got {type(stream).__name__}")
-        # Handle 0 is the legacy default stream (torch's default stream), the same stream as 1.
-        if consumer != -1 and self.stream is not None and (consumer or LEGACY_STREAM) != (self.stream.ptr or LEGACY_STREAM):
-            order_after(borrowed(self.device, consumer), self.stream.ptr)
+        if consumer != -1 and self.stream is not None:
+            waiter = borrowed(self.device, consumer)  # (a consumer's 0 is the legacy stream, as 1: see Stream)
+            if waiter.ptr != self.stream.ptr:
+                order_after(waiter, self.stream.ptr)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return export_capsule(self.ptr, self.shape, self.strides, self.dtype, self.device.ordinal, self,
                               versioned=versioned)

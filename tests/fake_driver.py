@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import types
 
 import numpy as np
 from cuda.bindings import driver
@@ -206,3 +207,43 @@ def install(monkeypatch) -> _Fake:
     CALLS.clear()
     LAUNCHES.clear()
     return fake
+
+
+def fake_torch(current_stream=0x7000):
+    """A stand-in for ``torch`` (install it as ``sys.modules["torch"]``): what pyattn reads of a CUDA
+    tensor, on device 0. ``current_stream`` is torch's current stream handle (settable; a
+    non-default one by default); ``stream_reads`` counts how often pyattn asked for it."""
+    torch = types.ModuleType("torch")
+
+    class Dtype:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return f"torch.{self.name}"
+
+    dtypes = {}
+
+    class Tensor:
+        def __init__(self, shape, ptr, dtype="float16", stride=None):
+            self.shape, self._ptr = tuple(shape), ptr
+            self.dtype = dtypes.setdefault(dtype, Dtype(dtype))
+            self._stride = stride or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+        def data_ptr(self):
+            return self._ptr
+
+        def stride(self):
+            return self._stride
+
+        def get_device(self):
+            return 0
+
+    def current(ordinal):
+        torch.stream_reads += 1
+        return torch.current_stream
+
+    torch.Tensor = Tensor
+    torch.current_stream, torch.stream_reads = current_stream, 0
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=current)
+    return torch

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
-from ..interop.inputs import DLPACK, HOST
+from ..interop.inputs import DLPACK, HOST, TORCH
 from ..interop.streams import choose_stream, note_use, order_inputs
 
 __all__ = ["start", "output", "finish", "fetch_values"]
@@ -22,16 +22,17 @@ def start(stream, args, recheck=None):
     """
     first = next(a for a in args if a is not None and a.kind != HOST)
     device = device_of(first)
-    ordinal, dlpack = device.ordinal, False
+    ordinal, dlpack, torch_in = device.ordinal, False, False
     for a in args:
         if a is not None:
             if a.ordinal is not None and a.ordinal != ordinal:
                 raise ValueError(f"{a.name}: expected an array on device {ordinal} (with {first.name}), "
                                  f"got device {a.ordinal}")
             dlpack = dlpack or a.kind == DLPACK
+            torch_in = torch_in or a.kind == TORCH
     device.activate()
-    s = choose_stream(stream, device, args)
-    ordered = order_inputs(s, device, args)
+    s, torch_now = choose_stream(stream, device, torch_in)
+    ordered = order_inputs(s, device, args, torch_now)
     if recheck is not None and dlpack:
         recheck(ordered)
     return device, s, ordered
