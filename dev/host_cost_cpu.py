@@ -8,8 +8,9 @@ what is timed is pyattn's own Python plus the fake's (tiny) stubs; the real driv
 host time per repeat call, Python function calls and C calls per call (``sys.setprofile``), and
 driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch tensors with
 ``stream=None`` (torch's current stream, rule 2), on CuPy-like CUDA-array-interface objects with a
-stream, and ``decode(q, cache, ids)`` with a DeviceArray q. The per-stage times of the attention
-call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
+stream, and ``decode(q, cache, ids)`` with a DeviceArray q or a torch q. The per-stage times of
+the attention call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU
+host).
 """
 
 from __future__ import annotations
@@ -116,41 +117,41 @@ def calls():
 
 
 def stages(d, n):
-    """Each stage of a DeviceArray attention call timed alone (internals: update when they move)."""
-    from pyattn.interop.inputs import read, read_optional
+    """Each stage of a repeat DeviceArray attention call timed alone (internals: update when they move)."""
+    from pyattn.array import allocate
+    from pyattn.interop.inputs import quick_key
     from pyattn.ops import attention as A
     from pyattn.ops._fwd import build_fwd_plan, run_fwd
-    from pyattn.pipeline.device import finish, output, start
-    from pyattn.pipeline.plans import get_plan, signature
+    from pyattn.pipeline.device import begin
+    from pyattn.pipeline.plans import get_plan
     from pyattn.runtime.launch import launch
-    from pyattn.validate.attention import check_pointers
+    from pyattn.validate.attention import check_addresses
 
-    dev = pyattn.get_device()
     params = dict(q=d, k=d, v=d, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
                   layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None)
-    vals = (d, d, d, None, None, None)
-    args = {m: (read if m in "qkv" else read_optional)(m, v) for m, v in zip(A._ARRAYS, vals)}
-    key = signature(params, args)
-    P = A._memo.get(key)
-    arglist = [args[m] for m in A._ARRAYS]
-    s = start(None, arglist)[1]
+    pyattn.attention(d, d, d)
+    key = quick_key(params)
+    bound = A._quick.get(key)
+    arrays = (d, d, d, None, None, None)
+    s, ptrs = begin(bound, None, arrays)
+    dev, P = bound.device, bound.problem
     plan = get_plan(build_fwd_plan, P, dev)
-    o = output(dev, s, plan.out_shape, plan.dtype)
+    o = allocate(dev, s, *plan.out_layout)
     packed = plan.packer.pack(d.ptr, d.ptr, d.ptr, o.ptr, 0, 0, 0, 0, 0, 0, 0, 0)
     rows = [
-        ("read x6", lambda: {m: (read if m in "qkv" else read_optional)(m, v) for m, v in zip(A._ARRAYS, vals)}),
-        ("signature + memo", lambda: A._memo.get(signature(params, args))),
-        ("check_pointers", lambda: check_pointers(P, args["q"], args["k"], args["v"], args["out"])),
-        ("start", lambda: start(None, arglist)),
+        ("quick_key", lambda: quick_key(params)),
+        ("memo get", lambda: A._quick.get(key)),
+        ("begin (device, stream rule, producers)", lambda: begin(bound, None, arrays)),
+        ("check_addresses", lambda: check_addresses(P, d.ptr, d.ptr, d.ptr)),
         ("get_plan", lambda: get_plan(build_fwd_plan, P, dev)),
-        ("output (alloc + free)", lambda: output(dev, s, plan.out_shape, plan.dtype)),
+        ("allocate (+ free)", lambda: allocate(dev, s, *plan.out_layout)),
         ("pack", lambda: plan.packer.pack(d.ptr, d.ptr, d.ptr, o.ptr, 0, 0, 0, 0, 0, 0, 0, 0)),
         ("launch", lambda: launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, packed)),
-        ("run_fwd (output + pack + launch)", lambda: run_fwd(plan, dev, s, d, d, d)),
-        ("finish", lambda: finish(s, arglist)),
+        ("run_fwd (allocate + pack + launch)", lambda: run_fwd(plan, dev, s, d.ptr, d.ptr, d.ptr)),
+        ("the repeat path (_repeat)", lambda: A._repeat(bound, arrays, None, False)),
     ]
     for name, fn in rows:
-        print(f"  {name:34} {per_call_us(fn, n):6.2f} us")
+        print(f"  {name:40} {per_call_us(fn, n):6.2f} us")
 
 
 def main() -> None:
@@ -168,7 +169,7 @@ def main() -> None:
             py, c, drv = counts(fn)
             print(f"{name:32} {per_call_us(fn, n):8.2f} {py:9d} {c:8d}  {sum(drv.values())}: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(drv.items())))
-        print("stages of 'attention DeviceArray', each timed alone:")
+        print("stages of a repeat 'attention DeviceArray', each timed alone:")
         stages(d, n)
 
 

@@ -6,12 +6,13 @@ the host reads, pinned host memory is real NumPy memory (pyattn writes into it),
 "built" without NVRTC. Every call is counted by name, so a test can assert which driver calls a
 repeat call makes, and ``dev/host_cost_cpu.py`` can report the host cost of pyattn's own Python
 per call. Nothing here runs work: a launch or a copy to the device is a recorded no-op.
-Test and dev code only.
+Test and dev code only (it reads the launched parameter struct through ctypes).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import types
 
@@ -25,7 +26,7 @@ from pyattn.runtime import device, memory, stream
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
-LAUNCHES: list = []  # (kernel name, grid, stream handle) of each cuLaunchKernel, when recording
+LAUNCHES: list = []  # (kernel name, grid, stream handle, first 5 struct pointers) per launch, when recording
 _CTX = 0xC0000
 
 
@@ -50,7 +51,7 @@ class _Fake:
         return (OK,)
 
     def cuDeviceGetCount(self):
-        return OK, 1
+        return OK, 2  # two devices, so that a changed device can be tested
 
     def cuDeviceGet(self, ordinal):
         return OK, driver.CUdevice(ordinal)
@@ -67,7 +68,7 @@ class _Fake:
         return OK, b"Fake H100\0"
 
     def cuDevicePrimaryCtxRetain(self, dev):
-        return OK, driver.CUcontext(_CTX)
+        return OK, driver.CUcontext(_CTX + int(dev))
 
     def cuCtxGetCurrent(self):
         return OK, driver.CUcontext(self.current)
@@ -77,7 +78,7 @@ class _Fake:
         return (OK,)
 
     def cuCtxGetDevice(self):
-        return OK, driver.CUdevice(0)
+        return OK, driver.CUdevice(max(self.current - _CTX, 0))
 
     def cuCtxSynchronize(self):
         return (OK,)
@@ -165,8 +166,10 @@ class _Fake:
         return OK, 2
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
-        if self.record_launches:
-            LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s)))
+        if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
+            struct = ctypes.c_uint64.from_address(int(argv)).value
+            ptrs = tuple((ctypes.c_uint64 * 5).from_address(struct))
+            LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s), ptrs))
         return (OK,)
 
 
@@ -204,6 +207,8 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(plans, "_plans", {})
     monkeypatch.setattr(plans, "_by_id", {})
+    for memo in plans._memos:  # what they hold names the devices replaced above
+        monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()
     LAUNCHES.clear()
     return fake
@@ -211,7 +216,7 @@ def install(monkeypatch) -> _Fake:
 
 def fake_torch(current_stream=0x7000):
     """A stand-in for ``torch`` (install it as ``sys.modules["torch"]``): what pyattn reads of a CUDA
-    tensor, on device 0. ``current_stream`` is torch's current stream handle (settable; a
+    tensor. ``current_stream`` is torch's current stream handle (settable; a
     non-default one by default); ``stream_reads`` counts how often pyattn asked for it."""
     torch = types.ModuleType("torch")
 
@@ -225,8 +230,8 @@ def fake_torch(current_stream=0x7000):
     dtypes = {}
 
     class Tensor:
-        def __init__(self, shape, ptr, dtype="float16", stride=None):
-            self.shape, self._ptr = tuple(shape), ptr
+        def __init__(self, shape, ptr, dtype="float16", stride=None, device=0):
+            self.shape, self._ptr, self.device = tuple(shape), ptr, device
             self.dtype = dtypes.setdefault(dtype, Dtype(dtype))
             self._stride = stride or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
 
@@ -237,7 +242,7 @@ def fake_torch(current_stream=0x7000):
             return self._stride
 
         def get_device(self):
-            return 0
+            return self.device
 
     def current(ordinal):
         torch.stream_reads += 1

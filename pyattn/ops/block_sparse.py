@@ -141,8 +141,8 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
         plan = get_plan(build_fwd_plan, sparse_problem(P, mask, (R, C), device.arch), device)
         t = plan.spec.tiles
         d_ptr, d_idx, d_bits = _device_lists(mask, (R, C), (t.block_m, t.block_n), P, device, s)
-        return run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse,
-                       extras=(0, alibi_ptr, 0, 0, d_ptr.ptr, d_idx.ptr, d_bits.ptr))
+        return run_fwd(plan, device, s, dq.ptr, dk.ptr, dv.ptr, out=None if dout is None else dout.ptr,
+                       return_lse=return_lse, extras=(0, alibi_ptr, 0, 0, d_ptr.ptr, d_idx.ptr, d_bits.ptr))
 
     if not P.on_device:  # NumPy in, NumPy out (device ALiBi slopes are passed through)
         host_alibi = np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None
