@@ -19,6 +19,7 @@ import numpy as np
 
 from .runtime.device import Device, get_device
 from .runtime.dlpack import KDL_CUDA, export_capsule
+from .runtime import memory
 from .runtime.memory import copy_to_host, get_pool, memset_async, poison_alloc
 from .runtime.stream import LEGACY_STREAM, as_stream, borrowed, order_after
 
@@ -251,8 +252,15 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
 
 
 def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:
-    """:func:`empty` for callers that already hold normalised fields (the per-call op path)."""
+    """:func:`empty` for callers that already hold normalised fields (the per-call op path, where
+    each Python call counts: ``DeviceArray._wrap`` is inlined)."""
     alloc = get_pool(device).allocate(nbytes, stream)
-    if poison_alloc():
+    if memory.POISON_ALLOC is not False and poison_alloc():
         memset_async(alloc.ptr, 0xFF, nbytes, stream)
-    return DeviceArray._wrap(alloc.ptr, shape, dtype, strides, elem_strides, device, alloc, stream)
+    a = _new(DeviceArray)
+    a.ptr, a.shape, a.dtype, a.strides, a.elem_strides = alloc.ptr, shape, dtype, strides, elem_strides
+    a.device, a.owner, a.stream = device, alloc, stream
+    return a
+
+
+_new = object.__new__

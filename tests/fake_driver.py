@@ -116,6 +116,9 @@ class _Fake:
     def cuMemPoolSetAttribute(self, pool, attr, value):
         return (OK,)
 
+    def cuMemPoolTrimTo(self, pool, keep):
+        return (OK,)
+
     def cuMemAllocFromPoolAsync(self, nbytes, pool, s):
         ptr, self.dev_next = self.dev_next, self.dev_next + ((int(nbytes) + 511) // 512) * 512
         return OK, driver.CUdeviceptr(ptr)

@@ -30,10 +30,12 @@ def gpu(monkeypatch):
 
 
 def _repeat_calls(fn) -> dict:
-    """Driver calls of the second of two calls (the first validates, plans and loads)."""
+    """Driver calls of a call in a steady loop (the first call validates, plans and loads; each
+    rebinding frees the previous result, as a loop does)."""
+    keep = fn()
     keep = fn()
     fake_driver.CALLS.clear()
-    keep = fn()  # noqa: F841 (rebinding frees the first result, as a loop does)
+    keep = fn()  # noqa: F841
     return dict(fake_driver.CALLS)
 
 
@@ -55,11 +57,12 @@ def test_legacy_stream_is_one_handle(gpu):
 
 
 def test_repeat_call_driver_calls(gpu):
-    """A repeat tiny call: the context check, the result's allocation, the launch, and the free of
-    the previous result; nothing else."""
+    """A repeat tiny call: the context check and the launch; the result's block is the one the
+    previous result freed on the same stream (no allocation or free through the driver)."""
     d = pyattn.empty(SHAPE, np.float16)
-    assert _repeat_calls(lambda: pyattn.attention(d, d, d)) == {
-        "cuCtxGetCurrent": 1, "cuMemAllocFromPoolAsync": 1, "cuLaunchKernel": 1, "cuMemFreeAsync": 1}
+    assert _repeat_calls(lambda: pyattn.attention(d, d, d)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
+    t = gpu.torch.Tensor(SHAPE, d.ptr)
+    assert _repeat_calls(lambda: pyattn.attention(t, t, t)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
 
 
 def test_torch_current_stream_read_once_per_call(gpu):
@@ -68,7 +71,7 @@ def test_torch_current_stream_read_once_per_call(gpu):
     pyattn.attention(t, t, t)
     torch.stream_reads = 0
     calls = _repeat_calls(lambda: pyattn.attention(t, t, t))
-    assert torch.stream_reads == 2  # one per call
+    assert torch.stream_reads == 3  # one per call
     assert "cuStreamWaitEvent" not in calls  # it runs on the stream that wrote its inputs
 
 
@@ -213,3 +216,79 @@ def test_fast_path_follows_the_stream_rule(gpu):
     pyattn.attention(t, t, t, stream=other)  # rule 1: an explicit stream waits for torch's
     assert fake_driver.LAUNCHES[1][2] == other.ptr
     assert fake_driver.CALLS["cuStreamWaitEvent"] == 1
+
+
+# -- blocks kept for their stream's next allocation -----------------------------------------------------
+def test_a_freed_block_is_reused_only_by_its_stream(gpu):
+    from pyattn.runtime.memory import get_pool
+
+    dev = pyattn.get_device()
+    pool = get_pool(dev)
+    s1, s2 = Stream(dev), Stream(dev)
+    a = pool.allocate(4096, s1)
+    ptr = a.ptr
+    fake_driver.CALLS.clear()
+    del a
+    assert pool.allocate(4096, s2).ptr != ptr  # another stream: a fresh block from the driver
+    assert pool.allocate(2048, s1).ptr != ptr  # another size
+    b = pool.allocate(4096, s1)
+    assert b.ptr == ptr  # the stream that freed it, the same size: no driver call
+    assert fake_driver.CALLS["cuMemAllocFromPoolAsync"] == 2 and "cuMemFreeAsync" not in fake_driver.CALLS
+
+
+def test_a_block_another_stream_used_is_freed_through_the_driver(gpu):
+    """The driver orders its reuse after that stream (an event); a kept block would skip that wait."""
+    from pyattn.runtime.memory import get_pool
+
+    dev = pyattn.get_device()
+    pool = get_pool(dev)
+    s1, s2 = Stream(dev), Stream(dev)
+    a = pool.allocate(4096, s1)
+    ptr = a.ptr
+    a.record_stream(s2)
+    fake_driver.CALLS.clear()
+    del a
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 1 and fake_driver.CALLS["cuStreamWaitEvent"] == 1
+    assert pool.allocate(4096, s1).ptr != ptr
+
+
+def test_kept_blocks_are_bounded_and_released(gpu, monkeypatch):
+    from pyattn.runtime.memory import DevicePool, get_pool
+
+    monkeypatch.setattr(DevicePool, "SPARE_BYTES", 3 * 4096)
+    dev = pyattn.get_device()
+    pool = get_pool(dev)
+    s = Stream(dev)
+    big = pool.allocate(DevicePool.SPARE_BLOCK_BYTES + 1, s)
+    blocks = [pool.allocate(4096, s) for _ in range(4)]
+    fake_driver.CALLS.clear()
+    del big, blocks
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 2  # the big block, and the fourth small one
+    fake_driver.CALLS.clear()
+    pool.trim()
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 3 and fake_driver.CALLS["cuMemPoolTrimTo"] == 1
+    assert pool.allocate(4096, s).ptr not in (0,) and fake_driver.CALLS["cuMemAllocFromPoolAsync"] == 1
+
+
+def test_out_of_memory_releases_kept_blocks_and_retries(gpu, monkeypatch):
+    from cuda.bindings import driver
+
+    from pyattn.runtime.memory import get_pool
+
+    dev = pyattn.get_device()
+    pool = get_pool(dev)
+    s = Stream(dev)
+    kept = pool.allocate(4096, s)
+    del kept
+    real = driver.cuMemAllocFromPoolAsync
+    answers = [driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY]
+
+    def alloc(nbytes, handle, stream):
+        if answers:
+            return answers.pop(), None
+        return real(nbytes, handle, stream)
+
+    monkeypatch.setattr(driver, "cuMemAllocFromPoolAsync", alloc)
+    fake_driver.CALLS.clear()
+    assert pool.allocate(8192, s).ptr
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 1  # the kept block went back first

@@ -16,6 +16,7 @@ from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
 from ..interop.inputs import DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
 from ..interop.streams import choose_stream, note_use, order_inputs, wait_for
+from ..runtime.stream import default_stream
 
 __all__ = ["start", "Bound", "bind", "begin", "layout", "output", "finish", "fetch_values"]
 
@@ -54,6 +55,7 @@ class Bound(NamedTuple):
     device: object
     kinds: tuple
     torch_in: bool  # a torch tensor among them (stream rule 2)
+    own: object  # pyattn's own stream of the device (rule 3), looked up once
 
 
 def bind(problem, device, args):
@@ -65,7 +67,7 @@ def bind(problem, device, args):
         if a is not None and (a.kind not in (DEVICE, TORCH) or a.ordinal != device.ordinal):
             return None
         kinds.append(None if a is None else a.kind)
-    return Bound(problem, device, tuple(kinds), TORCH in kinds)
+    return Bound(problem, device, tuple(kinds), TORCH in kinds, default_stream(device))
 
 
 def begin(bound: Bound, stream, arrays) -> tuple:
@@ -87,7 +89,10 @@ def begin(bound: Bound, stream, arrays) -> tuple:
             ptrs.append(0)
     device = bound.device
     device.activate()
-    s, torch_now = choose_stream(stream, device, bound.torch_in)
+    if stream is None and not bound.torch_in:
+        s, torch_now = bound.own, None  # rule 3, as choose_stream would say
+    else:
+        s, torch_now = choose_stream(stream, device, bound.torch_in)
     wait_for(s, device, producers, torch_now)
     if owned:
         note_use(s, owned)
