@@ -255,18 +255,22 @@ def test_a_block_another_stream_used_is_freed_through_the_driver(gpu):
 def test_kept_blocks_are_bounded_and_released(gpu, monkeypatch):
     from pyattn.runtime.memory import DevicePool, get_pool
 
-    monkeypatch.setattr(DevicePool, "SPARE_BYTES", 3 * 4096)
+    monkeypatch.setattr(DevicePool, "SPARE_PER_SIZE", 3)
+    monkeypatch.setattr(DevicePool, "SPARE_SIZES", 2)
     dev = pyattn.get_device()
     pool = get_pool(dev)
     s = Stream(dev)
     big = pool.allocate(DevicePool.SPARE_BLOCK_BYTES + 1, s)
-    blocks = [pool.allocate(4096, s) for _ in range(4)]
+    same = [pool.allocate(4096, s) for _ in range(4)]
+    others = [pool.allocate(n, s) for n in (512, 1024)]
     fake_driver.CALLS.clear()
-    del big, blocks
-    assert fake_driver.CALLS["cuMemFreeAsync"] == 2  # the big block, and the fourth small one
+    del big, same
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 2  # the big block, and the fourth of one size
+    del others
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 3  # a third size
     fake_driver.CALLS.clear()
     pool.trim()
-    assert fake_driver.CALLS["cuMemFreeAsync"] == 3 and fake_driver.CALLS["cuMemPoolTrimTo"] == 1
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 4 and fake_driver.CALLS["cuMemPoolTrimTo"] == 1
     assert pool.allocate(4096, s).ptr not in (0,) and fake_driver.CALLS["cuMemAllocFromPoolAsync"] == 1
 
 
@@ -292,3 +296,98 @@ def test_out_of_memory_releases_kept_blocks_and_retries(gpu, monkeypatch):
     fake_driver.CALLS.clear()
     assert pool.allocate(8192, s).ptr
     assert fake_driver.CALLS["cuMemFreeAsync"] == 1  # the kept block went back first
+
+
+# -- decode ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def cache(gpu):
+    c = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 256, 2, 64), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    return c, ids
+
+
+@pytest.fixture
+def full_decode(monkeypatch):
+    from pyattn.ops import decode as op
+
+    calls = []
+    real = op._full
+    monkeypatch.setattr(op, "_full", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def test_decode_repeat_calls(gpu, cache, full_decode):
+    """A steady decode loop: one context check and two launches (decode, split combine); the
+    partials share the output's block; q's new address is read."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 2}
+    assert len(full_decode) == 1
+    q2 = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q2, c, ids)
+    assert len(full_decode) == 1
+    (name, grid, _, p), (cname, _, _, cp) = fake_driver.LAUNCHES
+    assert grid[0] == 2 and cname.startswith("decode_combine")  # two splits, merged
+    assert p[:4] == (q2.ptr, c.k.ptr, c.v.ptr, out.ptr)
+    assert out.ptr < p[5] < p[6] < out.ptr + out.owner.nbytes  # the partials, behind out in its block
+    assert cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
+
+
+def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    other = pyattn.PagedKVCache(64, 32, 2, 64, "bfloat16")  # another page size
+    other_ids = [other.add_sequence() for _ in range(2)]
+    variants = [
+        lambda: pyattn.decode(_da((2, 2, 8, 64), ml_dtypes.bfloat16), c, ids),  # q_len
+        lambda: pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16), c, ids[:1]),  # batch, number of ids
+        lambda: pyattn.decode(q, other, other_ids),
+        lambda: pyattn.decode(q, c, ids, causal=False),
+        lambda: pyattn.decode(q, c, ids, window=(8, 0)),
+        lambda: pyattn.decode(q, c, ids, num_splits=1),
+        lambda: pyattn.decode(q, c, ids, softcap=20.0),
+        lambda: pyattn.decode(q, c, ids, return_lse=True),
+        lambda: pyattn.decode(q, c, ids, alibi_slopes=_da((8,), np.float32)),
+    ]
+    for i, call in enumerate(variants):
+        call()
+        assert len(full_decode) == 2 + i, i
+        call()  # its own entry now
+        assert len(full_decode) == 2 + i, i
+    with pytest.raises(TypeError, match="^q: expected dtype bfloat16"):
+        pyattn.decode(_da((2, 1, 8, 64), np.float16), c, ids)
+
+
+def test_decode_checks_ids_and_addresses_every_call(gpu, cache):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match=r"^q: the address must be 16-byte aligned"):
+        pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16, ptr=q.ptr + 8), c, ids)
+    c.free(ids[1])
+    with pytest.raises(ValueError, match="no live sequence"):
+        pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match="^q: expected an array on the cache's device"):
+        pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16, device=pyattn.get_device(1)), c, ids[:1])
+
+
+def test_memo_keys_do_not_keep_a_cache_alive(gpu):
+    """The decode memos key on the cache's layout: a dropped cache frees its pools."""
+    import gc
+    import weakref
+
+    c = pyattn.PagedKVCache(16, 16, 2, 64, "float16")
+    ids = [c.add_sequence()]
+    c.append(ids, np.zeros((1, 4, 2, 64), np.float16), np.zeros((1, 4, 2, 64), np.float16))
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is None

@@ -123,17 +123,20 @@ class DevicePool:
     Notes
     -----
     Small blocks (up to ``SPARE_BLOCK_BYTES``) freed on a stream are kept here, up to
-    ``SPARE_BYTES`` in all, for that stream's next allocation of the same size: a repeat op call
-    then makes neither its allocation nor the previous result's free as a driver call (two of the
-    four driver calls of a tiny call, ~1-2 us each on a GPU host). Handing a block to later work on
-    the stream that freed it is exactly what the driver's pool does with a stream-ordered free; a
-    block that another stream used (:meth:`Allocation.record_stream`) is freed through the driver,
-    which orders its reuse after that stream. :meth:`trim` and an allocation that finds the device
-    out of memory give the kept blocks back to the driver first.
+    ``SPARE_PER_SIZE`` per (stream, size) and ``SPARE_SIZES`` such pairs, for that stream's next
+    allocation of the same size: a repeat op call then makes neither its allocation nor the
+    previous result's free as a driver call (two of the four driver calls of a tiny call, ~1-2 us
+    each on a GPU host). Handing a block to later work on the stream that freed it is exactly what
+    the driver's pool does with a stream-ordered free; a block that another stream used
+    (:meth:`Allocation.record_stream`) is freed through the driver, which orders its reuse after
+    that stream. :meth:`trim` and an allocation that finds the device out of memory give the kept
+    blocks back to the driver first. No lock: the lists' ``pop``/``append`` are atomic, and a race
+    can only keep a block or two over the bounds (at most 64 MiB are kept).
     """
 
-    SPARE_BLOCK_BYTES = 1 << 20
-    SPARE_BYTES = 32 << 20
+    SPARE_BLOCK_BYTES = 256 << 10
+    SPARE_PER_SIZE = 4
+    SPARE_SIZES = 64
 
     def __init__(self, device: Device):
         driver = _drv()
@@ -151,24 +154,21 @@ class DevicePool:
             self.handle, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold),
             "cuMemPoolSetAttribute")
         self._spares: dict = {}  # (stream ptr, nbytes) -> [(ptr, Stream), ...]: kept blocks (see Notes)
-        self._spare_bytes = 0
-        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int, stream) -> Allocation:
         """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised."""
         if nbytes <= 0:
             return Allocation(0, 0, stream)
-        if nbytes <= self.SPARE_BLOCK_BYTES:
-            spare = self._spares.get((stream.ptr, nbytes))
-            if spare:
-                with self._lock:
-                    if spare:
-                        self._spare_bytes -= nbytes
-                        return Allocation(spare.pop()[0], nbytes, stream, self)
+        spare = self._spares.get((stream.ptr, nbytes))
+        if spare:
+            try:
+                return Allocation(spare.pop()[0], nbytes, stream, self)
+            except IndexError:  # another thread took the last one
+                pass
         driver = _driver if _driver is not None else _drv()
         err, ptr = driver.cuMemAllocFromPoolAsync(nbytes, self.handle, stream.handle)
         if err:
-            if self._spare_bytes and err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            if self._spares and err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 self.release_spares()
                 err, ptr = driver.cuMemAllocFromPoolAsync(nbytes, self.handle, stream.handle)
             if err:
@@ -177,22 +177,26 @@ class DevicePool:
 
     def keep(self, ptr: int, nbytes: int, stream) -> bool:
         """Keep a block freed on ``stream`` for its next allocation of ``nbytes`` (see Notes);
-        False when it is not kept (too big, or ``SPARE_BYTES`` reached): free it then."""
+        False when it is not kept (too big, or the bounds reached): free it then."""
         if nbytes > self.SPARE_BLOCK_BYTES:
             return False
-        with self._lock:
-            if self._spare_bytes + nbytes > self.SPARE_BYTES:
+        key = (stream.ptr, nbytes)
+        spare = self._spares.get(key)
+        if spare is None:
+            if len(self._spares) >= self.SPARE_SIZES:
                 return False
-            self._spare_bytes += nbytes
-            self._spares.setdefault((stream.ptr, nbytes), []).append((ptr, stream))
+            spare = self._spares.setdefault(key, [])
+        if len(spare) >= self.SPARE_PER_SIZE:
+            return False
+        spare.append((ptr, stream))
         return True
 
     def release_spares(self) -> None:
         """Free the kept blocks through the driver (each ordered on the stream that freed it)."""
-        with self._lock:
-            spares, self._spares, self._spare_bytes = self._spares, {}, 0
+        spares, self._spares = self._spares, {}
         for blocks in spares.values():
-            for ptr, stream in blocks:
+            while blocks:
+                ptr, stream = blocks.pop()
                 _free_async(ptr, stream, None)
 
     def trim(self, keep_bytes: int = 0) -> None:
