@@ -110,6 +110,9 @@ class _Fake:
     def cuEventDestroy(self, ev):
         return (OK,)
 
+    def cuEventElapsedTime(self, start, end):
+        return OK, 0.0
+
     def cuMemPoolCreate(self, props):
         return OK, self._handle(driver.CUmemoryPool)
 
