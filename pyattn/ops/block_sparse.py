@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from ..interop.inputs import read, read_optional
+from ..interop.inputs import read_args
 from ..interop.streams import order_inputs
 from ..kernels.specs import select_attention_spec
 from ..pipeline import host
@@ -125,7 +125,7 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
     check_stream_arg(stream)
     R, C = check_block_size(block_size)
     params = locals()
-    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
+    args = read_args(params, _ARRAYS, _REQUIRED)
     for name in ("q", "k", "v"):
         if args[name].dtype.name not in _DTYPES:
             raise TypeError(f"{name}: block_sparse_attention takes float16 or bfloat16 (tensor cores), "

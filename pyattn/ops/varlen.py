@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop.inputs import read, read_optional
+from ..interop.inputs import read_args
 from ..interop.streams import order_inputs
 from ..pipeline import host
 from ..pipeline.device import fetch_values, finish, start
@@ -56,7 +56,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     """
     check_stream_arg(stream)
     params = locals()
-    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
+    args = read_args(params, _ARRAYS, _REQUIRED)
     return_lse = check_bool("return_lse", return_lse)
     P, (cu_q, cu_k) = make_varlen_problem(
         args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
