@@ -391,3 +391,14 @@ def test_memo_keys_do_not_keep_a_cache_alive(gpu):
     del c
     gc.collect()
     assert ref() is None
+
+
+def test_a_refused_address_makes_no_driver_call(gpu):
+    """As on the full path, the per-call checks run before any device work."""
+    x = _da()
+    shifted = _da(ptr=x.ptr + 4)
+    pyattn.attention(x, x, x)
+    fake_driver.CALLS.clear()
+    with pytest.raises(ValueError, match=r"^q: "):
+        pyattn.attention(shifted, x, x)
+    assert not fake_driver.CALLS

@@ -28,6 +28,11 @@ _memo = Memo()  # signature -> problem
 _quick = Memo()  # quick key -> pipeline.device.Bound
 
 
+def _check(P, ptrs) -> None:
+    """The per-call address check of a repeat decode (q's; the slopes are read as float32 words)."""
+    check_q_address(ptrs[0])
+
+
 def _host_q(P, q_arg, alibi, stream, launch_fn, return_lse):
     """NumPy queries: upload q (and host ALiBi slopes), decode, and copy the results back."""
     ins = [q_arg.obj, np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]
@@ -210,7 +215,7 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
         return _host_q(P, args["q"], args["alibi_slopes"], stream, launch_fn, return_lse)
     ordered = [args["q"], args["alibi_slopes"]]
     device, s, (dq, dal) = start(stream, ordered)
-    _quick.put(qkey, bind(P, device, ordered))
+    _quick.put(qkey, bind(P, device, ordered, _check))
     alibi_ptr, keep = _alibi_ptr(dal, device, s)
     out, lse = launch_fn(device, s, dq, alibi_ptr)
     finish(s, (dq, dal))
@@ -221,8 +226,7 @@ def _repeat(bound, cache, ids, arrays, stream, return_lse):
     """A decode whose quick key was seen: q (and the slopes) are DeviceArrays or torch tensors on the
     cache's device; the cache's own order and tables are kept by the cache."""
     P, device = bound.problem, bound.device
-    s, (q, alibi) = begin(bound, stream, arrays)
-    check_q_address(q)
+    s, (q, alibi) = begin(bound, stream, arrays)  # (q's address checked: _check)
     cache.order(s)
     tables, max_len = cache.device_tables(ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)

@@ -48,34 +48,37 @@ def start(stream, args, recheck=None):
 
 
 class Bound(NamedTuple):
-    """What the repeat calls of one quick key share: the problem validation made, the device, and per
-    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``)."""
+    """What the repeat calls of one quick key share: the problem validation made, the device, per
+    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``), and the op's per-call address
+    checks, ``check(problem, pointers)``."""
 
     problem: object
     device: object
     kinds: tuple
+    check: object
     torch_in: bool  # a torch tensor among them (stream rule 2)
     own: object  # pyattn's own stream of the device (rule 3), looked up once
 
 
-def bind(problem, device, args):
+def bind(problem, device, args, check):
     """The :class:`Bound` of a call that :func:`start` has just run, ``args`` its Args in parameter
-    order; None when an array is of a kind :func:`begin` does not read, or its device was not told
-    by the array (then the driver is asked per call)."""
+    order, ``check`` its address checks; None when an array is of a kind :func:`begin` does not
+    read, or its device was not told by the array (then the driver is asked per call)."""
     kinds = []
     for a in args:
         if a is not None and (a.kind not in (DEVICE, TORCH) or a.ordinal != device.ordinal):
             return None
         kinds.append(None if a is None else a.kind)
-    return Bound(problem, device, tuple(kinds), TORCH in kinds, default_stream(device))
+    return Bound(problem, device, tuple(kinds), check, TORCH in kinds, default_stream(device))
 
 
 def begin(bound: Bound, stream, arrays) -> tuple:
     """:func:`start` and :func:`finish`'s bookkeeping for a repeat call: ``arrays`` are the call's
-    array parameters (the user's objects, in the order of ``bound.kinds``). Activates the device,
-    picks the stream (the rule), orders it after the arrays' producers, and notes the stream's use
-    of pyattn's pool blocks among them (now rather than after the launches: their frees cannot run
-    before this call returns). Returns ``(stream, pointers)``, 0 for absent arrays."""
+    array parameters (the user's objects, in the order of ``bound.kinds``). Reads their pointers
+    and runs the op's address checks (before any device work, as on the full path), then activates
+    the device, picks the stream (the rule), orders it after the arrays' producers, and notes the
+    stream's use of pyattn's pool blocks among them (now rather than after the launches: their
+    frees cannot run before this call returns). Returns ``(stream, pointers)``, 0 for absent arrays."""
     ptrs, producers, owned = [], [], []
     for kind, x in zip(bound.kinds, arrays):
         if kind is DEVICE:
@@ -87,6 +90,7 @@ def begin(bound: Bound, stream, arrays) -> tuple:
             producers.append(TORCH_PRODUCER)
         else:
             ptrs.append(0)
+    bound.check(bound.problem, ptrs)
     device = bound.device
     device.activate()
     if stream is None and not bound.torch_in:
