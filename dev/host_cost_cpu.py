@@ -1,6 +1,6 @@
 """Host cost of a tiny device-resident call, measured on a CPU with the fake driver (no GPU needed).
 
-Usage: PYTHONPATH=. python dev/host_cost_cpu.py [--n 20000]
+Usage: PYTHONPATH=. python dev/host_cost_cpu.py [--n 20000] [--no-stages]
 
 The fake driver (``tests/fake_driver.py``) answers every ``cuda.bindings.driver`` call at once, so
 what is timed is pyattn's own Python plus the fake's (tiny) stubs; the real driver calls cost
@@ -159,7 +159,9 @@ def stages(d, n):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000, help="calls per timing run")
-    n = ap.parse_args().n
+    ap.add_argument("--no-stages", action="store_true", help="totals only (e.g. against an older checkout)")
+    opts = ap.parse_args()
+    n = opts.n
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "torch", fake_driver.fake_torch())
         fake_driver.install(mp)
@@ -171,8 +173,9 @@ def main() -> None:
             py, c, drv = counts(fn)
             print(f"{name:32} {per_call_us(fn, n):8.2f} {py:9d} {c:8d}  {sum(drv.values())}: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(drv.items())))
-        print("stages of a repeat 'attention DeviceArray', each timed alone:")
-        stages(d, n)
+        if not opts.no_stages:
+            print("stages of a repeat 'attention DeviceArray', each timed alone:")
+            stages(d, n)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def _parse_cai(name, cai):
         raise ValueError(f"{name}: masked arrays are not supported (__cuda_array_interface__ mask)")
     strides = cai.get("strides")
     if strides is None:
-        strides = c_strides(shape)
+        strides = _dense_strides(shape)
     else:
         if (not isinstance(strides, (tuple, list)) or len(strides) != len(shape)
                 or not all(_is_int(s) for s in strides)):
@@ -182,7 +182,21 @@ def _reject(name, x):
 
 
 def _is_int(x) -> bool:
+    if type(x) is int:  # the common case first: interface dicts hold plain ints (18 checks a call)
+        return True
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+_dense: dict = {}  # shape -> C-contiguous element strides (an interface without strides, every call)
+
+
+def _dense_strides(shape: tuple) -> tuple:
+    strides = _dense.get(shape)
+    if strides is None:
+        if len(_dense) >= 4096:
+            _dense.clear()
+        strides = _dense[shape] = c_strides(shape)
+    return strides
 
 
 def _has_cuda_dlpack(x) -> bool:
