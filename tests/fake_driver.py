@@ -209,6 +209,7 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(stream, "_order_events", type(stream._order_events)())
     monkeypatch.setattr(memory, "_pools", {})
     monkeypatch.setattr(memory, "_staging", {})
+    monkeypatch.setattr(memory, "_results", None)  # (its pinned blocks would be fake ones)
     monkeypatch.setattr(memory, "POISON_ALLOC", False)
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(plans, "_plans", {})

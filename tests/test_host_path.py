@@ -7,6 +7,7 @@ torch is the stand-in ``fake_driver.fake_torch()`` installed as ``sys.modules["t
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import ml_dtypes
@@ -26,7 +27,10 @@ def gpu(monkeypatch):
     torch = fake_driver.fake_torch()
     monkeypatch.setitem(sys.modules, "torch", torch)
     fake.torch = torch
-    return fake
+    yield fake
+    # Streams, events and blocks made here must be released while the fake still answers (a cycle
+    # collected later would hand fake handles to the real driver of a GPU machine).
+    gc.collect()
 
 
 def _repeat_calls(fn) -> dict:
@@ -379,7 +383,6 @@ def test_decode_checks_ids_and_addresses_every_call(gpu, cache):
 
 def test_memo_keys_do_not_keep_a_cache_alive(gpu):
     """The decode memos key on the cache's layout: a dropped cache frees its pools."""
-    import gc
     import weakref
 
     c = pyattn.PagedKVCache(16, 16, 2, 64, "float16")
