@@ -1,13 +1,16 @@
-"""Dev probe: per-stage host cost of a tiny device attention call, and the NumPy path's timeline."""
+"""Dev probe: per-stage host cost of a tiny device attention call (the repeat-call path), and the NumPy
+path's timeline. ``torch`` as an argument adds torch tensors."""
 import time, sys
 import numpy as np
 import pyattn
-from pyattn.interop.inputs import read, read_optional
-from pyattn.pipeline.plans import signature, get_plan
-from pyattn.pipeline.device import start, finish, output
-from pyattn.validate.attention import check_pointers
+from pyattn.array import allocate
+from pyattn.interop.inputs import quick_key
+from pyattn.interop.streams import torch_current_stream
+from pyattn.pipeline.plans import get_plan
+from pyattn.pipeline.device import begin
+from pyattn.validate.attention import check_addresses
 from pyattn.ops import attention as A
-from pyattn.ops._fwd import build_fwd_plan, device_extras, run_fwd
+from pyattn.ops._fwd import build_fwd_plan, run_fwd
 from pyattn.runtime.stream import check_stream_arg
 
 def us(fn, n=20000):
@@ -20,31 +23,30 @@ h = np.random.default_rng(0).standard_normal((1, 16, 2, 64)).astype(np.float16)
 d = pyattn.asarray(h)
 dev = pyattn.get_device()
 print("total DeviceArray attention", round(us(lambda: pyattn.attention(d, d, d)), 2)); dev.synchronize()
-args = {n: (read if n in "qkv" else read_optional)(n, v) for n, v in zip(A._ARRAYS, (d, d, d, None, None, None))}
+# The repeat-call path, stage by stage (each stage timed alone).
 params = dict(q=d, k=d, v=d, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
               layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None)
-key = signature(params, args); P = A._memo.get(key)
+key = quick_key(params)
+bound = A._quick.get(key)
+arrays = (d, d, d, None, None, None)
+P = bound.problem
 print("check_stream_arg", round(us(lambda: check_stream_arg(None)), 2))
-print("read x6", round(us(lambda: {n: (read if n in "qkv" else read_optional)(n, params[n]) for n in A._ARRAYS}), 2))
-print("signature", round(us(lambda: signature(params, args)), 2))
-print("memo get", round(us(lambda: A._memo.get(key)), 2))
-print("hash P", round(us(lambda: hash(P)), 2))
-print("check_pointers", round(us(lambda: check_pointers(P, args["q"], args["k"], args["v"], args["out"])), 2))
-arglist = [args[n] for n in A._ARRAYS]
-print("start", round(us(lambda: start(None, arglist, None)), 2))
+print("quick_key", round(us(lambda: quick_key(params)), 2))
+print("memo get", round(us(lambda: A._quick.get(key)), 2))
+print("begin (device, stream rule, producers)", round(us(lambda: begin(bound, None, arrays)), 2))
+print("check_addresses", round(us(lambda: check_addresses(P, d.ptr, d.ptr, d.ptr)), 2))
 print("get_plan", round(us(lambda: get_plan(build_fwd_plan, P, dev)), 2))
-s = start(None, arglist, None)[1]
+s = begin(bound, None, arrays)[0]
 plan = get_plan(build_fwd_plan, P, dev)
-print("device_extras", round(us(lambda: device_extras(None, None, dev, s)), 2))
-print("output()", round(us(lambda: output(dev, s, plan.out_shape, plan.dtype)), 2)); dev.synchronize()
+print("allocate (+ free of the previous)", round(us(lambda: allocate(dev, s, *plan.out_layout)), 2)); dev.synchronize()
 print("pack", round(us(lambda: plan.packer.pack(d.ptr, d.ptr, d.ptr, d.ptr, 0, 0, 0, 0, 0, 0, 0, 0)), 2))
-print("run_fwd", round(us(lambda: run_fwd(plan, dev, s, d, d, d)), 2)); dev.synchronize()
-print("finish", round(us(lambda: finish(s, arglist)), 2))
+print("run_fwd", round(us(lambda: run_fwd(plan, dev, s, d.ptr, d.ptr, d.ptr)), 2)); dev.synchronize()
+print("_repeat (the whole repeat path)", round(us(lambda: A._repeat(bound, arrays, None, False)), 2)); dev.synchronize()
 from pyattn.runtime.launch import launch
-params_b = plan.packer.pack(d.ptr, d.ptr, d.ptr, d.ptr, 0, 0, 0, 0, 0, 0, 0, 0)
-o = output(dev, s, plan.out_shape, plan.dtype)
+o = allocate(dev, s, *plan.out_layout)
 params_b = plan.packer.pack(d.ptr, d.ptr, d.ptr, o.ptr, 0, 0, 0, 0, 0, 0, 0, 0)
 print("launch only", round(us(lambda: launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params_b)), 2)); dev.synchronize()
+print("activate only", round(us(lambda: dev.activate()), 2))
 from pyattn.runtime.stream import Event
 e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
 s.record(e0)
@@ -56,9 +58,11 @@ if "torch" in sys.argv:
     t = torch.from_numpy(h).cuda(); torch.cuda.synchronize()
     print("with torch imported: DeviceArray", round(us(lambda: pyattn.attention(d, d, d)), 2)); dev.synchronize()
     print("torch tensors", round(us(lambda: pyattn.attention(t, t, t)), 2)); torch.cuda.synchronize()
-    print("read torch", round(us(lambda: read("q", t)), 2))
-    targs = [read(n, t) for n in "qkv"] + [None] * 3
-    print("start torch", round(us(lambda: start(None, targs, None)), 2))
+    tparams = dict(params, q=t, k=t, v=t)
+    print("quick_key torch", round(us(lambda: quick_key(tparams)), 2))
+    tbound = A._quick.get(quick_key(tparams))
+    print("begin torch", round(us(lambda: begin(tbound, None, (t, t, t, None, None, None))), 2))
+    print("torch current stream read", round(us(lambda: torch_current_stream(dev)), 2))
 
 # NumPy path timeline
 import os

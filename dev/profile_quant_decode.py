@@ -38,11 +38,12 @@ def main():
     q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(npages, device="cuda").int().reshape(B, L // PS)
     dq, dk, dt = pyattn.asarray(q), pyattn.asarray(k), pyattn.asarray(table)
-    pool, (ck, cv), scales = _quantized_pool(check_pools(read("k_pool", dk), read("v_pool", dk)), k, kv)
+    pool, (ck, cv), scale_pools = _quantized_pool(check_pools(read("k_pool", dk), read("v_pool", dk)), k, kv)
+    scales = tuple(x.ptr for x in scale_pools)  # (the pools stay alive in scale_pools)
     dl = pyattn.asarray(np.full(B, L, np.int32))
     P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None)
     for _ in range(6):
-        dec.run_decode(P, dev, dq, ck, cv, (dt, None, L // PS, dl), L, 0, s, False, scales)
+        dec.run_decode(P, dev, dq.ptr, ck.ptr, cv.ptr, (dt, None, L // PS, dl), L, 0, s, False, scales)
     s.synchronize()
 
 

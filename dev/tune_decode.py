@@ -86,7 +86,8 @@ def main():
     for splits in (1, 8):
         P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
                         num_splits=splits)
-        fn = lambda: dec.run_decode(P, dev, dq, dk, dv, (dt, None, table.shape[1], tiny), 16, 0, s, False)  # noqa: E731
+        fn = lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, table.shape[1], tiny), 16, 0, s,  # noqa: E731
+                                    False)
         fn()
         s.synchronize()
         t0 = time.perf_counter()
@@ -106,13 +107,14 @@ def main():
                     dq, dk, dv, dt = (pyattn.asarray(x) for x in (q, k, v, table))
                     dl = pyattn.asarray(np.full(B, L, np.int32))
                     pool = check_pools(read("k_pool", dk), read("v_pool", dv), layout)
-                    scales = (None, None)
+                    scales = (0, 0)
                     if kv:
-                        pool, (dk, dv), scales = _quantized_pool(pool, k, kv)
+                        pool, (dk, dv), scale_pools = _quantized_pool(pool, k, kv)  # (kept alive here)
+                        scales = tuple(x.ptr for x in scale_pools)
                     P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None,
                                     scale=None, num_splits=None)
-                    us = time_us(lambda: dec.run_decode(P, dev, dq, dk, dv, (dt, None, L // ps, dl), L, 0, s,
-                                                        False, scales), s, dev)
+                    us = time_us(lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, L // ps, dl), L,
+                                                        0, s, False, scales), s, dev)
                     nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
                     cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
                 except Exception as e:  # keep going: one bad candidate must not end the run

@@ -19,6 +19,7 @@ import numpy as np
 
 from .runtime.device import Device, get_device
 from .runtime.dlpack import KDL_CUDA, export_capsule
+from .runtime import memory
 from .runtime.memory import copy_to_host, get_pool, memset_async, poison_alloc
 from .runtime.stream import LEGACY_STREAM, as_stream, borrowed, order_after
 
@@ -125,7 +126,7 @@ class DeviceArray:
             "version": 3,
         }
         if self.stream is not None:
-            cai["stream"] = self.stream.ptr or LEGACY_STREAM  # consumers wait on the producing stream
+            cai["stream"] = self.stream.ptr  # consumers wait on the producing stream (never 0, see Stream)
         return cai
 
     def __dlpack_device__(self) -> tuple:
@@ -146,9 +147,10 @@ class DeviceArray:
         consumer = LEGACY_STREAM if stream is None else stream
         if not isinstance(consumer, int) or isinstance(consumer, bool):
             raise TypeError(f"stream: expected None or an int CUstream handle, got {type(stream).__name__}")
-        # Handle 0 is the legacy default stream (torch's default stream), the same stream as 1.
-        if consumer != -1 and self.stream is not None and (consumer or LEGACY_STREAM) != (self.stream.ptr or LEGACY_STREAM):
-            order_after(borrowed(self.device, consumer), self.stream.ptr)
+        if consumer != -1 and self.stream is not None:
+            waiter = borrowed(self.device, consumer)  # (a consumer's 0 is the legacy stream, as 1: see Stream)
+            if waiter.ptr != self.stream.ptr:
+                order_after(waiter, self.stream.ptr)
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return export_capsule(self.ptr, self.shape, self.strides, self.dtype, self.device.ordinal, self,
                               versioned=versioned)
@@ -250,8 +252,15 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
 
 
 def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:
-    """:func:`empty` for callers that already hold normalised fields (the per-call op path)."""
+    """:func:`empty` for callers that already hold normalised fields (the per-call op path, where
+    each Python call counts: ``DeviceArray._wrap`` is inlined)."""
     alloc = get_pool(device).allocate(nbytes, stream)
-    if poison_alloc():
+    if memory.POISON_ALLOC is not False and poison_alloc():
         memset_async(alloc.ptr, 0xFF, nbytes, stream)
-    return DeviceArray._wrap(alloc.ptr, shape, dtype, strides, elem_strides, device, alloc, stream)
+    a = _new(DeviceArray)
+    a.ptr, a.shape, a.dtype, a.strides, a.elem_strides = alloc.ptr, shape, dtype, strides, elem_strides
+    a.device, a.owner, a.stream = device, alloc, stream
+    return a
+
+
+_new = object.__new__

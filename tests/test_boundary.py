@@ -107,11 +107,12 @@ def _cai_obj(stream="absent", version=3):
 def test_stream_rule_torch_inputs_run_on_torchs_stream(torch, monkeypatch):
     calls = _orderings(monkeypatch)
     t = read("q", torch.Tensor((2, 8)))
-    s = streams.choose_stream(None, _Dev(), [t, None])
-    assert s.ptr == 0x7000  # rule 2: torch's current stream
-    streams.order_inputs(s, _Dev(), [t, None])
+    s, torch_now = streams.choose_stream(None, _Dev(), True)
+    assert s.ptr == torch_now == 0x7000  # rule 2: torch's current stream
+    streams.order_inputs(s, _Dev(), [t, None], torch_now)
     assert calls == []  # already on the stream that wrote it
-    s = streams.choose_stream(0x1234, _Dev(), [t])  # rule 1: an explicit stream...
+    s, torch_now = streams.choose_stream(0x1234, _Dev(), True)  # rule 1: an explicit stream...
+    assert torch_now is None
     streams.order_inputs(s, _Dev(), [t])
     assert calls == [(0x1234, 0x7000)]  # ...waits for torch's current stream
 
@@ -126,7 +127,7 @@ def test_stream_rule_cai_and_device_arrays(monkeypatch):
     own = pyattn.DeviceArray(0x8000, (2, 8), np.float16, None, stream=producer)
     same = pyattn.DeviceArray(0x9000, (2, 8), np.float16, None, stream=_Stream(0xAAAA))
     args = [v3, no_stream, v2, read("a", own), read("b", same)]
-    s = streams.choose_stream(None, _Dev(), args)
+    s, _ = streams.choose_stream(None, _Dev(), False)
     assert s.ptr == 0xAAAA  # rule 3: pyattn's own stream
     streams.order_inputs(s, _Dev(), args)
     # each other producer once: the CAI v3 stream, the legacy stream (both legacy-rule inputs), the DeviceArray's

@@ -16,6 +16,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from pyattn.runtime import memory
+from pyattn.runtime.stream import LEGACY_STREAM
 
 
 def _has_gpu() -> bool:
@@ -196,7 +197,7 @@ def test_arrays_outlive_a_closed_stream():
     with pyattn.Stream() as s:
         d = [pyattn.asarray(x, stream=s) for x in (q, k, v)]
         out = pyattn.attention(*d, stream=s)
-    assert s.ptr == 0  # a closed stream stands for the NULL stream
+    assert s.ptr == LEGACY_STREAM  # a closed stream stands for the legacy default stream
     _check(out.numpy(), None, q, k, v)
     del out, d
     gc.collect()

@@ -11,6 +11,7 @@ is ``tests/test_gpu_quant_cache.py``.
 from __future__ import annotations
 
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -290,7 +291,7 @@ def fake_device(monkeypatch):
     """PagedKVCache with its device and allocations stubbed: the constructor's host logic only."""
     import pyattn.paged.cache as cache_mod
 
-    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: "fake-device")
+    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: types.SimpleNamespace(ordinal=0))
     monkeypatch.setattr(cache_mod, "empty", lambda shape, dtype, device=None: _FakeArray(shape, dtype))
 
 

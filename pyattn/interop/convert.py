@@ -8,7 +8,7 @@ from ..array import DeviceArray, empty
 from ..runtime.device import Device, get_device
 from ..runtime.errors import check
 from ..runtime.memory import copy_to_device
-from .inputs import read
+from .inputs import TORCH, read
 from .streams import choose_stream, order_inputs
 
 __all__ = ["asarray", "device_of"]
@@ -59,7 +59,7 @@ def asarray(x, *, device: Device | None = None, stream=None) -> DeviceArray:
         return out
     dev = device_of(a)
     dev.activate()
-    s = choose_stream(stream, dev, [a])
-    (a,) = order_inputs(s, dev, [a])
+    s, torch_now = choose_stream(stream, dev, a.kind == TORCH)
+    (a,) = order_inputs(s, dev, [a], torch_now)
     return DeviceArray(a.ptr, a.shape, a.dtype, dev, strides=tuple(st * a.dtype.itemsize for st in a.strides),
                        owner=a.obj, stream=s)

@@ -21,8 +21,8 @@ import numpy as np
 
 from ..array import DeviceArray, c_strides
 
-__all__ = ["Arg", "read", "read_optional", "HOST", "DEVICE", "TORCH", "CAI", "DLPACK", "LEGACY_PRODUCER",
-           "TORCH_PRODUCER", "numpy_dtype"]
+__all__ = ["Arg", "read", "read_optional", "read_args", "quick_key", "HOST", "DEVICE", "TORCH", "CAI", "DLPACK",
+           "LEGACY_PRODUCER", "TORCH_PRODUCER", "numpy_dtype"]
 
 # Kinds of argument.
 HOST, DEVICE, TORCH, CAI, DLPACK = "host", "device", "torch", "cai", "dlpack"
@@ -138,7 +138,7 @@ def _parse_cai(name, cai):
         raise ValueError(f"{name}: masked arrays are not supported (__cuda_array_interface__ mask)")
     strides = cai.get("strides")
     if strides is None:
-        strides = c_strides(shape)
+        strides = _dense_strides(shape)
     else:
         if (not isinstance(strides, (tuple, list)) or len(strides) != len(shape)
                 or not all(_is_int(s) for s in strides)):
@@ -182,7 +182,21 @@ def _reject(name, x):
 
 
 def _is_int(x) -> bool:
+    if type(x) is int:  # the common case first: interface dicts hold plain ints (18 checks a call)
+        return True
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+_dense: dict = {}  # shape -> C-contiguous element strides (an interface without strides, every call)
+
+
+def _dense_strides(shape: tuple) -> tuple:
+    strides = _dense.get(shape)
+    if strides is None:
+        if len(_dense) >= 4096:
+            _dense.clear()
+        strides = _dense[shape] = c_strides(shape)
+    return strides
 
 
 def _has_cuda_dlpack(x) -> bool:
@@ -293,3 +307,64 @@ def read(name: str, x) -> Arg:
 def read_optional(name: str, x):
     """:func:`read`, or None for None."""
     return None if x is None else read(name, x)
+
+
+def read_args(params: dict, names, required) -> dict:
+    """``{name: Arg or None}`` for the array parameters ``names`` of an op's ``params``: :func:`read`
+    for the ``required`` ones, :func:`read_optional` for the others."""
+    return {n: read(n, params[n]) if n in required else read_optional(n, params[n]) for n in names}
+
+
+# -- the repeat-call key ----------------------------------------------------------------------------
+
+# Option values keyed as they are: hashable, compared by value, and never arrays. Their type goes into
+# the key too, so that ``causal=1`` cannot reuse the validation of ``causal=True`` (equal, same hash).
+_PLAIN = frozenset({type(None), bool, int, float, str, tuple, np.bool_, np.int32, np.int64, np.float32, np.float64})
+_quick_kinds: dict = {}  # type -> DEVICE, TORCH, or None (read through Args every call)
+
+
+def _quick_kind(tp):
+    if issubclass(tp, DeviceArray):
+        return DEVICE
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(tp, torch.Tensor):
+        return TORCH
+    return None
+
+
+def quick_key(params: dict):
+    """The repeat-call key of an op's call, or None when it has none.
+
+    ``params`` is the op's ``locals()`` taken first thing (every parameter). Arrays that are
+    ``DeviceArray``s or CUDA torch tensors are keyed by what a :class:`Arg` of them would say (type,
+    shape, dtype, element strides, device), read straight from their attributes: no Arg is built.
+    Option values are keyed by type and value. Any other array kind (NumPy, CUDA array interface,
+    DLPack), a CPU tensor, or an option of another type gives None: such calls take the full path
+    every time. ``stream`` (per call) is left out unless it is a plain value (None, an int), where
+    keeping it only splits the cache. Pointers and producer streams are not in the key: they are
+    read per call (:func:`pyattn.pipeline.device.begin`).
+
+    Equal keys mean equal signatures (:func:`pyattn.pipeline.plans.signature`), so a key can stand
+    for the problem validation made of the first call that had it.
+    """
+    key = []
+    add = key.append
+    for name, v in params.items():
+        tp = type(v)
+        if tp in _PLAIN:
+            add(tp if tp is not tuple else tuple(map(type, v)))  # (window=(True, 2) is not (1, 2) either)
+            add(v)
+            continue
+        kind = _quick_kinds.get(tp, False)
+        if kind is False:
+            kind = _quick_kinds[tp] = _quick_kind(tp)
+        if kind is DEVICE:
+            add((tp, v.shape, v.dtype, v.elem_strides, v.device))
+        elif kind is TORCH:
+            ordinal = v.get_device()
+            if ordinal < 0:  # a CPU tensor: host data
+                return None
+            add((tp, v.shape, v.dtype, v.stride(), ordinal))
+        elif name != "stream":
+            return None
+    return tuple(key)

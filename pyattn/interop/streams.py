@@ -25,9 +25,9 @@ import sys
 from ..array import DeviceArray
 from ..runtime.memory import Allocation
 from ..runtime.stream import LEGACY_STREAM, Stream, as_stream, borrowed, default_stream, order_after
-from .inputs import DLPACK, HOST, LEGACY_PRODUCER, TORCH, TORCH_PRODUCER, Arg
+from .inputs import DLPACK, HOST, LEGACY_PRODUCER, TORCH_PRODUCER, Arg
 
-__all__ = ["choose_stream", "order_inputs", "note_use", "torch_current_stream"]
+__all__ = ["choose_stream", "wait_for", "order_inputs", "note_use", "torch_current_stream"]
 
 
 def torch_current_stream(device) -> Stream:
@@ -38,44 +38,58 @@ def torch_current_stream(device) -> Stream:
     return borrowed(device, int(handle))
 
 
-def choose_stream(stream, device, args) -> Stream:
-    """The stream the op runs on (rules 1-3 above); ``args`` are the call's :class:`Arg` (or None)."""
+def choose_stream(stream, device, torch_in: bool) -> tuple:
+    """The stream the op runs on (rules 1-3 above), and torch's current stream handle if that was
+    read on the way (rule 2; else None), for :func:`wait_for`: read once per call.
+    ``torch_in``: whether any input is a torch tensor."""
     if stream is not None:
-        return as_stream(stream, device)
-    for a in args:
-        if a is not None and a.kind == TORCH:
-            return torch_current_stream(device)
-    return default_stream(device)
+        return as_stream(stream, device), None
+    if torch_in:
+        s = torch_current_stream(device)
+        return s, s.ptr
+    return default_stream(device), None
 
 
-def order_inputs(s: Stream, device, args) -> list:
-    """Order ``s`` after the producers of ``args`` and import DLPack-only inputs on ``s``.
+def wait_for(s: Stream, device, producers, torch_now=None) -> None:
+    """Order ``s`` after each producer that is another stream, once per stream.
+
+    ``producers``: an :class:`~pyattn.interop.inputs.Arg`'s ``producer`` values (a Stream, an int
+    ``CUstream``, ``TORCH_PRODUCER``, ``LEGACY_PRODUCER``) or None (nothing to wait for).
+    ``torch_now``: torch's current stream handle if the caller has it (see :func:`choose_stream`).
+    """
+    done = s.ptr  # handles already waited for: an int, then a set (a Stream's ptr is never 0, see Stream)
+    for p in producers:
+        if p is None:
+            continue
+        if p is TORCH_PRODUCER:
+            if torch_now is None:  # read once per call, and only when a torch tensor is there
+                torch_now = torch_current_stream(device).ptr
+            handle = torch_now
+        elif p is LEGACY_PRODUCER:
+            handle = LEGACY_STREAM
+        else:
+            ptr = getattr(p, "ptr", None)  # a Stream (a DeviceArray's producer), else a CAI int (never 0)
+            handle = int(p) if ptr is None else ptr
+        if handle != done and (type(done) is int or handle not in done):
+            order_after(s, handle)
+            done = {done, handle} if type(done) is int else done | {handle}
+
+
+def order_inputs(s: Stream, device, args, torch_now=None) -> list:
+    """Order ``s`` after the producers of ``args`` (:func:`wait_for`) and import DLPack-only inputs
+    on ``s``.
 
     Returns the args with DLPack imports resolved (their ``ptr`` and a keep-alive ``obj``); other
     args are returned as they are.
     """
-    done = s.ptr or LEGACY_STREAM  # handles already waited for (0 is the legacy stream, as 1): an int, then a set
-    torch_handle = None
-    out = []
+    out, producers = [], []
     for a in args:
         if a is not None and a.kind != HOST:
             if a.kind == DLPACK:
                 a = _import_dlpack(a, s)
-            p = a.producer
-            if p is not None:
-                if p is TORCH_PRODUCER:
-                    if torch_handle is None:  # read once per call, and only when a torch tensor is there
-                        torch_handle = torch_current_stream(device).ptr or LEGACY_STREAM
-                    handle = torch_handle
-                elif p is LEGACY_PRODUCER:
-                    handle = LEGACY_STREAM
-                else:
-                    ptr = getattr(p, "ptr", None)  # a Stream (a DeviceArray's producer), else a CAI int
-                    handle = (int(p) if ptr is None else ptr) or LEGACY_STREAM
-                if handle != done and (type(done) is int or handle not in done):
-                    order_after(s, handle)
-                    done = {done, handle} if type(done) is int else done | {handle}
+            producers.append(a.producer)
         out.append(a)
+    wait_for(s, device, producers, torch_now)
     return out
 
 

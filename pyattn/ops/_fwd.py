@@ -14,11 +14,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..array import c_strides
+from ..array import allocate, c_strides
 from ..interop.inputs import numpy_dtype
 from ..kernels.registry import get_kernel
 from ..kernels.specs import select_attention_spec
-from ..pipeline.device import output
+from ..pipeline.device import layout
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 
@@ -48,9 +48,8 @@ class FwdPlan(NamedTuple):
     block: tuple
     shared_bytes: int
     packer: object  # PartialPack: q, k, v, o, lse, mask, alibi, cu_q, cu_k, tile pointers -> param bytes
-    out_shape: tuple
-    lse_shape: tuple
-    dtype: np.dtype
+    out_layout: tuple  # pipeline.device.layout of the output and of the LSE
+    lse_layout: tuple
     empty: bool  # nothing to launch (a zero-size dimension)
 
 
@@ -98,21 +97,22 @@ def build_fwd_plan(problem, device) -> FwdPlan:
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
-                   packer, out_shape, P.lse_shape(), numpy_dtype("q", P.dtype), empty)
+                   packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty)
 
 
-def run_fwd(plan: FwdPlan, device, s, q, k, v, *, out=None, return_lse=False, extras=()):
-    """Allocate the results (``out``: the caller's, already validated) and launch.
+def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, return_lse=False, extras=()):
+    """Allocate the results and launch.
 
-    ``q, k, v, out``: device Args or DeviceArrays (anything with ``.ptr``); ``extras``: pointers of
-    (mask, alibi, cu_seqlens_q, cu_seqlens_k, tile_ptr, tile_idx, tile_bits), missing ones null.
-    Returns ``(out, lse or None)``; ``out`` is a new DeviceArray unless given.
+    ``q, k, v``: device addresses; ``out``: the address of the caller's output (already validated)
+    or None for a new one; ``extras``: pointers of (mask, alibi, cu_seqlens_q, cu_seqlens_k,
+    tile_ptr, tile_idx, tile_bits), missing ones null. Returns ``(out, lse or None)``: ``out`` is a
+    new DeviceArray, or None when the caller gave one.
     """
-    o = out if out is not None else output(device, s, plan.out_shape, plan.dtype)
-    lse = output(device, s, plan.lse_shape, _F32) if return_lse else None
+    o = None if out is not None else allocate(device, s, *plan.out_layout)
+    lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     if not plan.empty:
         ptrs = extras + _ZEROS[len(extras):] if extras else _ZEROS
-        params = plan.packer.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0, *ptrs)
+        params = plan.packer.pack(q, k, v, o.ptr if out is None else out, lse.ptr if lse is not None else 0, *ptrs)
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
     return o, lse
 

@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from ..interop.inputs import read, read_optional
+from ..interop.inputs import read_args
 from ..interop.streams import order_inputs
 from ..kernels.specs import select_attention_spec
 from ..pipeline import host
@@ -125,7 +125,7 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
     check_stream_arg(stream)
     R, C = check_block_size(block_size)
     params = locals()
-    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
+    args = read_args(params, _ARRAYS, _REQUIRED)
     for name in ("q", "k", "v"):
         if args[name].dtype.name not in _DTYPES:
             raise TypeError(f"{name}: block_sparse_attention takes float16 or bfloat16 (tensor cores), "
@@ -141,8 +141,8 @@ def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=
         plan = get_plan(build_fwd_plan, sparse_problem(P, mask, (R, C), device.arch), device)
         t = plan.spec.tiles
         d_ptr, d_idx, d_bits = _device_lists(mask, (R, C), (t.block_m, t.block_n), P, device, s)
-        return run_fwd(plan, device, s, dq, dk, dv, out=dout, return_lse=return_lse,
-                       extras=(0, alibi_ptr, 0, 0, d_ptr.ptr, d_idx.ptr, d_bits.ptr))
+        return run_fwd(plan, device, s, dq.ptr, dk.ptr, dv.ptr, out=None if dout is None else dout.ptr,
+                       return_lse=return_lse, extras=(0, alibi_ptr, 0, 0, d_ptr.ptr, d_idx.ptr, d_bits.ptr))
 
     if not P.on_device:  # NumPy in, NumPy out (device ALiBi slopes are passed through)
         host_alibi = np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None

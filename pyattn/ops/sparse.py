@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..array import c_strides
-from ..interop.inputs import read, read_optional
+from ..interop.inputs import read_args
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KernelSpec
 from ..pipeline import host
@@ -133,7 +133,7 @@ def sparse_attention(q, k, v, indices, offsets, *, scale=None, layout="bshd", re
     """
     check_stream_arg(stream)
     params = locals()
-    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
+    args = read_args(params, _ARRAYS, _REQUIRED)
     return_lse = check_bool("return_lse", return_lse)
     P = make_problem(args["q"], args["k"], args["v"], scale=scale, layout=layout, out=args["out"])
     csr = check_csr(indices, offsets, P.batch, P.heads_q, P.seqlen_q, P.seqlen_k)

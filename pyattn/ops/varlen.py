@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop.inputs import read, read_optional
+from ..interop.inputs import read_args
 from ..interop.streams import order_inputs
 from ..pipeline import host
 from ..pipeline.device import fetch_values, finish, start
@@ -56,7 +56,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     """
     check_stream_arg(stream)
     params = locals()
-    args = {n: (read if n in _REQUIRED else read_optional)(n, params[n]) for n in _ARRAYS}
+    args = read_args(params, _ARRAYS, _REQUIRED)
     return_lse = check_bool("return_lse", return_lse)
     P, (cu_q, cu_k) = make_varlen_problem(
         args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
@@ -73,8 +73,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
             if alibi is not None and alibi.on_device:
                 order_inputs(s, dq.device, [alibi])
             dal_ptr = dal.ptr if dal is not None else (alibi.ptr if alibi is not None else 0)
-            return run_fwd(get_plan(build_fwd_plan, P, dq.device), dq.device, s, dq, dk, dv, return_lse=return_lse,
-                           extras=(0, dal_ptr, dcq.ptr, dck.ptr))
+            return run_fwd(get_plan(build_fwd_plan, P, dq.device), dq.device, s, dq.ptr, dk.ptr, dv.ptr,
+                           return_lse=return_lse, extras=(0, dal_ptr, dcq.ptr, dck.ptr))
 
         o, lse = host.call(run, ins, [args["out"].obj if args["out"] is not None else None], stream)
         return (o, lse) if return_lse else o
@@ -82,7 +82,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     device, s, (dq, dk, dv, dcq, dck, dal, dout) = start(
         stream, [args[n] for n in _ARRAYS], lambda a: check_pointers(P, a[0], a[1], a[2], a[6]))
     _, alibi_ptr, keep = device_extras(None, dal, device, s)
-    o, lse = run_fwd(get_plan(build_fwd_plan, P, device), device, s, dq, dk, dv, out=dout, return_lse=return_lse,
+    o, lse = run_fwd(get_plan(build_fwd_plan, P, device), device, s, dq.ptr, dk.ptr, dv.ptr,
+                     out=None if dout is None else dout.ptr, return_lse=return_lse,
                      extras=(0, alibi_ptr, dcq.ptr, dck.ptr))
     finish(s, (dq, dk, dv, dcq, dck, dal, dout))
     if out is not None:

@@ -12,6 +12,8 @@ are ordered on the stream they are given).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..array import DeviceArray, empty
@@ -32,6 +34,8 @@ from .book import PageBook
 __all__ = ["PagedKVCache"]
 
 _APPEND_BLOCKS_PER_SM = 8
+_layout_tokens: dict = {}  # PoolInfo -> a number naming that layout in memo keys (see layout_key)
+_token_counter = itertools.count()
 
 
 class PagedKVCache:
@@ -117,6 +121,12 @@ class PagedKVCache:
         st = self.k.elem_strides[:3]
         sst = self.k_scale.elem_strides if kv else (0, 0, 0)
         self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, sst)
+        # What a decode's problem takes from the cache, for memo keys: not the cache (a key would
+        # keep its pools alive), and the layout as a number (hashing the dataclass costs ~0.4 us).
+        token = _layout_tokens.get(self.pool_info)
+        if token is None:
+            token = _layout_tokens.setdefault(self.pool_info, next(_token_counter))
+        self.layout_key = (token, device.ordinal)
         self._tables = None  # (key, tables, max_len): the last decode's device page table
         self._stream = self.k.stream  # the stream of the last op on the cache (see order)
 

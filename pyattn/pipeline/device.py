@@ -1,15 +1,24 @@
-"""The device side of a call: its device, its stream (the stream-order rule), outputs, bookkeeping."""
+"""The device side of a call: its device, its stream (the stream-order rule), outputs, bookkeeping.
+
+Two ways in: :func:`start` for a call read into Args (any array kind), and :func:`begin` for a
+repeat call found by its quick key (:func:`pyattn.interop.inputs.quick_key`), whose arrays are
+DeviceArrays or torch tensors of a known layout: it reads only their pointers and producer
+streams. Both apply the same stream-order rule (``pyattn.interop.streams``).
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
-from ..interop.inputs import DLPACK, HOST
-from ..interop.streams import choose_stream, note_use, order_inputs
+from ..interop.inputs import DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
+from ..interop.streams import choose_stream, note_use, order_inputs, wait_for
+from ..runtime.stream import default_stream
 
-__all__ = ["start", "output", "finish", "fetch_values"]
+__all__ = ["start", "Bound", "bind", "begin", "layout", "output", "finish", "fetch_values"]
 
 
 def start(stream, args, recheck=None):
@@ -22,34 +31,97 @@ def start(stream, args, recheck=None):
     """
     first = next(a for a in args if a is not None and a.kind != HOST)
     device = device_of(first)
-    ordinal, dlpack = device.ordinal, False
+    ordinal, dlpack, torch_in = device.ordinal, False, False
     for a in args:
         if a is not None:
             if a.ordinal is not None and a.ordinal != ordinal:
                 raise ValueError(f"{a.name}: expected an array on device {ordinal} (with {first.name}), "
                                  f"got device {a.ordinal}")
             dlpack = dlpack or a.kind == DLPACK
+            torch_in = torch_in or a.kind == TORCH
     device.activate()
-    s = choose_stream(stream, device, args)
-    ordered = order_inputs(s, device, args)
+    s, torch_now = choose_stream(stream, device, torch_in)
+    ordered = order_inputs(s, device, args, torch_now)
     if recheck is not None and dlpack:
         recheck(ordered)
     return device, s, ordered
 
 
-_layouts: dict = {}  # (shape, dtype) -> (dtype, byte strides, element strides, nbytes): ~3 us saved per result
+class Bound(NamedTuple):
+    """What the repeat calls of one quick key share: the problem validation made, the device, per
+    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``), and the op's per-call address
+    checks, ``check(problem, pointers)``."""
+
+    problem: object
+    device: object
+    kinds: tuple
+    check: object
+    torch_in: bool  # a torch tensor among them (stream rule 2)
+    own: object  # pyattn's own stream of the device (rule 3), looked up once
 
 
-def output(device, s, shape: tuple, dtype) -> DeviceArray:
-    """A C-contiguous result array from pyattn's pool, ordered on ``s``."""
+def bind(problem, device, args, check):
+    """The :class:`Bound` of a call that :func:`start` has just run, ``args`` its Args in parameter
+    order, ``check`` its address checks; None when an array is of a kind :func:`begin` does not
+    read, or its device was not told by the array (then the driver is asked per call)."""
+    kinds = []
+    for a in args:
+        if a is not None and (a.kind not in (DEVICE, TORCH) or a.ordinal != device.ordinal):
+            return None
+        kinds.append(None if a is None else a.kind)
+    return Bound(problem, device, tuple(kinds), check, TORCH in kinds, default_stream(device))
+
+
+def begin(bound: Bound, stream, arrays) -> tuple:
+    """:func:`start` and :func:`finish`'s bookkeeping for a repeat call: ``arrays`` are the call's
+    array parameters (the user's objects, in the order of ``bound.kinds``). Reads their pointers
+    and runs the op's address checks (before any device work, as on the full path), then activates
+    the device, picks the stream (the rule), orders it after the arrays' producers, and notes the
+    stream's use of pyattn's pool blocks among them (now rather than after the launches: their
+    frees cannot run before this call returns). Returns ``(stream, pointers)``, 0 for absent arrays."""
+    ptrs, producers, owned = [], [], []
+    for kind, x in zip(bound.kinds, arrays):
+        if kind is DEVICE:
+            ptrs.append(x.ptr)
+            producers.append(x.stream)
+            owned.append(x)
+        elif kind is TORCH:
+            ptrs.append(x.data_ptr())
+            producers.append(TORCH_PRODUCER)
+        else:
+            ptrs.append(0)
+    bound.check(bound.problem, ptrs)
+    device = bound.device
+    device.activate()
+    if stream is None and not bound.torch_in:
+        s, torch_now = bound.own, None  # rule 3, as choose_stream would say
+    else:
+        s, torch_now = choose_stream(stream, device, bound.torch_in)
+    wait_for(s, device, producers, torch_now)
+    if owned:
+        note_use(s, owned)
+    return s, ptrs
+
+
+_layouts: dict = {}  # (shape, dtype) -> (shape, dtype, byte strides, element strides, nbytes): ~3 us per result
+
+
+def layout(shape: tuple, dtype) -> tuple:
+    """The fields of a C-contiguous result, ``(shape, dtype, byte strides, element strides, nbytes)``,
+    as :func:`pyattn.array.allocate` takes them (cached: computing them costs more than the allocation)."""
     fields = _layouts.get((shape, dtype))
     if fields is None:
         dt = np.dtype(dtype)
         if len(_layouts) >= 4096:
             _layouts.clear()
-        fields = _layouts[(shape, dtype)] = (dt, c_strides(shape, dt.itemsize), c_strides(shape, 1),
+        fields = _layouts[(shape, dtype)] = (shape, dt, c_strides(shape, dt.itemsize), c_strides(shape, 1),
                                              int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
-    return allocate(device, s, shape, *fields)
+    return fields
+
+
+def output(device, s, shape: tuple, dtype) -> DeviceArray:
+    """A C-contiguous result array from pyattn's pool, ordered on ``s``."""
+    return allocate(device, s, *layout(shape, dtype))
 
 
 def finish(s, args) -> None:

@@ -63,24 +63,35 @@ def get_plan(build, problem, device):
     return plan
 
 
+_memos: list = []  # every Memo made (tests that swap the driver empty them: see tests/fake_driver.py)
+
+
 class Memo:
-    """Signature (:func:`signature`) -> validated problem, for one op (bounded; a workload with more
-    signatures just validates again)."""
+    """A call key (:func:`signature`, or :func:`pyattn.interop.inputs.quick_key`) -> what validation
+    made of it, for one op (bounded; a workload with more keys just validates again). A None key
+    (a call that cannot be memoised) is never found or stored, nor is an unhashable one."""
 
     _MAX = 4096
 
     def __init__(self):
         self._entries: dict = {}
+        _memos.append(self)
 
     def get(self, key):
-        return None if key is None else self._entries.get(key)
+        try:
+            return None if key is None else self._entries.get(key)
+        except TypeError:  # an unhashable value in the key (e.g. a list inside a tuple option)
+            return None
 
-    def put(self, key, problem) -> None:
-        if key is None:
+    def put(self, key, value) -> None:
+        if key is None or value is None:
             return
         if len(self._entries) >= self._MAX:
             self._entries.clear()
-        self._entries[key] = problem
+        try:
+            self._entries[key] = value
+        except TypeError:
+            pass
 
 
 def signature(params: dict, args: dict):
@@ -94,7 +105,8 @@ def signature(params: dict, args: dict):
             if a.kind == HOST:
                 return None
             values[n] = a[1:6]  # kind, shape, dtype, strides, ordinal: a tuple slice
-    key = tuple(values.values())
+    # With the values' types: causal=1 must not reuse what validation made of causal=True (equal, same hash).
+    key = tuple(values.values()) + tuple(map(type, values.values()))
     try:
         hash(key)
     except TypeError:

@@ -167,9 +167,9 @@ class Device:
     handle: object
     context: object
 
-    @property
-    def _context_ptr(self) -> int:
-        return int(self.context)
+    def __post_init__(self):
+        # The context's address, compared with the current one by every op's activate().
+        object.__setattr__(self, "_context_ptr", int(self.context))
 
     @property
     def arch(self) -> str:
@@ -178,7 +178,7 @@ class Device:
 
     def activate(self) -> None:
         """Make this device's primary context current on the calling thread (cheap when it already is)."""
-        driver = _driver()
+        driver = _driver_module if _initialised else _driver()  # (the hot path skips a call)
         err, current = driver.cuCtxGetCurrent()
         if err or int(current) != self._context_ptr:
             check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")

@@ -27,7 +27,9 @@ _default_streams: dict[int, "Stream"] = {}
 _borrowed: dict = {}
 _MAX_BORROWED = 256
 _order_events = threading.local()  # one ordering event per thread and device
-LEGACY_STREAM = 1  # CU_STREAM_LEGACY: the legacy default stream, a valid handle in every context
+# CU_STREAM_LEGACY: the legacy default stream, a valid handle in every context. A Stream's ``ptr`` is
+# never 0: a borrowed 0 and a closed stream are this handle, so equal ``ptr`` means the same stream.
+LEGACY_STREAM = 1
 
 
 def _drv():
@@ -66,7 +68,11 @@ class Stream(Closeable):
             self.handle = check(driver.cuStreamCreate(flags), "cuStreamCreate")
             self._finalizer = weakref.finalize(self, release_quietly, "cuStreamDestroy", self.handle)
         else:
-            self.handle = driver.CUstream(int(handle))
+            # Handle 0 (the NULL stream) is the legacy default stream, as CU_STREAM_LEGACY is (pyattn's
+            # documented rule; torch reports its default stream as 0): wrapping it as LEGACY_STREAM
+            # here, the one place foreign handles come in, lets every later comparison of ``ptr``
+            # see one stream, and CUDA array interface exports (where 0 is not allowed) name it.
+            self.handle = driver.CUstream(int(handle) or LEGACY_STREAM)
             self._finalizer = None
         self.ptr = int(self.handle)
 
@@ -89,17 +95,17 @@ class Stream(Closeable):
 
     def close(self) -> None:
         """Wait for the stream's work, destroy it (owned streams only), and from then on stand
-        for the NULL stream.
+        for the legacy default stream (``LEGACY_STREAM``).
 
         Arrays allocated on this stream may outlive it: their frees, copies and protocol exports
-        then go to the NULL stream, which is safe because this stream's work has finished.
+        then go to the legacy default stream, which is safe because this stream's work has finished.
         Borrowed streams are left alone.
         """
         if self._finalizer is not None and self._finalizer.alive:
             self.synchronize()
             self._finalizer()
-            self.handle = _drv().CUstream(0)
-            self.ptr = 0
+            self.handle = _drv().CUstream(LEGACY_STREAM)
+            self.ptr = LEGACY_STREAM
 
     def __repr__(self) -> str:
         return f"<pyattn.Stream 0x{self.ptr:x} on device {self.device.ordinal}>"

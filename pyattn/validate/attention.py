@@ -20,10 +20,11 @@ import numpy as np
 from .options import (INT32_MAX, check_alibi, check_causal, check_mask, check_out, check_scale, check_softcap,
                       check_window)
 
-__all__ = ["AttentionProblem", "make_problem", "make_varlen_problem", "check_pointers", "SUPPORTED_DTYPES",
-           "LAYOUTS", "TENSOR_CORE_ALIGN"]
+__all__ = ["AttentionProblem", "make_problem", "make_varlen_problem", "check_pointers", "check_addresses",
+           "SUPPORTED_DTYPES", "LAYOUTS", "TENSOR_CORE_ALIGN"]
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 LAYOUTS = ("bshd", "bhsd")
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y/z, which carry heads and batch
 TENSOR_CORE_ALIGN = 16  # the tensor-core kernels read q/k/v in 16-byte chunks (cp.async)
@@ -258,13 +259,22 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
 
 
 def check_pointers(problem, q, k, v, out=None) -> None:
-    """Per-call address checks (the plan is shared by calls with other addresses)."""
+    """Per-call address checks (the plan is shared by calls with other addresses); ``q, k, v, out``
+    are Args (``out`` may be None)."""
+    if problem.align > 1:
+        check_addresses(problem, q.ptr, k.ptr, v.ptr, None if out is None else out.ptr)
+
+
+def check_addresses(problem, q: int, k: int, v: int, out=None) -> None:
+    """:func:`check_pointers` on bare addresses (the repeat-call path reads no Args); ``out`` is
+    None when there is no ``out=`` (its dtype is q's, validated with the problem)."""
     if problem.align <= 1:
         return
-    for a in (q, k, v):
-        if a.ptr % problem.align:
-            raise ValueError(f"{a.name}: the tensor-core kernel reads 16-byte chunks; the data address must be "
-                             f"16-byte aligned, got {a.ptr:#x} (copy the array to make it aligned)")
-    if out is not None and out.ptr % (2 * out.dtype.itemsize):
+    for name, ptr in (("q", q), ("k", k), ("v", v)):
+        if ptr % problem.align:
+            raise ValueError(f"{name}: the tensor-core kernel reads 16-byte chunks; the data address must be "
+                             f"16-byte aligned, got {ptr:#x} (copy the array to make it aligned)")
+    pair = 2 * _ITEMSIZE[problem.dtype]
+    if out is not None and out % pair:
         raise ValueError(f"out: the tensor-core kernel writes pairs of elements; the address must be "
-                         f"{2 * out.dtype.itemsize}-byte aligned, got {out.ptr:#x}")
+                         f"{pair}-byte aligned, got {out:#x}")

@@ -14,8 +14,8 @@ import numpy as np
 
 from .options import check_alibi, check_causal, check_int, check_scale, check_softcap, check_window
 
-__all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_block_table", "check_csr",
-           "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS"]
+__all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
+           "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -133,9 +133,11 @@ def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, sca
         raise ValueError(f"q: expected q_len >= 1, got shape {i.shape}")
     if batch > _MAX_GRID_YZ:
         raise ValueError(f"q: batch must be <= {_MAX_GRID_YZ}, got {batch}")
-    if i.on_device and (i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1]) or i.ptr % 16):
-        raise ValueError(f"q: the head_dim axis must be contiguous, other strides multiples of 8 elements and the "
-                         f"address 16-byte aligned, got element strides {i.strides} at {i.ptr:#x}")
+    if i.on_device and (i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1])):
+        raise ValueError(f"q: the head_dim axis must be contiguous and other strides multiples of 8 elements, "
+                         f"got element strides {i.strides}")
+    if i.on_device:
+        check_q_address(i.ptr)
     if num_splits is not None:
         num_splits = check_int("num_splits", num_splits, 1, MAX_SPLITS)
     alibi = check_alibi(alibi_slopes, batch, heads_q)
@@ -143,6 +145,13 @@ def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, sca
     return DecodeProblem(batch, q_len, heads_q, pool.heads_kv, dim, i.dtype, strides, i.on_device,
                          check_causal(causal), check_window(window), check_softcap(softcap), check_scale(scale, dim),
                          alibi, num_splits, pool)
+
+
+def check_q_address(ptr: int) -> None:
+    """A device q's address must be 16-byte aligned (the kernel reads 16-byte chunks): checked on
+    every call, since a memoised problem is shared by calls with other addresses."""
+    if ptr % 16:
+        raise ValueError(f"q: the address must be 16-byte aligned, got {ptr:#x} (copy the array to make it aligned)")
 
 
 def check_table_form(block_table, seq_lens, indptr, indices, last_page_len) -> None:

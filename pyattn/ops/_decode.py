@@ -1,0 +1,197 @@
+"""Decode plans and launches, shared by ``pyattn.decode`` and ``pyattn.paged_decode``.
+
+Flash-decoding: one block per (split, kv head, row block, sequence) reads its keys once for the
+whole GQA group; when batch x kv heads is too small to fill the GPU, each sequence's keys are
+split across blocks and the fp32 partials merged by LSE (``merge_states<float, T>``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ..array import allocate, c_strides
+from ..kernels.registry import generation, get_kernel
+from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
+from ..pipeline.device import layout, output
+from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.launch import launch
+from ..validate.paged import MAX_SPLITS
+
+__all__ = ["DecodePlan", "run_decode", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_F32 = np.dtype(np.float32)
+# Split partials up to this size share the output's block: a tiny decode's host time is mostly
+# per-allocation Python; a big one's partials would stay alive with its output for nothing.
+_PART_IN_OUT = 256 << 10
+
+
+@functools.lru_cache(maxsize=256)
+def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
+           kv: str = "", generation: int = 0) -> tuple:
+    """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head; ``kv``: the
+    cache's 8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
+    replaced by ``override_tiles`` is read again."""
+    tag = DTYPES[dtype][0]
+    bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
+    q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
+    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv),
+            KernelSpec("decode_combine", tag, next(b for b in HEAD_DIM_BUCKETS if b >= head_dim), arch, ptx))
+
+
+def _blocks_per_sm(spec, kernel) -> int:
+    """Concurrent blocks of ``spec`` per SM: registers bound the 8-bit kernels (shared memory alone
+    said 3 where 2 fit, and the split choice then planned waves that did not exist)."""
+    return max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
+
+
+
+
+class DecodePlan(NamedTuple):
+    """What a validated decode needs besides pointers, the page table and the split count."""
+
+    kernel: object
+    ckernel: object  # the split combine
+    block: tuple
+    shared_bytes: int
+    grid_yz: tuple  # (kv heads x row blocks, batch)
+    packer: object  # PartialPack: pointers, num_splits, table_stride -> DecodeParams bytes
+    cpacker: object  # PartialPack: pointers, n_b -> MergeStatesParams bytes
+    cgrid: tuple
+    cblock: tuple
+    block_n: int
+    units: int  # independent blocks before splitting
+    slots: int  # concurrent blocks on the GPU
+    out_layout: tuple  # pipeline.device.layout of the output and of the LSE
+    lse_layout: tuple
+    n_rows: int  # batch x q_len x heads_q
+    head_dim: int
+
+
+def _build(P, device) -> DecodePlan:
+    """The plan of decode problem ``P`` (its pools included) on ``device``."""
+    pool = P.pool
+    rows = P.group * P.q_len
+    kv = pool.kv
+    spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
+                         P.alibi is not None, kv, generation())
+    kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
+    t = spec.tiles
+    row_blocks = -(-rows // t.block_m)
+    if P.heads_kv * row_blocks > 65535:
+        raise ValueError(f"q: heads_kv x row blocks must be <= 65535, got {P.heads_kv} x {row_blocks}")
+    out_shape = (P.batch, P.q_len, P.heads_q, P.head_dim)
+    qs, os_ = P.q_strides, c_strides(out_shape)
+    ks, vs = pool.k_strides, pool.v_strides
+    kss, vss = pool.ks_strides, pool.vs_strides  # (0, 0, 0) for 16-bit pools
+    packer = spec.params.partial({
+        "ks_stride_page": kss[0], "ks_stride_slot": kss[1], "ks_stride_h": kss[2],
+        "vs_stride_page": vss[0], "vs_stride_slot": vss[1], "vs_stride_h": vss[2],
+        "q_stride_b": qs[0], "q_stride_s": qs[1], "q_stride_h": qs[2],
+        "o_stride_b": os_[0], "o_stride_s": os_[1], "o_stride_h": os_[2],
+        "k_stride_page": ks[0], "k_stride_slot": ks[1], "k_stride_h": ks[2],
+        "v_stride_page": vs[0], "v_stride_slot": vs[1], "v_stride_h": vs[2],
+        "lse_stride_b": P.heads_q * P.q_len, "lse_stride_h": P.q_len,
+        "batch": P.batch, "q_len": P.q_len, "heads_q": P.heads_q, "heads_kv": P.heads_kv, "group": P.group,
+        "head_dim": P.head_dim, "page_size": pool.page_size,
+        "page_shift": pool.page_size.bit_length() - 1 if pool.page_size & (pool.page_size - 1) == 0 else -1,
+        "row_blocks": row_blocks, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
+        "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
+        "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
+    })
+    # The combine reads the fp32 partials (split, batch, q_len, heads_q, D) and writes rows (batch,
+    # q_len, heads_q) of out and of lse, which is (batch, heads_q, q_len).
+    D, H, L = P.head_dim, P.heads_q, P.q_len
+    n_rows = P.batch * L * H
+    cstatic = {"o_b_stride_n": n_rows * D, "lse_b_stride_n": n_rows, "dim0": P.batch, "dim1": L, "dim2": H,
+               "head_dim": D}
+    for name, st in (("o_a", (L * H * D, H * D, D)), ("o_b", (L * H * D, H * D, D)), ("out", os_[:3]),
+                     ("lse_a", (L * H, H, 1)), ("lse_b", (L * H, H, 1)), ("out_lse", (H * L, 1, L))):
+        cstatic.update({f"{name}_stride_{i}": v for i, v in enumerate(st)})
+    plan = DecodePlan(kernel, ckernel, (spec.threads, 1, 1), spec.shared_bytes, (P.heads_kv * row_blocks, P.batch),
+                      packer, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
+                      (cspec.threads, 1, 1), t.block_n, P.batch * P.heads_kv * row_blocks,
+                      device.sm_count * _blocks_per_sm(spec, kernel), layout(out_shape, P.dtype),
+                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D)
+    return plan
+
+
+def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
+               scales=(0, 0)):
+    """Launch decode (and the split combine) for a validated problem.
+
+    Parameters
+    ----------
+    P : DecodeProblem
+    device : Device
+    q, k, v : int
+        Device addresses of the queries and of the K and V pools.
+    tables : (indices, indptr or None, table_stride, kv_len): device int32 arrays (``.ptr``)
+    max_len : int
+        The longest sequence (host value) for the split heuristic.
+    alibi_ptr : int
+        Device float32 ALiBi slopes, or 0.
+    s : Stream
+    return_lse : bool
+    scales : (int, int)
+        Device addresses of the K and V scale pools of an 8-bit cache; (0, 0) for 16-bit ones.
+
+    Returns
+    -------
+    (out, lse or None) as DeviceArrays
+    """
+    plan = get_plan(_build, P, device)
+    if P.num_splits:
+        splits = P.num_splits
+    else:
+        visible = max_len if P.window[0] < 0 else min(max_len, P.window[0] + P.q_len + plan.block_n)
+        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots)
+    n_rows, D = plan.n_rows, plan.head_dim
+    part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
+    if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
+        shape, dtype, strides, elem_strides, nbytes = plan.out_layout
+        offset = -(-nbytes // 256) * 256
+        out = allocate(device, s, shape, dtype, strides, elem_strides, offset + part_bytes)
+        part_ptr = out.ptr + offset
+    else:
+        out = allocate(device, s, *plan.out_layout)
+        part = output(device, s, (part_bytes // 4,), _F32) if part_bytes else None  # (kept alive to the launch)
+        part_ptr = part.ptr if part_bytes else 0
+    lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
+    lse = allocate(device, s, *plan.lse_layout) if return_lse else None
+    lse_ptr = lse.ptr if lse is not None else 0
+    indices, indptr, table_stride, kv_len = tables
+    params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, indices.ptr,
+                              indptr.ptr if indptr is not None else 0, kv_len.ptr, alibi_ptr, scales[0], scales[1],
+                              splits, table_stride)
+    launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
+    if splits > 1:
+        cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
+                                    lse_ptr, splits - 1)
+        launch(plan.ckernel, plan.cgrid, plan.cblock, 0, s, cparams)
+    return out, lse
+
+
+def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
+    """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
+    blocks per SM) when the longest sequence has ``max_tiles`` key tiles.
+
+    Every block of a decode does the same work, so the grid runs in waves: the smallest split
+    count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
+    (FlashAttention's rule, applied past one wave too: 512 blocks on 396 slots run 65% busy
+    unsplit). At least 2 key tiles per split keep the combine cheap next to the attention.
+    """
+    limit = max(1, min(MAX_SPLITS, max_tiles // 2))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = units * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+
+
+_num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)

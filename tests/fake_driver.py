@@ -1,0 +1,261 @@
+"""A fake CUDA driver for CPU runs of the device-resident op path (attention/decode on device arrays).
+
+The entry points of ``cuda.bindings.driver`` that pyattn calls are replaced (monkeypatch) by ones
+that answer like an idle H100: handles are counters, device memory is an address range nothing on
+the host reads, pinned host memory is real NumPy memory (pyattn writes into it), and kernels are
+"built" without NVRTC. Every call is counted by name, so a test can assert which driver calls a
+repeat call makes, and ``dev/host_cost_cpu.py`` can report the host cost of pyattn's own Python
+per call. Nothing here runs work: a launch or a copy to the device is a recorded no-op.
+Test and dev code only (it reads the launched parameter struct through ctypes).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import types
+
+import numpy as np
+from cuda.bindings import driver
+
+from pyattn import jit
+from pyattn.kernels import registry
+from pyattn.pipeline import plans
+from pyattn.runtime import device, memory, stream
+
+OK = driver.CUresult.CUDA_SUCCESS
+CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
+LAUNCHES: list = []  # (kernel name, grid, stream handle, first 8 struct fields) per launch, when recording
+_CTX = 0xC0000
+
+
+class _Fake:
+    """The replaced entry points; each returns what ``cuda.bindings`` would on success."""
+
+    def __init__(self):
+        self.ids = itertools.count(0x100)
+        self.dev_next = 0x7F0000000000  # device addresses: never dereferenced on the host
+        self.host = {}  # pinned address -> the NumPy block behind it
+        self.current = 0
+        self.kernel_names = {}
+        self.record_launches = False
+
+    def _handle(self, kind):
+        return kind(next(self.ids) * 0x100)
+
+    def cuDriverGetVersion(self):
+        return OK, 13000
+
+    def cuInit(self, flags):
+        return (OK,)
+
+    def cuDeviceGetCount(self):
+        return OK, 2  # two devices, so that a changed device can be tested
+
+    def cuDeviceGet(self, ordinal):
+        return OK, driver.CUdevice(ordinal)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        A = driver.CUdevice_attribute
+        return OK, {A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+                    A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+                    A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+                    A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448,
+                    A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 50 << 20}[attr]
+
+    def cuDeviceGetName(self, n, dev):
+        return OK, b"Fake H100\0"
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return OK, driver.CUcontext(_CTX + int(dev))
+
+    def cuCtxGetCurrent(self):
+        return OK, driver.CUcontext(self.current)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current = int(ctx)
+        return (OK,)
+
+    def cuCtxGetDevice(self):
+        return OK, driver.CUdevice(max(self.current - _CTX, 0))
+
+    def cuCtxSynchronize(self):
+        return (OK,)
+
+    def cuStreamCreate(self, flags):
+        return OK, self._handle(driver.CUstream)
+
+    def cuStreamSynchronize(self, s):
+        return (OK,)
+
+    def cuStreamWaitEvent(self, s, ev, flags):
+        return (OK,)
+
+    def cuStreamDestroy(self, s):
+        return (OK,)
+
+    def cuEventCreate(self, flags):
+        return OK, self._handle(driver.CUevent)
+
+    def cuEventRecord(self, ev, s):
+        return (OK,)
+
+    def cuEventQuery(self, ev):
+        return (OK,)
+
+    def cuEventSynchronize(self, ev):
+        return (OK,)
+
+    def cuEventDestroy(self, ev):
+        return (OK,)
+
+    def cuEventElapsedTime(self, start, end):
+        return OK, 0.0
+
+    def cuMemPoolCreate(self, props):
+        return OK, self._handle(driver.CUmemoryPool)
+
+    def cuMemPoolSetAttribute(self, pool, attr, value):
+        return (OK,)
+
+    def cuMemPoolTrimTo(self, pool, keep):
+        return (OK,)
+
+    def cuMemAllocFromPoolAsync(self, nbytes, pool, s):
+        ptr, self.dev_next = self.dev_next, self.dev_next + ((int(nbytes) + 511) // 512) * 512
+        return OK, driver.CUdeviceptr(ptr)
+
+    def cuMemFreeAsync(self, ptr, s):
+        return (OK,)
+
+    def cuMemsetD8Async(self, ptr, byte, n, s):
+        return (OK,)
+
+    def cuMemHostAlloc(self, nbytes, flags):
+        block = np.zeros(int(nbytes), np.uint8)
+        ptr = block.__array_interface__["data"][0]
+        self.host[ptr] = block
+        return OK, ptr
+
+    def cuMemFreeHost(self, ptr):
+        self.host.pop(int(ptr), None)
+        return (OK,)
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        return OK, 0  # every pointer is on device 0
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, s):
+        return (OK,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, s):
+        return (OK,)
+
+    def cuModuleLoadData(self, image):
+        return OK, self._handle(driver.CUmodule)
+
+    def cuModuleUnload(self, module):
+        return (OK,)
+
+    def cuModuleGetFunction(self, module, name):
+        fn = self._handle(driver.CUfunction)
+        self.kernel_names[int(fn)] = name.decode()
+        return OK, fn
+
+    def cuFuncGetAttribute(self, attr, fn):
+        return OK, 0
+
+    def cuFuncSetAttribute(self, fn, attr, value):
+        return (OK,)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
+        return OK, 2
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
+        if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
+            struct = ctypes.c_uint64.from_address(int(argv)).value
+            ptrs = tuple((ctypes.c_uint64 * 8).from_address(struct))
+            LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s), ptrs))
+        return (OK,)
+
+
+def _counted(name, fn):
+    def call(*args):
+        CALLS[name] += 1
+        return fn(*args)
+
+    return call
+
+
+def _fake_build(spec):
+    """``jit.build`` without NVRTC: an empty image and an entry point named after the spec's family."""
+    return b"\0", {"entry": f"{spec.family}_{spec.dtype}_{spec.head_dim}"}, None
+
+
+def install(monkeypatch) -> _Fake:
+    """Install the fake driver (and fresh pyattn device state) for the life of ``monkeypatch``;
+    returns the fake (``.record_launches = True`` fills :data:`LAUNCHES`)."""
+    fake = _Fake()
+    for name in dir(_Fake):
+        if name.startswith("cu"):
+            monkeypatch.setattr(driver, name, _counted(name, getattr(fake, name)))
+    monkeypatch.setattr(jit, "build", _fake_build)
+    # pyattn's per-process device state, fresh (the real driver may have been initialised).
+    monkeypatch.setattr(device, "_initialised", False)
+    monkeypatch.setattr(device, "_driver_module", None)
+    monkeypatch.setattr(device, "_devices", {})
+    monkeypatch.setattr(stream, "_default_streams", {})
+    monkeypatch.setattr(stream, "_borrowed", {})
+    monkeypatch.setattr(stream, "_order_events", type(stream._order_events)())
+    monkeypatch.setattr(memory, "_pools", {})
+    monkeypatch.setattr(memory, "_staging", {})
+    monkeypatch.setattr(memory, "_results", None)  # (its pinned blocks would be fake ones)
+    monkeypatch.setattr(memory, "POISON_ALLOC", False)
+    monkeypatch.setattr(registry, "_kernels", {})
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setattr(plans, "_by_id", {})
+    for memo in plans._memos:  # what they hold names the devices replaced above
+        monkeypatch.setattr(memo, "_entries", {})
+    CALLS.clear()
+    LAUNCHES.clear()
+    return fake
+
+
+def fake_torch(current_stream=0x7000):
+    """A stand-in for ``torch`` (install it as ``sys.modules["torch"]``): what pyattn reads of a CUDA
+    tensor. ``current_stream`` is torch's current stream handle (settable; a
+    non-default one by default); ``stream_reads`` counts how often pyattn asked for it."""
+    torch = types.ModuleType("torch")
+
+    class Dtype:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return f"torch.{self.name}"
+
+    dtypes = {}
+
+    class Tensor:
+        def __init__(self, shape, ptr, dtype="float16", stride=None, device=0):
+            self.shape, self._ptr, self.device = tuple(shape), ptr, device
+            self.dtype = dtypes.setdefault(dtype, Dtype(dtype))
+            self._stride = stride or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+        def data_ptr(self):
+            return self._ptr
+
+        def stride(self):
+            return self._stride
+
+        def get_device(self):
+            return self.device
+
+    def current(ordinal):
+        torch.stream_reads += 1
+        return torch.current_stream
+
+    torch.Tensor = Tensor
+    torch.current_stream, torch.stream_reads = current_stream, 0
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=current)
+    return torch

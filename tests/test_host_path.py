@@ -1,0 +1,327 @@
+"""The device-resident call path on a CPU, through the fake driver of ``fake_driver.py``: which
+driver calls a repeat call makes, the stream-order rule on it, and the repeat-call fast path
+(a changed shape, stride, dtype, device or option must miss it).
+
+torch is the stand-in ``fake_driver.fake_torch()`` installed as ``sys.modules["torch"]``.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fake_driver
+import pyattn
+from pyattn.runtime.stream import LEGACY_STREAM, Stream, borrowed
+
+SHAPE = (1, 16, 2, 64)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = fake_driver.install(monkeypatch)
+    torch = fake_driver.fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    fake.torch = torch
+    yield fake
+    # Streams, events and blocks made here must be released while the fake still answers (a cycle
+    # collected later would hand fake handles to the real driver of a GPU machine).
+    gc.collect()
+
+
+def _repeat_calls(fn) -> dict:
+    """Driver calls of a call in a steady loop (the first call validates, plans and loads; each
+    rebinding frees the previous result, as a loop does)."""
+    keep = fn()
+    keep = fn()
+    fake_driver.CALLS.clear()
+    keep = fn()  # noqa: F841
+    return dict(fake_driver.CALLS)
+
+
+def test_legacy_stream_is_one_handle(gpu):
+    """0 (the NULL stream) and CU_STREAM_LEGACY name the legacy default stream: one ``ptr``, so a
+    call on it never waits for itself, and an export never names 0 (refused by the CAI spec)."""
+    dev = pyattn.get_device()
+    assert borrowed(dev, 0).ptr == borrowed(dev, LEGACY_STREAM).ptr == Stream(dev, handle=0).ptr == LEGACY_STREAM
+    a = pyattn.empty(SHAPE, np.float16, stream=0)
+    assert a.__cuda_array_interface__["stream"] == LEGACY_STREAM
+    fake_driver.CALLS.clear()
+    a.__dlpack__(stream=LEGACY_STREAM)  # the consumer is the producer: nothing to wait for
+    assert "cuStreamWaitEvent" not in fake_driver.CALLS
+    pyattn.attention(a, a, a, stream=0)
+    assert "cuStreamWaitEvent" not in fake_driver.CALLS
+    s = Stream(dev)
+    s.close()
+    assert s.ptr == LEGACY_STREAM
+
+
+def test_repeat_call_driver_calls(gpu):
+    """A repeat tiny call: the context check and the launch; the result's block is the one the
+    previous result freed on the same stream (no allocation or free through the driver)."""
+    d = pyattn.empty(SHAPE, np.float16)
+    assert _repeat_calls(lambda: pyattn.attention(d, d, d)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
+    t = gpu.torch.Tensor(SHAPE, d.ptr)
+    assert _repeat_calls(lambda: pyattn.attention(t, t, t)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
+
+
+def test_torch_current_stream_read_once_per_call(gpu):
+    torch = gpu.torch
+    t = torch.Tensor(SHAPE, pyattn.empty(SHAPE, np.float16).ptr)
+    pyattn.attention(t, t, t)
+    torch.stream_reads = 0
+    calls = _repeat_calls(lambda: pyattn.attention(t, t, t))
+    assert torch.stream_reads == 3  # one per call
+    assert "cuStreamWaitEvent" not in calls  # it runs on the stream that wrote its inputs
+
+
+# -- the repeat-call fast path -------------------------------------------------------------------------
+@pytest.fixture
+def full(monkeypatch):
+    """Counts the calls that took the full path (read into Args, signature, validation)."""
+    from pyattn.ops import attention as op
+
+    calls = []
+    real = op._full
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op, "_full", spy)
+    return calls
+
+
+def _da(shape=SHAPE, dtype=np.float16, strides=None, device=None, stream=None, ptr=None):
+    """A DeviceArray over a pool block big enough for any view of ``shape`` used here."""
+    dev = device if device is not None else pyattn.get_device()
+    base = pyattn.empty((4 * int(np.prod(shape)),), dtype, device=dev, stream=stream)
+    return pyattn.DeviceArray(base.ptr if ptr is None else ptr, shape, dtype, dev, strides=strides, owner=base,
+                              stream=base.stream)
+
+
+def test_repeat_calls_take_the_fast_path_and_read_new_pointers(gpu, full):
+    gpu.record_launches = True
+    a, b = _da(), _da()
+    pyattn.attention(a, a, a)
+    assert len(full) == 1
+    fake_driver.LAUNCHES.clear()
+    o1 = pyattn.attention(a, b, a)  # same layouts, other addresses: the fast path, with b's pointer
+    o2 = pyattn.attention(b, a, b, return_lse=False)  # return_lse given as its default: still the same key
+    assert len(full) == 1
+    (_, _, _, p1), (_, _, _, p2) = fake_driver.LAUNCHES
+    assert p1[:5] == (a.ptr, b.ptr, a.ptr, o1.ptr, 0)
+    assert p2[:5] == (b.ptr, a.ptr, b.ptr, o2.ptr, 0)
+
+
+def _variants(base_strides):
+    """(name, call) pairs, each differing from ``attention(x, x, x)`` in one thing that changes the plan."""
+    other_dev = lambda: pyattn.get_device(1)  # noqa: E731
+    swapped = (base_strides[0], base_strides[2], base_strides[1], 1)  # a transposed view: same shape
+    return {
+        "shape": lambda x: pyattn.attention(*[_da((1, 32, 2, 64))] * 3),
+        "strides": lambda x: pyattn.attention(*[_da(strides=tuple(2 * s for s in swapped))] * 3),
+        "dtype": lambda x: pyattn.attention(*[_da(dtype=ml_dtypes.bfloat16)] * 3),
+        "device": lambda x: pyattn.attention(*[_da(device=other_dev())] * 3),
+        "one input": lambda x: pyattn.attention(x, _da((1, 8, 2, 64)), _da((1, 8, 2, 64))),
+        "causal": lambda x: pyattn.attention(x, x, x, causal=True),
+        "causal top_left": lambda x: pyattn.attention(x, x, x, causal="top_left"),
+        "window": lambda x: pyattn.attention(x, x, x, window=(4, 0)),
+        "softcap": lambda x: pyattn.attention(x, x, x, softcap=30.0),
+        "scale": lambda x: pyattn.attention(x, x, x, scale=0.5),
+        "layout": lambda x: pyattn.attention(x, x, x, layout="bhsd"),
+        "return_lse": lambda x: pyattn.attention(x, x, x, return_lse=True),
+        "out": lambda x: pyattn.attention(x, x, x, out=_da()),
+        "mask": lambda x: pyattn.attention(x, x, x, mask=_da((1, 1, 16, 16), np.bool_)),
+        "alibi": lambda x: pyattn.attention(x, x, x, alibi_slopes=_da((2,), np.float32)),
+    }
+
+
+@pytest.mark.parametrize("what", list(_variants((0, 0, 0, 1))))
+def test_a_changed_layout_or_option_misses_the_fast_path(gpu, full, what):
+    """Each variant is validated on its own (the full path), and repeats hit its own entry."""
+    x = _da()
+    pyattn.attention(x, x, x)
+    pyattn.attention(x, x, x)
+    assert len(full) == 1
+    call = _variants(x.strides)[what]
+    call(x)
+    assert len(full) == 2, what
+    call(x)  # (new arrays of the same layouts)
+    assert len(full) == 2
+
+
+def test_torch_layout_changes_miss_the_fast_path(gpu, full):
+    torch = gpu.torch
+    ptr = _da().ptr
+    t = torch.Tensor(SHAPE, ptr)
+    pyattn.attention(t, t, t)
+    pyattn.attention(torch.Tensor(SHAPE, ptr), t, t)  # another tensor, same layout: a hit
+    assert len(full) == 1
+    transposed = torch.Tensor(SHAPE, ptr, stride=(2048, 64, 1024, 1))
+    for x in (transposed, torch.Tensor(SHAPE, ptr, "bfloat16"), torch.Tensor(SHAPE, ptr, device=1)):
+        n = len(full)
+        try:
+            pyattn.attention(x, x, x)
+        except ValueError:
+            pass  # (device 1 tensors on a 2-device fake: fine either way; what matters is the full path ran)
+        assert len(full) == n + 1
+
+
+def test_option_types_are_part_of_the_key(gpu):
+    """``causal=1`` equals ``causal=True`` (and hashes alike) but is refused: a memo must not let it through."""
+    x = _da()
+    pyattn.attention(x, x, x, causal=True)
+    with pytest.raises(TypeError, match="^causal: "):
+        pyattn.attention(x, x, x, causal=1)
+    pyattn.attention(x, x, x, return_lse=False)
+    with pytest.raises(TypeError, match="^return_lse: "):
+        pyattn.attention(x, x, x, return_lse=0)
+
+
+def test_fast_path_checks_addresses_and_keeps_out(gpu, full):
+    x = _da()
+    out = _da()
+    assert pyattn.attention(x, x, x, out=out) is out
+    assert pyattn.attention(x, x, x, out=out) is out
+    assert len(full) == 1
+    shifted = _da(ptr=x.ptr + 2)
+    with pytest.raises(ValueError, match=r"^k: .*16-byte aligned"):
+        pyattn.attention(x, shifted, x, out=out)
+    with pytest.raises(ValueError, match=r"^out: .*aligned"):
+        pyattn.attention(x, x, x, out=_da(ptr=out.ptr + 2))
+    assert len(full) == 1  # (both refused on the fast path)
+
+
+def test_fast_path_follows_the_stream_rule(gpu):
+    """Per call: each input's producer stream is waited for, and torch's current stream is read."""
+    gpu.record_launches = True
+    dev = pyattn.get_device()
+    other = Stream(dev)
+    mine = _da()
+    theirs = _da(stream=other)  # produced on another stream
+    pyattn.attention(mine, mine, mine)
+    fake_driver.CALLS.clear()
+    pyattn.attention(mine, theirs, mine)  # same key as the first call; a new producer
+    assert fake_driver.CALLS["cuStreamWaitEvent"] == 1
+    torch = gpu.torch
+    t = torch.Tensor(SHAPE, mine.ptr)
+    pyattn.attention(t, t, t)
+    torch.current_stream = 0x9000  # the user switched torch streams: the op follows
+    fake_driver.LAUNCHES.clear()
+    fake_driver.CALLS.clear()
+    pyattn.attention(t, t, t)
+    assert fake_driver.LAUNCHES[0][2] == 0x9000
+    assert "cuStreamWaitEvent" not in fake_driver.CALLS
+    pyattn.attention(t, t, t, stream=other)  # rule 1: an explicit stream waits for torch's
+    assert fake_driver.LAUNCHES[1][2] == other.ptr
+    assert fake_driver.CALLS["cuStreamWaitEvent"] == 1
+
+
+# -- decode ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def cache(gpu):
+    c = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 256, 2, 64), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    return c, ids
+
+
+@pytest.fixture
+def full_decode(monkeypatch):
+    from pyattn.ops import decode as op
+
+    calls = []
+    real = op._full
+    monkeypatch.setattr(op, "_full", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def test_decode_repeat_calls(gpu, cache, full_decode):
+    """A steady decode loop: one context check and two launches (decode, split combine); the
+    partials share the output's block; q's new address is read."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 2}
+    assert len(full_decode) == 1
+    q2 = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q2, c, ids)
+    assert len(full_decode) == 1
+    (name, grid, _, p), (cname, _, _, cp) = fake_driver.LAUNCHES
+    assert grid[0] == 2 and cname.startswith("decode_combine")  # two splits, merged
+    assert p[:4] == (q2.ptr, c.k.ptr, c.v.ptr, out.ptr)
+    assert out.ptr < p[5] < p[6] < out.ptr + out.owner.nbytes  # the partials, behind out in its block
+    assert cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
+
+
+def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    other = pyattn.PagedKVCache(64, 32, 2, 64, "bfloat16")  # another page size
+    other_ids = [other.add_sequence() for _ in range(2)]
+    variants = [
+        lambda: pyattn.decode(_da((2, 2, 8, 64), ml_dtypes.bfloat16), c, ids),  # q_len
+        lambda: pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16), c, ids[:1]),  # batch, number of ids
+        lambda: pyattn.decode(q, other, other_ids),
+        lambda: pyattn.decode(q, c, ids, causal=False),
+        lambda: pyattn.decode(q, c, ids, window=(8, 0)),
+        lambda: pyattn.decode(q, c, ids, num_splits=1),
+        lambda: pyattn.decode(q, c, ids, softcap=20.0),
+        lambda: pyattn.decode(q, c, ids, return_lse=True),
+        lambda: pyattn.decode(q, c, ids, alibi_slopes=_da((8,), np.float32)),
+    ]
+    for i, call in enumerate(variants):
+        call()
+        assert len(full_decode) == 2 + i, i
+        call()  # its own entry now
+        assert len(full_decode) == 2 + i, i
+    with pytest.raises(TypeError, match="^q: expected dtype bfloat16"):
+        pyattn.decode(_da((2, 1, 8, 64), np.float16), c, ids)
+
+
+def test_decode_checks_ids_and_addresses_every_call(gpu, cache):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match=r"^q: the address must be 16-byte aligned"):
+        pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16, ptr=q.ptr + 8), c, ids)
+    c.free(ids[1])
+    with pytest.raises(ValueError, match="no live sequence"):
+        pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match="^q: expected an array on the cache's device"):
+        pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16, device=pyattn.get_device(1)), c, ids[:1])
+
+
+def test_memo_keys_do_not_keep_a_cache_alive(gpu):
+    """The decode memos key on the cache's layout: a dropped cache frees its pools."""
+    import weakref
+
+    c = pyattn.PagedKVCache(16, 16, 2, 64, "float16")
+    ids = [c.add_sequence()]
+    c.append(ids, np.zeros((1, 4, 2, 64), np.float16), np.zeros((1, 4, 2, 64), np.float16))
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_refused_address_makes_no_driver_call(gpu):
+    """As on the full path, the per-call checks run before any device work."""
+    x = _da()
+    shifted = _da(ptr=x.ptr + 4)
+    pyattn.attention(x, x, x)
+    fake_driver.CALLS.clear()
+    with pytest.raises(ValueError, match=r"^q: "):
+        pyattn.attention(shifted, x, x)
+    assert not fake_driver.CALLS
