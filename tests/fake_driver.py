@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import gc
 import itertools
 import types
+import weakref
 
 import numpy as np
 from cuda.bindings import driver
@@ -218,7 +220,19 @@ def install(monkeypatch) -> _Fake:
         monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()
     LAUNCHES.clear()
+    fake.finalizers_before = set(weakref.finalize._registry)  # see uninstall()
     return fake
+
+
+def uninstall(fake: _Fake) -> None:
+    """Before the fake goes (at a fixture's teardown, ahead of monkeypatch's): release what was made
+    under it while the fake still answers, and detach the finalizers of whatever outlives that
+    (module caches the monkeypatch swaps back out, test locals). Such a finalizer would hand a fake
+    handle to the real driver later, and on a GPU machine that is a segfault, not an error (the
+    first GPU run of these tests crashed in release_quietly)."""
+    gc.collect()
+    for f in set(weakref.finalize._registry) - fake.finalizers_before:
+        f.detach()
 
 
 def fake_torch(current_stream=0x7000):

@@ -28,9 +28,7 @@ def gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", torch)
     fake.torch = torch
     yield fake
-    # Streams, events and blocks made here must be released while the fake still answers (a cycle
-    # collected later would hand fake handles to the real driver of a GPU machine).
-    gc.collect()
+    fake_driver.uninstall(fake)  # nothing made under the fake may reach a real driver later
 
 
 def _repeat_calls(fn) -> dict:

@@ -5,7 +5,6 @@ through the driver, the bounds, and their release (trim, out of memory).
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 
@@ -18,7 +17,7 @@ from pyattn.runtime.stream import Stream
 def gpu(monkeypatch):
     fake = fake_driver.install(monkeypatch)
     yield fake
-    gc.collect()  # (see test_host_path.py: nothing made here may reach a real driver later)
+    fake_driver.uninstall(fake)  # nothing made under the fake may reach a real driver later
 
 
 def test_a_freed_block_is_reused_only_by_its_stream(gpu):
