@@ -38,6 +38,7 @@ class _Fake:
     def __init__(self):
         self.ids = itertools.count(0x100)
         self.dev_next = 0x7F0000000000  # device addresses: never dereferenced on the host
+        self.handed_out = set()  # every device address the fake allocated (uninstall() blanks them)
         self.host = {}  # pinned address -> the NumPy block behind it
         self.current = 0
         self.kernel_names = {}
@@ -126,6 +127,7 @@ class _Fake:
 
     def cuMemAllocFromPoolAsync(self, nbytes, pool, s):
         ptr, self.dev_next = self.dev_next, self.dev_next + ((int(nbytes) + 511) // 512) * 512
+        self.handed_out.add(ptr)
         return OK, driver.CUdeviceptr(ptr)
 
     def cuMemFreeAsync(self, ptr, s):
@@ -233,6 +235,12 @@ def uninstall(fake: _Fake) -> None:
     gc.collect()
     for f in set(weakref.finalize._registry) - fake.finalizers_before:
         f.detach()
+    # Device blocks free themselves in __del__ (no finalizer object): blank the fake ones still
+    # alive (e.g. a fixture's cache, released by pytest after every teardown), so their free is a
+    # no-op.
+    for obj in gc.get_objects():
+        if type(obj) is memory.Allocation and obj.ptr in fake.handed_out:
+            obj.ptr = 0
 
 
 def fake_torch(current_stream=0x7000):
