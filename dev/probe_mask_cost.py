@@ -5,8 +5,8 @@ Usage: PYTHONPATH=. python dev/probe_mask_cost.py
 Times (scripts/harness.py) the dense call against bool masks that differ in one thing each: a
 full (S, S) mask (tiles staged through shared memory), a key-padding mask (1, 1, 1, S) (staged,
 a few KiB: L1/L2-resident), the full mask read in place (an odd-stride view, not staged), and
-the full mask through the dense tile (64 -> 128 keys, ``override_tiles``), to separate DRAM
-traffic, the per-element work and the tile shape.
+the mask and dense tables with other tiles, warp-specialized or not (``override_tiles``), to
+separate DRAM traffic, the per-element work and the tile shape.
 """
 
 from __future__ import annotations
@@ -41,17 +41,17 @@ def main() -> None:
         t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts), loop=5, reps=3, label=name)
         base = base or t.ms
         print(f"{name:28} {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
-    for rows in ((WgmmaTile(128, 128, 2, 2, False, 1, "probe"),), (WgmmaTile(128, 64, 2, 2, False, 1, "probe"),),
-                 (WgmmaTile(128, 64, 2, 3, True, 1, "probe"),)):
+    for rows in ((WgmmaTile(128, 128, 2, 2, False, 1, "probe"),), (WgmmaTile(128, 64, 2, 4, True, 1, "probe"),),
+                 (WgmmaTile(128, 64, 2, 4, True, 1, "probe", True),), (WgmmaTile(128, 128, 2, 2, False, 1, "probe", True),)):
         r = rows[0]
         with override_tiles("attn_fwd_wgmma", "sm_90a", rows + tile_table("attn_fwd_wgmma", "sm_90a", "mask1")[2:],
                             table="mask1"):
             t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, mask=full), loop=5, reps=3)
-        print(f"bool (S,S) n{r.block_n} s{r.stages} ovl={r.overlap}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
+        print(f"bool (S,S) n{r.block_n} s{r.stages} ovl={r.overlap} ws={r.ws}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
         with override_tiles("attn_fwd_wgmma", "sm_90a", rows + tile_table("attn_fwd_wgmma", "sm_90a", "dense")[2:],
                             table="dense"):
             t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream), loop=5, reps=3)
-        print(f"dense      n{r.block_n} s{r.stages} ovl={r.overlap}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
+        print(f"dense      n{r.block_n} s{r.stages} ovl={r.overlap} ws={r.ws}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
 
 
 if __name__ == "__main__":

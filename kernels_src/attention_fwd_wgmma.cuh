@@ -257,6 +257,19 @@ struct AttnFwdWgmmaMainloop {
       // -- every score through the modifiers (log2 units after this); masked -> -inf. Rows past
       // the end get -inf and never read the mask tensor.
       const bool rows_in = wg_row0 + 63 < sq;
+      if (full && rows_in) {  // every position visible: no per-element band or bounds tests
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& x = s[4 * i + e];
+            const int row = row_a + (e >> 1) * 8, key = n0 + i * 8 + 2 * t + (e & 1);
+            if constexpr (FastMods<Mods>::kBool)
+              x = (mw[2 * i + (e >> 1)] & ((e & 1) ? 0xff00u : 0xffu)) ? mods.score(x, row, key, 0.f) : -inf();
+            else
+              x = mods.score(x, row, key, mt[4 * i + e]);
+          }
+      } else
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
@@ -323,10 +336,16 @@ struct AttnFwdWgmmaMainloop {
       wg::fence_operands(acc);
       release(prev_stage);  // V_{j-1} read
     }
+    // Once the running maxima settle, corr is exactly 1 (ex2 of 0) for every row of the warp on
+    // most tiles: skip the D / 2 multiplies then (a warp-uniform test; multiplying by 1 is exact,
+    // so skipping changes no bit). In a kernel bound by its instruction stream that is ~13% of a
+    // tile's instructions at d = 128.
+    if (__any_sync(kFullMask, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];
-      acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
+      for (int i = 0; i < D / 8; ++i) {
+        acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];
+        acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
+      }
     }
     // -- P_j as A fragments: n8 blocks 2kk and 2kk+1 of S form k16 step kk
 #pragma unroll
@@ -403,7 +422,9 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   ml.wg_row0 = m0 + wgi * 64;
   ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + g;
   ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
-  ml.sl2 = FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;  // modified scores are in log2 units already
+  // Modified scores are in log2 units already, except a soft-cap's alone, whose factor
+  // softcap * log2(e) the softmax applies (FastMods::kCapScale).
+  ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
 
   // Descriptors (128-byte swizzle). K-major operands step 32 B per k16 inside a 64-column block,
   // then jump to the next block; V is read MN-major: 16 keys = 2048 B per k16 step, LBO = the

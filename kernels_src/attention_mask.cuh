@@ -98,6 +98,9 @@ struct FastMods {
   static constexpr bool kBool = Mods::kMask == kMaskBool;
   static constexpr bool kFloatMask = Mods::kMask != kMaskNone && !kBool;
   static constexpr bool kScoresFinal = Mods::kSoftcap || Mods::kAlibi || kFloatMask;  // else raw scores
+  // A soft-cap with nothing added after it: score() returns tanh(raw * pre) and the softmax's
+  // scale (post = softcap * log2 e) finishes it, one multiply per score fewer.
+  static constexpr bool kCapScale = Mods::kSoftcap && !Mods::kAlibi && !kFloatMask;
   static constexpr int kSize = kBool ? 1 : Mods::kMask == kMaskF32 ? 4 : 2;
   const char* mask;         // at (batch, head)
   long long m_sq, m_sk;     // mask strides (elements)
@@ -172,9 +175,10 @@ struct FastMods {
   }
 
   // The final log2-unit score of a visible (row, key) from its raw dot product and a float
-  // mask's term `m` (raw when !kScoresFinal: the softmax scales it).
+  // mask's term `m` (raw when !kScoresFinal, tanh(raw * pre) when kCapScale: the softmax scales it).
   __device__ __forceinline__ float score(float raw, int row, int key, float m) const {
     if constexpr (!kScoresFinal) return raw;
+    if constexpr (kCapScale) return tanh_approx(raw * pre);
     float y = Mods::kSoftcap ? tanh_approx(raw * pre) * post : raw * pre;
     if constexpr (Mods::kAlibi) y -= slope * fabsf(static_cast<float>(row + diag - key));
     if constexpr (kFloatMask) y += m;  // -inf for a -inf float mask

@@ -2,9 +2,9 @@
 ring, setmaxnreg, ping-pong) against the fp64 reference; marked ``gpu``, skipped without an
 sm_90a GPU.
 
-Only the dense d = 128 row is warp-specialized by default (dev/probe_ws.py, BENCHMARKS.md), so
-these tests also put WS rows in the d = 64 bucket and the bool-mask table through
-``override_tiles``, as tuning does, and keep those paths correct.
+By default the d = 128 rows (dense, bool and 16-bit masks) are warp-specialized (dev/probe_ws.py,
+dev/probe_mask_cost.py, BENCHMARKS.md); these tests also put WS rows in the d = 64 buckets through
+``override_tiles``, as tuning does, and keep that path correct too.
 """
 
 from __future__ import annotations

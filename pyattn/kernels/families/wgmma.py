@@ -55,13 +55,15 @@ _SM90 = (
 # (1, 16k, 16, 128) bf16, H200). Tables "mask1" (bool), "mask2" (f16 / bf16), "mask4" (f32).
 _SM90_MASK1 = (
     WgmmaTile(64, 64, 2, 4, True, 1, "bool mask: 121 KiB; 2 blocks/SM would cap registers at 128 (spills)"),
-    WgmmaTile(128, 64, 2, 4, True, 1, "bool mask: 201 KiB, loads 2 tiles ahead"),
+    WgmmaTile(128, 64, 2, 4, True, 1, "bool mask, warp-specialized: 201 KiB; (1, 16k, 16) bf16 5.22 ms = 1.31x "
+                                      "dense, against 6.58 all threads loading (dev/probe_mask_cost.py)", ws=True),
     WgmmaTile(192, 64, 2, 2, False, 1, "bool mask: 165 KiB (no overlap: registers, as dense)"),
     WgmmaTile(256, 64, 1, 2, False, 1, "bool mask: 171 KiB with one warpgroup"),
 )
 _SM90_MASK2 = (
     WgmmaTile(64, 64, 2, 4, True, 1, "16-bit mask: 153 KiB"),
-    WgmmaTile(128, 64, 2, 3, True, 1, "16-bit mask: 183 KiB (4 stages: 233 KiB, over 227)"),
+    WgmmaTile(128, 64, 2, 3, True, 1, "16-bit mask, warp-specialized as the bool row: 183 KiB (4 stages: 233 KiB, "
+                                      "over 227)", ws=True),
     WgmmaTile(192, 64, 2, 2, False, 1, "16-bit mask: 181 KiB"),
     WgmmaTile(256, 64, 1, 2, False, 1, "16-bit mask: 179 KiB with one warpgroup"),
 )
