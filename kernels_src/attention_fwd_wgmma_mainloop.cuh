@@ -1,0 +1,291 @@
+// The wgmma forward kernel's main loop (attention_fwd_wgmma.cuh has the design, the traits and
+// the entry point): per key tile the QK^T wgmma, the score modifiers, the online softmax and the
+// P V wgmma of one consumer warpgroup, plus the producer's side of the ring when warp-specialized.
+// Requires pyattn::AttnFwdParams, common.cuh, mma.cuh (pack2, fast_exp2).
+#pragma once
+#include "attention_mask.cuh"
+#include "block_sparse.cuh"
+#include "wgmma.cuh"
+#include "wgmma_pipe.cuh"
+
+namespace pyattn {
+
+template <class Tr, class Mods, bool SPARSE>
+struct AttnFwdWgmmaMainloop {
+  using T = typename Tr::T;
+  static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
+  static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  static constexpr bool OVERLAP = Tr::kOverlap;
+  static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
+  static constexpr int O_REGS = D / 2;
+  static constexpr int KS = BN / 16;     // k16 steps of P V
+
+  // -- invariant
+  const T* k;
+  const T* v;
+  long long k_stride, v_stride;
+  Band band;
+  KeyTiles<BM, BN, SPARSE> tiles;  // the band's key tiles, or this query tile's block-sparse list
+  unsigned sKV;                    // shared address of stage 0 (K; V kKVBytes later)
+  unsigned long long q_desc, k_desc0, v_desc0;
+  FastMods<Mods> mods;             // score modifiers (unused without)
+  unsigned sMask;                  // shared address of stage 0's mask tile (stage s: + s * kMaskTileBytes)
+  const unsigned char* mask_smem;  // the same as a generic pointer
+  bool staged;                     // the mask tensor's tiles ride in the ring (else read in place)
+  int m0, n_tiles, sq, sk, head_dim;
+  int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
+  int sub_row;                     // this thread's row of 16 x 16 sub-blocks within the query tile
+  float sl2;
+  // -- running state
+  float acc[O_REGS];
+  float row_max[2], row_sum[2];
+  unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP)
+  int stage, prev_stage, load_stage;
+  unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
+  unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
+  int wgi;                         // this thread's consumer warpgroup
+
+  // Key tile at n_load (K, V and a staged mask tile) into ring stage `st`, by NT threads.
+  template <int NT>
+  __device__ __forceinline__ void load(int st, int n_load, int tid) {
+    const unsigned kv = sKV + st * Tr::kStageBytes;
+    wgmma_load_tile<Tr, BN, NT>(kv, k, k_stride, n_load, sk, head_dim, tid);
+    wgmma_load_tile<Tr, BN, NT>(kv + Tr::kKVBytes, v, v_stride, n_load, sk, head_dim, tid);
+    if constexpr (Tr::kMaskBytes > 0)
+      if (staged)
+        wgmma_load_mask<Tr, NT>(sMask + st * Tr::kMaskTileBytes, mods.mask, mods.m_sq, m0, sq, n_load, sk, tid);
+  }
+
+  // WS producer: Q and every key tile through the ring. A stage is reused once all consumer warps
+  // released it; it is handed over once this thread's copies into it landed and were fenced for
+  // the async proxy (each of the 128 producer threads arrives on "full").
+  __device__ __forceinline__ void produce(unsigned sQ, const T* q, long long q_stride, int tid) {
+    wgmma_load_tile<Tr, BM, 128>(sQ, q, q_stride, m0, sq, head_dim, tid);  // with tile 0's group
+    int st = 0;
+    unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
+    for (int i = 0; i < n_tiles; ++i) {
+      pipe::wait(bar_empty + 8 * st, empty_parity);
+      load<128>(st, tiles.n0(i), tid);
+      wg::cp_async_commit();
+      if (i > 0) {  // tile i - 1 landed (one group may stay in flight): hand its stage over
+        wg::cp_async_wait<1>();
+        wg::fence_proxy_async_smem();
+        pipe::arrive(bar_full + 8 * (st == 0 ? STAGES - 1 : st - 1));
+      }
+      if (++st == STAGES) st = 0, empty_parity ^= 1;
+    }
+    wg::cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    pipe::arrive(bar_full + 8 * (st == 0 ? STAGES - 1 : st - 1));
+  }
+
+  // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it.
+  __device__ __forceinline__ void release(int st) const {
+    if constexpr (Tr::kWS) {
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) pipe::arrive(bar_empty + 8 * st);
+    }
+  }
+
+  // The mask tensor on key tile n0 in S's register layout: a float mask's log2-unit terms in
+  // mt, a bool mask's pair words in mw (index 2 i + h); nothing past the ends is read.
+  __device__ __forceinline__ void gather_mask(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const {
+    if (Tr::kMaskBytes > 0 && staged) {
+      const char* at = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes +
+                       (row_a - m0) * Tr::kMaskRow + 2 * t * Tr::kMaskBytes;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          mods.pair_at(at + h * 8 * Tr::kMaskRow + i * 8 * Tr::kMaskBytes, mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1],
+                       mw[2 * i + h]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
+          mods.pair_in_place(row, key, row < sq && key < sk, row < sq && key + 1 < sk, mt[4 * i + 2 * h],
+                             mt[4 * i + 2 * h + 1], mw[2 * i + h]);
+        }
+    }
+  }
+
+  // O += P V with V in `st`'s stage.
+  __device__ __forceinline__ void pv(int st) {
+    const unsigned long long v_desc = wg::desc_add(v_desc0, st * Tr::kStageBytes);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) wg::Mma<T, D, 1>::rs(acc, pf[kk], wg::desc_add(v_desc, kk * 2048), 1);
+  }
+
+  // Key tile j. WITH_PV: also O += P_{j-1} V_{j-1} behind S_j (OVERLAP, j > 0). A compile-time
+  // switch, not `if (j > 0)`: with a run-time condition around the waits ptxas cannot prove the
+  // accumulators idle and serialises every wgmma (C7514).
+  template <bool WITH_PV>
+  __device__ __forceinline__ void step(const int j) {
+    const int n0 = tiles.n0(j);
+    const unsigned long long sub = tiles.mask(j);
+    // Tile j landed (this thread's copies), is visible to the async proxy, and everyone's copies
+    // are done; every warpgroup also finished the wgmmas that read the stage refilled below
+    // (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
+    if constexpr (Tr::kWS) {
+      pipe::wait(bar_full + 8 * stage, full_parity);  // the producer filled and fenced it
+    } else {
+      wg::cp_async_wait<AHEAD - 1>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+    }
+
+    // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
+    float s[S_REGS];
+    if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
+    wg::fence_operands(acc);
+    wg::fence();
+    const unsigned long long k_desc = wg::desc_add(k_desc0, stage * Tr::kStageBytes);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned off = (kk % 4) * 32;  // k16 step inside the 64-column block kk / 4
+      wg::Mma<T, BN, 0>::ss(s, wg::desc_add(q_desc, (kk / 4) * (BM * 128) + off),
+                            wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
+    }
+    wg::commit();
+    if constexpr (WITH_PV) {
+      pv(prev_stage);
+      wg::commit();
+    }
+    // The other warpgroup's turn. Warpgroup 1 gave warpgroup 0 its first turn before the loop, so
+    // it skips its last hand-over: every arrival then meets a sync.
+    if constexpr (Tr::kPingPong)
+      if (wgi == 0 || j + 1 < n_tiles) pipe::bar_arrive(1 + (wgi ^ 1), 256);
+    if constexpr (!Tr::kWS) {
+      // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
+      if (j + AHEAD < n_tiles) load<Tr::kThreads>(load_stage, tiles.n0(j + AHEAD), threadIdx.x);
+      wg::cp_async_commit();  // possibly empty: keeps one group per tile for wait<AHEAD-1>
+      load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
+    }
+    // -- the mask's terms of tile j, gathered while the tensor cores run: all loads of a tile in
+    // one batch (one per element pair, interleaved with the scores, they cost 2x the dense time)
+    float mt[S_REGS];
+    unsigned mw[BN / 4];
+    if constexpr (Mods::kMask != kMaskNone) gather_mask(mt, mw, n0);
+    if constexpr (WITH_PV) {
+      wg::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+    } else {
+      wg::wait<0>();
+    }
+    wg::fence_operands(s);
+
+    const bool full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
+    if constexpr (Mods::kAny) {
+      // -- every score through the modifiers (log2 units after this); masked -> -inf. Rows past
+      // the end get -inf and never read the mask tensor.
+      const bool rows_in = wg_row0 + 63 < sq;
+      if (full && rows_in) {  // every position visible: no per-element band or bounds tests
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& x = s[4 * i + e];
+            const int row = row_a + (e >> 1) * 8, key = n0 + i * 8 + 2 * t + (e & 1);
+            if constexpr (FastMods<Mods>::kBool)
+              x = (mw[2 * i + (e >> 1)] & ((e & 1) ? 0xff00u : 0xffu)) ? mods.score(x, row, key, 0.f) : -inf();
+            else
+              x = mods.score(x, row, key, mt[4 * i + e]);
+          }
+      } else
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
+          const bool row_in = rows_in || row < sq;
+          const bool in0 = row_in && key < sk, in1 = row_in && key + 1 < sk;
+          bool ok0 = full ? row_in : in0 && band.allows(row, key);
+          bool ok1 = full ? row_in : in1 && band.allows(row, key + 1);
+          if constexpr (FastMods<Mods>::kBool) {
+            ok0 = ok0 && (mw[2 * i + h] & 0xffu);
+            ok1 = ok1 && (mw[2 * i + h] & 0xff00u);
+          }
+          float& s0 = s[4 * i + 2 * h];
+          float& s1 = s[4 * i + 2 * h + 1];
+          s0 = ok0 ? mods.score(s0, row, key, mt[4 * i + 2 * h]) : -inf();
+          s1 = ok1 ? mods.score(s1, row, key + 1, mt[4 * i + 2 * h + 1]) : -inf();
+        }
+    } else if (!full) {  // -- mask keys past the end and outside the band (boundary tiles only)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + i * 8 + 2 * t + (e & 1), row = row_a + (e >> 1) * 8;
+          if (key >= sk || !band.allows(row, key)) s[4 * i + e] = -inf();
+        }
+    }
+    if (SPARSE && sub != tiles.kAll) {  // -- block-sparse: keys of invisible 16 x 16 sub-blocks -> -inf
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+        if (!tiles.visible(sub, sub_row, i * 8)) s[4 * i] = s[4 * i + 1] = s[4 * i + 2] = s[4 * i + 3] = -inf();
+    }
+
+    // -- online softmax: the 4 lanes of a quad share rows row_a and row_a + 8. Row max and sum run
+    // as four interleaved chains: as one running chain they were BN / 4 dependent instructions per
+    // row and tile, and the kernel is bound by its instruction latency (ncu: "wait" the top stall).
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Four independent running maxima / sums (4 x shorter dependency chains than one).
+      float m4[4] = {row_max[h], -inf(), -inf(), -inf()};
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) m4[i % 4] = fmaxf(m4[i % 4], fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
+      const float ref = mx == -inf() ? 0.f : mx * sl2;
+      corr[h] = fast_exp2(fmaf(row_max[h], sl2, -ref));
+      row_max[h] = mx;
+      float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
+        s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
+        s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+      }
+      row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));  // quad-partial; reduced in the epilogue
+    }
+
+    // -- O (tiles < j, under the old max) *= corr, once P_{j-1} V_{j-1} has landed
+    if constexpr (WITH_PV) {
+      wg::wait<0>();
+      wg::fence_operands(acc);
+      release(prev_stage);  // V_{j-1} read
+    }
+    // (Skipping this when no row's max moved, behind a warp vote, measured 0-13% slower: the
+    // branch keeps the multiplies from interleaving with the packing below.)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];
+      acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
+    }
+    // -- P_j as A fragments: n8 blocks 2kk and 2kk+1 of S form k16 step kk
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    if constexpr (!OVERLAP) {  // -- O += P_j V_j now
+      wg::fence_operands(acc);
+      wg::fence();
+      pv(stage);
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_operands(acc);
+      release(stage);
+    }
+    prev_stage = stage;
+    if (++stage == STAGES) stage = 0, full_parity ^= 1;
+  }
+};
+
+}  // namespace pyattn
