@@ -177,8 +177,9 @@ struct AttnFwdWgmmaMainloop {
 
     const bool full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
     if constexpr (Mods::kAny) {
-      // -- every score through the modifiers (log2 units after this); masked -> -inf. Rows past
-      // the end get -inf and never read the mask tensor.
+      // -- every score through the modifiers (FastMods::score: log2 units, or raw / tanh values
+      // that the softmax's sl2 scales); masked -> -inf. Rows past the end get -inf and never read
+      // the mask tensor.
       const bool rows_in = wg_row0 + 63 < sq;
       if (full && rows_in) {  // every position visible: no per-element band or bounds tests
 #pragma unroll
