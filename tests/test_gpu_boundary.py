@@ -22,13 +22,7 @@ import pytest
 
 import pyattn
 from pyattn.reference import attention_ref
-
-
-def _has_gpu() -> bool:
-    try:
-        return pyattn.device_count() > 0
-    except Exception:
-        return False
+from test_gpu_attention import _has_gpu
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]

@@ -323,13 +323,7 @@ def test_cuts_tile_the_array_in_contiguous_pieces(shape, itemsize, target):
 # -- on a real GPU --------------------------------------------------------------------------------
 
 
-def _has_gpu() -> bool:
-    try:
-        import pyattn
-
-        return pyattn.device_count() > 0
-    except Exception:
-        return False
+from test_gpu_attention import _has_gpu  # noqa: E402
 
 
 GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, layout, options builder

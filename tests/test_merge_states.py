@@ -370,11 +370,7 @@ def test_out_pair_and_empty_rows_on_a_fake_device(fake_gpu):
 
 
 # --------------------------------------------------------------------------- GPU
-def _has_gpu() -> bool:
-    try:
-        return pyattn.device_count() > 0
-    except Exception:
-        return False
+from test_gpu_attention import _has_gpu  # noqa: E402
 
 
 def gpu_test(f):
