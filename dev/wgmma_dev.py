@@ -224,32 +224,32 @@ def _cuobjdump() -> str | None:
     return None
 
 
-def resource_usage(image: bytes) -> str:
+def _cuobjdump_output(image: bytes, flag: str) -> str | None:
+    """``cuobjdump <flag>`` of a cubin image (None without cuobjdump)."""
     tool = _cuobjdump()
     if tool is None:
-        return "(no cuobjdump)"
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(image)
         path = f.name
     try:
-        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
     finally:
         os.unlink(path)
+
+
+def resource_usage(image: bytes) -> str:
+    out = _cuobjdump_output(image, "-res-usage")
+    if out is None:
+        return "(no cuobjdump)"
     lines = [ln.strip() for ln in out.splitlines() if "REG" in ln]
     return " | ".join(lines) if lines else out.strip()[-300:]
 
 
 def sass_counts(image: bytes) -> str:
-    tool = _cuobjdump()
-    if tool is None:
+    out = _cuobjdump_output(image, "-sass")
+    if out is None:
         return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(image)
-        path = f.name
-    try:
-        out = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
     keys = ("HGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "LDL", "STL", "MUFU.EX2", "BAR.SYNC", "LDGSTS")
     return " ".join(f"{k}={out.count(k)}" for k in keys)
 
