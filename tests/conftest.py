@@ -1,6 +1,7 @@
 """Shared pytest setup: the ``gpu`` marker and kernel-cache directory fixtures.
 
-Kept minimal on purpose; GPU-test fixtures may be added below.
+Kept minimal on purpose; GPU-test fixtures may be added below. ``fake_include`` serves the
+header tests of test_compile.py and test_toolchain.py.
 """
 
 from __future__ import annotations
@@ -37,3 +38,21 @@ def session_cache_dir(tmp_path_factory):
     ``monkeypatch`` or ``pytest.MonkeyPatch.context()``, or in a subprocess's environment).
     """
     return tmp_path_factory.mktemp("session-kernel-cache")
+
+
+@pytest.fixture
+def fake_include(tmp_path, monkeypatch):
+    """An empty ``PYATTN_CUDA_INCLUDE`` directory for one test; the header and toolchain lookups
+    (cached per process) are cleared around it."""
+    from pyattn import jit
+    from pyattn.jit.headers import cuda_include_dir
+
+    d = tmp_path / "include"
+    d.mkdir()
+    monkeypatch.setenv("PYATTN_CUDA_INCLUDE", str(d))
+    cuda_include_dir.cache_clear()
+    jit.toolchain_fingerprint.cache_clear()
+    yield d
+    monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
+    cuda_include_dir.cache_clear()
+    jit.toolchain_fingerprint.cache_clear()

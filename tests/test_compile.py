@@ -239,20 +239,6 @@ def test_toolchain_fingerprint_names_its_inputs():
 # --------------------------------------------------------------------------------------------
 # Header discovery / version check
 # --------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake_include(tmp_path, monkeypatch):
-    """A PYATTN_CUDA_INCLUDE directory; the lru caches are cleared around the test."""
-    d = tmp_path / "include"
-    d.mkdir()
-    monkeypatch.setenv("PYATTN_CUDA_INCLUDE", str(d))
-    cuda_include_dir.cache_clear()
-    jit.toolchain_fingerprint.cache_clear()
-    yield d
-    monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
-    cuda_include_dir.cache_clear()
-    jit.toolchain_fingerprint.cache_clear()
-
-
 def _write_headers(d, cudart_version, fp16=True):
     (d / "cuda_runtime_api.h").write_text(f"#pragma once\n#define CUDART_VERSION {cudart_version}\n")
     if fp16:

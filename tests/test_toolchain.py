@@ -15,7 +15,7 @@ import pytest
 
 import pyattn.jit as jit
 from pyattn.jit import toolchain
-from pyattn.jit.headers import cuda_include_dir, nvrtc_version
+from pyattn.jit.headers import nvrtc_version
 from pyattn.kernels.specs import KernelSpec
 
 SPEC = KernelSpec("attn_fwd_simt", "f32", 64, "sm_80")
@@ -101,21 +101,13 @@ def test_a_replaced_nvrtc_changes_the_key(sites):
 
 
 @pytest.fixture
-def include(tmp_path, monkeypatch):
-    """A PYATTN_CUDA_INCLUDE copy of the real headers' version; caches cleared around the test."""
+def include(fake_include):
+    """``fake_include`` (conftest) holding headers of the real NVRTC's version."""
     major, minor = nvrtc_version()
-    d = tmp_path / "include"
-    d.mkdir()
-    (d / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {major * 1000 + minor * 10}\n")
+    (fake_include / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {major * 1000 + minor * 10}\n")
     for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h"):
-        (d / name).write_text("// v1\n")
-    monkeypatch.setenv("PYATTN_CUDA_INCLUDE", str(d))
-    cuda_include_dir.cache_clear()
-    jit.toolchain_fingerprint.cache_clear()
-    yield d
-    monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
-    cuda_include_dir.cache_clear()
-    jit.toolchain_fingerprint.cache_clear()
+        (fake_include / name).write_text("// v1\n")
+    return fake_include
 
 
 def test_headers_replaced_with_the_same_version_change_the_key(include):
