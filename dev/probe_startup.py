@@ -11,7 +11,7 @@ wrapped around its steps, so the breakdown is of the real call, not of a re-enac
 - ``import jit``: ``pyattn.jit`` and the cache modules (the call imports them on its kernel miss);
 - ``toolchain fingerprint``: NVRTC identity, header version, kernel-source digest (once a process);
 - ``cache key``: rendering the unit and hashing it with the spec and options;
-- ``cache read``: trust checks, reading the entry, its sha256;
+- ``cache read``: trust checks, reading the entry, its checksum;
 - ``cuModuleLoadData``, ``function + attributes`` (``cuModuleGetFunction``, four
   ``cuFuncGetAttribute``), ``max dynamic smem`` (``cuFuncSetAttribute``), ``launch``;
 - ``rest of the call``: validation, planning, allocation, stream choice and the final

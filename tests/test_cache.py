@@ -156,7 +156,7 @@ def test_bad_meta_rejected_before_writing(tmp_path):
 
 
 def _flip_payload_byte(data: bytes) -> bytes:
-    i = len(data) - 33  # last payload byte, just before the sha256
+    i = len(data) - 33  # last payload byte, just before the checksum
     return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
 
 
@@ -168,7 +168,8 @@ CORRUPTIONS = {
     "truncate_tiny": lambda d: d[:5],
     "empty": lambda d: b"",
     "bad_magic": lambda d: b"XXXXXXXX" + d[8:],
-    "bad_version": lambda d: b"PYATTNK2" + d[8:],
+    "bad_version": lambda d: b"PYATTNK9" + d[8:],
+    "old_version": lambda d: b"PYATTNK1" + d[8:],  # format 1 (sha256 checksums): never read as format 2
     "garbage": lambda d: os.urandom(len(d)),
 }
 

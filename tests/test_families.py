@@ -146,7 +146,7 @@ def test_override_tiles_replaces_one_table_for_the_block_only():
         assert spec.entry_name.endswith("_m16n64w4s2") and "16, 4, 1, 2, 0>" in spec.template_id
         assert other.tiles == before_other  # another arch keeps its table
         assert KernelSpec("attn_decode", "bf16", 128, "sm_90a", q_tiles=1, kv="int8").tiles.reason.startswith("H200")
-        with override_tiles("attn_decode", "sm_90a", rows[:1] + (dataclasses.replace(rows[1], warps=2),)):
+        with override_tiles("attn_decode", "sm_90a", rows[:1] + (rows[1]._replace(warps=2),)):
             assert tile_config("attn_decode", "sm_90a", 256).warps == 2  # nested: innermost wins ...
         assert tile_config("attn_decode", "sm_90a", 256).warps == rows[1].warps  # ... until its block ends
     assert spec.tiles == before

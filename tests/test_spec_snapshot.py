@@ -99,7 +99,7 @@ def _exhaustive(family: str, arch: str) -> str:
         h.update(json.dumps([spec.describe(), _facts(spec, reasons)], sort_keys=True).encode() + b"\n")
     for d, kv, sparse in itertools.product(HEAD_DIM_BUCKETS, KV_KINDS, (0, 1, 2)):
         try:
-            t = dataclasses.astuple(tile_config(family, arch, d, kv, sparse))
+            t = tuple(tile_config(family, arch, d, kv, sparse))
         except ValueError as exc:
             t = str(exc)
         h.update(json.dumps([d, kv, sparse, t]).encode() + b"\n")

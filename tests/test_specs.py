@@ -386,7 +386,7 @@ def test_mma_cache_key_changes_with_the_tile_table(change):
     new[change] += 16 if change == "block_n" else 1
     table = (MmaTile(MAX_HEAD_DIM, new["block_n"], new["warps"], new["m_tiles"], new["min_blocks"], "test"),)
     with override_tiles("attn_fwd_mma", "sm_90a", table):
-        assert dataclasses.astuple(spec.tiles)[:3] + (spec.tiles.min_blocks, spec.tiles.m_tiles) != (
+        assert tuple(spec.tiles)[:3] + (spec.tiles.min_blocks, spec.tiles.m_tiles) != (
             t.block_m, t.block_n, t.warps, t.min_blocks, t.m_tiles)  # the override took effect
         assert render(spec) != before_src
         assert spec.cache_key(TOOLCHAIN) != before_key

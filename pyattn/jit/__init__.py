@@ -34,7 +34,7 @@ def toolchain_fingerprint() -> str:
     Returns
     -------
     str
-        ``nvrtc=<file id>;headers=<version>@<dir>|<file ids>;src=<sha256>;pyattn=<version>``.
+        ``nvrtc=<file id>;headers=<version>@<dir>|<file ids>;src=<blake2b-256>;pyattn=<version>``.
     """
     return toolchain.fingerprint()
 

@@ -6,7 +6,7 @@ Each entry is one file ``<key>.pyattnk``::
     uint32 little-endian n           length of the JSON header
     n bytes of UTF-8 JSON            {"key": <key>, "meta": <caller's dict>}
     payload                          the compiled binary
-    32 bytes                         sha256 of everything above
+    32 bytes                         BLAKE2b-256 of everything above (:mod:`.digest`)
 
 Temp files are ``.<key>.<writer pid>.<random hex>.tmp``: the pid lets a later writer tell the
 temp file of a dead writer (removable) from one being written right now.
@@ -14,7 +14,6 @@ temp file of a dead writer (removable) from one being written right now.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -22,12 +21,14 @@ import re
 import struct
 from typing import NamedTuple
 
+from . import digest
+
 __all__ = ["CacheEntry", "default_cache_dir", "CorruptEntry", "check_key", "normalise_meta", "encode", "decode", "ENTRY_SUFFIX",
            "LOCK_SUFFIX", "ENTRY_RE", "LOCK_RE", "temp_name", "temp_writer_pid"]
 
-_MAGIC = b"PYATTNK1"
+_MAGIC = b"PYATTNK2"  # 2: BLAKE2b-256 checksum (1: sha256)
 _HEADER_LEN = struct.Struct("<I")
-_DIGEST_SIZE = hashlib.sha256().digest_size
+_DIGEST_SIZE = digest.DIGEST_SIZE
 _MIN_SIZE = len(_MAGIC) + _HEADER_LEN.size + _DIGEST_SIZE
 
 ENTRY_SUFFIX = ".pyattnk"
@@ -117,7 +118,7 @@ def normalise_meta(meta: object) -> dict:
 def encode(key: str, payload: bytes, meta: dict) -> bytes:
     header = json.dumps({"key": key, "meta": meta}, allow_nan=False, sort_keys=True).encode()
     body = b"".join([_MAGIC, _HEADER_LEN.pack(len(header)), header, payload])
-    return body + hashlib.sha256(body).digest()
+    return body + digest.new(body).digest()
 
 
 def decode(key: str, data: bytes) -> tuple[bytes, dict]:
@@ -125,8 +126,8 @@ def decode(key: str, data: bytes) -> tuple[bytes, dict]:
         raise CorruptEntry(f"file too short ({len(data)} bytes)")
     if data[: len(_MAGIC)] != _MAGIC:
         raise CorruptEntry(f"bad magic/version {data[:len(_MAGIC)]!r}")
-    body, digest = data[:-_DIGEST_SIZE], data[-_DIGEST_SIZE:]
-    if hashlib.sha256(body).digest() != digest:
+    body, checksum = data[:-_DIGEST_SIZE], data[-_DIGEST_SIZE:]
+    if digest.new(body).digest() != checksum:
         raise CorruptEntry("checksum mismatch")
     (header_len,) = _HEADER_LEN.unpack_from(body, len(_MAGIC))
     start = len(_MAGIC) + _HEADER_LEN.size

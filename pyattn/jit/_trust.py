@@ -1,7 +1,7 @@
 """Who the kernel cache trusts: only files and directories the user owns and nobody else can write.
 
 A cached kernel is machine code the process will run, so a cache another user can write is a way
-into the process: the sha256 in each entry detects accidents, not forgeries (a forger recomputes
+into the process: the checksum in each entry detects accidents, not forgeries (a forger recomputes
 it). The rules, applied at every use rather than once (a path can be swapped between two runs):
 
 - the cache directory (after following a symlink: the target is what gets written) and every

@@ -111,7 +111,7 @@ class KernelCache:
         Parameters
         ----------
         key : str
-            16 to 128 lowercase hex digits (normally a sha256 hexdigest).
+            16 to 128 lowercase hex digits (normally a BLAKE2b-256 hexdigest).
 
         Returns
         -------

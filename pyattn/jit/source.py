@@ -8,9 +8,10 @@ in a source checkout they sit at the repository root.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from pathlib import Path
+
+from . import digest
 
 __all__ = ["kernel_source_dir", "kernel_headers", "sources_digest", "render"]
 
@@ -46,13 +47,13 @@ def kernel_headers() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def sources_digest() -> str:
-    """sha256 over every template header: any edit to a kernel source changes every cache key.
+    """BLAKE2b-256 (:mod:`.digest`) over every template header: any edit to a kernel source changes every cache key.
 
     Over the bytes, not decoded text: a warm start needs only the digest, and decoding them (what
     ``Path.read_text`` did) cost more than reading and hashing together (0.77 ms against 0.26 ms
     for the 16 templates).
     """
-    h = hashlib.sha256()
+    h = digest.new()
     for name, data in _header_files():
         h.update(name.encode() + b"\0")
         h.update(data)

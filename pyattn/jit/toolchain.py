@@ -21,7 +21,7 @@ by its files:
   by another build of the same version change the key too. The headers those include in turn
   (``vector_types.h``...) are covered as part of a release (a reinstall rewrites these files too),
   not one by one: a hand edit of only such a header would not be seen.
-- Templates: sha256 over every ``kernels_src`` file (:func:`.source.sources_digest`); compiles read
+- Templates: BLAKE2b-256 over every ``kernels_src`` file (:func:`.source.sources_digest`); compiles read
   the same bytes the digest covers.
 
 The mirror of pathfinder's search could drift from a future cuda-pathfinder. That must never store

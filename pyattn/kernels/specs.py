@@ -9,12 +9,11 @@ which a spec looks up by its ``family`` field.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 
 from .families import FAMILIES as _REGISTRY
-from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, decode_row, get_family, tile_config
+from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
 from .families.base import DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, TileConfig
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
@@ -26,6 +25,8 @@ FAMILIES = tuple(_REGISTRY)  # the family names; the records are pyattn.kernels.
 
 def decode_max_q_tiles(arch: str, head_dim: int, kv: str = "") -> int:
     """The most m16 row tiles one decode block takes at ``head_dim`` (a bucket) on ``arch``."""
+    from .families.decode import decode_row  # the decode records, on first use only
+
     return decode_row(arch, head_dim, kv).max_q_tiles
 
 
@@ -147,13 +148,14 @@ class KernelSpec:
             From ``pyattn.jit.toolchain_fingerprint``: NVRTC and header versions, the digest of
             every kernel source, and the pyattn version.
         """
+        from ..jit import digest
         from ..jit.source import render
 
         # The rendered unit covers what the spec fields alone do not: the tile table, the
         # template id and the parameter struct layout.
-        unit = hashlib.sha256(render(self).encode()).hexdigest()
+        unit = digest.hexdigest(render(self).encode())
         doc = {"spec": asdict(self), "options": self.compile_options(), "unit": unit, "toolchain": toolchain}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+        return digest.hexdigest(json.dumps(doc, sort_keys=True).encode())
 
     def describe(self) -> str:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),

@@ -9,7 +9,6 @@ repeat call is then one pool allocation, a small ``struct.pack`` and a launch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -29,8 +28,7 @@ _F32 = np.dtype(np.float32)
 _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
 
 
-@dataclass(frozen=True)
-class SparseFwd:
+class SparseFwd(NamedTuple):
     """A block-sparse forward problem: the attention problem, the kernel's sparse mode (1: the
     standard tiles, 2: 64 x 64 tiles) and whether the layout has one tile list per query head."""
 

@@ -3,7 +3,8 @@
 :data:`FAMILIES` maps a family name to its record (header, parameter struct, template-id builder,
 shared-memory formula, typed per-arch tile tables with their measured reasons, constraints and
 alignment needs). :class:`~pyattn.kernels.specs.KernelSpec` looks its family up here; adding a
-kernel is a record in a module beside this one plus a line in :data:`FAMILIES`.
+kernel is a record in a module beside this one plus a line in ``_WHERE`` (records are built when
+first asked for).
 
 Tuning scripts replace a tile table for a while with :func:`override_tiles`, never by patching
 the tables themselves.
@@ -11,33 +12,80 @@ the tables themselves.
 
 from __future__ import annotations
 
-from types import MappingProxyType
+import importlib
+from collections.abc import Mapping
 
 from ...runtime.device import SUPPORTED_ARCHS
 from . import tables
-from .base import CTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, Family, TileConfig
-from .decode import ATTN_DECODE, KV_HEAD_DIM_BUCKETS, DecodeTile, decode_row
-from .fixed import ATTN_SPARSE, DECODE_COMBINE, KV_APPEND, MERGE_STATES
-from .mma import ATTN_FWD_MMA, ATTN_FWD_TF32, MmaTile
-from .simt import ATTN_FWD_SIMT
-from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile, wgmma_shapes
+from .base import CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, WGMMA_ARCHS, Family, TileConfig
 
 __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "KV_HEAD_DIM_BUCKETS",
            "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
            "decode_row", "wgmma_shapes"]
 
-FAMILIES = MappingProxyType({f.name: f for f in (
-    ATTN_FWD_MMA, ATTN_FWD_SIMT, ATTN_FWD_TF32, ATTN_FWD_WGMMA, MERGE_STATES, ATTN_DECODE, DECODE_COMBINE, KV_APPEND,
-    ATTN_SPARSE)})
-_NAMES = tuple(FAMILIES)
+# family name -> (module beside this one, record name in it). A record's module is imported when
+# the family is first asked for: a process that only runs attention on sm_90a never builds the
+# decode or mma.sync records (issue 16: the first call of a fresh process <= 15 ms).
+_WHERE = {
+    "attn_fwd_mma": ("mma", "ATTN_FWD_MMA"),
+    "attn_fwd_simt": ("simt", "ATTN_FWD_SIMT"),
+    "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
+    "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
+    "merge_states": ("fixed", "MERGE_STATES"),
+    "attn_decode": ("decode", "ATTN_DECODE"),
+    "decode_combine": ("fixed", "DECODE_COMBINE"),
+    "kv_append": ("fixed", "KV_APPEND"),
+    "attn_sparse": ("fixed", "ATTN_SPARSE"),
+}
+# Names this package re-exports from the family modules, imported on first access (PEP 562).
+_LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
+         "wgmma_shapes": "wgmma"}
+
+
+class _Registry(Mapping):
+    """The read-only registry: family name -> :class:`Family`, each record built on first lookup."""
+
+    __slots__ = ("_records",)
+
+    def __init__(self):
+        self._records = {}
+
+    def __getitem__(self, name: str) -> Family:
+        record = self._records.get(name)
+        if record is None:
+            module, attr = _WHERE[name]  # KeyError for an unknown name, as a mapping should
+            record = getattr(importlib.import_module(f".{module}", __name__), attr)
+            self._records[name] = record
+        return record
+
+    def __iter__(self):
+        return iter(_WHERE)
+
+    def __len__(self) -> int:
+        return len(_WHERE)
+
+    def __contains__(self, name) -> bool:
+        return name in _WHERE
+
+    def __repr__(self) -> str:
+        return f"<pyattn kernel families: {', '.join(_WHERE)}>"
+
+
+FAMILIES = _Registry()
+_NAMES = tuple(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_family(name: str) -> Family:
     """The record of family ``name``; ``ValueError`` naming the known families otherwise."""
-    record = FAMILIES.get(name)
-    if record is None:
+    if name not in _WHERE:
         raise ValueError(f"family: expected one of {_NAMES}, got {name!r}")
-    return record
+    return FAMILIES[name]
 
 
 def _able(flag: str) -> str:

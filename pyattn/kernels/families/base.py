@@ -8,16 +8,19 @@ them into the registry that :class:`~pyattn.kernels.specs.KernelSpec` looks up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from ...runtime.device import SUPPORTED_ARCHS
 from ..params import ParamStruct
 
-__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "KV_KINDS", "TileConfig",
-           "FixedTile", "Alignment", "Family", "every_arch", "score_mods", "entry_name", "no_shared_memory",
-           "dense_table", "table_tiles"]
+__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "KV_KINDS", "KV_HEAD_DIM_BUCKETS",
+           "WGMMA_ARCHS", "TileConfig", "FixedTile", "Alignment", "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
+           "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
+
+# The records and tile rows below are NamedTuples or plain classes, not frozen dataclasses: a
+# frozen dataclass builds its methods with ``exec`` when its module is imported (~0.45 ms each),
+# and a fresh process's first call imports the records it needs (issue 16: <= 15 ms in all).
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
 DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}
@@ -31,10 +34,11 @@ MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
 # Paged-cache element kinds (attn_decode / kv_append ``kv``): "" = the query dtype, else 8-bit codes
 # with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
 KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
+KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
+WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 
 
-@dataclass(frozen=True)
-class TileConfig:
+class TileConfig(NamedTuple):
     """Tile shape of one kernel family on one arch, with the reason it was chosen."""
 
     block_m: int
@@ -48,8 +52,7 @@ class TileConfig:
     ws: bool = False  # wgmma kernel: a producer warpgroup fills the ring (counted in ``warps``)
 
 
-@dataclass(frozen=True)
-class FixedTile:
+class FixedTile(NamedTuple):
     """A tile-table row of a family with one launch shape for every head dim up to ``max_head_dim``.
 
     Every row type has ``max_head_dim`` (a row serves the head-dim buckets up to it, the first
@@ -66,8 +69,7 @@ class FixedTile:
         return TileConfig(self.block_m, self.block_n, self.warps, self.reason)
 
 
-@dataclass(frozen=True)
-class Alignment:
+class Alignment(NamedTuple):
     """What a family's memory accesses need of the arrays they touch (1 = nothing): multiples of
     so many bytes (``out_elems``: elements).
 
@@ -78,6 +80,12 @@ class Alignment:
     out: int = 1  # out: data address and strides
     out_elems: int = 1  # out: address and strides in elements (stores of element pairs)
     pool: int = 1  # paged K/V pools and decode's q: row address and strides
+
+
+# The tensor-core kernels read q/k/v in 16-byte chunks (cp.async) and store pairs of elements.
+TENSOR_CORE_ALIGNMENT = Alignment(qkv=16, out_elems=2)
+# The paged-cache kernels copy 16-byte chunks of pool rows (and of decode's query rows).
+PAGED_ALIGNMENT = Alignment(pool=16)
 
 
 def every_arch(rows: tuple) -> dict:
@@ -117,7 +125,6 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 
-@dataclass(frozen=True, eq=False)
 class Family:
     """One kernel family: everything :class:`~pyattn.kernels.specs.KernelSpec` derives, as data.
 
@@ -170,27 +177,29 @@ class Family:
         Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
     """
 
-    name: str
-    label: str
-    header: str
-    params: ParamStruct
-    tables: Mapping[str, Mapping[str, tuple]]
-    template_id: Callable
-    dtypes: tuple = ("f32", "f16", "bf16")
-    mods: tuple = ()
-    alignment: Alignment = Alignment()
-    traits: Callable | None = None
-    smem_bytes: Callable = no_shared_memory
-    table_for: Callable = dense_table
-    spec_tiles: Callable = table_tiles
-    entry_name: Callable = entry_name
-    takes: str = ""
-    check: Callable | None = None
-    sparse: bool = False
-    kv: bool = False
-    q_tiles: bool = False
+    __slots__ = ("name", "label", "header", "params", "tables", "template_id", "dtypes", "mods", "alignment",
+                 "traits", "smem_bytes", "table_for", "spec_tiles", "entry_name", "takes", "check", "sparse", "kv",
+                 "q_tiles")
 
-    def __post_init__(self):
+    def __init__(self, *, name: str, label: str, header: str, params, tables: Mapping[str, Mapping[str, tuple]],
+                 template_id: Callable, dtypes: tuple = ("f32", "f16", "bf16"), mods: tuple = (),
+                 alignment: Alignment = Alignment(), traits: Callable | None = None,
+                 smem_bytes: Callable = no_shared_memory, table_for: Callable = dense_table,
+                 spec_tiles: Callable = table_tiles, entry_name: Callable = entry_name, takes: str = "",
+                 check: Callable | None = None, sparse: bool = False, kv: bool = False, q_tiles: bool = False):
         # Read-only views: a table changes through override_tiles only, never by patching.
-        frozen = {name: MappingProxyType(dict(by_arch)) for name, by_arch in self.tables.items()}
-        object.__setattr__(self, "tables", MappingProxyType(frozen))
+        frozen = MappingProxyType({n: MappingProxyType(dict(by_arch)) for n, by_arch in tables.items()})
+        values = dict(name=name, label=label, header=header, params=params, tables=frozen, template_id=template_id,
+                      dtypes=dtypes, mods=mods, alignment=alignment, traits=traits, smem_bytes=smem_bytes,
+                      table_for=table_for, spec_tiles=spec_tiles, entry_name=entry_name, takes=takes, check=check,
+                      sparse=sparse, kv=kv, q_tiles=q_tiles)
+        for field, value in values.items():
+            object.__setattr__(self, field, value)
+
+    def __setattr__(self, field, value):
+        raise AttributeError(f"Family records are read-only (cannot set {field!r})")
+
+    __delattr__ = __setattr__
+
+    def __repr__(self) -> str:
+        return f"Family(name={self.name!r}, header={self.header!r})"

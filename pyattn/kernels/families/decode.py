@@ -6,22 +6,16 @@ merge their partial outputs through shared memory at the end.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..params import DECODE_PARAMS
 from . import tables
-from .base import CTYPES, KV_KINDS, Alignment, Family, TileConfig, entry_name
+from .base import CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, Family, TileConfig, entry_name
 
 __all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "decode_row", "PAGED_ALIGNMENT"]
 
-KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
-# The paged-cache kernels copy 16-byte chunks of pool rows (and of decode's query rows).
-PAGED_ALIGNMENT = Alignment(pool=16)
 
-
-@dataclass(frozen=True)
-class DecodeTile:
+class DecodeTile(NamedTuple):
     """A tile-table row of the decode kernel (see ``FixedTile`` for the common fields)."""
 
     max_head_dim: int
@@ -92,7 +86,7 @@ def decode_row(arch: str, head_dim: int, kv: str = "") -> DecodeTile:
 
 
 def _spec_tiles(spec, t: TileConfig) -> TileConfig:
-    return dataclasses.replace(t, block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+    return t._replace(block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
 
 
 def _traits(spec, t) -> str:

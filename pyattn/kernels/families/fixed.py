@@ -8,8 +8,7 @@ gather attention). No traits struct, so nothing for the rendered unit to assert 
 from __future__ import annotations
 
 from ..params import KV_APPEND_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
-from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, Alignment, Family, FixedTile, every_arch
-from .decode import PAGED_ALIGNMENT
+from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, PAGED_ALIGNMENT, Alignment, Family, FixedTile, every_arch
 
 __all__ = ["MERGE_STATES", "DECODE_COMBINE", "KV_APPEND", "ATTN_SPARSE"]
 

@@ -6,16 +6,15 @@ kernel (fp32 inputs with ``allow_tf32=True``) holds fp32 tiles, so half the keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..params import ATTN_FWD_PARAMS
-from .base import CTYPES, Alignment, Family, TileConfig, every_arch, score_mods
+from .base import CTYPES, TENSOR_CORE_ALIGNMENT, Family, TileConfig, every_arch, score_mods
 
 __all__ = ["MmaTile", "ATTN_FWD_MMA", "ATTN_FWD_TF32", "TENSOR_CORE_ALIGNMENT", "sparse64_table"]
 
 
-@dataclass(frozen=True)
-class MmaTile:
+class MmaTile(NamedTuple):
     """A tile-table row of the mma.sync kernels (see ``FixedTile`` for the common fields)."""
 
     max_head_dim: int
@@ -29,9 +28,6 @@ class MmaTile:
         return TileConfig(16 * self.m_tiles * self.warps, self.block_n, self.warps, self.reason, self.min_blocks,
                           self.m_tiles)
 
-
-# The tensor-core kernels read q/k/v in 16-byte chunks (cp.async) and store pairs of elements.
-TENSOR_CORE_ALIGNMENT = Alignment(qkv=16, out_elems=2)
 
 # Smem = (16*m_tiles*warps + 4*block_n) * (head_dim + 8) * 2 bytes (see _mma_smem_bytes).
 _MMA_BIG_SMEM = (  # sm_80 (163 KiB per block), sm_90a / sm_100a (227 KiB); measured on H200 (dev/tune_mma.py)

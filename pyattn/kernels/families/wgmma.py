@@ -7,20 +7,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..params import ATTN_FWD_PARAMS
-from .base import CTYPES, HEAD_DIM_BUCKETS, Family, TileConfig, score_mods
-from .mma import TENSOR_CORE_ALIGNMENT
+from .base import CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, score_mods
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "wgmma_shapes"]
 
-WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
 
-@dataclass(frozen=True)
-class WgmmaTile:
+class WgmmaTile(NamedTuple):
     """A tile-table row of the wgmma kernel (see ``FixedTile`` for the common fields)."""
 
     max_head_dim: int
