@@ -162,6 +162,92 @@ struct DecodeRows {
   }
 };
 
+// The most splits of one sequence (pyattn.validate.paged.MAX_SPLITS; a CPU test keeps them equal).
+constexpr int kMaxDecodeSplits = 256;
+
+// Fused split combine. Each of a unit's num_splits blocks (a unit: one kv head, row block and
+// sequence) stores its normalised fp32 partial and LSE, fences, and counts itself in
+// p.split_counters[unit]; the block that counts last merges the unit's partials into the output
+// (out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s)) and sets the counter back to 0
+// for the stream's next decode. One launch instead of decode + merge_states<float, T>: the
+// second launch cost ~4 us of host time and its launch gap on the GPU (issue 12).
+template <class Tr>
+__device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsigned char* smem_raw, int kv_head,
+                                                    int b, int r0, int n_rows) {
+  using T = typename Tr::T;
+  constexpr int ROWS = Tr::kRows, W = Tr::kWarps;
+  // The weights of the first kCap splits of each row stay in shared memory (all of them but for
+  // the smallest tiles at hundreds of splits); later ones are recomputed from their LSE.
+  constexpr int kCap = Tr::kSmemBytes / (4 * ROWS) - 2 < kMaxDecodeSplits ? Tr::kSmemBytes / (4 * ROWS) - 2
+                                                                           : kMaxDecodeSplits;
+  static_assert(kCap >= 1, "combine: no room for split weights");
+  __shared__ int s_last;
+  __threadfence();  // this block's partial stores are visible device-wide before it is counted
+  __syncthreads();
+  unsigned* counter = static_cast<unsigned*>(p.split_counters) + blockIdx.z * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(p.num_splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // every other split's stores (fenced before their counts) are read after this
+  if (threadIdx.x == 0) *counter = 0u;
+  const int S = p.num_splits, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* sW = reinterpret_cast<float*>(smem_raw);  // [ROWS][kCap] weights exp(lse_s - max)
+  float* sMax = sW + ROWS * kCap;                   // [ROWS] max of the splits' LSEs
+  float* sInv = sMax + ROWS;                        // [ROWS] 1 / sum of the weights (0: no key seen)
+  for (int r = warp; r < ROWS; r += W) {  // one warp per row (the condition is warp-uniform)
+    const int gr = r0 + r;
+    if (gr >= n_rows) continue;
+    const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
+    const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
+    const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
+    float m = -inf();
+    for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(p.lse_part + row0 + s * split_step));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    float l = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float x = __ldcg(p.lse_part + row0 + s * split_step);
+      const float w = x == -inf() ? 0.f : fast_exp2((x - m) * kLog2e);
+      if (s < kCap) sW[r * kCap + s] = w;
+      l += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    if (lane == 0) {
+      sMax[r] = m;
+      sInv[r] = l == 0.f ? 0.f : 1.f / l;
+      if (p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
+    }
+  }
+  __syncthreads();
+  constexpr int D = Tr::kHeadDim;
+  for (int e = threadIdx.x; e < ROWS * (D / 2); e += Tr::kThreads) {
+    const int r = e / (D / 2), d = 2 * (e % (D / 2)), gr = r0 + r;
+    if (gr >= n_rows || d >= p.head_dim) continue;
+    const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
+    const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
+    const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
+    float ox = 0.f, oy = 0.f;
+    for (int s = 0; s < S; ++s) {
+      float w;
+      if (s < kCap) {
+        w = sW[r * kCap + s];
+      } else {
+        const float x = __ldcg(p.lse_part + row0 + s * split_step);
+        w = x == -inf() ? 0.f : fast_exp2((x - sMax[r]) * kLog2e);
+      }
+      if (w != 0.f) {  // an empty split (no visible key) wrote zeros: skip its read
+        const float2 a = __ldcg(reinterpret_cast<const float2*>(p.o_part + (row0 + s * split_step) * p.head_dim + d));
+        ox = fmaf(w, a.x, ox);
+        oy = fmaf(w, a.y, oy);
+      }
+    }
+    const float inv = sInv[r];
+    T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
+    *reinterpret_cast<unsigned*>(o) = pack2<T>(ox * inv, oy * inv);
+  }
+}
+
 // Merge the warps' online-softmax states of one block through shared memory and store its rows:
 // the output and LSE (num_splits == 1) or the split's fp32 partial and LSE.
 template <class Tr>
@@ -249,6 +335,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
       *reinterpret_cast<float2*>(p.o_part + row * p.head_dim + d) = make_float2(ox, oy);
     }
   }
+  if (p.num_splits > 1) decode_combine_last<Tr>(p, smem_raw, kv_head, b, r0, n_rows);
 }
 
 }  // namespace pyattn

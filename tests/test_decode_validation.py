@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
-from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS, MERGE_STATES_PARAMS
+from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
 from pyattn.interop.inputs import read, read_optional
 from pyattn.ops.decode import choose_num_splits
@@ -369,11 +369,11 @@ def test_num_splits_property(units, max_tiles, slots):
     (dict(q_tiles=3), r"^q_tiles: .* got 3"),
     (dict(head_dim=256, q_tiles=2), r"^q_tiles: attn_decode at head_dim 256 on sm_90a takes 1 to 1"),
     (dict(mask="bool", q_tiles=1), r"^mask/softcap/alibi:"),
-    (dict(family="decode_combine", q_tiles=1), r"^q_tiles: only attn_decode takes q_tiles"),
+    (dict(family="merge_states", q_tiles=1), r"^q_tiles: only attn_decode takes q_tiles"),
     (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_decode"),
     (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_decode"),
-    (dict(family="decode_combine", softcap=True), r"^mask/softcap/alibi:"),
-    (dict(family="decode_combine", dtype="f32"), r"^dtype: decode_combine takes f16 or bf16"),
+    (dict(family="merge_states", softcap=True), r"^mask/softcap/alibi:"),
+    (dict(family="kv_append", head_dim=32, dtype="f32"), r"^dtype: kv_append takes f16 or bf16"),
 ])
 def test_decode_spec_rejected(kw, match):
     args = {"family": "attn_decode", "dtype": "f16", "head_dim": 128, "arch": "sm_90a", **kw}
@@ -448,10 +448,7 @@ def test_decode_shared_bytes_when_the_warp_merge_dominates():
         assert merge > ring and spec.shared_bytes == merge == _cuh_smem(32, 16, 16, 2, 2)
 
 
-def test_decode_combine_and_append_templates():
-    spec = KernelSpec("decode_combine", "bf16", 128, "sm_90a")
-    assert spec.template_id == "pyattn::merge_states<float, __nv_bfloat16, 128, 4>"
-    assert spec.shared_bytes == 0 and spec.params is MERGE_STATES_PARAMS
+def test_append_templates():
     assert KernelSpec("kv_append", "f16", 32, "sm_80").template_id == "pyattn::kv_append<__half, 0>"
     assert KernelSpec("kv_append", "bf16", 32, "sm_80", kv="fp8e4m3").template_id == \
         "pyattn::kv_append<__nv_bfloat16, 2>"
@@ -461,12 +458,12 @@ def test_decode_combine_and_append_templates():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_specs_list(arch):
     specs = decode_specs(arch)
-    assert len(specs) == 14 and len(set(specs)) == 14
+    assert len(specs) == 8 and len(set(specs)) == 8
     fams = [s.family for s in specs]
-    assert (fams.count("attn_decode"), fams.count("decode_combine"), fams.count("kv_append")) == (6, 6, 2)
+    assert (fams.count("attn_decode"), fams.count("kv_append")) == (6, 2)
     assert all(s.arch == arch and s.q_tiles == (s.family == "attn_decode") for s in specs)
     both = decode_specs(arch, q_tiles=(1, 2))
-    assert len(both) == 18  # q_tiles 2 only where it fits: d=64 and d=128
+    assert len(both) == 12  # q_tiles 2 only where it fits: d=64 and d=128
 
 
 CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
@@ -491,3 +488,14 @@ def test_decode_param_structs(p):
 def test_decode_kernel_reads_only_declared_fields():
     used = set(re.findall(r"\bp\.(\w+)", CUH.read_text()))
     assert used and used <= {n for n, _ in DECODE_PARAMS.fields}
+
+
+def test_max_splits_matches_the_kernels_combine_bound():
+    """The fused split combine sizes its shared-memory weights by kMaxDecodeSplits: validation must
+    never let more splits through."""
+    from pyattn.jit.source import kernel_source_dir
+    from pyattn.validate.paged import MAX_SPLITS
+
+    text = (kernel_source_dir() / "decode_common.cuh").read_text()
+    (bound,) = re.findall(r"constexpr int kMaxDecodeSplits = (\d+);", text)
+    assert int(bound) == MAX_SPLITS

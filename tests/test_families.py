@@ -100,7 +100,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_fwd_wgmma", "f32", 64, "sm_90a", False, "none", True), r"^family: attn_fwd_wgmma takes f16/bf16"),
     (("attn_fwd_wgmma", "f16", 96, "sm_90a"), r"^family: attn_fwd_wgmma takes"),
     (("attn_fwd_mma", "f32", 64, "sm_80"), r"^dtype: the tensor-core family takes f16 or bf16, got 'f32'"),
-    (("decode_combine", "f32", 64, "sm_80"), r"^dtype: decode_combine takes f16 or bf16, got 'f32'"),
+    (("kv_append", "f32", 32, "sm_80"), r"^dtype: kv_append takes f16 or bf16, got 'f32'"),
     (("attn_decode", "f16", 64, "sm_80", False, "bool", False, False, 1), r"^mask/softcap/alibi: only attention"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", True, True, 3), r"^q_tiles: attn_decode at head_dim 64"),
     (("attn_decode", "f16", 96, "sm_80", False, "none", False, False, 1, 0, "int8"), r"^head_dim: 8-bit caches"),

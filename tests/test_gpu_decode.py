@@ -126,6 +126,40 @@ def test_splits_agree(splits):
     _check_decode(out, lse, q, ks, vs, causal=True)
 
 
+def test_fused_combine_beyond_its_shared_weights():
+    """A decode tile whose shared memory holds fewer split weights than the splits (the combine
+    recomputes the rest from their LSEs), many splits empty, rows of two row tiles (GQA 8 x
+    q_len 3), and the per-stream counters reused by a second call."""
+    from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
+
+    small = DecodeTile(32, 16, 2, 2, 2, 1, "test: 12.8 KiB, room for 98 split weights per row")
+    rows = (small,) + tile_table("attn_decode", pyattn.get_device().arch)[1:]
+    rng = np.random.default_rng(5)
+    kp, vp, pages, ks, vs = _pools(rng, [3000], 16, 2, 32, "float16", "nhd", extra=0)
+    q = _rand(rng, (1, 3, 16, 32), "float16")
+    with override_tiles("attn_decode", pyattn.get_device().arch, rows):
+        for _ in range(2):
+            out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=pages[0][None],
+                                           seq_lens=np.array([3000], np.int32), num_splits=256, return_lse=True)
+            _check_decode(out, lse, q, ks, vs, causal=True)
+
+
+def test_fused_combine_with_more_units_than_the_first_counter_block():
+    """2,560 (kv head, sequence) units split twice: the stream's counter block grows past its first
+    1,024 counters, and every unit's last split merges."""
+    rng = np.random.default_rng(6)
+    lengths = [int(n) for n in rng.integers(200, 400, 80)]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, 16, 32, 64, "bfloat16", "nhd", extra=3)
+    width = max(len(p) for p in pages)
+    table = np.zeros((len(lengths), width), np.int32)
+    for b, pg in enumerate(pages):
+        table[b, :len(pg)] = pg
+    q = _rand(rng, (len(lengths), 1, 32, 64), "bfloat16")
+    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=table,
+                                   seq_lens=np.array(lengths, np.int32), num_splits=2, return_lse=True)
+    _check_decode(out, lse, q, ks, vs, causal=True)
+
+
 def test_out_of_range_page_rejected_before_launch():
     rng = np.random.default_rng(0)
     kp, vp, pages, _, _ = _pools(rng, [40], 16, 1, 64, "float16", "nhd", extra=0)

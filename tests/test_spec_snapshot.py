@@ -6,7 +6,7 @@ from ``pyattn/kernels/specs.py`` as it stood before the kernel families moved in
 
 * ``specs``: for every variant the ops and warmup produce (standard, warmup and decode specs,
   block-sparse, TF32, decode with soft-cap / ALiBi / two row tiles / 8-bit caches, kv_append,
-  merge_states, decode_combine, attn_sparse, on every arch), its threads, shared-memory bytes,
+  merge_states, attn_sparse, on every arch), its threads, shared-memory bytes,
   tiles, grid, and a digest of its rendered translation unit without the shared-memory
   ``static_assert`` lines (the one change to rendering): the unit spells out the template id,
   the entry name, the launch bounds, the header and the params struct;
@@ -35,7 +35,7 @@ from pyattn.runtime.device import SUPPORTED_ARCHS
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "spec_snapshot.json"
 FAMILY_NAMES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states", "attn_decode",
-                "decode_combine", "kv_append", "attn_sparse")
+                "kv_append", "attn_sparse")
 # The rendered-unit lines the families refactor added: C++ traits vs Python shared-memory bytes.
 _SMEM_ASSERT = re.compile(r"^static_assert\(.*::kSmemBytes == \d+, .*\);\n", re.M)
 
@@ -69,7 +69,6 @@ def _curated(arch: str) -> list:
             tag = DTYPES[name][0]
             specs += [KernelSpec("merge_states", tag, d, arch), KernelSpec("attn_sparse", tag, d, arch)]
             if tag != "f32":
-                specs.append(KernelSpec("decode_combine", tag, d, arch))
                 for sp in (1, 2):  # block-sparse: the tensor-core kernel attention picks, then mma.sync with mods
                     specs.append(dataclasses.replace(select_attention_spec(name, d, arch), sparse=sp))
                     specs.append(dataclasses.replace(select_attention_spec(name, d, arch, softcap=True), sparse=sp))

@@ -164,8 +164,10 @@ MERGE_STATES_PARAMS = ParamStruct(
 # head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
-# o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq]; otherwise o and
-# lse (lse[b * lse_stride_b + hq * lse_stride_h + qi]). Quantized pools (int8 / fp8 e4m3) carry
+# o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq], and the last
+# split of a unit to finish merges them into o and lse, counting in split_counters (one uint32 per
+# (kv head x row block, sequence), zero before the launch and left zero); otherwise o and lse
+# (lse[b * lse_stride_b + hq * lse_stride_h + qi]). Quantized pools (int8 / fp8 e4m3) carry
 # one fp32 scale per (page, slot, kv head) in k_scale / v_scale (strides ks_* / vs_*): the value of
 # an element is its stored code times that scale. Null for 16-bit pools.
 def _pool_strides(prefix: str):
@@ -175,7 +177,7 @@ def _pool_strides(prefix: str):
 DECODE_PARAMS = ParamStruct(
     "DecodeParams",
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
-     ("lse_part", "f32_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"),
+     ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"),
      ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"), ("v_scale", "f32_cptr"), ("num_splits", "i32"),
      ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")

@@ -208,13 +208,12 @@ _WARM_DECODE_DIMS = (64, 128, 256)
 
 
 def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool = False) -> list:
-    """The paged-cache kernels without modifiers: decode, its split combine, and append."""
+    """The paged-cache kernels without modifiers: decode (its split combine fused in) and append."""
     specs = []
     for tag in ("f16", "bf16"):
         for d in head_dims:
             specs += [KernelSpec("attn_decode", tag, d, arch, ptx, q_tiles=mt)
                       for mt in q_tiles if mt <= decode_max_q_tiles(arch, d)]
-            specs.append(KernelSpec("decode_combine", tag, d, arch, ptx))
         specs.append(KernelSpec("kv_append", tag, HEAD_DIM_BUCKETS[0], arch, ptx))
     return specs
 

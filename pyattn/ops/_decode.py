@@ -2,7 +2,8 @@
 
 Flash-decoding: one block per (split, kv head, row block, sequence) reads its keys once for the
 whole GQA group; when batch x kv heads is too small to fill the GPU, each sequence's keys are
-split across blocks and the fp32 partials merged by LSE (``merge_states<float, T>``).
+split across blocks, and the last block of a sequence's splits to finish merges their fp32
+partials by LSE, in the same launch (``decode_combine_last`` in ``kernels_src/decode_common.cuh``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, Kerne
 from ..pipeline.device import layout, output
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
+from ..runtime.memory import get_pool
 from ..validate.paged import MAX_SPLITS
 
 __all__ = ["DecodePlan", "run_decode", "choose_num_splits"]
@@ -31,16 +33,15 @@ _PART_IN_OUT = 256 << 10
 
 
 @functools.lru_cache(maxsize=256)
-def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
-           kv: str = "", generation: int = 0) -> tuple:
-    """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head; ``kv``: the
-    cache's 8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
+def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
+          kv: str = "", generation: int = 0) -> KernelSpec:
+    """The decode spec for ``rows`` = group * q_len query rows per kv head; ``kv``: the cache's
+    8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
     replaced by ``override_tiles`` is read again."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
-    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv),
-            KernelSpec("decode_combine", tag, next(b for b in HEAD_DIM_BUCKETS if b >= head_dim), arch, ptx))
+    return KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv)
 
 
 def _blocks_per_sm(spec, kernel) -> int:
@@ -55,14 +56,10 @@ class DecodePlan(NamedTuple):
     """What a validated decode needs besides pointers, the page table and the split count."""
 
     kernel: object
-    ckernel: object  # the split combine
     block: tuple
     shared_bytes: int
     grid_yz: tuple  # (kv heads x row blocks, batch)
     packer: object  # PartialPack: pointers, num_splits, table_stride -> DecodeParams bytes
-    cpacker: object  # PartialPack: pointers, n_b -> MergeStatesParams bytes
-    cgrid: tuple
-    cblock: tuple
     block_n: int
     units: int  # independent blocks before splitting
     slots: int  # concurrent blocks on the GPU
@@ -77,9 +74,9 @@ def _build(P, device) -> DecodePlan:
     pool = P.pool
     rows = P.group * P.q_len
     kv = pool.kv
-    spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
-                         P.alibi is not None, kv, generation())
-    kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
+    spec = _spec(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0, P.alibi is not None,
+                 kv, generation())
+    kernel = get_kernel(spec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)
     if P.heads_kv * row_blocks > 65535:
@@ -103,26 +100,16 @@ def _build(P, device) -> DecodePlan:
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
     })
-    # The combine reads the fp32 partials (split, batch, q_len, heads_q, D) and writes rows (batch,
-    # q_len, heads_q) of out and of lse, which is (batch, heads_q, q_len).
-    D, H, L = P.head_dim, P.heads_q, P.q_len
-    n_rows = P.batch * L * H
-    cstatic = {"o_b_stride_n": n_rows * D, "lse_b_stride_n": n_rows, "dim0": P.batch, "dim1": L, "dim2": H,
-               "head_dim": D}
-    for name, st in (("o_a", (L * H * D, H * D, D)), ("o_b", (L * H * D, H * D, D)), ("out", os_[:3]),
-                     ("lse_a", (L * H, H, 1)), ("lse_b", (L * H, H, 1)), ("out_lse", (H * L, 1, L))):
-        cstatic.update({f"{name}_stride_{i}": v for i, v in enumerate(st)})
-    plan = DecodePlan(kernel, ckernel, (spec.threads, 1, 1), spec.shared_bytes, (P.heads_kv * row_blocks, P.batch),
-                      packer, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
-                      (cspec.threads, 1, 1), t.block_n, P.batch * P.heads_kv * row_blocks,
-                      device.sm_count * _blocks_per_sm(spec, kernel), layout(out_shape, P.dtype),
-                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D)
+    plan = DecodePlan(kernel, (spec.threads, 1, 1), spec.shared_bytes, (P.heads_kv * row_blocks, P.batch), packer,
+                      t.block_n, P.batch * P.heads_kv * row_blocks, device.sm_count * _blocks_per_sm(spec, kernel),
+                      layout(out_shape, P.dtype), layout((P.batch, P.heads_q, P.q_len), _F32),
+                      P.batch * P.q_len * P.heads_q, P.head_dim)
     return plan
 
 
 def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
                scales=(0, 0)):
-    """Launch decode (and the split combine) for a validated problem.
+    """Launch decode (its split combine fused in) for a validated problem.
 
     Parameters
     ----------
@@ -164,15 +151,12 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
     lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     lse_ptr = lse.ptr if lse is not None else 0
+    counters = get_pool(device).counters(plan.units, s) if splits > 1 else 0
     indices, indptr, table_stride, kv_len = tables
-    params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, indices.ptr,
+    params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, kv_len.ptr, alibi_ptr, scales[0], scales[1],
                               splits, table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
-    if splits > 1:
-        cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
-                                    lse_ptr, splits - 1)
-        launch(plan.ckernel, plan.cgrid, plan.cblock, 0, s, cparams)
     return out, lse
 
 

@@ -154,6 +154,7 @@ class DevicePool:
             self.handle, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold),
             "cuMemPoolSetAttribute")
         self._spares: dict = {}  # (stream ptr, nbytes) -> [(ptr, Stream), ...]: kept blocks (see Notes)
+        self._counters: dict = {}  # stream ptr -> Allocation of zeroed uint32 counters (see counters())
 
     def allocate(self, nbytes: int, stream) -> Allocation:
         """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised."""
@@ -190,6 +191,30 @@ class DevicePool:
             return False
         spare.append((ptr, stream))
         return True
+
+    COUNTER_STREAMS = 64
+
+    def counters(self, count: int, stream) -> int:
+        """Device address of at least ``count`` uint32 counters for kernels on ``stream``, zero
+        when that stream's next kernel starts.
+
+        A kernel that counts in them (decode's fused split combine) must leave them zero when it
+        ends, so the block is zeroed once (``cuMemsetD8Async``) and then reused by every launch on
+        the stream: kernels on one stream never overlap, and each stream has its own block.
+        Growing replaces the block (the old one is freed in stream order); at most
+        ``COUNTER_STREAMS`` streams keep one, the oldest giving its block back past that.
+        """
+        block = self._counters.get(stream.ptr)
+        if block is not None and block.nbytes >= 4 * count:
+            return block.ptr
+        nbytes = 4 * max(1024, 1 << (count - 1).bit_length())
+        block = self.allocate(nbytes, stream)
+        memset_async(block.ptr, 0, nbytes, stream)
+        self._counters.pop(stream.ptr, None)  # a smaller block: freed after this stream's earlier kernels
+        if len(self._counters) >= self.COUNTER_STREAMS:
+            self._counters.pop(next(iter(self._counters)))
+        self._counters[stream.ptr] = block
+        return block.ptr
 
     def release_spares(self) -> None:
         """Free the kept blocks through the driver (each ordered on the stream that freed it)."""

@@ -33,7 +33,6 @@ _WHERE = {
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
     "merge_states": ("fixed", "MERGE_STATES"),
     "attn_decode": ("decode", "ATTN_DECODE"),
-    "decode_combine": ("fixed", "DECODE_COMBINE"),
     "kv_append": ("fixed", "KV_APPEND"),
     "attn_sparse": ("fixed", "ATTN_SPARSE"),
 }
