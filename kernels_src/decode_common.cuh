@@ -220,31 +220,53 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
     }
   }
   __syncthreads();
-  constexpr int D = Tr::kHeadDim;
-  for (int e = threadIdx.x; e < ROWS * (D / 2); e += Tr::kThreads) {
-    const int r = e / (D / 2), d = 2 * (e % (D / 2)), gr = r0 + r;
-    if (gr >= n_rows || d >= p.head_dim) continue;
+  // -- out = sum_s w_s o_s / l: a thread per (row, 4 columns); each loads U splits' partials before
+  // using them, so the merge waits on L2 about S / U times per item instead of S times (with 33
+  // splits and 2 warps a latency-bound loop cost the B=1 x 32k decode ~17 us on an H200).
+  constexpr int D = Tr::kHeadDim, U = 16;
+  const int n_valid = min(ROWS, n_rows - r0);
+  const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
+  const long long step4 = split_step * p.head_dim / 4;  // one split's stride in float4s (head_dim % 8 == 0)
+  for (int e = threadIdx.x; e < n_valid * (D / 4); e += Tr::kThreads) {
+    const int r = e / (D / 4), d = 4 * (e % (D / 4)), gr = r0 + r;
+    if (d >= p.head_dim) continue;
     const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
     const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
-    const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
-    float ox = 0.f, oy = 0.f;
-    for (int s = 0; s < S; ++s) {
-      float w;
-      if (s < kCap) {
-        w = sW[r * kCap + s];
-      } else {
-        const float x = __ldcg(p.lse_part + row0 + s * split_step);
-        w = x == -inf() ? 0.f : fast_exp2((x - sMax[r]) * kLog2e);
-      }
-      if (w != 0.f) {  // an empty split (no visible key) wrote zeros: skip its read
-        const float2 a = __ldcg(reinterpret_cast<const float2*>(p.o_part + (row0 + s * split_step) * p.head_dim + d));
-        ox = fmaf(w, a.x, ox);
-        oy = fmaf(w, a.y, oy);
-      }
+    // Every split block wrote its rows' partials, zeros for a split that saw no key, so all are read.
+    const float4* src = reinterpret_cast<const float4*>(p.o_part + row0 * p.head_dim + d);
+    const float m = sMax[r];
+    const auto weight = [&](int s) {
+      if (s < kCap) return sW[r * kCap + s];
+      const float x = __ldcg(p.lse_part + row0 + s * split_step);
+      return x == -inf() ? 0.f : fast_exp2((x - m) * kLog2e);
+    };
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const auto add = [&](float w, const float4& a) {
+      acc.x = fmaf(w, a.x, acc.x);
+      acc.y = fmaf(w, a.y, acc.y);
+      acc.z = fmaf(w, a.z, acc.z);
+      acc.w = fmaf(w, a.w, acc.w);
+    };
+    int s = 0;
+    for (; s + U <= S; s += U) {
+      float4 a[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) a[u] = __ldcg(src + (s + u) * step4);
+#pragma unroll
+      for (int u = 0; u < U; ++u) add(weight(s + u), a[u]);
     }
+    for (; s + 4 <= S; s += 4) {  // the rest four at a time, then one at a time
+      float4 a[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) a[u] = __ldcg(src + (s + u) * step4);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) add(weight(s + u), a[u]);
+    }
+    for (; s < S; ++s) add(weight(s), __ldcg(src + s * step4));
     const float inv = sInv[r];
     T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
-    *reinterpret_cast<unsigned*>(o) = pack2<T>(ox * inv, oy * inv);
+    reinterpret_cast<unsigned*>(o)[0] = pack2<T>(acc.x * inv, acc.y * inv);
+    reinterpret_cast<unsigned*>(o)[1] = pack2<T>(acc.z * inv, acc.w * inv);
   }
 }
 
