@@ -24,7 +24,7 @@ import pathlib
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from . import _trust
 from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
@@ -105,7 +105,7 @@ class KernelCache:
             os.close(fd)
         return None
 
-    def get(self, key: str) -> tuple[bytes, dict] | None:
+    def get(self, key: str) -> tuple[bytes, Mapping] | None:
         """Look up a cached kernel.
 
         Parameters
@@ -115,8 +115,9 @@ class KernelCache:
 
         Returns
         -------
-        tuple of (bytes, dict) or None
-            The payload and its metadata, or ``None`` on a miss. A truncated file, a bad
+        tuple of (bytes, Mapping) or None
+            The payload and its metadata (an :class:`~pyattn.jit._entry.EntryMeta`, read-only,
+            parsed when first looked at), or ``None`` on a miss. A truncated file, a bad
             magic/version, a checksum failure or a stored key other than ``key`` is a miss: a
             warning is logged and the file removed when possible. So is an entry that is not a
             regular file owned by us and private, or any entry of a refused directory.
@@ -183,7 +184,7 @@ class KernelCache:
                         os.unlink(tmp, dir_fd=dfd)
 
     def get_or_build(self, key: str,
-                     build: Callable[[], tuple[bytes, dict]]) -> tuple[bytes, dict, bool]:
+                     build: Callable[[], tuple[bytes, dict]]) -> tuple[bytes, Mapping, bool]:
         """Return the cached kernel for ``key``, building and storing it on a miss.
 
         Parameters
@@ -198,8 +199,9 @@ class KernelCache:
         Returns
         -------
         payload : bytes
-        meta : dict
-            JSON round-tripped, so a fresh build and a later hit compare equal.
+        meta : Mapping
+            JSON round-tripped, so a fresh build (a dict) and a later hit (an ``EntryMeta``)
+            compare equal.
         built : bool
             Whether ``build`` ran in this call.
         """

@@ -32,8 +32,8 @@ def get_kernel(spec, device):
     with _lock:
         kernel = _kernels.get(key)
         if kernel is None:
-            image, meta, _ = jit.build(spec)
-            kernel = Module(device, image).kernel(meta["entry"])
+            image, _, _ = jit.build(spec)  # (its metadata is not parsed: the spec names the entry)
+            kernel = Module(device, image).kernel(spec.entry_name)
             kernel.set_max_dynamic_shared(spec.shared_bytes)
             _kernels[key] = kernel
     return kernel

@@ -9,7 +9,6 @@ which a spec looks up by its ``family`` field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
 from .families import FAMILIES as _REGISTRY
@@ -154,8 +153,9 @@ class KernelSpec:
         # The rendered unit covers what the spec fields alone do not: the tile table, the
         # template id and the parameter struct layout.
         unit = digest.hexdigest(render(self).encode())
-        doc = {"spec": asdict(self), "options": self.compile_options(), "unit": unit, "toolchain": toolchain}
-        return digest.hexdigest(json.dumps(doc, sort_keys=True).encode())
+        # repr of str/int/bool tuples is exact and stable: no json import on a warm start.
+        doc = (tuple(asdict(self).items()), self.compile_options(), unit, toolchain)
+        return digest.hexdigest(repr(doc).encode())
 
     def describe(self) -> str:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
