@@ -2,9 +2,10 @@
 
 Usage: PYTHONPATH=. python scripts/bench_prefill.py [--json out.json] [--quick]
 
-- Shapes as in FlashAttention's own benchmark: batch = 16384 // seqlen, hidden 2048, so
+- Shapes as in FlashAttention's own benchmark: batch = max(1, 16384 // seqlen), hidden 2048, so
   heads = 2048 // head_dim; bshd; fp16 and bf16, head_dim 64 and 128, seqlen 1k/4k/16k,
-  causal and not. torch's ``is_causal`` is top-left; with seqlen_q == seqlen_k that equals
+  causal and not; plus the Hopper prefill issue's extra points: head_dim 256 at 4k/16k and
+  head_dim 128 at 32k (bf16 only). torch's ``is_causal`` is top-left; with seqlen_q == seqlen_k that equals
   pyattn's (bottom-right) ``causal=True``.
 - Inputs are made by torch on the device and given to pyattn zero-copy; both run on the run's
   stream. GPU time per call: harness.Bench.gpu_ms (warm-up, pre-roll, median of repeats, inputs
@@ -96,6 +97,10 @@ def configs(quick: bool):
             for s in (1024, 4096) if quick else (1024, 4096, 16384):
                 for causal in (False, True):
                     yield dtype, d, s, causal
+    if not quick:  # issue 15's D=256 and N=32k targets
+        for d, s in ((256, 4096), (256, 16384), (128, 32768)):
+            for causal in (False, True):
+                yield "bfloat16", d, s, causal
 
 
 def bench_skipping(bench) -> dict:
@@ -213,10 +218,10 @@ def main(argv=None) -> int:
     failures, rows = 0, []
     for dtype, d, s, causal in configs(args.quick) if "configs" in only else ():
         try:
-            row = bench_config(bench, dtype, 16384 // s, s, 2048 // d, d, causal, reps)
+            row = bench_config(bench, dtype, max(1, 16384 // s), s, 2048 // d, d, causal, reps)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory creating the inputs
             traceback.print_exc()
-            row = {"dtype": dtype, "head_dim": d, "seqlen": s, "causal": causal, "batch": 16384 // s,
+            row = {"dtype": dtype, "head_dim": d, "seqlen": s, "causal": causal, "batch": max(1, 16384 // s),
                    "heads": 2048 // d, "errors": [f"{type(exc).__name__}: {exc}"]}
         failures += "pyattn_ms" not in row
         rows.append(row)
