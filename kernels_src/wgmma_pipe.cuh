@@ -109,6 +109,81 @@ __device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr:
   }
 }
 
+// Paged K and V: rows [row0, row0 + ROWS) of one sequence's keys into the swizzled tiles at `dk`
+// and `dv` (the layout of wgmma_load_tile). Key r sits at slot r % page_size of page
+// pages[r / page_size]; one page lookup per row serves both K and V. k / v point at the pools'
+// kv head; *_slot / *_page are the pools' slot and page strides (elements). Rows at or past
+// `row_end` and columns at or past `head_dim` are zero-filled.
+template <class Tr, int ROWS, int NT>
+__device__ __forceinline__ void wgmma_load_kv_paged(unsigned dk, unsigned dv, const typename Tr::T* k,
+                                                    const typename Tr::T* v, long long k_slot, long long v_slot,
+                                                    long long k_page, long long v_page, const int* pages,
+                                                    int page_size, int page_shift, int row0, int row_end,
+                                                    int head_dim, int tid) {
+  constexpr int kChunksPerRow = Tr::kHeadDim / 8;
+  // The row's page and slot: a shift for power-of-two pages (the common sizes), else a division.
+  const auto at = [&](int key, long long& ko, long long& vo) {
+    const int pi = page_shift >= 0 ? key >> page_shift : key / page_size;
+    const long long page = __ldg(pages + pi);
+    const long long slot = key - pi * page_size;
+    ko = page * k_page + slot * k_slot;
+    vo = page * v_page + slot * v_slot;
+  };
+  if constexpr (NT % kChunksPerRow == 0) {
+    constexpr int kRowsPerPass = NT / kChunksPerRow;
+    constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+    const int cc = tid % kChunksPerRow, col = cc * 8, r0 = tid / kChunksPerRow;
+    const bool col_ok = col < head_dim;
+    const unsigned d = (cc >> 3) * (ROWS * 128) + r0 * 128;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * kRowsPerPass + r0;
+      if (ROWS % kRowsPerPass == 0 || r < ROWS) {
+        const bool ok = col_ok && row0 + r < row_end;
+        long long ko = 0, vo = 0;
+        if (row0 + r < row_end) at(row0 + r, ko, vo);
+        const unsigned sw = d + pass * kRowsPerPass * 128 + (((cc & 7) ^ (r & 7)) << 4);
+        wg::cp_async_16(dk + sw, ok ? k + ko + col : k, ok);
+        wg::cp_async_16(dv + sw, ok ? v + vo + col : v, ok);
+      }
+    }
+  } else {  // e.g. HEAD_DIM 192: walk the flat chunk index
+    constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += NT) {
+      const int c = c0 + tid;
+      if (kChunks % NT == 0 || c < kChunks) {
+        const int r = c / kChunksPerRow, cc = c % kChunksPerRow, col = cc * 8;
+        const bool ok = col < head_dim && row0 + r < row_end;
+        long long ko = 0, vo = 0;
+        if (row0 + r < row_end) at(row0 + r, ko, vo);
+        const unsigned sw = (cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
+        wg::cp_async_16(dk + sw, ok ? k + ko + col : k, ok);
+        wg::cp_async_16(dv + sw, ok ? v + vo + col : v, ok);
+      }
+    }
+  }
+}
+
+// The query tile of a paged prefill: tile row r (packed row R = row0 + r) is token R / row_group
+// of query head (q's head) + R % row_group, so one tile holds a GQA group's heads of some tokens.
+// Rows at or past `row_end` (rows of the sequence) and columns past `head_dim` are zero-filled.
+// Once per block: the divisions stay out of the main loop.
+template <class Tr, int ROWS, int NT>
+__device__ __forceinline__ void wgmma_load_q_rows(unsigned dst, const typename Tr::T* q, long long stride_s,
+                                                  long long stride_h, int row_group, int row0, int row_end,
+                                                  int head_dim, int tid) {
+  constexpr int kChunksPerRow = Tr::kHeadDim / 8, kChunks = ROWS * kChunksPerRow;
+#pragma unroll 4
+  for (int c = tid; c < kChunks; c += NT) {
+    const int r = c / kChunksPerRow, cc = c % kChunksPerRow, col = cc * 8, row = row0 + r;
+    const bool ok = col < head_dim && row < row_end;
+    const int tok = row / row_group;
+    const typename Tr::T* g = ok ? q + tok * stride_s + (row - tok * row_group) * stride_h + col : q;
+    wg::cp_async_16(dst + (cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
+  }
+}
+
 // Copy the mask tile of query rows [m0, m0 + BLOCK_M) and keys [n0, n0 + BLOCK_N) to shared
 // address `dst` (rows kMaskRow bytes apart), by NT threads (this one: `tid`). The caller guarantees 16-byte aligned mask rows with
 // consecutive keys; rows past `sq` are not read, a chunk crossing `sk` reads only its keys in range

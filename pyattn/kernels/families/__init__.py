@@ -19,6 +19,7 @@ from .base import CTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, Family, TileCo
 from .decode import ATTN_DECODE, KV_HEAD_DIM_BUCKETS, DecodeTile, decode_row
 from .fixed import ATTN_SPARSE, DECODE_COMBINE, KV_APPEND, MERGE_STATES
 from .mma import ATTN_FWD_MMA, ATTN_FWD_TF32, MmaTile
+from .prefill import ATTN_PREFILL_MMA, ATTN_PREFILL_WGMMA, ATTN_TREE_MMA, ATTN_TREE_WGMMA
 from .simt import ATTN_FWD_SIMT
 from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile, wgmma_shapes
 
@@ -28,7 +29,8 @@ __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTi
 
 FAMILIES = MappingProxyType({f.name: f for f in (
     ATTN_FWD_MMA, ATTN_FWD_SIMT, ATTN_FWD_TF32, ATTN_FWD_WGMMA, MERGE_STATES, ATTN_DECODE, DECODE_COMBINE, KV_APPEND,
-    ATTN_SPARSE)})
+    ATTN_SPARSE,
+    ATTN_PREFILL_MMA, ATTN_PREFILL_WGMMA, ATTN_TREE_MMA, ATTN_TREE_WGMMA)})
 _NAMES = tuple(FAMILIES)
 
 
