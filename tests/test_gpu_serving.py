@@ -8,6 +8,8 @@ sequences at once, so their pages interleave in the pool.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -15,14 +17,16 @@ import pyattn
 from pyattn.reference import tree_ancestor_mask
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _check, _has_gpu  # noqa: E402
 from pyattn.runtime import memory  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# PYATTN_TEST_NO_SHRINK=1: report the first failing example as drawn (a GPU session's minutes are few).
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                    phases=[p for p in Phase if p != Phase.shrink or not os.environ.get("PYATTN_TEST_NO_SHRINK")])
 DT16 = ["float16", "bfloat16"]
 
 
@@ -230,7 +234,7 @@ def test_accept_keeps_the_branch_then_decode_sees_it(dtype):
         out = pyattn.verify_tree(q, cache, ids, np.concatenate([np.array(t, np.int32) for t in trees]), cu)
         for b, t in enumerate(trees):
             _check_tree(out[cu[b]:cu[b + 1]], None, q[cu[b]:cu[b + 1]], *before[ids[b]][:2], t)
-    paths = [[0, 2, 5], [0, 1, 2, 3], [1, 4, 5, 6]]  # moved, in place, moved from a second root
+    paths = [[0, 2, 5], [0, 1, 2, 3], [1, 3]]  # branches: moved, in place, moved from a second root
     cache.accept(ids, paths, news)
     cache.book.check()
     for sid, p, path, n in zip(ids, prefixes, paths, news):

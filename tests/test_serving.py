@@ -201,7 +201,7 @@ def test_nested_params_pack_like_the_two_halves():
     whole = PAGED_FWD_PARAMS.pack(values)
     assert whole == ATTN_FWD_PARAMS.pack(values) + PAGED_FWD_EXTRA.pack(values)
     decl = PAGED_FWD_PARAMS.c_declaration()
-    assert "struct PagedFwdParams {\n  AttnFwdParams fwd;" in decl and "__builtin_offsetof" in decl
+    assert "struct PagedFwdParams {\n  AttnFwdParams fwd;" in decl and "offsetof" not in decl  # NVRTC 13.0 lacks it
 
 
 @pytest.mark.parametrize("arch", ARCHS)
