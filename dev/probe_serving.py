@@ -1,6 +1,6 @@
 """Dev probe: tile and split alternatives of the paged prefill / tree kernels on the issue-13 shapes.
 
-Usage: PYTHONPATH=. python dev/probe_serving.py [--quick]
+Usage: PYTHONPATH=. python dev/probe_serving.py [--quick] [--chunk-only]
 
 bf16, D 128, Hq 32, Hkv 8. Times (harness.Bench.gpu_ms, one run):
 - the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_wgmma rows put in
@@ -59,6 +59,8 @@ def main() -> int:
                                                                  loop=loop, reps=reps))
         print(f"chunk {name}: {harness.fmt(t.ms if t else None, '.3f')} ms", flush=True)
     del cache
+    if "--chunk-only" in sys.argv:
+        return 0
     # -- trees
     tbase = tile_table("attn_tree_wgmma", "sm_90a")
     variants = (("1wg 64x64 s2", None), ("1wg 64x128 s2", WgmmaTile(128, 128, 1, 2, False, 1, "probe")),

@@ -12,24 +12,35 @@
 
 namespace pyattn {
 
-// K and V rows [first_row, first_row + rows) of one sequence's pages into sK / sV (rows padded
-// as load_tile's); rows past `row_end` and chunks past `head_dim` are zero-filled.
-template <class Tr>
+// K and V rows [first_row, first_row + ROWS) of one sequence's pages into sK / sV (rows padded
+// as load_tile's); rows past `row_end` and chunks past `head_dim` are zero-filled. Every page
+// lookup of the tile is issued before the first copy (one dependent load per copy, in turn, is
+// what held the wgmma version to half speed).
+template <class Tr, int ROWS>
 __device__ __forceinline__ void load_kv_paged(typename Tr::T* dk, typename Tr::T* dv, const typename Tr::T* k,
                                               const typename Tr::T* v, const PagedFwdParams& pp, const int* pages,
-                                              int rows, int first_row, int row_end, int head_dim) {
-  for (int c = threadIdx.x; c < rows * Tr::kChunksPerRow; c += Tr::kThreads) {
-    const int r = c / Tr::kChunksPerRow, col = (c % Tr::kChunksPerRow) * 8, key = first_row + r;
-    const bool ok = key < row_end && col < head_dim;
-    long long ko = 0, vo = 0;
-    if (ok) {
-      const int pi = pp.page_shift >= 0 ? key >> pp.page_shift : key / pp.page_size;
-      const long long page = __ldg(pages + pi), slot = key - pi * pp.page_size;
-      ko = page * pp.k_stride_page + slot * pp.k_stride_slot + col;
-      vo = page * pp.v_stride_page + slot * pp.v_stride_slot + col;
+                                              int first_row, int row_end, int head_dim) {
+  constexpr int CPR = Tr::kChunksPerRow, kChunks = ROWS * CPR;
+  constexpr int kIters = (kChunks + Tr::kThreads - 1) / Tr::kThreads;
+  const auto index_of = [&](int key) { return pp.page_shift >= 0 ? key >> pp.page_shift : key / pp.page_size; };
+  int page[kIters];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = threadIdx.x + i * Tr::kThreads, key = first_row + c / CPR;
+    page[i] = (kChunks % Tr::kThreads == 0 || c < kChunks) && key < row_end ? __ldg(pages + index_of(key)) : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = threadIdx.x + i * Tr::kThreads;
+    if (kChunks % Tr::kThreads == 0 || c < kChunks) {
+      const int r = c / CPR, col = (c % CPR) * 8, key = first_row + r;
+      const bool ok = key < row_end && col < head_dim;
+      const long long slot = key - index_of(key) * pp.page_size;
+      const long long ko = static_cast<long long>(page[i]) * pp.k_stride_page + slot * pp.k_stride_slot + col;
+      const long long vo = static_cast<long long>(page[i]) * pp.v_stride_page + slot * pp.v_stride_slot + col;
+      cp_async_16(dk + r * Tr::kStride + col, ok ? k + ko : k, ok);
+      cp_async_16(dv + r * Tr::kStride + col, ok ? v + vo : v, ok);
     }
-    cp_async_16(dk + r * Tr::kStride + col, k + ko, ok);
-    cp_async_16(dv + r * Tr::kStride + col, v + vo, ok);
   }
 }
 
@@ -103,7 +114,7 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
 
   // -- prologue: Q and the first K/V tile in flight
   load_q_rows<Tr>(sQ, q, p.q_stride_s, p.q_stride_h, rg, BM, m0, rows, p.head_dim);
-  if (n_blocks > 0) load_kv_paged<Tr>(sK, sV, k, v, pp, pages, BN, n_first, sk, p.head_dim);
+  if (n_blocks > 0) load_kv_paged<Tr, BN>(sK, sV, k, v, pp, pages, n_first, sk, p.head_dim);
   cp_async_commit();
 
   float acc[MT][DT][4];
@@ -116,8 +127,8 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
     cp_async_wait<0>();
     __syncthreads();  // tile j landed for everyone, and every warp is done with tile j-1
     if (j + 1 < n_blocks)
-      load_kv_paged<Tr>(sK + (stage ^ 1) * BN * LD, sV + (stage ^ 1) * BN * LD, k, v, pp, pages, BN, n0 + BN, sk,
-                        p.head_dim);
+      load_kv_paged<Tr, BN>(sK + (stage ^ 1) * BN * LD, sV + (stage ^ 1) * BN * LD, k, v, pp, pages, n0 + BN, sk,
+                            p.head_dim);
     cp_async_commit();
     const T* tK = sK + stage * BN * LD;
     const T* tV = sV + stage * BN * LD;
