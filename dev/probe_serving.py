@@ -55,8 +55,8 @@ def main() -> int:
     for name, row in (("ws 128x128 s3", None), ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True))):
         table = base if row is None else rows_with(base, 128, row)
         with override_tiles("attn_prefill_wgmma", "sm_90a", table):
-            t = harness.attempt({}, name, lambda: bench.gpu_ms(lambda: pyattn.prefill(q, cache, ids, stream=bench.stream),
-                                                                 loop=loop, reps=reps))
+            call = lambda: pyattn.prefill(q, cache, ids, stream=bench.stream)  # noqa: E731
+            t = harness.attempt({}, name, lambda: bench.gpu_ms(call, loop=loop, reps=reps))
         print(f"chunk {name}: {harness.fmt(t.ms if t else None, '.3f')} ms", flush=True)
     del cache
     if "--chunk-only" in sys.argv:

@@ -179,7 +179,8 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
       for (int i = 0; i < D / 8; ++i) {
         const int d = i * 8 + 2 * ml.t;
         if (d < p.head_dim)
-          *reinterpret_cast<float2*>(orow + d) = make_float2(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+          *reinterpret_cast<float2*>(orow + d) =
+              make_float2(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
       }
       if (ml.t == 0) pp.lse_part[prow] = lse;
     }

@@ -123,7 +123,8 @@ def part_chunk(bench, args, result) -> None:
             pr.update(paged_ms=t.ms, held=t.held, paged_err=err(out, ref, rows))
             if "dense_ms" in row:
                 pr["vs_dense"] = row["dense_ms"] / t.ms
-                pr["diff_dense"] = (harness.to_torch(out).float() - harness.to_torch(out_dense).float()).abs().max().item()
+                diff = harness.to_torch(out).float() - harness.to_torch(out_dense).float()
+                pr["diff_dense"] = diff.abs().max().item()
         t = attempt(pr, "paged torch q", lambda: bench.gpu_ms(ptorch, loop=args.loop, reps=args.reps,
                                                               label=f"paged torch p{page}"))
         if t:
@@ -285,7 +286,8 @@ def report(result) -> int:
                                       for r in result["batch"]])))
     print("\n".join(harness.md_table("\ntree: random draft trees over 4096 cached tokens (us)",
                                      ("batch", "n", "verify", "decode q_len=n", "verify/decode", "SDPA+mask", "err"),
-                                     [(r["batch"], r["n"], fmt(r.get("verify_us"), ".1f"), fmt(r.get("decode_us"), ".1f"),
+                                     [(r["batch"], r["n"], fmt(r.get("verify_us"), ".1f"),
+                                       fmt(r.get("decode_us"), ".1f"),
                                        fmt(r.get("ratio"), ".2f"), fmt(r.get("sdpa_us"), ".1f"),
                                        fmt(r.get("err"), ".1e") + (" !" if r.get("flagged") else ""))
                                       for r in result["tree"]])))

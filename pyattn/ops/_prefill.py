@@ -2,8 +2,9 @@
 
 The kernel is the paged variant of the tensor-core prefill (``attn_prefill_wgmma`` on sm_90a,
 ``attn_prefill_mma`` elsewhere; ``attn_tree_*`` with ancestor masks). A plan fixes everything
-but the per-call values (which sequences, how many new tokens each, the page table): those are
-uploaded in one small copy per call. When the grid would not fill the GPU (a draft tree of a few
+but the per-call values (which sequences, how many new tokens each, the page table): the page
+table is the cache's own device copy, and cu_seqlens_q / tree masks go up in one small copy,
+reused while a recent call had the same values. When the grid would not fill the GPU (a draft tree of a few
 sequences), each block's key tiles are split and the fp32 partials merged by the decode combine.
 """
 

@@ -320,12 +320,10 @@ class PagedKVCache:
 
         Notes
         -----
-        One ``kv_append`` launch for all sequences copies the kept tokens that must move (K, V,
-        and an 8-bit cache's codes with their scales, unchanged). Kept tokens already in place
-        (a path ``0, 1, ..., m - 1``) are not copied at all. From the first token that moves, a
-        sequence gets fresh pages (at most ``ceil(len(path) / page_size) + 1``) and releases its
-        old ones, so pages shared with forks are never written (copy-on-write) and no slot is
-        both read and written by the launch (see :meth:`PageBook.plan_accept`).
+        One ``kv_append`` launch copies, for all sequences, the kept tokens that must move (an
+        8-bit cache's codes and scales unchanged); tokens already in place are not copied. From
+        the first moved token on, a sequence takes fresh pages and releases its old ones, so
+        pages shared with forks are never written (see :meth:`PageBook.plan_accept`).
         """
         check_stream_arg(stream)
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
