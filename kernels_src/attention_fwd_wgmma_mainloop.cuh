@@ -1,6 +1,10 @@
 // The wgmma forward kernel's main loop (attention_fwd_wgmma.cuh has the design, the traits and
 // the entry point): per key tile the QK^T wgmma, the score modifiers, the online softmax and the
 // P V wgmma of one consumer warpgroup, plus the producer's side of the ring when warp-specialized.
+// PAGED (attention_prefill_wgmma.cuh): K/V rows come through a sequence's page list, and a row of
+// the query tile packs (token, GQA group member) as token * row_group + member, so the band is
+// tested on tokens; TREE adds an ancestor bit mask over the last sq keys. Both compile away in
+// the dense kernel.
 // Requires pyattn::AttnFwdParams, common.cuh, mma.cuh (pack2, fast_exp2).
 #pragma once
 #include "attention_mask.cuh"
@@ -10,8 +14,10 @@
 
 namespace pyattn {
 
-template <class Tr, class Mods, bool SPARSE>
+template <class Tr, class Mods, bool SPARSE, bool PAGED = false, bool TREE = false>
 struct AttnFwdWgmmaMainloop {
+  static_assert(!TREE || PAGED, "tree masks are a paged-prefill mode");
+  static_assert(!(SPARSE && PAGED), "block-sparse lists index dense keys");
   using T = typename Tr::T;
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
@@ -44,11 +50,45 @@ struct AttnFwdWgmmaMainloop {
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
   unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
   int wgi;                         // this thread's consumer warpgroup
+  // -- PAGED: the sequence's page list, the pools' page strides (k_stride / v_stride: slot
+  // strides), query rows as (token, group member), this thread's rows' tokens, tree masks
+  const int* pages;
+  long long k_page, v_page, q_head_stride;
+  int page_size, page_shift, row_group;
+  int tok[2];                      // tokens of rows row_a, row_a + 8
+  int wg_tok0, wg_tok1;            // tokens of the warpgroup's first and last rows
+  int tree_k0;                     // TREE: the first key of the tree (sk - sq tokens)
+  unsigned long long tree_bits[2]; // TREE: ancestor bits of rows row_a, row_a + 8 (0 past the end)
+
+  // The token (band position) of this thread's row half h.
+  __device__ __forceinline__ int token(int h) const {
+    if constexpr (PAGED) return tok[h];
+    return row_a + 8 * h;
+  }
+  // Whether key `key` (>= tree_k0 or not) is an ancestor-or-self of row half h's token.
+  __device__ __forceinline__ bool tree_allows(int h, int key) const {
+    if constexpr (TREE) return key < tree_k0 || ((tree_bits[h] >> (key - tree_k0)) & 1ull);
+    return true;
+  }
+
+  // The query tile (rows [m0, m0 + BM)) into sQ, by NT threads.
+  template <int NT>
+  __device__ __forceinline__ void load_q(unsigned sQ, const T* q, long long q_stride, int tid) const {
+    if constexpr (PAGED)
+      wgmma_load_q_rows<Tr, BM, NT>(sQ, q, q_stride, q_head_stride, row_group, m0, sq, head_dim, tid);
+    else
+      wgmma_load_tile<Tr, BM, NT>(sQ, q, q_stride, m0, sq, head_dim, tid);
+  }
 
   // Key tile at n_load (K, V and a staged mask tile) into ring stage `st`, by NT threads.
   template <int NT>
   __device__ __forceinline__ void load(int st, int n_load, int tid) {
     const unsigned kv = sKV + st * Tr::kStageBytes;
+    if constexpr (PAGED) {
+      wgmma_load_kv_paged<Tr, BN, NT>(kv, kv + Tr::kKVBytes, k, v, k_stride, v_stride, k_page, v_page, pages,
+                                      page_size, page_shift, n_load, sk, head_dim, tid);
+      return;
+    }
     wgmma_load_tile<Tr, BN, NT>(kv, k, k_stride, n_load, sk, head_dim, tid);
     wgmma_load_tile<Tr, BN, NT>(kv + Tr::kKVBytes, v, v_stride, n_load, sk, head_dim, tid);
     if constexpr (Tr::kMaskBytes > 0)
@@ -60,7 +100,7 @@ struct AttnFwdWgmmaMainloop {
   // released it; it is handed over once this thread's copies into it landed and were fenced for
   // the async proxy (each of the 128 producer threads arrives on "full").
   __device__ __forceinline__ void produce(unsigned sQ, const T* q, long long q_stride, int tid) {
-    wgmma_load_tile<Tr, BM, 128>(sQ, q, q_stride, m0, sq, head_dim, tid);  // with tile 0's group
+    load_q<128>(sQ, q, q_stride, tid);  // with tile 0's group
     int st = 0;
     unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
     for (int i = 0; i < n_tiles; ++i) {
@@ -175,7 +215,11 @@ struct AttnFwdWgmmaMainloop {
     }
     wg::fence_operands(s);
 
-    const bool full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
+    bool full;
+    if constexpr (PAGED)  // tokens, and no tile reaching into the tree is whole
+      full = band_tile_full<BN>(band, wg_tok0, wg_tok1, n0, sk) && (!TREE || n0 + BN <= tree_k0);
+    else
+      full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
     if constexpr (Mods::kAny) {
       // -- every score through the modifiers (FastMods::score: log2 units, or raw / tanh values
       // that the softmax's sl2 scales); masked -> -inf. Rows past the end get -inf and never read
@@ -187,7 +231,7 @@ struct AttnFwdWgmmaMainloop {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float& x = s[4 * i + e];
-            const int row = row_a + (e >> 1) * 8, key = n0 + i * 8 + 2 * t + (e & 1);
+            const int row = token(e >> 1), key = n0 + i * 8 + 2 * t + (e & 1);
             if constexpr (FastMods<Mods>::kBool)
               x = (mw[2 * i + (e >> 1)] & ((e & 1) ? 0xff00u : 0xffu)) ? mods.score(x, row, key, 0.f) : -inf();
             else
@@ -198,11 +242,11 @@ struct AttnFwdWgmmaMainloop {
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
-          const bool row_in = rows_in || row < sq;
+          const int key = n0 + i * 8 + 2 * t, row = token(h);
+          const bool row_in = rows_in || row_a + h * 8 < sq;
           const bool in0 = row_in && key < sk, in1 = row_in && key + 1 < sk;
-          bool ok0 = full ? row_in : in0 && band.allows(row, key);
-          bool ok1 = full ? row_in : in1 && band.allows(row, key + 1);
+          bool ok0 = full ? row_in : in0 && band.allows(row, key) && tree_allows(h, key);
+          bool ok1 = full ? row_in : in1 && band.allows(row, key + 1) && tree_allows(h, key + 1);
           if constexpr (FastMods<Mods>::kBool) {
             ok0 = ok0 && (mw[2 * i + h] & 0xffu);
             ok1 = ok1 && (mw[2 * i + h] & 0xff00u);
@@ -217,8 +261,8 @@ struct AttnFwdWgmmaMainloop {
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n0 + i * 8 + 2 * t + (e & 1), row = row_a + (e >> 1) * 8;
-          if (key >= sk || !band.allows(row, key)) s[4 * i + e] = -inf();
+          const int key = n0 + i * 8 + 2 * t + (e & 1), row = token(e >> 1);
+          if (key >= sk || !band.allows(row, key) || !tree_allows(e >> 1, key)) s[4 * i + e] = -inf();
         }
     }
     if (SPARSE && sub != tiles.kAll) {  // -- block-sparse: keys of invisible 16 x 16 sub-blocks -> -inf

@@ -59,7 +59,7 @@ __device__ __forceinline__ bool aligned_to(const void* p, unsigned long long byt
 
 }  // namespace merge_detail
 
-// TS: the states' element type; TO: the output's (the same type for every op today).
+// TS: the states' element type; TO: the output's (a key-split prefill merges fp32 partials into T).
 template <typename TS, typename TO, int HEAD_DIM, int WARPS>
 __device__ __forceinline__ void merge_states(const MergeStatesParams& p) {
   constexpr int kVec = 16 / sizeof(TS);                   // elements per 16-byte chunk of a state

@@ -109,6 +109,91 @@ __device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr:
   }
 }
 
+// Paged K and V: rows [row0, row0 + ROWS) of one sequence's keys into the swizzled tiles at `dk`
+// and `dv` (the layout of wgmma_load_tile). Key r sits at slot r % page_size of page
+// pages[r / page_size]; one page lookup per row serves both K and V. k / v point at the pools'
+// kv head; *_slot / *_page are the pools' slot and page strides (elements). Rows at or past
+// `row_end` and columns at or past `head_dim` are zero-filled. All NT threads call it together.
+//
+// Page lookups go through the warp: a warp's threads hold 32 / CPR consecutive rows per pass (CPR
+// 16-byte chunks per row), so over the passes it touches kPasses * 32 / CPR <= 32 rows; lane l
+// loads the page of one of them (one global load per thread and tile, all in flight at once) and
+// each pass takes its row's page by shuffle. Looked up per row and pass, the producer warpgroup's
+// 16 dependent loads per tile (d = 128) bounded the kernel at half the dense kernel's speed
+// (issue 13, BENCHMARKS.md).
+template <class Tr, int ROWS, int NT>
+__device__ __forceinline__ void wgmma_load_kv_paged(unsigned dk, unsigned dv, const typename Tr::T* k,
+                                                    const typename Tr::T* v, long long k_slot, long long v_slot,
+                                                    long long k_page, long long v_page, const int* pages,
+                                                    int page_size, int page_shift, int row0, int row_end,
+                                                    int head_dim, int tid) {
+  constexpr int CPR = Tr::kHeadDim / 8;  // 16-byte chunks per row
+  const auto page_of = [&](int key) { return page_shift >= 0 ? key >> page_shift : key / page_size; };
+  const auto copy = [&](unsigned sw, int key, int page, bool col_ok, int col) {
+    const bool ok = col_ok && key < row_end;
+    const long long slot = key - page_of(key) * page_size;
+    const long long ko = static_cast<long long>(page) * k_page + slot * k_slot;
+    const long long vo = static_cast<long long>(page) * v_page + slot * v_slot;
+    wg::cp_async_16(dk + sw, ok ? k + ko + col : k, ok);
+    wg::cp_async_16(dv + sw, ok ? v + vo + col : v, ok);
+  };
+  if constexpr (NT % CPR == 0) {
+    constexpr int kRowsPerPass = NT / CPR;
+    constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+    constexpr int R = CPR <= 32 && 32 % CPR == 0 ? 32 / CPR : 0;  // rows of one warp per pass
+    constexpr bool kShuffle = R > 0 && kPasses * R <= 32;
+    const int cc = tid % CPR, col = cc * 8, r0 = tid / CPR, lane = tid % 32;
+    const bool col_ok = col < head_dim;
+    const unsigned d = (cc >> 3) * (ROWS * 128) + r0 * 128;
+    int mine = 0;  // kShuffle: the page of row (lane / R) * kRowsPerPass + (first r0 of the warp) + lane % R
+    if constexpr (kShuffle) {
+      const int key = row0 + (lane / R) * kRowsPerPass + (tid - lane) / CPR + lane % R;
+      if (lane / R < kPasses && key < row_end) mine = __ldg(pages + page_of(key));
+    }
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * kRowsPerPass + r0, key = row0 + r;
+      int page = 0;
+      if constexpr (kShuffle)
+        page = __shfl_sync(0xffffffffu, mine, pass * R + lane / CPR);  // every lane, every pass
+      else if (key < row_end)
+        page = __ldg(pages + page_of(key));
+      if (ROWS % kRowsPerPass == 0 || r < ROWS)
+        copy(d + pass * kRowsPerPass * 128 + (((cc & 7) ^ (r & 7)) << 4), key, page, col_ok, col);
+    }
+  } else {  // e.g. HEAD_DIM 192: walk the flat chunk index, one lookup per chunk
+    constexpr int kChunks = ROWS * CPR;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += NT) {
+      const int c = c0 + tid;
+      if (kChunks % NT == 0 || c < kChunks) {
+        const int r = c / CPR, cc = c % CPR, key = row0 + r;
+        const int page = key < row_end ? __ldg(pages + page_of(key)) : 0;
+        copy((cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4), key, page, cc * 8 < head_dim, cc * 8);
+      }
+    }
+  }
+}
+
+// The query tile of a paged prefill: tile row r (packed row R = row0 + r) is token R / row_group
+// of query head (q's head) + R % row_group, so one tile holds a GQA group's heads of some tokens.
+// Rows at or past `row_end` (rows of the sequence) and columns past `head_dim` are zero-filled.
+// Once per block: the divisions stay out of the main loop.
+template <class Tr, int ROWS, int NT>
+__device__ __forceinline__ void wgmma_load_q_rows(unsigned dst, const typename Tr::T* q, long long stride_s,
+                                                  long long stride_h, int row_group, int row0, int row_end,
+                                                  int head_dim, int tid) {
+  constexpr int kChunksPerRow = Tr::kHeadDim / 8, kChunks = ROWS * kChunksPerRow;
+#pragma unroll 4
+  for (int c = tid; c < kChunks; c += NT) {
+    const int r = c / kChunksPerRow, cc = c % kChunksPerRow, col = cc * 8, row = row0 + r;
+    const bool ok = col < head_dim && row < row_end;
+    const int tok = row / row_group;
+    const typename Tr::T* g = ok ? q + tok * stride_s + (row - tok * row_group) * stride_h + col : q;
+    wg::cp_async_16(dst + (cc >> 3) * (ROWS * 128) + r * 128 + (((cc & 7) ^ (r & 7)) << 4), g, ok);
+  }
+}
+
 // Copy the mask tile of query rows [m0, m0 + BLOCK_M) and keys [n0, n0 + BLOCK_N) to shared
 // address `dst` (rows kMaskRow bytes apart), by NT threads (this one: `tid`). The caller guarantees 16-byte aligned mask rows with
 // consecutive keys; rows past `sq` are not read, a chunk crossing `sk` reads only its keys in range

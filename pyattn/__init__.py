@@ -17,6 +17,8 @@ _EXPORTS = {
     "block_sparse_attention": "ops.block_sparse",
     "decode": "ops.decode",
     "paged_decode": "ops.decode",
+    "prefill": "ops.prefill",
+    "verify_tree": "ops.prefill",
     "PagedKVCache": "paged.cache",
     "OutOfPagesError": "paged.book",
     "DeviceArray": "array",

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["attention_ref", "attention_varlen_ref", "merge_states_ref", "attention_lowp",
-           "error_bound"]
+           "error_bound", "tree_ancestor_mask", "tree_attention_ref"]
 
 _FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64,
                                                ml_dtypes.bfloat16))
@@ -362,6 +362,61 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=Fals
         outs, lses = [o[0]], [lse[0]]
     out, lse = np.concatenate(outs, axis=0), np.concatenate(lses, axis=1)
     return (out, lse) if return_lse else out
+
+
+def tree_ancestor_mask(parents) -> np.ndarray:
+    """Bool (n, n) mask of a draft tree: ``[i, j]`` is True when token j is token i or one of its
+    ancestors.
+
+    Parameters
+    ----------
+    parents : array_like of int, shape (n,)
+        ``parents[i]`` is an earlier token of the tree (``0 <= parents[i] < i``) or -1 (a root).
+    """
+    par = np.asarray(parents)
+    if par.ndim != 1 or (par.size and par.dtype.kind not in "iu"):
+        raise TypeError(f"parents: expected a 1-D integer array, got {par.dtype} of shape {par.shape}")
+    n = par.size
+    if n and ((par < -1) | (par >= np.arange(n))).any():
+        raise ValueError(f"parents: each must be -1 or an earlier index, got {par.tolist()}")
+    anc = np.eye(n, dtype=bool)
+    for i in range(n):
+        if par[i] >= 0:
+            anc[i] |= anc[par[i]]
+    return anc
+
+
+def tree_attention_ref(q, k, v, parents, *, return_lse=False, **options):
+    """Reference token-tree verification of one sequence: its cache ends with the tree.
+
+    Parameters
+    ----------
+    q : array_like, shape (n, Hq, D)
+        The tree tokens' queries.
+    k, v : array_like, shape (L, Hkv, D)
+        The sequence's keys and values, the last n of which are the tree's (in tree order).
+    parents : array_like of int, shape (n,)
+        As :func:`tree_ancestor_mask`.
+    return_lse : bool, optional
+        Also return the log-sum-exp, shape (Hq, n).
+    **options
+        ``softcap``, ``scale`` as in :func:`attention_ref`.
+
+    Returns
+    -------
+    out : ndarray of float64, shape (n, Hq, D)
+        Token i attends to keys ``0 .. L - n - 1`` and to tree key ``L - n + j`` for every ancestor
+        (or itself) j.
+    lse : ndarray of float64, shape (Hq, n)
+        Only when ``return_lse`` is True.
+    """
+    q, k, v = (_as_float_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    n, L = q.shape[0], k.shape[0]
+    if n > L:
+        raise ValueError(f"k: the cache ({L} keys) must end with the tree's {n} tokens")
+    mask = np.concatenate([np.ones((n, L - n), bool), tree_ancestor_mask(parents)], axis=1)
+    out, lse = attention_ref(q[None], k[None], v[None], mask=mask, return_lse=True, **options)
+    return (out[0], lse[0]) if return_lse else out[0]
 
 
 _LSE_ROWS = {  # an op's LSE -> the shape of its output's leading axes, and back

@@ -253,7 +253,7 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     out = pyattn.decode(q2, c, ids)
     assert len(full_decode) == 1
     ((name, grid, _, p),) = fake_driver.LAUNCHES  # one launch: the split combine is fused in
-    assert grid[0] == 2 and name.startswith("attn_decode")  # two splits
+    assert grid[0] == 2 and name.startswith("pyattn_attn_decode")  # two splits
     assert p[:4] == (q2.ptr, c.k.ptr, c.v.ptr, out.ptr)
     assert out.ptr < p[5] < p[6] < out.ptr + out.owner.nbytes  # the partials, behind out in its block
     assert p[7] != 0  # the stream's split counters

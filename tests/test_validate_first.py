@@ -89,7 +89,7 @@ def blocked(monkeypatch):
 def calls(draw):
     """``(entry name, function, positional args, keyword args, what was broken)``."""
     entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
-                                  "merge_states", "paged_decode", "decode"]))
+                                  "merge_states", "paged_decode", "decode", "prefill", "verify_tree"]))
     B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
     dt = draw(st.sampled_from([np.float16, BF16]))
     device = draw(st.booleans())
@@ -120,6 +120,18 @@ def calls(draw):
         o = arr((B, S, H, D))
         lse = np.zeros((B, H, S), np.float32) if not device else Dev((B, H, S), np.float32)
         args, kwargs, names, options = [o, lse, o, lse], {}, ["o_a", "lse_a", "o_b", "lse_b"], ["layout", "stream"]
+    elif entry in ("prefill", "verify_tree"):  # new tokens over a cache whose sequences hold S tokens each
+        packed = draw(st.booleans())
+        args = [arr((B * S, H, D)) if packed else arr((B, S, H, D)), "SERVE_CACHE", list(range(B))]
+        names = ["q"]
+        if entry == "verify_tree":
+            parents = np.arange(-1, S - 1, dtype=np.int32)
+            args.append(np.tile(parents, B) if packed else np.tile(parents, (B, 1)))
+            names.append("parents")
+        kwargs = {"cu_seqlens_q": np.arange(B + 1, dtype=np.int32) * S} if packed else {}
+        options = ["scale", "softcap", "stream", "num_splits", "return_lse"]
+        if entry == "prefill":
+            options += ["window", "causal", "alibi_slopes"]
     else:  # decode over pools or a cache: q is (batch, q_len, Hq, D)
         args = [arr((B, 1, H, D))]
         names, options = ["q"], ["scale", "softcap", "window", "causal", "stream", "num_splits", "return_lse"]
@@ -133,12 +145,13 @@ def calls(draw):
             kwargs = {}
     defect = draw(st.sampled_from(["array", "option"]))
     if defect == "array":
-        i = draw(st.integers(0, len(names) - 1))
+        n = draw(st.integers(0, len(names) - 1))
+        i = {"parents": 3}.get(names[n], n)  # the argument's position (verify_tree's parents follow the cache)
         what = draw(st.sampled_from(sorted(ARRAY_DEFECTS)))
         good = args[i]
         shape = tuple(good.shape) if hasattr(good, "shape") else tuple(good.__cuda_array_interface__["shape"])
-        args[i] = ARRAY_DEFECTS[what](shape, dt)
-        return entry, args, kwargs, f"{names[i]} {what}"
+        args[i] = ARRAY_DEFECTS[what](shape, good.dtype if names[n] == "parents" else dt)
+        return entry, args, kwargs, f"{names[n]} {what}"
     name = draw(st.sampled_from(options))
     value = _bad_value(draw, name)
     if name == "block_size":
@@ -163,13 +176,26 @@ def cache(monkeypatch):
     monkeypatch.setattr(cache_mod, "empty", empty)
     caches = {}
 
-    def make(D, dt):
+    def make(D, dt, lengths=None):
+        if lengths is not None:  # a fresh cache whose sequences hold these many tokens (host bookkeeping only)
+            c = pyattn.PagedKVCache(64, 16, 2, D, dt)
+            ids = [c.add_sequence() for _ in lengths]
+            c.book.plan_append(ids, lengths)
+            return c
         if (D, dt) not in caches:
             c = caches[(D, dt)] = pyattn.PagedKVCache(32, 16, 2, D, dt)
             for _ in range(3):
                 c.add_sequence()
         return caches[(D, dt)]
     return make
+
+
+def _tokens(args) -> int:
+    """Tokens per sequence of a prefill / verify_tree call's valid base (the tree size for a tree)."""
+    q, ids = args[0], args[2]
+    shape = q.shape if hasattr(q, "shape") else q.__cuda_array_interface__["shape"] if hasattr(
+        q, "__cuda_array_interface__") else (len(ids), 1)
+    return max(1, shape[1] if len(shape) == 4 else shape[0] // max(1, len(ids)))
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -182,6 +208,11 @@ def test_invalid_calls_are_refused_before_device_work(blocked, cache, call):
         D = q.shape[-1] if hasattr(q, "shape") and len(q.shape) == 4 else 32
         dt = q.dtype if isinstance(q, np.ndarray) and q.dtype in (np.float16, BF16) else np.float16
         args[1] = cache(D, dt)
+    if entry in ("prefill", "verify_tree"):
+        q = args[0]
+        D = q.shape[-1] if hasattr(q, "shape") and len(q.shape) in (3, 4) else 32
+        dt = q.dtype if isinstance(q, np.ndarray) and q.dtype in (np.float16, BF16) else np.float16
+        args[1] = cache(D, dt, lengths=[_tokens(args)] * len(args[2]))
     try:
         getattr(pyattn, entry)(*args, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -204,6 +235,11 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
         lambda: pyattn.paged_decode(np.zeros((1, 1, 4, 32), np.float16), Dev((8, 16, 2, 32)), Dev((8, 16, 2, 32)),
                                     block_table=np.zeros((1, 2), np.int32), seq_lens=np.full(1, 3, np.int32)),
         lambda: pyattn.decode(np.zeros((1, 1, 4, 32), np.float16), cache(32, np.float16), [0]),
+        lambda: pyattn.prefill(np.zeros((1, 8, 4, 32), np.float16), cache(32, np.float16, [20]), [0]),
+        lambda: pyattn.prefill(Dev((8, 4, 32)), cache(32, np.float16, [20, 8]), [0, 1],
+                               np.array([0, 3, 8], np.int32)),
+        lambda: pyattn.verify_tree(np.zeros((1, 3, 4, 32), np.float16), cache(32, np.float16, [9]), [0],
+                                   np.array([[-1, 0, 0]], np.int32)),
     ]
     for call in valid:
         with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):

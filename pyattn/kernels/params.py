@@ -11,7 +11,7 @@ import struct
 from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
-           "SPARSE_PARAMS"]
+           "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -58,7 +58,7 @@ class ParamStruct:
     __delattr__ = __setattr__
 
     def __eq__(self, other):
-        return type(other) is ParamStruct and (self.name, self.fields) == (other.name, other.fields)
+        return type(other) is type(self) and (self.name, self.fields) == (other.name, other.fields)
 
     def __hash__(self):
         return hash((self.name, self.fields))
@@ -216,3 +216,76 @@ SPARSE_PARAMS = ParamStruct(
     + (("batch", "i32"), ("heads_q", "i32"), ("group", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"),
        ("head_dim", "i32"), ("scale_log2", "f32")),
 )
+
+
+class NestedParamStruct(ParamStruct):
+    """A parameter struct whose first member is another one: ``struct name { Base member; own... }``.
+
+    The kernels take the nested form so that everything written against the base struct (here
+    ``AttnFwdParams``: sequence geometry, the band, the score modifiers) reads ``p.member`` as it
+    is. :attr:`fields` is the flat list (the base's, then ``own``'s): with the base's size a
+    multiple of 8 and ``own`` starting with an 8-byte field, the flat native packing and the C++
+    nested layout coincide (the rendered unit ``static_assert``s both structs' sizes).
+
+    Parameters
+    ----------
+    name : str
+    fields : tuple
+        Leave empty: derived from ``base`` and ``own``.
+    base : ParamStruct
+    own : ParamStruct
+        The fields after the base member (its ``name`` is only a label).
+    member : str
+        The base member's name in C++.
+    """
+
+    __slots__ = ("base", "own", "member")
+
+    def __init__(self, name: str, fields: tuple = (), *, base: ParamStruct = None, own: ParamStruct = None,
+                 member: str = "fwd"):
+        if base is None or own is None:
+            raise TypeError("NestedParamStruct: base and own are required")
+        if base.size % 8 or struct.calcsize("@" + _KINDS[own.fields[0][1]][0]) != 8:
+            raise ValueError("NestedParamStruct: the base's size must be a multiple of 8 and own's first field "
+                             "8 bytes wide (else the flat and nested layouts differ)")
+        super().__init__(name, base.fields + own.fields)
+        for attr, value in (("base", base), ("own", own), ("member", member)):
+            object.__setattr__(self, attr, value)
+
+    def __eq__(self, other):
+        return type(other) is NestedParamStruct and (self.name, self.base, self.own, self.member) == (
+            other.name, other.base, other.own, other.member)
+
+    def __hash__(self):
+        return hash((self.name, self.fields, self.member))
+
+    def c_declaration(self) -> str:
+        body = "\n".join(f"  {_KINDS[kind][1]} {name};" for name, kind in self.own.fields)
+        # (No offsetof assert: NVRTC 13.0 rejects __builtin_offsetof. The base's size is asserted, and
+        # an 8-byte first member after an 8-aligned base of that size can only start right after it.)
+        return (self.base.c_declaration()
+                + f"struct {self.name} {{\n  {self.base.name} {self.member};\n{body}\n}};\n"
+                f'static_assert(sizeof({self.name}) == {self.size}, "{self.name}: layout differs from Python");\n')
+
+
+# Prefill over a paged KV cache (attention_prefill_wgmma.cuh / attention_prefill_mma.cuh): the
+# AttnFwdParams member ``fwd`` carries the packed queries (cu_seqlens_q), the output, the LSE, the
+# band and the modifiers; k / v there point at the pools and k_stride_h / v_stride_h are the pools'
+# kv-head strides. Sequence b's keys are its kv_len[b] cached tokens, key t at slot t % page_size
+# of page page_indices[page_indptr[b] + t / page_size] (page_shift = log2(page_size) or -1).
+# row_group query heads of one GQA group share a block's rows: row r of sequence b is query token
+# r / row_group of head (block's first head) + r % row_group. tree_mask (null unless a tree
+# variant): bit j of tree_mask[cu_seqlens_q[b] + i] says whether token i may see key kv_len[b] -
+# n_b + j (n_b = its new tokens, at most 64); keys before those are all visible. num_splits > 1:
+# split s of a block's key tiles writes normalised fp32 rows to o_part + (s * part_stride + row
+# * heads_q + head) * head_dim (row: the packed query row) and the natural-log LSE to lse_part +
+# s * part_stride + row * heads_q + head; a combine launch merges them.
+PAGED_FWD_EXTRA = ParamStruct(
+    "PagedFwdExtra",
+    (("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"), ("tree_mask", "u64_cptr"),
+     ("o_part", "f32_ptr"), ("lse_part", "f32_ptr"))  # per call; the rest per plan
+    + (("k_stride_page", "i64"), ("k_stride_slot", "i64"), ("v_stride_page", "i64"), ("v_stride_slot", "i64"),
+       ("part_stride", "i64"))
+    + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32")),
+)
+PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..runtime.errors import PyattnError
 
-__all__ = ["PageBook", "AppendPlan", "OutOfPagesError", "MAX_PAGE_SIZE"]
+__all__ = ["PageBook", "AppendPlan", "AcceptPlan", "OutOfPagesError", "MAX_PAGE_SIZE"]
 
 MAX_PAGE_SIZE = 256
 _INT32_MAX = 2**31 - 1
@@ -49,6 +49,17 @@ class AppendPlan(NamedTuple):
     """
 
     dst: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+
+
+class AcceptPlan(NamedTuple):
+    """The slot-to-slot copies (int32 global slots) that move accepted draft tokens into place.
+
+    Every ``copy_dst`` slot lies in a page newly taken from the free list and no ``copy_src``
+    slot does, so one launch may do all copies in any order.
+    """
+
     copy_src: np.ndarray
     copy_dst: np.ndarray
 
@@ -248,6 +259,86 @@ class PageBook:
     def _cow_needed(self, seq: _Seq) -> bool:
         """True when the next write to ``seq`` lands in a shared, partly filled last page."""
         return seq.length % self.page_size != 0 and self.refcount[seq.pages[seq.n_pages - 1]] > 1
+
+    # -- speculative decoding: keep an accepted branch of a draft tree ---------------------
+    def plan_accept(self, seq_ids, paths, tree_sizes) -> AcceptPlan:
+        """Keep the accepted tokens ``paths[i]`` of the draft tree at the end of each ``seq_ids[i]``.
+
+        Sequence ``i`` ends with a tree of ``tree_sizes[i]`` tokens (appended in tree order);
+        ``paths[i]`` lists the tree indices to keep, ascending (a root-to-leaf branch, or any
+        ascending subset). Afterwards the sequence holds its tokens before the tree followed by
+        the kept ones, in order.
+
+        Where the kept tokens already sit in place (a path ``0, 1, ..., m - 1``) nothing moves;
+        from the first one that must move, the sequence gets fresh pages, filled by slot copies
+        (the plan) from its old pages, which it then releases. Fresh pages make copy-on-write
+        automatic (a page shared with a fork is never written) and keep the copies of one launch
+        free of overlaps (no slot is both read and written). Raises before changing anything,
+        :class:`OutOfPagesError` included.
+        """
+        seqs = self.seq_list(seq_ids)
+        try:
+            sizes = [tree_sizes] * len(seqs) if isinstance(tree_sizes, (int, np.integer)) else list(tree_sizes)
+        except TypeError:
+            raise TypeError(f"tree_sizes: expected an int or a sequence of ints, got {tree_sizes!r}") from None
+        try:
+            paths = list(paths)
+        except TypeError:
+            raise TypeError(f"paths: expected a sequence of paths (one per sequence), got {paths!r}") from None
+        if len(sizes) != len(seqs) or len(paths) != len(seqs):
+            raise ValueError(f"paths, tree_sizes: expected one per sequence ({len(seqs)}), got {len(paths)} paths "
+                             f"and {len(sizes)} tree sizes")
+        ps, plans, need = self.page_size, [], 0
+        for i, (seq, n, path) in enumerate(zip(seqs, sizes, paths)):
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+                raise TypeError(f"tree_sizes: expected ints, got {n!r} for sequence {i}")
+            if not 0 <= n <= seq.length:
+                raise ValueError(f"tree_sizes: expected 0 <= tree size <= the sequence's length {seq.length}, got "
+                                 f"{n} for sequence {i}")
+            p = np.asarray(path)
+            if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+                raise TypeError(f"paths: expected a 1-D sequence of ints per sequence, got {path!r} for sequence {i}")
+            p = p.astype(np.int64)
+            if p.size and (p[0] < 0 or p[-1] >= n or (np.diff(p) <= 0).any()):
+                raise ValueError(f"paths: expected ascending tree indices in [0, {n}), got {p.tolist()} for "
+                                 f"sequence {i}")
+            base, m = seq.length - int(n), int(p.size)
+            moved = np.flatnonzero(p != np.arange(m))
+            k = int(moved[0]) if moved.size else m  # the first kept token that must move
+            first = (base + k) // ps  # the first page replaced (moved.size only)
+            fresh = -(-(base + m) // ps) - first if moved.size else 0
+            plans.append((seq, base, p, k, first, fresh))
+            need += fresh
+        if need > len(self._free):
+            raise OutOfPagesError(need, len(self._free), f"accepting the draft tokens of {len(seqs)} sequence(s)")
+
+        src, dst, released = [], [], []
+        for seq, base, p, k, first, fresh in plans:
+            m = p.size
+            end = base + m
+            if fresh:
+                old = seq.page_list()
+                new = np.array([self._free.pop() for _ in range(fresh)], np.int32)
+                self.refcount[new] = 1
+                # new positions [first * ps, end): the kept slots below base + k, then the moved tokens
+                pos = np.arange(first * ps, end, dtype=np.int64)
+                from_pos = np.where(pos < base + k, pos, base + p[np.clip(pos - base, 0, m - 1)])
+                src.append(old[from_pos // ps].astype(np.int64) * ps + from_pos % ps)
+                dst.append(new[pos // ps - first].astype(np.int64) * ps + pos % ps)
+                released.append(old[first:].copy())
+                seq.reserve(first + fresh)
+                seq.pages[first: first + fresh] = new
+                seq.n_pages = first + fresh
+            else:  # everything kept is in place: drop the rest
+                keep = -(-end // ps)
+                released.append(seq.pages[keep: seq.n_pages].copy())
+                seq.n_pages = keep
+            seq.length = end
+        for pages in released:  # after every new page was taken: no slot is reused within the launch
+            self._release(pages)
+        self.version += 1
+        cat = (lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32))
+        return AcceptPlan(cat(src), cat(dst))
 
     # -- exports -----------------------------------------------------------------------------
     def csr(self, seq_ids) -> tuple:

@@ -295,6 +295,67 @@ class PagedKVCache:
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
         finish(s, [ki, vi])
 
+    def accept(self, seq_ids, paths, tree_sizes, *, stream=None) -> None:
+        """Keep the accepted branch of each sequence's draft tree; drop the other draft tokens.
+
+        After :func:`pyattn.verify_tree`, sequence ``seq_ids[i]`` ends with the ``tree_sizes[i]``
+        tree tokens appended for it; ``paths[i]`` (ascending tree indices, e.g. the accepted
+        root-to-leaf branch) are kept, in order, right after the tokens before the tree.
+
+        Parameters
+        ----------
+        seq_ids : sequence of int
+            Distinct live sequences.
+        paths : sequence of sequences of int
+            One per sequence: ascending indices into its tree (empty: keep none).
+        tree_sizes : int or sequence of int
+            Tree tokens at the end of each sequence (one int for all).
+        stream : optional
+            The copies are ordered on this stream.
+
+        Raises
+        ------
+        OutOfPagesError
+            Too few free pages for the moved tokens' fresh pages; the cache is unchanged.
+
+        Notes
+        -----
+        One ``kv_append`` launch copies, for all sequences, the kept tokens that must move (an
+        8-bit cache's codes and scales unchanged); tokens already in place are not copied. From
+        the first moved token on, a sequence takes fresh pages and releases its old ones, so
+        pages shared with forks are never written (see :meth:`PageBook.plan_accept`).
+        """
+        check_stream_arg(stream)
+        seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+        self.book.seq_list(seq_ids)
+        self.device.activate()
+        s = as_stream(stream, self.device)
+        spec = KernelSpec("kv_append", DTYPES["bfloat16" if self._kv else self.dtype.name][0], 32, self.device.arch,
+                          ptx_requested(), kv=self._kv)
+        kernel = get_kernel(spec, self.device)  # before the plan: a compile error leaves the cache as it was
+        plan = self.book.plan_accept(seq_ids, paths, tree_sizes)
+        n_items = len(plan.copy_dst)
+        if n_items == 0:
+            return
+        self.order(s)
+        (d_items,) = upload([np.stack([plan.copy_dst, -1 - plan.copy_src]).astype(np.int32)], self.device, s)
+        pi = self.pool_info
+        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
+        H, D = self.num_kv_heads, self.head_dim
+        values = {"k_src": 0, "v_src": 0, "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr,
+                  "src": d_items.ptr + 4 * n_items,
+                  "k_scale": self.k_scale.ptr if self._kv else 0, "v_scale": self.v_scale.ptr if self._kv else 0,
+                  "k_src_stride_t": 0, "k_src_stride_h": 0, "v_src_stride_t": 0, "v_src_stride_h": 0,
+                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
+                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
+                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
+                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
+                  "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
+        threads = n_items * H * (32 if self._kv else D // 8)
+        grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
+        launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
+        finish(s, [d_items])
+
     def _check_rows(self, i) -> None:
         """A device token array the append kernel can read (16-byte chunks, collapsible rows)."""
         st = i.strides

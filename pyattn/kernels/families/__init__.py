@@ -32,9 +32,14 @@ _WHERE = {
     "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
     "merge_states": ("fixed", "MERGE_STATES"),
+    "split_combine": ("fixed", "SPLIT_COMBINE"),
     "attn_decode": ("decode", "ATTN_DECODE"),
     "kv_append": ("fixed", "KV_APPEND"),
     "attn_sparse": ("fixed", "ATTN_SPARSE"),
+    "attn_prefill_mma": ("prefill", "ATTN_PREFILL_MMA"),
+    "attn_prefill_wgmma": ("prefill", "ATTN_PREFILL_WGMMA"),
+    "attn_tree_mma": ("prefill", "ATTN_TREE_MMA"),
+    "attn_tree_wgmma": ("prefill", "ATTN_TREE_WGMMA"),
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",

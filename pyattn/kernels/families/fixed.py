@@ -1,7 +1,8 @@
 """Families with one launch shape on every arch and no dynamic shared memory.
 
-merge_states (LSE merge of attention states), kv_append (paged-cache writes) and attn_sparse (CSR
-gather attention). Decode's split partials are merged inside the decode kernel. No traits struct, so nothing for the rendered unit to assert about shared memory.
+merge_states (LSE merge of attention states), split_combine (the same kernel merging a key-split
+prefill's fp32 partials into the output type; decode merges its splits inside its own kernel),
+kv_append (paged-cache writes) and attn_sparse (CSR gather attention). No traits struct, so nothing for the rendered unit to assert about shared memory.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from ..params import KV_APPEND_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
 from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, PAGED_ALIGNMENT, Alignment, Family, FixedTile, every_arch
 
-__all__ = ["MERGE_STATES", "KV_APPEND", "ATTN_SPARSE"]
+__all__ = ["MERGE_STATES", "SPLIT_COMBINE", "KV_APPEND", "ATTN_SPARSE"]
 
 # One warp per row, 4 warps per block (memory-bound; rows are independent).
 _MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
@@ -27,6 +28,13 @@ MERGE_STATES = Family(
     tables={"dense": _MERGE},
     template_id=lambda spec, t: (f"pyattn::merge_states<{CTYPES[spec.dtype]}, {CTYPES[spec.dtype]}, "
                                  f"{spec.head_dim}, {t.warps}>"),
+)
+
+SPLIT_COMBINE = Family(  # fp32 split partials -> the output type
+    name="split_combine", label="split_combine", header="merge_states.cuh", params=MERGE_STATES_PARAMS,
+    tables={"dense": _MERGE},
+    template_id=lambda spec, t: f"pyattn::merge_states<float, {CTYPES[spec.dtype]}, {spec.head_dim}, {t.warps}>",
+    dtypes=("f16", "bf16"),
 )
 
 KV_APPEND = Family(  # the head dim is a launch parameter: one variant (bucket 32) serves every head dim

@@ -1,0 +1,93 @@
+"""Dev probe: tile and split alternatives of the paged prefill / tree kernels on the issue-13 shapes.
+
+Usage: PYTHONPATH=. python dev/probe_serving.py [--quick] [--chunk-only]
+
+bf16, D 128, Hq 32, Hkv 8. Times (harness.Bench.gpu_ms, one run):
+- the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_wgmma rows put in
+  through ``override_tiles`` (the dense table's warp-specialized row, and a 64-key 4-stage one);
+- draft trees (n = 16 / 64 over 4096 tokens, batch 1 / 8) with attn_tree_wgmma rows (one warpgroup
+  of 64 rows at 64 / 128 keys, 2 / 3 stages; the two-warpgroup warp-specialized row), and forced
+  split counts; pyattn.decode with q_len = n beside them.
+Prints one line per variant; the chosen rows go into pyattn/kernels/families/prefill.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, "scripts")
+import harness  # noqa: E402
+import pyattn  # noqa: E402
+from pyattn.kernels.families import WgmmaTile, override_tiles, tile_table  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def cache_of(bench, lens, page=16):
+    torch = bench.torch
+    cache = pyattn.PagedKVCache(sum(-(-n // page) + 1 for n in lens) * 2 + 2, page, HKV, D, "bfloat16")
+    ids = [cache.add_sequence() for _ in range(2 * len(lens))]
+    for t0 in range(0, max(lens), 256):
+        counts = [max(0, min(256, n - t0)) for n in lens] * 2
+        k = torch.randn(sum(counts), HKV, D, device="cuda", dtype=torch.bfloat16)
+        cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(k, bench.stream), counts=counts,
+                     stream=bench.stream)
+    return cache, ids[:len(lens)]
+
+
+def rows_with(table, d, row):
+    return tuple(row if r.max_head_dim == d else r for r in table)
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv
+    loop, reps = (5, 3) if quick else (10, 5)
+    bench = harness.open_bench(need_torch=True)
+    if bench is None:
+        return 1
+    torch = bench.torch
+    # -- chunk
+    cache, ids = cache_of(bench, [16384 + 4096])
+    q = harness.to_pyattn(torch.randn(1, 4096, HQ, D, device="cuda", dtype=torch.bfloat16), bench.stream)
+    base = tile_table("attn_prefill_wgmma", "sm_90a")
+    for name, row in (("ws 128x128 s3", None), ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True))):
+        table = base if row is None else rows_with(base, 128, row)
+        with override_tiles("attn_prefill_wgmma", "sm_90a", table):
+            call = lambda: pyattn.prefill(q, cache, ids, stream=bench.stream)  # noqa: E731
+            t = harness.attempt({}, name, lambda: bench.gpu_ms(call, loop=loop, reps=reps))
+        print(f"chunk {name}: {harness.fmt(t.ms if t else None, '.3f')} ms", flush=True)
+    del cache
+    if "--chunk-only" in sys.argv:
+        return 0
+    # -- trees
+    tbase = tile_table("attn_tree_wgmma", "sm_90a")
+    variants = (("1wg 64x64 s2", None), ("1wg 64x128 s2", WgmmaTile(128, 128, 1, 2, False, 1, "probe")),
+                ("1wg 64x64 s3 ov", WgmmaTile(128, 64, 1, 3, True, 1, "probe")),
+                ("2wg ws 128x128", WgmmaTile(128, 128, 2, 3, True, 1, "probe", ws=True)))
+    for B in (1, 8):
+        for n in (16, 64):
+            cache, ids = cache_of(bench, [4096 + n] * B)
+            rng = np.random.default_rng(n)
+            par = np.stack([np.array([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)], np.int32)
+                            for _ in range(B)])
+            qt = harness.to_pyattn(torch.randn(B, n, HQ, D, device="cuda", dtype=torch.bfloat16), bench.stream)
+            t = harness.attempt({}, "decode", lambda: bench.gpu_ms(
+                lambda: pyattn.decode(qt, cache, ids, stream=bench.stream), loop=loop, reps=reps))
+            line = [f"B={B} n={n}: decode {harness.fmt(t.ms * 1e3 if t else None, '.1f')} us"]
+            for name, row in variants:
+                table = tbase if row is None else rows_with(tbase, 128, row)
+                for splits in (None, 1, 4, 16):
+                    with override_tiles("attn_tree_wgmma", "sm_90a", table):
+                        t = harness.attempt({}, name, lambda: bench.gpu_ms(
+                            lambda: pyattn.verify_tree(qt, cache, ids, par, num_splits=splits, stream=bench.stream),
+                            loop=loop, reps=reps))
+                    line.append(f"{name} s{splits or 'auto'} {harness.fmt(t.ms * 1e3 if t else None, '.1f')}")
+            print("; ".join(line), flush=True)
+            del cache
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

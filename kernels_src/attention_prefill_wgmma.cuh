@@ -1,0 +1,190 @@
+// Prefill over a paged KV cache on Hopper warpgroup tensor cores (sm_90a): the wgmma forward
+// kernel (attention_fwd_wgmma.cuh: traits, ring, warp specialization, main loop) with
+//   - K/V tiles gathered through the sequence's page list (AttnFwdWgmmaMainloop PAGED: one page
+//     lookup per key row, shared by K and V; the producer warpgroup hides it with the copies),
+//   - ragged new tokens per sequence (cu_seqlens_q) against kv_len[b] cached keys, the new tokens
+//     being the last ones (bottom-right causal, window, soft-cap, ALiBi as the dense kernel),
+//   - row groups: a block's rows pack row_group query heads of one GQA group per token (row r =
+//     token r / row_group, head first + r % row_group), so a kv head's keys feed all its query
+//     heads in one pass and a short chunk (a draft tree of 16 tokens x 4 heads) fills an m64 tile,
+//   - TREE: each new token sees the keys before the tree plus its ancestors among the tree keys
+//     (a 64-bit mask per token), instead of causal order among them,
+//   - key splits (flash-decoding) for grids too small to fill the GPU: split s of a block's key
+//     tiles writes fp32 partial rows and LSEs that a combine launch merges.
+// Requires pyattn::PagedFwdParams (rendered), common.cuh, mma.cuh; grid (query tiles x splits,
+// heads_q / row_group, sequences); Traits as attn_fwd_wgmma.
+#pragma once
+#include "attention_fwd_wgmma.cuh"
+
+namespace pyattn {
+
+template <class Tr, class Mods, bool TREE>
+__device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
+  const AttnFwdParams& p = pp.fwd;
+  using T = typename Tr::T;
+  using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false, true, TREE>;
+  constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
+  constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  static_assert(Mods::kMask == kMaskNone, "paged prefill takes no mask tensor");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const unsigned sQ = smem0;
+  const unsigned sKV = smem0 + Tr::kQBytes;
+  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // (no mask tiles: the barriers' base)
+
+  // -- which rows, heads, keys and split this block owns
+  const int splits = pp.num_splits;
+  const int m_raw = blockIdx.x / splits, split = blockIdx.x - m_raw * splits;
+  const int m_block = p.causal ? gridDim.x / splits - 1 - m_raw : m_raw;  // most work first
+  const int batch = blockIdx.z, rg = pp.row_group;
+  const int q_row0 = p.cu_seqlens_q[batch];
+  const int sq = p.cu_seqlens_q[batch + 1] - q_row0;  // new tokens (the last sq of the sk keys)
+  const int sk = pp.kv_len[batch];
+  const int rows = sq * rg, m0 = m_block * BM;
+  if (m0 >= rows) return;  // this sequence has fewer rows than the longest (whole block exits)
+  const int head0 = blockIdx.y * rg;  // the block's first query head; all share one kv head
+  const int kv_head = head0 / p.group;
+  const T* q = static_cast<const T*>(p.q) + q_row0 * p.q_stride_s + head0 * p.q_stride_h;
+
+  Mainloop ml;
+  ml.k = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
+  ml.v = static_cast<const T*>(p.v) + kv_head * p.v_stride_h;
+  ml.k_stride = pp.k_stride_slot;
+  ml.v_stride = pp.v_stride_slot;
+  ml.k_page = pp.k_stride_page;
+  ml.v_page = pp.v_stride_page;
+  ml.q_head_stride = p.q_stride_h;
+  ml.pages = pp.page_indices + pp.page_indptr[batch];
+  ml.page_size = pp.page_size;
+  ml.page_shift = pp.page_shift;
+  ml.row_group = rg;
+  ml.band = make_band(p, sq, sk);
+  int n_begin, n_end;  // key tiles some token of the block can see, then this split's share
+  band_key_range<BN>(ml.band, m0 / rg, (min(m0 + BM, rows) - 1) / rg, sk, n_begin, n_end);
+  const int n_all = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
+  const int lo = n_all * split / splits, hi = n_all * (split + 1) / splits;
+  ml.tiles.init(p, head0, m_block, n_begin + lo * BN, min(n_end, n_begin + hi * BN));
+  ml.n_tiles = ml.tiles.count;
+  ml.sq = rows;  // row bounds are on packed rows; the band on tokens (ml.tok)
+  ml.sk = sk;
+  ml.mods.init(p, batch, head0, sq, sk);
+  ml.m0 = m0;
+  ml.sMask = sMask;
+  ml.mask_smem = smem_raw;
+  ml.staged = false;
+  ml.head_dim = p.head_dim;
+  ml.sKV = sKV;
+
+  const int wgi = threadIdx.x / 128;
+  ml.wgi = wgi;
+  const int lane = threadIdx.x % 32, g = lane / 4;
+  ml.t = lane % 4;
+  ml.wg_row0 = m0 + wgi * 64;
+  ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + g;
+  ml.sub_row = threadIdx.x / 32;
+  ml.wg_tok0 = min(ml.wg_row0, rows - 1) / rg;
+  ml.wg_tok1 = min(ml.wg_row0 + 63, rows - 1) / rg;
+  ml.tree_k0 = sk - sq;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = ml.row_a + 8 * h;
+    ml.tok[h] = row / rg;
+    ml.tree_bits[h] = 0ull;
+    if constexpr (TREE)
+      if (row < rows) ml.tree_bits[h] = __ldg(pp.tree_mask + q_row0 + ml.tok[h]);
+  }
+  ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
+
+  ml.q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
+  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
+  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
+  ml.stage = ml.prev_stage = 0;
+  ml.load_stage = AHEAD % STAGES;
+  ml.full_parity = 0;
+
+  if constexpr (Tr::kWS) {
+    ml.bar_full = sMask;
+    ml.bar_empty = ml.bar_full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        pipe::init(ml.bar_full + 8 * st, 128);
+        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+      }
+      pipe::init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
+      pipe::regs_dec<Tr::kProducerRegs>();
+      if (ml.n_tiles > 0) ml.produce(sQ, q, p.q_stride_s, threadIdx.x - Tr::kConsumerThreads);
+      return;
+    }
+    pipe::regs_inc<Tr::kConsumerRegs>();
+    if constexpr (Tr::kPingPong)
+      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);
+  }
+#pragma unroll
+  for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
+  ml.row_max[0] = ml.row_max[1] = -inf();
+  ml.row_sum[0] = ml.row_sum[1] = 0.f;
+
+  if (ml.n_tiles > 0) {  // CTA-uniform
+    if constexpr (!Tr::kWS) {
+      ml.template load_q<Tr::kThreads>(sQ, q, p.q_stride_s, threadIdx.x);
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i) {
+        if (i < ml.n_tiles) ml.template load<Tr::kThreads>(i, ml.tiles.n0(i), threadIdx.x);
+        wg::cp_async_commit();
+      }
+    }
+    ml.template step<false>(0);
+    for (int j = 1; j < ml.n_tiles; ++j) ml.template step<Mainloop::OVERLAP>(j);
+    if constexpr (Mainloop::OVERLAP) {
+      wg::fence_operands(ml.acc);
+      wg::fence();
+      ml.pv(ml.prev_stage);
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_operands(ml.acc);
+    }
+  }
+
+  // -- epilogue: normalise; store O and the LSE, or this split's fp32 partial row and LSE
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = ml.row_sum[h];
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    const int row = ml.row_a + 8 * h;
+    if (row >= rows) continue;
+    const int tok = ml.tok[h], head = head0 + (row - tok * rg);
+    const bool empty = sum == 0.f;
+    const float inv = empty ? 0.f : 1.f / sum;
+    const float lse = empty ? -inf() : (ml.row_max[h] * ml.sl2 + log2f(sum)) * kLn2;
+    if (splits == 1) {
+      T* orow = static_cast<T*>(p.o) + (q_row0 + tok) * p.o_stride_s + head * p.o_stride_h;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const int d = i * 8 + 2 * ml.t;
+        if (d < p.head_dim)
+          *reinterpret_cast<unsigned*>(orow + d) =
+              pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+      }
+      if (p.lse != nullptr && ml.t == 0)
+        p.lse[batch * p.lse_stride_b + head * p.lse_stride_h + q_row0 + tok] = lse;
+    } else {
+      const long long prow = split * pp.part_stride + static_cast<long long>(q_row0 + tok) * p.heads_q + head;
+      float* orow = pp.o_part + prow * p.head_dim;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const int d = i * 8 + 2 * ml.t;
+        if (d < p.head_dim)
+          *reinterpret_cast<float2*>(orow + d) =
+              make_float2(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+      }
+      if (ml.t == 0) pp.lse_part[prow] = lse;
+    }
+  }
+}
+
+}  // namespace pyattn

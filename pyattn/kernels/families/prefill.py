@@ -1,0 +1,63 @@
+"""Prefill over a paged KV cache: the tensor-core forward kernels with paged K/V loads.
+
+``attn_prefill_wgmma`` (sm_90a) and ``attn_prefill_mma`` (mma.sync, every arch) run the dense
+kernels' main loops (their traits, shared memory and tile tables) with K/V rows gathered through
+a sequence's page list, ragged new tokens against each sequence's cached keys, GQA row groups and
+key splits (``kernels_src/attention_prefill_*.cuh``). ``attn_tree_wgmma`` / ``attn_tree_mma`` are
+the same kernels with a draft tree's ancestor masks over the last keys (speculative decoding's
+verification), on tiles of 64 rows: a tree is at most 64 tokens, so the dense tables' 128-row
+tiles would leave half of a block idle.
+"""
+
+from __future__ import annotations
+
+from ..params import PAGED_FWD_PARAMS
+from .base import Alignment, Family, every_arch, score_mods
+from .mma import ATTN_FWD_MMA, MmaTile
+from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile
+
+__all__ = ["ATTN_PREFILL_WGMMA", "ATTN_PREFILL_MMA", "ATTN_TREE_WGMMA", "ATTN_TREE_MMA", "PREFILL_ALIGNMENT"]
+
+# q / out as the tensor-core kernels (16-byte chunks, element-pair stores); pools as decode's.
+PREFILL_ALIGNMENT = Alignment(qkv=16, out_elems=2, pool=16)
+_TAKES = f"f16/bf16, soft-cap/ALiBi only, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
+
+# One warpgroup of 64 rows: a tree of n tokens x a GQA group of G heads is n * G rows (16 x 4 = 64
+# fills one), and two such blocks share an SM. The rows of the block-sparse 64 x 64 table.
+_TREE_SM90 = (
+    WgmmaTile(64, 64, 1, 4, True, 2, "64 tree rows per block; 74 KiB, 3 blocks/SM fit; unmeasured"),
+    WgmmaTile(128, 64, 1, 2, False, 2, "64 tree rows per block; 82 KiB, 2 blocks/SM (3 stages with overlap "
+                                       "would need 113 KiB each, exactly the SM's 228 KiB for two)"),
+    WgmmaTile(192, 64, 1, 2, False, 1, "64 tree rows per block; 123 KiB; unmeasured"),
+    WgmmaTile(256, 64, 1, 2, False, 1, "64 tree rows per block; 164 KiB; unmeasured"),
+)
+_TREE_MMA = (  # 4 warps x 1 row tile = 64 rows; fits sm_86/89's 99 KiB too
+    MmaTile(64, 64, 4, 1, 1, "64 tree rows per block; 46 KiB; unmeasured"),
+    MmaTile(128, 64, 4, 1, 1, "64 tree rows per block; 87 KiB; unmeasured"),
+    MmaTile(256, 16, 4, 1, 1, "64 tree rows per block; 68 KiB (32-key stages: 101 KiB, over sm_86's 99); "
+                              "unmeasured"),
+)
+
+
+def _wgmma_check(spec) -> None:
+    if spec.head_dim % 64 or spec.arch not in WGMMA_ARCHS:
+        raise ValueError(f"family: {spec.family} takes {_TAKES}; got {spec}")
+
+
+def _family(name: str, base: Family, tables: dict, tree: bool, wgmma: bool) -> Family:
+    fn = "attn_prefill_wgmma" if wgmma else "attn_prefill_mma"
+    return Family(
+        name=name, label=f"the paged {'tree ' if tree else ''}prefill family ({'wgmma' if wgmma else 'mma.sync'})",
+        header=f"attention_prefill_{'wgmma' if wgmma else 'mma'}.cuh", params=PAGED_FWD_PARAMS,
+        tables={"dense": tables},
+        template_id=lambda spec, t: (f"pyattn::{fn}<{base.traits(spec, t)}, {score_mods(spec)}, "
+                                     f"{str(tree).lower()}>"),
+        dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PREFILL_ALIGNMENT, traits=base.traits,
+        smem_bytes=base.smem_bytes, takes=_TAKES if wgmma else "", check=_wgmma_check if wgmma else None,
+    )
+
+
+ATTN_PREFILL_WGMMA = _family("attn_prefill_wgmma", ATTN_FWD_WGMMA, ATTN_FWD_WGMMA.tables["dense"], False, True)
+ATTN_PREFILL_MMA = _family("attn_prefill_mma", ATTN_FWD_MMA, ATTN_FWD_MMA.tables["dense"], False, False)
+ATTN_TREE_WGMMA = _family("attn_tree_wgmma", ATTN_FWD_WGMMA, {a: _TREE_SM90 for a in WGMMA_ARCHS}, True, True)
+ATTN_TREE_MMA = _family("attn_tree_mma", ATTN_FWD_MMA, every_arch(_TREE_MMA), True, False)
