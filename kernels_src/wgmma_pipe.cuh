@@ -117,10 +117,19 @@ __device__ __forceinline__ void wgmma_load_tile(unsigned dst, const typename Tr:
 //
 // Page lookups go through the warp: a warp's threads hold 32 / CPR consecutive rows per pass (CPR
 // 16-byte chunks per row), so over the passes it touches kPasses * 32 / CPR <= 32 rows; lane l
-// loads the page of one of them (one global load per thread and tile, all in flight at once) and
-// each pass takes its row's page by shuffle. Looked up per row and pass, the producer warpgroup's
-// 16 dependent loads per tile (d = 128) bounded the kernel at half the dense kernel's speed
-// (issue 13, BENCHMARKS.md).
+// loads the page of one of them (one global load per thread and tile, all in flight at once),
+// turns it into that row's K and V element offsets, and each pass takes its row's offsets by
+// shuffle. Looked up per row and pass, the producer warpgroup's 16 dependent loads per tile
+// (d = 128) bounded the kernel at half the dense kernel's speed; shuffling the page alone left
+// each pass ~75 instructions of 64-bit offset math (56 registers: the strides reloaded every pass)
+// against ~20 in the dense loader (issue 13, BENCHMARKS.md).
+// A 64-bit value from lane `src` of the warp (two 32-bit shuffles).
+__device__ __forceinline__ long long shfl_i64(long long x, int src) {
+  const int lo = __shfl_sync(0xffffffffu, static_cast<int>(x), src);
+  const int hi = __shfl_sync(0xffffffffu, static_cast<int>(x >> 32), src);
+  return (static_cast<long long>(hi) << 32) | static_cast<unsigned>(lo);
+}
+
 template <class Tr, int ROWS, int NT>
 __device__ __forceinline__ void wgmma_load_kv_paged(unsigned dk, unsigned dv, const typename Tr::T* k,
                                                     const typename Tr::T* v, long long k_slot, long long v_slot,
@@ -145,21 +154,34 @@ __device__ __forceinline__ void wgmma_load_kv_paged(unsigned dk, unsigned dv, co
     const int cc = tid % CPR, col = cc * 8, r0 = tid / CPR, lane = tid % 32;
     const bool col_ok = col < head_dim;
     const unsigned d = (cc >> 3) * (ROWS * 128) + r0 * 128;
-    int mine = 0;  // kShuffle: the page of row (lane / R) * kRowsPerPass + (first r0 of the warp) + lane % R
+    // kShuffle: the K and V offsets of row (lane / R) * kRowsPerPass + (first r0 of the warp) + lane % R
+    long long mine_k = 0, mine_v = 0;
     if constexpr (kShuffle) {
       const int key = row0 + (lane / R) * kRowsPerPass + (tid - lane) / CPR + lane % R;
-      if (lane / R < kPasses && key < row_end) mine = __ldg(pages + page_of(key));
+      if (lane / R < kPasses && key < row_end) {
+        const int pi = page_of(key);
+        const long long page = __ldg(pages + pi), slot = key - pi * page_size;
+        mine_k = page * k_page + slot * k_slot;
+        mine_v = page * v_page + slot * v_slot;
+      }
     }
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = pass * kRowsPerPass + r0, key = row0 + r;
-      int page = 0;
-      if constexpr (kShuffle)
-        page = __shfl_sync(0xffffffffu, mine, pass * R + lane / CPR);  // every lane, every pass
-      else if (key < row_end)
-        page = __ldg(pages + page_of(key));
-      if (ROWS % kRowsPerPass == 0 || r < ROWS)
-        copy(d + pass * kRowsPerPass * 128 + (((cc & 7) ^ (r & 7)) << 4), key, page, col_ok, col);
+      if constexpr (kShuffle) {
+        const int src = pass * R + lane / CPR;  // every lane, every pass
+        const long long ko = shfl_i64(mine_k, src), vo = shfl_i64(mine_v, src);
+        const bool ok = col_ok && key < row_end;
+        if (ROWS % kRowsPerPass == 0 || r < ROWS) {
+          const unsigned sw = d + pass * kRowsPerPass * 128 + (((cc & 7) ^ (r & 7)) << 4);
+          wg::cp_async_16(dk + sw, ok ? k + ko + col : k, ok);
+          wg::cp_async_16(dv + sw, ok ? v + vo + col : v, ok);
+        }
+      } else {
+        const int page = key < row_end ? __ldg(pages + page_of(key)) : 0;
+        if (ROWS % kRowsPerPass == 0 || r < ROWS)
+          copy(d + pass * kRowsPerPass * 128 + (((cc & 7) ^ (r & 7)) << 4), key, page, col_ok, col);
+      }
     }
   } else {  // e.g. HEAD_DIM 192: walk the flat chunk index, one lookup per chunk
     constexpr int kChunks = ROWS * CPR;
