@@ -296,7 +296,8 @@ def test_include_dir_cache_is_restored_after_override_tests():
 # --------------------------------------------------------------------------------------------
 # ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
 # --------------------------------------------------------------------------------------------
-_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i",
+_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i32_ptr": "Q", "u64_cptr": "Q",
+          "i64": "q", "i32": "i",
           "f32": "f"}
 
 

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from ...runtime.device import SUPPORTED_ARCHS
 from . import tables
+from .backward import ATTN_BWD_CONVERT, ATTN_BWD_MMA, ATTN_BWD_PRE, ATTN_BWD_SIMT, BwdTile
 from .base import CTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, Family, TileConfig
 from .decode import ATTN_DECODE, KV_HEAD_DIM_BUCKETS, DecodeTile, decode_row
 from .fixed import ATTN_SPARSE, DECODE_COMBINE, KV_APPEND, MERGE_STATES
@@ -22,13 +23,13 @@ from .mma import ATTN_FWD_MMA, ATTN_FWD_TF32, MmaTile
 from .simt import ATTN_FWD_SIMT
 from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile, wgmma_shapes
 
-__all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "KV_HEAD_DIM_BUCKETS",
+__all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "KV_HEAD_DIM_BUCKETS",
            "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
            "decode_row", "wgmma_shapes"]
 
 FAMILIES = MappingProxyType({f.name: f for f in (
     ATTN_FWD_MMA, ATTN_FWD_SIMT, ATTN_FWD_TF32, ATTN_FWD_WGMMA, MERGE_STATES, ATTN_DECODE, DECODE_COMBINE, KV_APPEND,
-    ATTN_SPARSE)})
+    ATTN_SPARSE, ATTN_BWD_PRE, ATTN_BWD_MMA, ATTN_BWD_SIMT, ATTN_BWD_CONVERT)})
 _NAMES = tuple(FAMILIES)
 
 
