@@ -27,8 +27,8 @@ from pyattn import jit  # noqa: E402
 from pyattn.kernels.families import BwdTile, override_tiles, tile_table  # noqa: E402
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, select_attention_spec, select_backward_specs  # noqa: E402
 
-DEFAULT_ROWS = {64: ["128,128,8,1,4,2", "64,128,8,2,4,2", "64,64,4,1,4,2"],
-                128: ["64,128,8,1,4,2", "64,128,8,2,4,2", "64,64,4,1,2,2"]}
+DEFAULT_ROWS = {64: ["128,128,8,1,4,2", "64,128,8,2,4,2", "64,64,4,1,4,2", "32,128,8,1,2,2"],
+                128: ["64,128,8,1,4,2", "64,128,8,2,4,2", "64,128,8,2,2,2", "64,64,4,1,2,2", "32,128,8,1,2,2"]}
 
 
 def warm(arch: str) -> None:
@@ -90,6 +90,12 @@ def main() -> int:
                 diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, base))
                 print(f"d={d} S={S} causal={causal} {label:>16}: {t.ms:8.3f} ms  {flops / t.ms / 1e9:6.1f} TFLOP/s  "
                       f"rel diff vs table {diff:.1e}", flush=True)
+                if row is None:  # the cost of ordered dQ sums, on the table's row
+                    det = bench.gpu_ms(lambda: pyattn.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                         deterministic=True, stream=bench.stream),
+                                       loop=5, reps=5, label="deterministic")
+                    print(f"d={d} S={S} causal={causal} {'deterministic':>16}: {det.ms:8.3f} ms  "
+                          f"({det.ms / t.ms:.2f}x)", flush=True)
     return 0
 
 

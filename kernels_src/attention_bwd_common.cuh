@@ -98,6 +98,30 @@ __device__ __forceinline__ float bwd_score(const AttnBwdParams& p, float raw, fl
   return x * kLog2e;
 }
 
+// dq_acc[i] += a, dq_acc[i + 1] += b (i even): one vector reduction on sm_90+ (half the L2 atomic
+// requests of two scalar ones: a warp's pairs then cover whole 32-byte sectors), two before.
+__device__ __forceinline__ void red_add_pair(float* at, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(at, a);
+  atomicAdd(at + 1, b);
+#endif
+}
+
+// Key block n of (kv head, batch): the default grid has n fastest (blockIdx.x), so the key blocks of
+// one head run together and share its Q/dO tiles in L2. With `deterministic` n is slowest
+// (blockIdx.z): blocks that take turns on a query tile's dQ are then mostly in different waves, so
+// a block rarely waits (with n fastest, the blocks of a head in one wave form a chain of waits
+// per tile). Blocks are dispatched in linear order, so the blocks a block waits for started first.
+__device__ __forceinline__ void bwd_block(const AttnBwdParams& p, int& n_block, int& kv_head, int& batch) {
+  if (p.deterministic) {
+    n_block = blockIdx.z, kv_head = blockIdx.x, batch = blockIdx.y;
+  } else {
+    n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  }
+}
+
 // -- the deterministic mode's ordered accumulation ------------------------------------------------
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;

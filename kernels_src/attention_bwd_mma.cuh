@@ -83,7 +83,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   float* sLse = reinterpret_cast<float*>(sDS + (Tr::kRegP ? 1 : 2) * BN * LP);  // [ST][BM], log2 units
   float* sDsum = sLse + ST * BM;                                                // [ST][BM]
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  int n_block, kv_head, batch;
+  bwd_block(p, n_block, kv_head, batch);
   const BwdSeq seq = bwd_seq(p, batch);
   const int sq = seq.sq, sk = seq.sk, n0 = n_block * BN;
   if (n0 >= sk) return;  // varlen: this sequence has fewer keys than the longest
@@ -290,10 +291,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
 #pragma unroll
         for (int dt = 0; dt < NTDQ; ++dt) {
           const int d = dq_dims + dt * 8 + 2 * t;
-          if (d < p.head_dim) {  // head_dim is a multiple of 8: d + 1 is in range too
-            atomicAdd(acc + row * p.head_dim + d, dq[mi][dt][2 * h]);
-            atomicAdd(acc + row * p.head_dim + d + 1, dq[mi][dt][2 * h + 1]);
-          }
+          if (d < p.head_dim)  // head_dim is a multiple of 8: d + 1 is in range too
+            red_add_pair(acc + row * p.head_dim + d, dq[mi][dt][2 * h], dq[mi][dt][2 * h + 1]);
         }
       }
     if (p.deterministic) sem_arrive(sem);

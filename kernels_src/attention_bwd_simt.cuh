@@ -44,7 +44,8 @@ __device__ __forceinline__ void attn_bwd_simt(const AttnBwdParams& p) {
   float* sL = sDS + BM * PS;     // [BM] LSE, log2 units
   float* sDsum = sL + BM;        // [BM]
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  int n_block, kv_head, batch;
+  bwd_block(p, n_block, kv_head, batch);
   const BwdSeq seq = bwd_seq(p, batch);
   const int sq = seq.sq, sk = seq.sk, n0 = n_block * BN;
   if (n0 >= sk) return;

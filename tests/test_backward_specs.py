@@ -128,10 +128,12 @@ def test_plan_grids_and_static_fields(monkeypatch):
     plan = _bwd.build_bwd_plan(_problem(deterministic=True), dev)
     pre, main, conv = plan.launches
     assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-128 // 8), 4, 2)
-    assert main.kernel.family == "attn_bwd_mma" and main.grid == (1, 2, 2) and main.block == (256, 1, 1)
+    # deterministic: key blocks slowest (kv heads, batch, key blocks)
+    assert main.kernel.family == "attn_bwd_mma" and main.grid == (2, 2, 1) and main.block == (256, 1, 1)
     assert main.shared_bytes == main.kernel.shared_bytes and conv.grid == (-(-100 // 8), 4, 2)
     assert plan.grads[0][0] == (2, 100, 4, 64) and plan.grads[1][0] == plan.grads[2][0] == (2, 70, 2, 64)
     params = plan.packer.pack(*range(1, 17))
     assert len(params) == main.kernel.params.size
+    assert _bwd.build_bwd_plan(_problem(Sk=300), dev).launches[1].grid == (3, 2, 2)  # key blocks fastest
     none = _bwd.build_bwd_plan(_problem(Sq=0, Sk=0), dev)
     assert none.launches == (None, None, None)

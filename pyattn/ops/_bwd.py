@@ -73,6 +73,13 @@ def _scratch(P, bm: int, deterministic: bool) -> tuple:
     return acc_b, acc_h, m_blocks, (*offs, max(at, _ALIGN_FLOATS))  # (never an empty block)
 
 
+def _main_grid(n_blocks: int, heads_kv: int, batch: int, deterministic: bool) -> tuple:
+    """Key blocks fastest (a head's blocks share its Q/dO in L2), or slowest with ``deterministic``
+    (blocks that take turns on a query tile then mostly run in different waves; see
+    ``bwd_block`` in kernels_src/attention_bwd_common.cuh)."""
+    return (heads_kv, batch, n_blocks) if deterministic else (n_blocks, heads_kv, batch)
+
+
 def build_bwd_plan(problem, device) -> BwdPlan:
     """The plan of a :class:`~pyattn.validate.backward.BackwardProblem` on ``device``."""
     P = problem.base
@@ -103,8 +110,8 @@ def build_bwd_plan(problem, device) -> BwdPlan:
     launches = (
         _Launch(get_kernel(pre, device), (-(-_up(Sq, bm) // pre.tiles.warps), Hq, B), (pre.threads, 1, 1), 0)
         if rows_launch else None,
-        _Launch(get_kernel(main, device), (-(-Sk // bn), P.heads_kv, B), (main.threads, 1, 1), main.shared_bytes)
-        if B > 0 and Sk > 0 else None,
+        _Launch(get_kernel(main, device), _main_grid(-(-Sk // bn), P.heads_kv, B, problem.deterministic),
+                (main.threads, 1, 1), main.shared_bytes) if B > 0 and Sk > 0 else None,
         _Launch(get_kernel(conv, device), (-(-Sq // conv.tiles.warps), Hq, B), (conv.threads, 1, 1), 0)
         if rows_launch else None,
     )

@@ -124,8 +124,14 @@ def _renamed(fn, name_of):
         raise
 
 
+_MAX_DETERMINISTIC_KEYS = 65535 * 32  # deterministic grids put key blocks (>= 32 keys) on gridDim.z
+
+
 def _finish(P, dout, out, lse, dq, dk, dv, deterministic, q, k, v) -> BackwardProblem:
     deterministic = check_bool("deterministic", deterministic)
+    if deterministic and getattr(P, "seqlen_k", 0) > _MAX_DETERMINISTIC_KEYS:
+        raise ValueError(f"deterministic: supported up to {_MAX_DETERMINISTIC_KEYS} keys per sequence, got "
+                         f"{P.seqlen_k}")
     do_st = _like_q(dout, q, P)
     o_st = _like_q(out, q, P)
     lse_st = _check_lse(lse, P.lse_shape(), P.on_device)
