@@ -99,12 +99,13 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   const Band band = make_band(p, sq, sk);
   int m_begin, m_end;
   band_query_tiles<BM>(band, n0, min(n0 + BN, sk) - 1, sq, m_begin, m_end);
-  const int n_m = m_end - m_begin, iters = n_m * p.group;
+  const int iters = (m_end - m_begin) * p.group;
 
   // One query tile's operands: Q and dO rows (cp.async), its LSE and dsum (plain loads, made
-  // visible by the barrier that precedes their use).
-  auto load_tile = [&](int it, int stage) {
-    const int hq = kv_head * p.group + it / n_m, m0 = (m_begin + it % n_m) * BM;
+  // visible by the barrier that precedes their use). Iterations walk (query head, query tile)
+  // head-major: all tiles of the group's first head, then the next.
+  auto load_tile = [&](int hq, int m, int stage) {
+    const int m0 = m * BM;
     const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
     const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
                     seq.q_row0 * p.dout_stride_s;
@@ -120,7 +121,7 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   // -- prologue: K, V and the first query tile in flight
   bwd_load_rows<Tr, BN>(sK, k, p.k_stride_s, n0, sk, p.head_dim);
   bwd_load_rows<Tr, BN>(sV, v, p.v_stride_s, n0, sk, p.head_dim);
-  if (iters > 0) load_tile(0, 0);
+  if (iters > 0) load_tile(kv_head * p.group, m_begin, 0);
   cp_async_commit();
 
   float dk[MTK][NTD][4], dv[MTK][NTD][4];
@@ -128,18 +129,20 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   zero_tiles<MTK, NTD>(dv);
   const int diag = sk - sq;
 
+  int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
   for (int it = 0; it < iters; ++it) {
-    const int hq = kv_head * p.group + it / n_m, m = m_begin + it % n_m, m0 = m * BM;
-    const int stage = ST == 2 ? (it & 1) : 0;
+    const int m0 = m * BM, stage = ST == 2 ? (it & 1) : 0;
+    const bool last_m = m + 1 == m_end;
+    const int hq_next = last_m ? hq + 1 : hq, m_next = last_m ? m_begin : m + 1;
     if (ST == 1 && it > 0) {  // one stage: every warp is done with the previous tile, then load in place
       __syncthreads();
-      load_tile(it, 0);
+      load_tile(hq, m, 0);
       cp_async_commit();
     }
     cp_async_wait<0>();
     __syncthreads();  // tile `it` landed for everyone; every warp is done with tile it - 1 (and sDS)
     if (ST == 2 && it + 1 < iters) {
-      load_tile(it + 1, stage ^ 1);
+      load_tile(hq_next, m_next, stage ^ 1);
       cp_async_commit();
     }
     const T* tQ = sQ + stage * BM * LD;
@@ -178,6 +181,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
 
     // -- P^T = exp2(score - LSE), dS^T = P^T (dP^T - dsum), both packed to T. Keys past the end
     // or outside the band get P = 0; a row that saw no key has LSE +inf, so P = 0 there too.
+    // Branch-free: a masked exponent becomes -inf (a select), so the 4 x MTK x NTQ exp2 of a warp
+    // issue back to back (a branch around each one serialised them behind their latency).
     const bool full = band_pair_full<BM, BN>(band, m0, n0, sq, sk);
     float slope = 0.f;
     if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + hq];
@@ -189,18 +194,29 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
         const int qc = q_base + nt * 8 + 2 * t;  // this lane's two query columns qc, qc + 1
         const float2 lse = *reinterpret_cast<const float2*>(tL + qc);
         const float2 dsum = *reinterpret_cast<const float2*>(tDs + qc);
-        float pv[4], ds[4];
+        const int key0 = n0 + key_base + mi * 16 + g, row0 = m0 + qc;
+        float x[4], dcap[4], pv[4], ds[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n0 + key_base + mi * 16 + g + (e >> 1) * 8, row = m0 + qc + (e & 1);
-          const float l = (e & 1) ? lse.y : lse.x, d0 = (e & 1) ? dsum.y : dsum.x;
-          float dcap = 1.f, sc;
-          if constexpr (Mods::kAny) sc = bwd_score<Mods>(p, s[mi][nt][e], slope, row, key, diag, dcap);
-          else sc = s[mi][nt][e] * p.scale_log2;
-          const bool ok = full || (key < sk && row < sq && band.allows(row, key));
-          pv[e] = ok ? fast_exp2(sc - l) : 0.f;
-          ds[e] = pv[e] * (dp[mi][nt][e] - d0);
-          if constexpr (Mods::kSoftcap) ds[e] *= dcap;
+          const float l = (e & 1) ? lse.y : lse.x;
+          dcap[e] = 1.f;
+          if constexpr (Mods::kAny)
+            x[e] = bwd_score<Mods>(p, s[mi][nt][e], slope, row0 + (e & 1), key0 + (e >> 1) * 8, diag, dcap[e]) - l;
+          else
+            x[e] = fmaf(s[mi][nt][e], p.scale_log2, -l);
+        }
+        if (!full) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + (e >> 1) * 8, row = row0 + (e & 1);
+            x[e] = key < sk && row < sq && band.allows(row, key) ? x[e] : -inf();
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pv[e] = fast_exp2(x[e]);
+          ds[e] = pv[e] * (dp[mi][nt][e] - ((e & 1) ? dsum.y : dsum.x));
+          if constexpr (Mods::kSoftcap) ds[e] *= dcap[e];
         }
         pp[mi][nt][0] = pack2<T>(pv[0], pv[1]);
         pp[mi][nt][1] = pack2<T>(pv[2], pv[3]);
@@ -296,6 +312,7 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
         }
       }
     if (p.deterministic) sem_arrive(sem);
+    hq = hq_next, m = m_next;
   }
 
   // -- epilogue: dK (scaled) and dV of this warp's keys, rounded to T, pairs of elements
