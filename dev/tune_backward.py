@@ -27,8 +27,8 @@ from pyattn import jit  # noqa: E402
 from pyattn.kernels.families import BwdTile, override_tiles, tile_table  # noqa: E402
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, select_attention_spec, select_backward_specs  # noqa: E402
 
-DEFAULT_ROWS = {64: ["128,128,8,1,4,2", "64,128,8,2,4,2", "64,64,4,1,4,2", "32,128,8,1,2,2"],
-                128: ["64,128,8,1,4,2", "64,128,8,2,4,2", "64,128,8,2,2,2", "64,64,4,1,2,2", "32,128,8,1,2,2"]}
+DEFAULT_ROWS = {64: ["64,128,8,1,4,2", "128,128,8,1,4,2", "128,128,16,2,4,2"],
+                128: ["64,128,8,1,2,2", "64,128,8,2,2,2", "64,128,16,2,4,2"]}
 
 
 def warm(arch: str) -> None:

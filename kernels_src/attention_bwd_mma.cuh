@@ -101,8 +101,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   band_query_tiles<BM>(band, n0, min(n0 + BN, sk) - 1, sq, m_begin, m_end);
   const int iters = (m_end - m_begin) * p.group;
 
-  // One query tile's operands: Q and dO rows (cp.async), its LSE and dsum (plain loads, made
-  // visible by the barrier that precedes their use). Iterations walk (query head, query tile)
+  // One query tile's operands: Q and dO rows, its LSE and dsum, all cp.async (one commit group).
+  // Iterations walk (query head, query tile)
   // head-major: all tiles of the group's first head, then the next.
   auto load_tile = [&](int hq, int m, int stage) {
     const int m0 = m * BM;
@@ -113,8 +113,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
     bwd_load_rows<Tr, BM>(sdO + stage * BM * LD, dout, p.dout_stride_s, m0, sq, p.head_dim);
     const long long r = acc_row(p, seq, batch, hq) + m0;  // padded rows exist up to the tile's end
     for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
-      sLse[stage * BM + i] = p.lse_log2[r + i];
-      sDsum[stage * BM + i] = p.dsum[r + i];
+      cp_async_4(sLse + stage * BM + i, p.lse_log2 + r + i);
+      cp_async_4(sDsum + stage * BM + i, p.dsum + r + i);
     }
   };
 

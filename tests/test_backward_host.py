@@ -10,6 +10,7 @@ import pytest
 
 import fake_driver
 import pyattn
+from pyattn.kernels.specs import KernelSpec
 
 
 @pytest.fixture
@@ -93,8 +94,9 @@ def test_varlen_passes_the_offsets(gpu, monkeypatch):
     monkeypatch.setattr(bwd, "fetch_values", lambda a: host[a.ptr])  # (the fake device holds no values)
     fake_driver.LAUNCHES.clear()
     dq, dk, dv = pyattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
-    # pre: the longest sequence (30) padded to a 64-row tile; main: keys of the longest (60) in 128-key blocks
-    assert [grid for _, grid, *_ in fake_driver.LAUNCHES] == [(64 // 8, 4, 2), (1, 2, 2), (30 // 8 + 1, 4, 2)]
+    # pre: the longest sequence (30) padded to one query tile; main: keys of the longest (60) in one key block
+    bm = KernelSpec("attn_bwd_mma", "f16", 64, "sm_90a").tiles.block_m  # (the fake GPU is an sm_90a)
+    assert [grid for _, grid, *_ in fake_driver.LAUNCHES] == [(bm // 8, 4, 2), (1, 2, 2), (30 // 8 + 1, 4, 2)]
     assert (dq.shape, dk.shape) == ((50, 4, 64), (70, 2, 64))
     params = fake_driver.LAUNCHES[0][3]
     assert params[:6] == (q.ptr, k.ptr, v.ptr, out.ptr, dout.ptr, lse.ptr)

@@ -127,9 +127,11 @@ def test_plan_grids_and_static_fields(monkeypatch):
     dev = types.SimpleNamespace(arch="sm_90a", ordinal=0)
     plan = _bwd.build_bwd_plan(_problem(deterministic=True), dev)
     pre, main, conv = plan.launches
-    assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-128 // 8), 4, 2)
+    bm = main.kernel.tiles.block_m
+    assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-100 // bm) * bm // 8, 4, 2)
     # deterministic: key blocks slowest (kv heads, batch, key blocks)
-    assert main.kernel.family == "attn_bwd_mma" and main.grid == (2, 2, 1) and main.block == (256, 1, 1)
+    assert main.kernel.family == "attn_bwd_mma" and main.grid == (2, 2, 1)
+    assert main.block == (main.kernel.threads, 1, 1)
     assert main.shared_bytes == main.kernel.shared_bytes and conv.grid == (-(-100 // 8), 4, 2)
     assert plan.grads[0][0] == (2, 100, 4, 64) and plan.grads[1][0] == plan.grads[2][0] == (2, 70, 2, 64)
     params = plan.packer.pack(*range(1, 17))

@@ -51,8 +51,20 @@ _BIG = (  # sm_80 (163 KiB per block)
     BwdTile(256, 64, 64, 8, 2, 4, 1, "d=256: dK + dV split over 2 warps per key slice (128 registers each); one "
                                      "Q/dO stage fits sm_80's 163 KiB (150.5 KiB)"),
 )
-_HOPPER = _BIG[:3] + (  # sm_90a / sm_100a (227 KiB per block)
-    BwdTile(256, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages (217 KiB)"),)
+# sm_90a / sm_100a (227 KiB per block). Measured on an H200 (BENCHMARKS.md, issue 14): at 8 warps the
+# kernel is latency-bound (ncu: 12.5% of warp slots, tensor pipe 36% busy, stalls on short scoreboard
+# and fixed latency); 16 warps, 4 per key slice, keep dK + dV at 64 registers and the kernel at 128
+# (512 threads), with no spill.
+_HOPPER = (
+    BwdTile(32, 64, 128, 8, 1, 4, 2, "the 8-warp d=64 row (16 warps would give dQ 8-dim slices, no ldmatrix "
+                                     "pair); 59 KiB"),
+    BwdTile(64, 128, 128, 16, 4, 4, 2, "16 warps, 4 per 32-key slice; 128-query steps; 178 KiB; run 2: the "
+                                       "8-warp 64 x 128 row 7.23 / 3.96 ms, 128 x 128 6.89 / 3.87 (4k, causal no/yes)"),
+    _BIG[1],  # d=96: 96 splits over 16 warps into no multiple-of-16 dQ slices
+    BwdTile(128, 64, 128, 16, 4, 4, 2, "16 warps, 4 per 32-key slice (dK + dV 64 registers); 173 KiB; run 2: the "
+                                       "8-warp row 6.30 / 3.52 ms, 2 warps per slice 5.82 / 3.24 (4k)"),
+    BwdTile(256, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages (217 KiB)"),
+)
 _SMALL = (  # sm_86 / sm_89 (99 KiB per block)
     BwdTile(64, 64, 128, 8, 1, 4, 2, "91 KiB at d=64, as on sm_80; unmeasured"),
     BwdTile(96, 64, 64, 4, 1, 4, 2, "64 keys x 4 warps: 88 KiB at d=96; unmeasured"),
