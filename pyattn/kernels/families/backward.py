@@ -51,19 +51,17 @@ _BIG = (  # sm_80 (163 KiB per block)
     BwdTile(256, 64, 64, 8, 2, 4, 1, "d=256: dK + dV split over 2 warps per key slice (128 registers each); one "
                                      "Q/dO stage fits sm_80's 163 KiB (150.5 KiB)"),
 )
-# sm_90a / sm_100a (227 KiB per block). Measured on an H200 (BENCHMARKS.md, issue 14): at 8 warps the
-# kernel is latency-bound (ncu: 12.5% of warp slots, tensor pipe 36% busy, stalls on short scoreboard
-# and fixed latency); 16 warps, 4 per key slice, keep dK + dV at 64 registers and the kernel at 128
-# (512 threads), with no spill.
+# sm_90a / sm_100a (227 KiB per block). Measured on an H200 (BENCHMARKS.md, issue 14; dev/tune_backward.py,
+# bf16 (4, 4096, 32 or 16 heads), ms non-causal / causal, device run 3 of the issue's session):
 _HOPPER = (
-    BwdTile(32, 64, 128, 8, 1, 4, 2, "the 8-warp d=64 row (16 warps would give dQ 8-dim slices, no ldmatrix "
-                                     "pair); 59 KiB"),
-    BwdTile(64, 128, 128, 16, 4, 4, 2, "16 warps, 4 per 32-key slice; 128-query steps; 178 KiB; run 2: the "
-                                       "8-warp 64 x 128 row 7.23 / 3.96 ms, 128 x 128 6.89 / 3.87 (4k, causal no/yes)"),
-    _BIG[1],  # d=96: 96 splits over 16 warps into no multiple-of-16 dQ slices
-    BwdTile(128, 64, 128, 16, 4, 4, 2, "16 warps, 4 per 32-key slice (dK + dV 64 registers); 173 KiB; run 2: the "
-                                       "8-warp row 6.30 / 3.52 ms, 2 warps per slice 5.82 / 3.24 (4k)"),
-    BwdTile(256, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages (217 KiB)"),
+    BwdTile(32, 64, 128, 8, 1, 4, 2, "the d=64 shape of sm_80 (dQ as 4 x 2 warps: 16-dim slices); unmeasured"),
+    BwdTile(64, 128, 128, 8, 1, 4, 2, "128-query steps: 6.91 / 3.85 ms; 64-query 7.22 / 3.99; 16 warps (4 or 2 per "
+                                      "key slice, 128 registers) 7.07 / 3.91 and 7.47 / 4.12; 147 KiB"),
+    _BIG[1],  # d=96: unmeasured
+    BwdTile(128, 64, 128, 8, 2, 2, 2, "2 warps per 32-key slice (P, dS via shared memory, 16% fewer shared bytes): "
+                                      "5.53 / 3.11 ms; 1 per 16-key slice 6.31 / 3.53; 16 warps 6.46 / 3.61 "
+                                      "(latency-bound at 8 warps, shared-memory-bound at 16); 173 KiB"),
+    BwdTile(256, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages (217 KiB); unmeasured"),
 )
 _SMALL = (  # sm_86 / sm_89 (99 KiB per block)
     BwdTile(64, 64, 128, 8, 1, 4, 2, "91 KiB at d=64, as on sm_80; unmeasured"),
