@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyattn.reference import (attention_backward_lowp, attention_backward_ref, attention_ref, attention_varlen_backward_ref,
-                              attention_varlen_ref, backward_error_bounds)
+from pyattn.reference import (attention_backward_lowp, attention_backward_ref, attention_ref,
+                              attention_varlen_backward_ref, attention_varlen_ref, backward_error_bounds)
 
 FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -145,6 +145,7 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(TypeError, match="^return_lse:"):
         attention_backward_ref(dout, q, k, v, return_lse=True)
     with pytest.raises(TypeError, match="^k, v, dout:"):
-        attention_backward_lowp(dout.astype(np.float32), q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
+        half = [x.astype(np.float16) for x in (q, k, v)]
+        attention_backward_lowp(dout.astype(np.float32), *half)
     with pytest.raises(ValueError, match="^floor:"):
         backward_error_bounds(dout, q, k, v, floor=-1.0)
