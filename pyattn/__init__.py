@@ -12,6 +12,8 @@ from ._version import __version__
 _EXPORTS = {
     "attention": "ops.attention",
     "attention_varlen": "ops.varlen",
+    "attention_backward": "ops.backward",
+    "attention_varlen_backward": "ops.backward",
     "merge_states": "ops.merge",
     "sparse_attention": "ops.sparse",
     "block_sparse_attention": "ops.block_sparse",

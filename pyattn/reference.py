@@ -17,7 +17,8 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["attention_ref", "attention_varlen_ref", "merge_states_ref", "attention_lowp",
-           "error_bound", "tree_ancestor_mask", "tree_attention_ref"]
+           "error_bound", "tree_ancestor_mask", "tree_attention_ref", "attention_backward_ref",
+           "attention_backward_lowp", "attention_varlen_backward_ref", "backward_error_bounds"]
 
 _FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64,
                                                ml_dtypes.bfloat16))
@@ -552,3 +553,9 @@ def error_bound(q, k, v, *, floor=None, **options) -> float:
         raise ValueError(f"floor: must be >= 0, got {floor}")
     diff = np.abs(attention_lowp(q, k, v, **options) - attention_ref(q, k, v, **options))
     return float(2.0 * np.max(diff, initial=0.0) + floor)
+
+
+# The backward's reference lives beside this module (this one is long enough); its names are part of
+# pyattn.reference. Imported last: it builds on the helpers above.
+from .reference_backward import (attention_backward_lowp, attention_backward_ref,  # noqa: E402
+                                 attention_varlen_backward_ref, backward_error_bounds)

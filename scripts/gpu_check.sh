@@ -43,6 +43,7 @@ if [[ $what == all || $what == bench ]]; then
   bench bench_quant "$tables" 60            # bf16 / int8 / fp8 KV caches: speed and accuracy
   bench bench_boundary "$tables" 45         # host time per input kind, NumPy vs its floor, torch after a compile
   bench bench_serving "$tables" 40          # paged chunked prefill vs dense, 64 x 512 batch, tree verify vs decode
+  bench bench_backward "$tables" 45         # backward vs SDPA FA2 / cuDNN backward (issue 14)
   # Examples: each examples/*.py must run to completion on the GPU (they print their own checks).
   for ex in examples/*.py; do
     [[ -f $ex ]] || continue

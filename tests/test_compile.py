@@ -142,6 +142,29 @@ def test_sparse_and_quantized_decode_variants_compile_for_every_arch(arch, sessi
         assert spec.entry_name.endswith(("_sparse", "_sparse64")) or "_kv" in spec.entry_name
 
 
+def _backward_specs(arch):
+    """The backward's kernels of ``arch``: both row kernels of a 16-bit and the fp32 dtype, and the main
+    kernel of each path (tensor cores with P in registers at d=128 with both modifiers, the split
+    path at d=256; CUDA cores at d=64 with both modifiers).
+    ``backward_specs(arch)`` lists all 30 per arch; compiling them all for every arch is a dev
+    check (about a minute here), not CI's."""
+    from pyattn.kernels.specs import select_backward_specs
+
+    specs = [s for dt, d, mods in (("float16", 128, {"softcap": True, "alibi": True}),
+                                   ("bfloat16", 256, {}), ("float32", 64, {"softcap": True, "alibi": True}))
+             for s in select_backward_specs(dt, d, arch, **mods)]
+    return list(dict.fromkeys(specs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    specs = _backward_specs(arch)
+    assert {s.family for s in specs} == {"attn_bwd_pre", "attn_bwd_mma", "attn_bwd_simt", "attn_bwd_convert"}
+    for spec, meta, _ in jit.build_many(specs, workers=2):
+        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+
+
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
     specs = [KernelSpec("attn_fwd_simt", "f16", 64, "sm_89"), KernelSpec("attn_fwd_simt", "bf16", 256, "sm_100a")]
     first = [jit.build(s) for s in specs]
@@ -296,7 +319,8 @@ def test_include_dir_cache_is_restored_after_override_tests():
 # --------------------------------------------------------------------------------------------
 # ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
 # --------------------------------------------------------------------------------------------
-_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i",
+_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i32_ptr": "Q", "u64_cptr": "Q",
+          "i64": "q", "i32": "i",
           "f32": "f"}
 
 

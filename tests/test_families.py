@@ -11,14 +11,14 @@ import pytest
 from pyattn import CompileError
 from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels import registry
-from pyattn.kernels.families import (FAMILIES, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family, override_tiles,
-                                     tile_config, tile_table)
+from pyattn.kernels.families import (FAMILIES, BwdTile, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family,
+                                     override_tiles, tile_config, tile_table)
 from pyattn.kernels.families.base import HEAD_DIM_BUCKETS, MAX_HEAD_DIM, Alignment, FixedTile, TileConfig
 from pyattn.kernels.specs import FAMILIES as FAMILY_NAMES
 from pyattn.kernels.specs import KernelSpec
 from pyattn.runtime.device import SUPPORTED_ARCHS
 
-ROW_TYPES = (FixedTile, MmaTile, WgmmaTile, DecodeTile)
+ROW_TYPES = (FixedTile, MmaTile, WgmmaTile, DecodeTile, BwdTile)
 
 
 def test_registry_is_the_family_names_in_order():
@@ -75,6 +75,10 @@ def _some_specs():
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
             yield KernelSpec("attn_prefill_mma", "f16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_tree_mma", "bf16", d, arch)
+            yield KernelSpec("attn_bwd_mma", "bf16", d, arch, softcap=d % 64 == 0)
+            yield KernelSpec("attn_bwd_simt", "f32", d, arch, alibi=True)
+        yield KernelSpec("attn_bwd_pre", "f16", 32, arch)
+        yield KernelSpec("attn_bwd_convert", "f32", 32, arch)
 
 
 def test_render_asserts_shared_memory_exactly_for_families_with_traits():

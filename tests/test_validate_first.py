@@ -73,6 +73,7 @@ def _bad_value(draw, name):
         "mask": [np.full((1, 1, 1, 1), np.nan), np.full((1, 1, 1, 1), 1e39), np.ones((7, 7), bool)],
         "tensor_layout": ["bsdh"],
         "block_size": [(15, 16), (16,), (0, 16), ("a", 16)],
+        "deterministic": ["yes", 1, None],
     }[name]
     return draw(st.sampled_from(options))
 
@@ -89,7 +90,8 @@ def blocked(monkeypatch):
 def calls(draw):
     """``(entry name, function, positional args, keyword args, what was broken)``."""
     entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
-                                  "merge_states", "paged_decode", "decode", "prefill", "verify_tree"]))
+                                  "merge_states", "paged_decode", "decode", "prefill", "verify_tree",
+                                  "attention_backward", "attention_varlen_backward"]))
     B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
     dt = draw(st.sampled_from([np.float16, BF16]))
     device = draw(st.booleans())
@@ -116,6 +118,20 @@ def calls(draw):
         args += [cu if not device else Dev((B + 1,), np.int32), cu if not device else Dev((B + 1,), np.int32)]
         kwargs, names = {}, ["q", "k", "v"]
         options = ["scale", "softcap", "window", "causal", "stream", "return_lse", "max_seqlen_q"]
+    elif entry == "attention_backward":  # (dout, q, k, v, out, lse): the forward's arrays and its LSE
+        f32 = (lambda shape: Dev(shape, np.float32)) if device else (lambda shape: np.zeros(shape, np.float32))
+        args = [arr((B, S, H, D)), arr((B, S, H, D)), arr((B, S, 2, D)), arr((B, S, 2, D)), arr((B, S, H, D)),
+                f32((B, H, S))]
+        kwargs, names = {}, ["dout", "q", "k", "v", "out", "lse"]
+        options = ["scale", "softcap", "window", "causal", "layout", "stream", "alibi_slopes", "deterministic"]
+    elif entry == "attention_varlen_backward":
+        T = B * S
+        f32 = (lambda shape: Dev(shape, np.float32)) if device else (lambda shape: np.zeros(shape, np.float32))
+        cu = np.arange(B + 1, dtype=np.int32) * S
+        args = [arr((T, H, D)), arr((T, H, D)), arr((T, 2, D)), arr((T, 2, D)), arr((T, H, D)), f32((H, T))]
+        args += [cu if not device else Dev((B + 1,), np.int32), cu if not device else Dev((B + 1,), np.int32)]
+        kwargs, names = {}, ["dout", "q", "k", "v", "out", "lse"]
+        options = ["scale", "softcap", "window", "causal", "stream", "max_seqlen_q", "deterministic"]
     elif entry == "merge_states":
         o = arr((B, S, H, D))
         lse = np.zeros((B, H, S), np.float32) if not device else Dev((B, H, S), np.float32)
@@ -240,6 +256,9 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
                                np.array([0, 3, 8], np.int32)),
         lambda: pyattn.verify_tree(np.zeros((1, 3, 4, 32), np.float16), cache(32, np.float16, [9]), [0],
                                    np.array([[-1, 0, 0]], np.int32)),
+        lambda: pyattn.attention_backward(q, q, kv, kv, q, np.zeros((1, 4, 8), np.float32), causal=True),
+        lambda: pyattn.attention_varlen_backward(q[0], q[0], kv[0], kv[0], q[0], np.zeros((4, 8), np.float32),
+                                                 np.array([0, 8], np.int32), np.array([0, 8], np.int32)),
     ]
     for call in valid:
         with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):

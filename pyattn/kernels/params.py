@@ -11,7 +11,7 @@ import struct
 from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
-           "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA"]
+           "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -20,6 +20,7 @@ _KINDS = {
     "f32_ptr": ("Q", "float*"),
     "f32_cptr": ("Q", "const float*"),
     "i32_cptr": ("Q", "const int*"),
+    "i32_ptr": ("Q", "int*"),
     "u64_cptr": ("Q", "const unsigned long long*"),
     "i64": ("q", "long long"),
     "i32": ("i", "int"),
@@ -38,8 +39,8 @@ class ParamStruct:
     name : str
         The C++ struct name (inside ``namespace pyattn``).
     fields : tuple of (str, str)
-        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``u64_cptr``, ``i64``,
-        ``i32``, ``f32``).
+        Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``i32_ptr``,
+        ``u64_cptr``, ``i64``, ``i32``, ``f32``).
     """
 
     __slots__ = ("name", "fields", "format", "size")
@@ -289,3 +290,29 @@ PAGED_FWD_EXTRA = ParamStruct(
     + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32")),
 )
 PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)
+
+
+# The backward pass (attention_bwd_*.cuh), one struct for its three kernels (pre, main, convert).
+# q, k, v, o, dout and the outputs dq, dk, dv are read/written with (b, s, h) element strides like
+# AttnFwdParams (varlen: stride_b 0, rows offset by cu_seqlens); the LSE the forward returned is
+# read at lse[b * lse_stride_b + h * lse_stride_h + (q_row0 + i) * lse_stride_s]. Scratch, fp32,
+# one row per (b, query head, query i): row index r = b * acc_stride_b + h * acc_stride_h + row0 + i
+# with row0 = cu_seqlens_q[b] + b * 128 for varlen (each sequence padded by 128 rows, so rows up to
+# the next multiple of block_m stay its own), else 0; lse_log2[r] (LSE in log2 units, +inf for a
+# row that sees no key), dsum[r] = rowsum(dout * o), dq_acc[r * head_dim + d]. sem: the deterministic
+# mode's per-(b, query head, query tile) counters, (b * heads_q + h) * m_blocks + m.
+ATTN_BWD_PARAMS = ParamStruct(
+    "AttnBwdParams",
+    (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr"), ("dout", "ptr"), ("lse", "f32_cptr"),
+     ("dq", "mut_ptr"), ("dk", "mut_ptr"), ("dv", "mut_ptr"), ("dq_acc", "f32_ptr"), ("lse_log2", "f32_ptr"),
+     ("dsum", "f32_ptr"), ("sem", "i32_ptr"), ("alibi", "f32_cptr"), ("cu_seqlens_q", "i32_cptr"),
+     ("cu_seqlens_k", "i32_cptr"))
+    + _strides("q") + _strides("k") + _strides("v") + _strides("o") + _strides("dout") + _strides("dq")
+    + _strides("dk") + _strides("dv")
+    + (("lse_stride_b", "i64"), ("lse_stride_h", "i64"), ("lse_stride_s", "i64"), ("acc_stride_b", "i64"),
+       ("acc_stride_h", "i64"))
+    + (("batch", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("seqlen_q", "i32"),
+       ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"), ("window_left", "i32"), ("window_right", "i32"),
+       ("alibi_stride_b", "i32"), ("m_blocks", "i32"), ("block_m", "i32"), ("deterministic", "i32"),
+       ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32")),
+)

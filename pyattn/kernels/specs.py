@@ -17,7 +17,8 @@ from .families.base import DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_H
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
            "MASK_KINDS", "KV_KINDS", "FAMILIES", "WGMMA_ARCHS", "select_attention_spec", "standard_specs",
-           "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config"]
+           "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config", "select_backward_specs",
+           "backward_specs"]
 
 FAMILIES = tuple(_REGISTRY)  # the family names; the records are pyattn.kernels.families.FAMILIES
 
@@ -228,3 +229,31 @@ def standard_specs(arch: str) -> list:
 def warmup_specs(arch: str) -> list:
     """What ``pyattn warmup`` precompiles for ``arch``: :func:`standard_specs` and :func:`decode_specs`."""
     return standard_specs(arch) + decode_specs(arch)
+
+
+def select_backward_specs(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, softcap: bool = False,
+                          alibi: bool = False) -> tuple:
+    """The three kernels of a backward call: ``(attn_bwd_pre, main, attn_bwd_convert)``.
+
+    The main kernel is ``attn_bwd_mma`` (mma.sync tensor cores, every arch including sm_90a) for
+    float16/bfloat16 and ``attn_bwd_simt`` (exact fp32 FMA) for float32, at the smallest head-dim
+    bucket >= ``head_dim``; the row kernels read the head dim at run time (one variant per dtype).
+    """
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
+    bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
+    if bucket is None:
+        raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
+    tag = DTYPES[dtype_name][0]
+    main = "attn_bwd_simt" if tag == "f32" else "attn_bwd_mma"
+    return (KernelSpec("attn_bwd_pre", tag, HEAD_DIM_BUCKETS[0], arch, ptx),
+            KernelSpec(main, tag, bucket, arch, ptx, softcap=bool(softcap), alibi=bool(alibi)),
+            KernelSpec("attn_bwd_convert", tag, HEAD_DIM_BUCKETS[0], arch, ptx))
+
+
+def backward_specs(arch: str) -> list:
+    """Every variant ``attention_backward`` can select on ``arch`` without score modifiers (``pyattn
+    warmup`` leaves them out: they compile on a first backward call, or warm them with
+    ``pyattn.jit.build_many(backward_specs(arch))``)."""
+    specs = [s for name in DTYPES for d in HEAD_DIM_BUCKETS for s in select_backward_specs(name, d, arch)]
+    return list(dict.fromkeys(specs))
