@@ -32,14 +32,15 @@ _PART_IN_OUT = 256 << 10
 
 @functools.lru_cache(maxsize=256)
 def _specs(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
-           kv: str = "", generation: int = 0) -> tuple:
+           kv: str = "", generation: int = 0, key_channel: bool = False) -> tuple:
     """(decode spec, combine spec) for ``rows`` = group * q_len query rows per kv head; ``kv``: the
     cache's 8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
-    replaced by ``override_tiles`` is read again."""
+    replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
-    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv),
+    return (KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
+                       key_channel=key_channel),
             KernelSpec("decode_combine", tag, next(b for b in HEAD_DIM_BUCKETS if b >= head_dim), arch, ptx))
 
 
@@ -78,7 +79,7 @@ def _build(P, device) -> DecodePlan:
     rows = P.group * P.q_len
     kv = pool.kv
     spec, cspec = _specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0,
-                         P.alibi is not None, kv, generation())
+                         P.alibi is not None, kv, generation(), pool.key_channel)
     kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)

@@ -19,6 +19,7 @@ from .base import CTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, Family, TileCo
 from .decode import ATTN_DECODE, KV_HEAD_DIM_BUCKETS, DecodeTile, decode_row
 from .fixed import ATTN_SPARSE, DECODE_COMBINE, KV_APPEND, MERGE_STATES
 from .mma import ATTN_FWD_MMA, ATTN_FWD_TF32, MmaTile
+from .paged import KV_KEY_PAGES, KV_SPARQ, SPARQ
 from .simt import ATTN_FWD_SIMT
 from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile, wgmma_shapes
 
@@ -28,7 +29,8 @@ __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTi
 
 FAMILIES = MappingProxyType({f.name: f for f in (
     ATTN_FWD_MMA, ATTN_FWD_SIMT, ATTN_FWD_TF32, ATTN_FWD_WGMMA, MERGE_STATES, ATTN_DECODE, DECODE_COMBINE, KV_APPEND,
-    ATTN_SPARSE)})
+    ATTN_SPARSE,
+    KV_KEY_PAGES, KV_SPARQ, SPARQ)})
 _NAMES = tuple(FAMILIES)
 
 
@@ -81,6 +83,9 @@ def check_spec(spec) -> None:
         raise ValueError(f"sparse: block-sparse tile lists are read by {_able('sparse')}, got {spec.family}")
     if spec.kv and not record.kv:
         raise ValueError(f"kv: only {_able('kv')} read quantized caches, got {spec.family}")
+    if spec.key_channel and not (record.key_channel and spec.kv):
+        raise ValueError(f"key_channel: per-channel key scales are read by {_able('key_channel')} over an 8-bit "
+                         f"cache (kv set), got {spec.family} with kv={spec.kv!r}")
 
 
 def tile_table(family: str, arch: str, table: str = "dense") -> tuple:

@@ -113,6 +113,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("_softcap" if spec.softcap else "") \
         + ("_alibi" if spec.alibi else "")
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
+    mods += "_kch" if spec.key_channel else ""
     ring = f"s{t.stages}" if stages else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
@@ -168,6 +169,8 @@ class Family:
         ``sparse`` / ``kv`` ones).
     sparse, kv, q_tiles : bool
         Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
+    key_channel : bool
+        Whether it reads 8-bit caches whose keys have per-(page, channel) scales.
     """
 
     name: str
@@ -189,6 +192,7 @@ class Family:
     sparse: bool = False
     kv: bool = False
     q_tiles: bool = False
+    key_channel: bool = False
 
     def __post_init__(self):
         # Read-only views: a table changes through override_tiles only, never by patching.
