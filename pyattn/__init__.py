@@ -17,6 +17,7 @@ _EXPORTS = {
     "block_sparse_attention": "ops.block_sparse",
     "decode": "ops.decode",
     "paged_decode": "ops.decode",
+    "sparq_decode": "ops.sparq",
     "PagedKVCache": "paged.cache",
     "OutOfPagesError": "paged.book",
     "DeviceArray": "array",

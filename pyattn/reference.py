@@ -497,3 +497,9 @@ def error_bound(q, k, v, *, floor=None, **options) -> float:
         raise ValueError(f"floor: must be >= 0, got {floor}")
     diff = np.abs(attention_lowp(q, k, v, **options) - attention_ref(q, k, v, **options))
     return float(2.0 * np.max(diff, initial=0.0) + floor)
+
+
+# SparQ attention (pyattn.sparq_decode): its own module, re-exported here with every op's reference.
+from .reference_sparq import sparq_ref, sparq_selection_scores  # noqa: E402
+
+__all__ += ["sparq_ref", "sparq_selection_scores"]
