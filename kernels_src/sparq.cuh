@@ -38,9 +38,9 @@ constexpr int kSparqWarps = kSparqThreads / 32;
 constexpr int kSparqSmemBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 2 * kSparqMaxDim + kSparqBins) +
                                 4 * kSparqWarps * kSparqMaxGroup * 2 + 64;
 
-// float -> uint32 with the same order (negative floats reversed below the positive ones).
+// float -> uint32 with the same order (negative floats reversed below the positive ones; -0 is +0).
 __device__ __forceinline__ unsigned sparq_order(float x) {
-  const unsigned b = __float_as_uint(x);
+  const unsigned b = x == 0.f ? 0u : __float_as_uint(x);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -85,6 +85,30 @@ __device__ __forceinline__ int sparq_claim(int* counter, int count) {
   int base = 0;
   if (lane == 31 && total) base = atomicAdd(counter, total);
   return __shfl_sync(kFullMask, base, 31) + incl - count;
+}
+
+// Warp 0's search over 256 counts c[0..255] (called by a whole warp): the largest t with
+// c[t] + ... + c[255] >= need (need <= the total), and above = c[t + 1] + ... + c[255]. Lane l sums
+// the 8 counts c[248 - 8l .. 255 - 8l], so the lanes' inclusive scan runs from the top down.
+__device__ __forceinline__ void sparq_find256(const unsigned* c, unsigned need, int& t, unsigned& above) {
+  const int lane = threadIdx.x % 32;
+  const int hi = 255 - 8 * lane;
+  unsigned mine = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mine += c[hi - i];
+  unsigned incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const unsigned ballot = __ballot_sync(kFullMask, incl >= need);
+  const int first = __ffs(ballot) - 1;  // the lane whose 8 counts hold the crossing
+  unsigned cum = __shfl_sync(kFullMask, incl - mine, first);
+  int bin = 255 - 8 * first;
+  for (int i = 0; i < 7 && cum + c[bin] < need; ++i) cum += c[bin--];  // (every lane: same values)
+  t = bin;
+  above = cum;
 }
 
 // Whether this block is the last of its row to pass here (threadfence reduction pattern).
@@ -286,21 +310,17 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   for (int i = 0; i < 16; ++i) s16 += hist_s[16 * tid + i];
   sums[tid] = s16;
   __syncthreads();
-  if (tid == 0) {
-    unsigned cum = 0u;
-    int t = kSparqThreads - 1;
-    for (; t > 0; --t) {
-      if (cum + sums[t] >= static_cast<unsigned>(k_eff)) break;
-      cum += sums[t];
-    }
+  if (tid < 32) {  // the 16-bin group holding the k-th largest, then the bin inside it
+    int t;
+    unsigned above;
+    sparq_find256(sums, static_cast<unsigned>(k_eff), t, above);
     int bin = 16 * t + 15;
-    for (; bin > 16 * t; --bin) {
-      if (cum + hist_s[bin] >= static_cast<unsigned>(k_eff)) break;
-      cum += hist_s[bin];
+    for (int i = 0; i < 15 && above + hist_s[bin] < static_cast<unsigned>(k_eff); ++i) above += hist_s[bin--];
+    if (tid == 0) {
+      info[0] = bin;
+      info[1] = static_cast<int>(above);
+      info[2] = k_eff;
     }
-    info[0] = bin;
-    info[1] = static_cast<int>(cum);
-    info[2] = k_eff;
   }
 }
 
@@ -359,16 +379,15 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
           if ((key & pmask) == prefix) atomicAdd(&h256[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (tid == 0) {
-          unsigned cum = 0u;
-          int d = 255;
-          for (; d > 0; --d) {
-            if (cum + h256[d] >= static_cast<unsigned>(remaining)) break;
-            cum += h256[d];
+        if (tid < 32) {
+          int d;
+          unsigned cum;
+          sparq_find256(h256, static_cast<unsigned>(remaining), d, cum);
+          if (tid == 0) {
+            sh[0] = d;
+            sh[1] = remaining - static_cast<int>(cum);
+            sh[2] = static_cast<int>(h256[d]);
           }
-          sh[0] = d;
-          sh[1] = remaining - static_cast<int>(cum);
-          sh[2] = static_cast<int>(h256[d]);
         }
         __syncthreads();
         const int d = sh[0];
