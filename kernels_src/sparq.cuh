@@ -2,8 +2,10 @@
 // 16-bit KV cache that keeps a transposed key copy kt (page, kv head, channel, slot) and running V
 // sums (PagedKVCache(..., sparq=True)). One kernel, launched once per stage (params.stage); the
 // attention over the chosen keys in between is the paged decode kernel (attention_decode.cuh).
-// A "row" is one (sequence b, kv head); its G = group query heads share the row's choices
-// (pyattn/reference_sparq.py defines the algorithm, and why):
+// A "row" is one (sequence b, row head rh) whose G query heads share the row's choices: with
+// select="group" the row heads are the kv heads and G the GQA group; with select="head" every query
+// head is a row (G = 1, kv head rh / kv_div), the paper's algorithm for each head
+// (pyattn/reference_sparq.py defines both, and why):
 //
 //  0 prep   (grid rows): the r channels with the largest sum over the group of |q| (ties: lower
 //           channel first); per head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|);
@@ -124,13 +126,13 @@ __device__ __forceinline__ bool sparq_last(int* counter, int blocks, int* flag) 
 
 template <typename T, class P>
 __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
-  const int row = blockIdx.x, b = row / p.heads_kv, kvh = row % p.heads_kv;
+  const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
   const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x;
   float* qs = reinterpret_cast<float*>(smem);                  // [G][D]
   float* w = qs + kSparqMaxGroup * kSparqMaxDim;                // [D]
   int* flag = reinterpret_cast<int*>(w + kSparqMaxDim);         // [D]
   float* th = reinterpret_cast<float*>(flag + kSparqMaxDim);    // [G]
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(kvh) * G * p.q_stride_h;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(rh) * G * p.q_stride_h;
   for (int e = tid; e < G * D; e += kSparqThreads) qs[e] = to_float(q[(e / D) * p.q_stride_h + e % D]);
   __syncthreads();
   // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc))
@@ -198,7 +200,7 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
 
 template <typename T, class P>
 __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
-  const int row = blockIdx.y, b = row / p.heads_kv, kvh = row % p.heads_kv;
+  const int row = blockIdx.y, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
   const int n = p.kv_len[b], c0 = blockIdx.x * kSparqChunk;
   if (c0 >= n) return;  // block-uniform; such blocks are not counted below
   const int G = p.group, R = p.r, tid = threadIdx.x, ps = p.page_size, warp = tid / 32, lane = tid % 32;
@@ -326,7 +328,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
 
 template <typename T, class P>
 __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
-  const int row = blockIdx.y, b = row / p.heads_kv, kvh = row % p.heads_kv;
+  const int row = blockIdx.y, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
   const int n = p.kv_len[b], c0 = blockIdx.x * kSparqChunk;
   if (c0 >= n) return;
   const int tid = threadIdx.x, ps = p.page_size, H = p.heads_kv;
@@ -420,7 +422,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
 
 template <typename T, class P>
 __device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
-  const int row = blockIdx.x, b = row / p.heads_kv, kvh = row % p.heads_kv;
+  const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
   const int G = p.group, D = p.head_dim, tid = threadIdx.x, n = p.kv_len[b], k_eff = min(p.k, n);
   float* alpha = reinterpret_cast<float*>(smem);
   if (tid < G) {
@@ -438,7 +440,7 @@ __device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
   __syncthreads();
   const float* vs = p.vsum + p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * D;
   const T* o = static_cast<const T*>(p.o) + static_cast<long long>(row) * 2 * G * D;
-  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + static_cast<long long>(kvh) * G * p.out_stride_h;
+  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + static_cast<long long>(rh) * G * p.out_stride_h;
   const float len = static_cast<float>(n);
   for (int e = tid; e < G * D; e += kSparqThreads) {
     const int h = e / D, c = e % D;

@@ -16,6 +16,9 @@ is the paper's multi-head case), keys K and values V (L tokens):
 4. Per head ``s^_h = softmax(scale * q~_h . K[:, i1])`` over all L keys and ``alpha_h = sum_i2 s^_h``
    (1 when every key is chosen).
 5. ``y_h = alpha_h * softmax(scale * q_h . K[i2]) V[i2] + (1 - alpha_h) * mean(V)``.
+
+``select="head"`` runs all of it for each query head alone (G = 1: the paper's algorithm per head,
+as a GQA model's K/V repeated per query head), at up to G times the bytes.
 """
 
 from __future__ import annotations
@@ -57,7 +60,17 @@ def _approx_queries(Q: np.ndarray, i1: np.ndarray, rnd) -> np.ndarray:
     return rnd(Q[:, i1] * t[:, None])
 
 
-def sparq_selection_scores(q, keys, r: int, *, rounding=None) -> list:
+def _per_head(q, keys, values, select):
+    """``select="head"``: K/V repeated per query head, so every head is its own group."""
+    if select not in ("group", "head"):
+        raise ValueError(f"select: expected 'group' or 'head', got {select!r}")
+    if select == "group":
+        return keys, values
+    rep = [np.repeat(np.asarray(x), np.asarray(q).shape[2] // np.asarray(x).shape[1], axis=1) for x in keys]
+    return rep, [np.repeat(np.asarray(x), np.asarray(q).shape[2] // np.asarray(x).shape[1], axis=1) for x in values]
+
+
+def sparq_selection_scores(q, keys, r: int, *, rounding=None, select: str = "group") -> list:
     """Step 3's scores ``sum_h q~_h . K[i, i1]`` in float64, and their magnitudes for tolerances.
 
     Parameters
@@ -68,11 +81,14 @@ def sparq_selection_scores(q, keys, r: int, *, rounding=None) -> list:
     rounding : numpy dtype, optional
         Round q~ to this dtype first (what the kernel does with the query dtype).
 
+    select : {"group", "head"}
+
     Returns
     -------
     list of (scores, magnitude)
-        Per sequence, float64 arrays (heads_kv, L): the scores and ``sum_h sum_j |q~_hj K[i, j]|``.
+        Per sequence, float64 arrays (row heads, L): the scores and ``sum_h sum_j |q~_hj K[i, j]|``.
     """
+    keys, _ = _per_head(q, keys, keys, select)
     q, ks, _ = _rows(q, keys, keys)
     rnd = (lambda x: x.astype(rounding).astype(np.float64)) if rounding is not None else (lambda x: x)
     out = []
@@ -95,8 +111,8 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def sparq_ref(q, keys, values, *, r: int, k: int, scale=None, chosen=None, lowp: bool = False,
-              return_details: bool = False):
+def sparq_ref(q, keys, values, *, r: int, k: int, scale=None, select: str = "group", chosen=None,
+              lowp: bool = False, return_details: bool = False):
     """SparQ attention of one query token per sequence (see the module docstring).
 
     Parameters
@@ -108,15 +124,17 @@ def sparq_ref(q, keys, values, *, r: int, k: int, scale=None, chosen=None, lowp:
         Channels of the approximate scores (1 <= r <= head_dim) and keys attended (k >= 1).
     scale : float, optional
         Default ``1 / sqrt(head_dim)``.
+    select : {"group", "head"}
+        Who shares the choices: each kv head's group of query heads, or nobody (see the module docstring).
     chosen : sequence, optional
-        Per sequence, per kv head, the positions to attend instead of step 3's choice (e.g. what a
+        Per sequence, per row head (kv head, or query head with ``select="head"``), the positions to attend instead of step 3's choice (e.g. what a
         kernel chose: its output is then checked against the same set).
     lowp : bool
         The naive same-precision computation in q's dtype T: q~ and the approximate logits rounded
         to T, softmaxes and alpha in float32, the attention as ``reference.attention_lowp``, mean(V)
         in float32, the blend rounded to T.
     return_details : bool
-        Also return a dict: ``channels`` (batch, heads_kv, r), ``chosen`` (per sequence (heads_kv,
+        Also return a dict: ``channels`` (batch, row heads, r), ``chosen`` (per sequence (row heads,
         k') positions, ascending), ``alpha`` (batch, heads_q).
 
     Returns
@@ -126,6 +144,7 @@ def sparq_ref(q, keys, values, *, r: int, k: int, scale=None, chosen=None, lowp:
     """
     from .reference import attention_lowp, attention_ref
 
+    keys, values = _per_head(q, keys, values, select)
     q, ks, vs = _rows(q, keys, values)
     D = q.shape[3]
     if isinstance(r, bool) or not 1 <= int(r) <= D or isinstance(k, bool) or int(k) < 1:

@@ -8,7 +8,10 @@ Usage: PYTHONPATH=. python scripts/bench_sparq.py [--json out.json] [--quick] [-
   page --page) per replica, filled by append() of random bf16 K/V made on the device with torch; the
   same K/V also as contiguous torch tensors for SDPA. GPU us (harness.Bench.gpu_ms, pre-roll, median):
   pyattn.sparq_decode and pyattn.decode (exact) over the same cache, torch SDPA (FA2, cuDNN) over the
-  contiguous K/V with enable_gqa. x exact = decode us / sparq us; x FA2 / x cuDNN likewise.
+  contiguous K/V with enable_gqa. x exact = decode us / sparq us; x FA2 / x cuDNN likewise. SparQ with
+  select="group" (a GQA group shares the choices; the target's mode) and, "head us", select="head" (each query
+  head its own: the paper's algorithm, up to G times the bytes). "L/8 us": exact decode over a cache of L/8
+  tokens per sequence, what SparQ's attention step over its k = L/8 chosen keys costs at best (contiguous pages).
 - Bytes: exact = K + V (2 bytes an element). SparQ (model): the r chosen rows of the transposed keys
   (r * page * 2 bytes a page, kv head), k full K and V rows, and 8 bytes a key for its score (written,
   read); GB/s = model bytes / GPU time. "wall us": a Python loop of sparq_decode with a torch query
@@ -18,8 +21,8 @@ Usage: PYTHONPATH=. python scripts/bench_sparq.py [--json out.json] [--quick] [-
   mean query: attention concentrates); outlier channels (4 key channels x30); llm-like (a few key
   channels with a large shared mean, log-normal channel scales, low-rank values, queries leaning on
   the mean direction). For r in D/4, D/8 and k in L/8, L/32: max and mean abs error, max error /
-  max |exact|, alpha's range, and two yardsticks: the mean of V alone, and exact attention over
-  the true top-k keys without the mean (an oracle choice). "own ref": pyattn against the fp64
+  max |exact|, alpha's range, for select="group" and "head", and two yardsticks: the mean of V
+  alone, and exact attention over each query head's true top-k keys without the mean (an oracle). "own ref": pyattn against the fp64
   SparQ reference over pyattn's own choice (the kernel's exactness; flagged above 2e-2).
 - Target: "SparQ >= 3x faster than exact decode at k = L/8, r = D/4", per configuration at L >= 32k.
 """
@@ -89,8 +92,14 @@ def speed_row(bench, args, B: int, ctx: int) -> dict:
     q_d = harness.to_pyattn(q, bench.stream)
     s = bench.stream
     sparq = [lambda c=c, ids=ids: pyattn.sparq_decode(q_d, c, ids, r=r, k=k, stream=s) for c, ids in caches]
+    head = [lambda c=c, ids=ids: pyattn.sparq_decode(q_d, c, ids, r=r, k=k, select="head", stream=s)
+            for c, ids in caches]
     exact = [lambda c=c, ids=ids: pyattn.decode(q_d, c, ids, stream=s) for c, ids in caches]
-    for name, fns in (("sparq", sparq), ("exact", exact)):
+    small = pyattn.PagedKVCache(B * -(-k // args.page) + 8, args.page, HKV, D, "bfloat16")
+    small_ids = [small.add_sequence() for _ in range(B)]
+    fill(bench, small, small_ids, k, 5, keep=False)
+    tail = [lambda: pyattn.decode(q_d, small, small_ids, stream=s)]
+    for name, fns in (("sparq", sparq), ("head", head), ("exact", exact), ("l8", tail)):
         t = attempt(row, name, lambda: bench.gpu_ms(fns, loop=args.loop, reps=args.reps, label=f"{name} B{B} L{ctx}"))
         row[f"{name}_us"] = t.ms * 1e3 if t else None
     row["wall_us"] = attempt(row, "sparq wall (torch q)", lambda: bench.wall_ms(
@@ -104,7 +113,7 @@ def speed_row(bench, args, B: int, ctx: int) -> dict:
     out_s, out_e = (harness.to_torch(f()).float() for f in (sparq[0], exact[0]))
     row["err_vs_exact"] = (out_s - out_e).abs().max().item()
     row["max_exact"] = out_e.abs().max().item()
-    del k_c, v_c, caches
+    del k_c, v_c, caches, small
     return row
 
 
@@ -161,8 +170,7 @@ def datasets(rng):
 def run_accuracy(bench, args, result) -> None:
     import ml_dtypes
 
-    from pyattn.reference import attention_ref
-    from pyattn.reference import sparq_ref
+    from pyattn.reference import attention_ref, sparq_ref
 
     bf = ml_dtypes.bfloat16
     rng = np.random.default_rng(13)
@@ -173,37 +181,39 @@ def run_accuracy(bench, args, result) -> None:
         cache.append(ids, k, v, stream=bench.stream)
         exact = attention_ref(q, k, v)
         mean_only = np.broadcast_to(v.astype(np.float64).mean(1).repeat(G, axis=1)[:, None], exact.shape)
-        scores = np.einsum("bghd,blhd->bghl", q[:, 0].astype(np.float64).reshape(AB, HKV, G, D).transpose(0, 2, 1, 3),
-                           k.astype(np.float64)) / math.sqrt(D)
-        for r in (D // 4, D // 8):
-            for kk in (ACTX // 8, ACTX // 32):
-                row = {"dataset": name, "r": r, "k": kk}
-                try:
-                    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=kk, return_indices=True, stream=bench.stream)
-                    out = out.astype(np.float64)
-                    e = np.abs(out - exact)
-                    row.update(max_err=e.max(), mean_err=e.mean(), rel_err=e.max() / np.abs(exact).max(),
-                               mean_only_err=np.abs(mean_only - exact).max())
-                    chosen = [[pos[b, h] for h in range(HKV)] for b in range(AB)]
-                    own, det = sparq_ref(q, list(k), list(v), r=r, k=kk, chosen=chosen, return_details=True)
-                    row["own_err"] = np.abs(out - own).max()
-                    row["alpha_min"], row["alpha_max"] = det["alpha"].min(), det["alpha"].max()
-                    top = np.argsort(-scores.sum(1), axis=-1)[..., :kk]  # the group's true top-k
-                    oracle = np.stack([attention_ref(q[b:b + 1, :, h * G:(h + 1) * G], k[b:b + 1, top[b, h], h:h + 1],
-                                                     v[b:b + 1, top[b, h], h:h + 1])[0, 0]
-                                       for b in range(AB) for h in range(HKV)]).reshape(AB, 1, HQ, D)
-                    row["oracle_err"] = np.abs(oracle - exact).max()
-                    if not row["own_err"] <= 2e-2 * max(1.0, np.abs(own).max()):
-                        row["flagged"] = True
-                        print(f"!!!!! WARNING: sparq_decode differs from its fp64 reference by {row['own_err']:.3e} "
-                              f"({name}, r={r}, k={kk}) !!!!!")
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc()
-                    row.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:300]}")
-                result["accuracy"].append(row)
-                print(f"  {name} r={r} k={kk}: max err {fmt(row.get('max_err'), '.3e')} (mean only "
-                      f"{fmt(row.get('mean_only_err'), '.2e')}, oracle top-k {fmt(row.get('oracle_err'), '.2e')})",
-                      flush=True)
+        scores = np.einsum("bhd,blhd->bhl", q[:, 0].astype(np.float64),
+                           np.repeat(k.astype(np.float64), G, axis=2)) / math.sqrt(D)  # per query head
+        for select, r, kk in [(sel, r, kk) for sel in ("group", "head") for r, kk in
+                              ((D // 4, ACTX // 8), (D // 8, ACTX // 8), (D // 4, ACTX // 32))]:
+            row = {"dataset": name, "select": select, "r": r, "k": kk}
+            try:
+                out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=kk, select=select, return_indices=True,
+                                               stream=bench.stream)
+                out = out.astype(np.float64)
+                e = np.abs(out - exact)
+                row.update(max_err=e.max(), mean_err=e.mean(), rel_err=e.max() / np.abs(exact).max(),
+                           mean_only_err=np.abs(mean_only - exact).max())
+                chosen = [list(pos[b]) for b in range(AB)]
+                own, det = sparq_ref(q, list(k), list(v), r=r, k=kk, select=select, chosen=chosen,
+                                     return_details=True)
+                row["own_err"] = np.abs(out - own).max()
+                row["alpha_min"], row["alpha_max"] = det["alpha"].min(), det["alpha"].max()
+                top = np.argsort(-scores, axis=-1)[..., :kk]  # each query head's true top-k
+                oracle = np.stack([attention_ref(q[b:b + 1, :, h:h + 1], k[b:b + 1, top[b, h], h // G:h // G + 1],
+                                                 v[b:b + 1, top[b, h], h // G:h // G + 1])[0, 0, 0]
+                                   for b in range(AB) for h in range(HQ)]).reshape(AB, 1, HQ, D)
+                row["oracle_err"] = np.abs(oracle - exact).max()
+                if not row["own_err"] <= 2e-2 * max(1.0, np.abs(own).max()):
+                    row["flagged"] = True
+                    print(f"!!!!! WARNING: sparq_decode differs from its fp64 reference by {row['own_err']:.3e} "
+                          f"({name}, {select}, r={r}, k={kk}) !!!!!")
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            result["accuracy"].append(row)
+            print(f"  {name} {select} r={r} k={kk}: max err {fmt(row.get('max_err'), '.3e')} (mean only "
+                  f"{fmt(row.get('mean_only_err'), '.2e')}, oracle top-k {fmt(row.get('oracle_err'), '.2e')})",
+                  flush=True)
         harness.save_json(args.json, result)
 
 
@@ -212,17 +222,18 @@ def tables(result) -> list:
         f"\n== SparQ vs exact decode: Hq={HQ}, Hkv={HKV}, D={D}, bf16, q_len 1, r = D/4, k = L/8; d2d copy "
         f"{fmt(result.get('copy_gbs'), '.0f')} GB/s",
         ("batch", "ctx", "page", "sparq us", "exact us", "x exact", "FA2 us", "x FA2", "cuDNN us", "x cuDNN",
-         "SparQ MB (model)", "exact MB", "SparQ GB/s", "wall us (torch q)", "max err vs exact"),
+         "SparQ MB (model)", "exact MB", "SparQ GB/s", "wall us (torch q)", "max err vs exact", "head us", "L/8 us"),
         [(r["batch"], r["ctx"], r.get("page", "-"), fmt(r.get("sparq_us"), ".1f"), fmt(r.get("exact_us"), ".1f"),
           fmt(r.get("x_exact"), ".2f"), fmt(r.get("fa2_us"), ".1f"), fmt(r.get("x_fa2"), ".2f"),
           fmt(r.get("cudnn_us"), ".1f"), fmt(r.get("x_cudnn"), ".2f"), fmt(r.get("sparq_mb"), ".0f"),
           fmt(r.get("exact_mb"), ".0f"), fmt(r.get("gbs"), ".0f"), fmt(r.get("wall_us"), ".1f"),
-          fmt(r.get("err_vs_exact"), ".2e")) for r in result["speed"]])
+          fmt(r.get("err_vs_exact"), ".2e"), fmt(r.get("head_us"), ".1f"), fmt(r.get("l8_us"), ".1f"))
+         for r in result["speed"]])
     return out + harness.md_table(
         f"\n== SparQ accuracy against fp64 exact attention: B={AB}, L={ACTX}, bf16",
-        ("dataset", "r", "k", "max err", "mean err", "max err / max abs(exact)", "alpha min..max", "mean(V) only",
+        ("dataset", "select", "r", "k", "max err", "mean err", "max err / max abs(exact)", "alpha min..max", "mean(V) only",
          "oracle top-k, no mean", "own ref (kernel)"),
-        [(r["dataset"], r["r"], r["k"], fmt(r.get("max_err"), ".2e") + (" !" if r.get("flagged") else ""),
+        [(r["dataset"], r.get("select", "-"), r["r"], r["k"], fmt(r.get("max_err"), ".2e") + (" !" if r.get("flagged") else ""),
           fmt(r.get("mean_err"), ".2e"), fmt(r.get("rel_err"), ".2e"),
           f"{fmt(r.get('alpha_min'), '.2f')}..{fmt(r.get('alpha_max'), '.2f')}", fmt(r.get("mean_only_err"), ".2e"),
           fmt(r.get("oracle_err"), ".2e"), fmt(r.get("own_err"), ".1e")) for r in result["accuracy"]])

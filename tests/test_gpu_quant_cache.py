@@ -246,7 +246,7 @@ def test_per_channel_pages_follow_the_rule(ops, page_size, num_pages, dtype, see
                       for s in ids]
             snap = key_pools()
             try:
-                cache.append(ids, pyattn.asarray(k) if r % 3 == 0 else k, v, counts=counts)
+                cache.append(ids, *((pyattn.asarray(k), pyattn.asarray(v)) if r % 3 == 0 else (k, v)), counts=counts)
             except pyattn.OutOfPagesError:
                 for got, want in zip(key_pools(), snap):
                     _assert_bits(got, want, "key pools after OutOfPagesError")

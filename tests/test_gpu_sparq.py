@@ -58,12 +58,12 @@ def _fill(cache, seqs, dt):
     return ids
 
 
-def _check(q, seqs, out, pos, r, k, dtype):
+def _check(q, seqs, out, pos, r, k, dtype, select="group"):
     """The kernel's choice is a top-k up to rounding; its output is SparQ over that choice."""
     t = DTYPES[dtype]
     ks, vs = [s[0].astype(t) for s in seqs], [s[1].astype(t) for s in seqs]
     chosen = []
-    for b, (sc, mag) in enumerate(sparq_selection_scores(q, ks, r, rounding=t)):
+    for b, (sc, mag) in enumerate(sparq_selection_scores(q, ks, r, rounding=t, select=select)):
         L = sc.shape[1]
         k_eff = min(k, L)
         rows = []
@@ -72,13 +72,13 @@ def _check(q, seqs, out, pos, r, k, dtype):
             assert len(np.unique(c)) == k_eff and c.min() >= 0 and c.max() < L, (b, h, np.sort(c))
             rest = np.setdiff1d(np.arange(L), c)
             # q~ may differ by one rounding of the query dtype from float64's (its temperature is a float32)
-            tol = (2.0 * float(np.finfo(t).eps) + 64 * 2.0**-24) * mag[h].max()
+            tol = (2.0 * float(ml_dtypes.finfo(t).eps) + 64 * 2.0**-24) * mag[h].max()
             if len(rest):
                 assert sc[h, rest].max() <= sc[h, c].min() + tol, (b, h, sc[h, rest].max(), sc[h, c].min(), tol)
             rows.append(c)
         chosen.append(rows)
-    ref = sparq_ref(q, ks, vs, r=r, k=k, chosen=chosen)
-    low = sparq_ref(q, ks, vs, r=r, k=k, chosen=chosen, lowp=True)
+    ref = sparq_ref(q, ks, vs, r=r, k=k, select=select, chosen=chosen)
+    low = sparq_ref(q, ks, vs, r=r, k=k, select=select, chosen=chosen, lowp=True)
     bound = 2 * np.abs(low - ref).max() + FLOOR[dtype]
     err = np.abs(np.asarray(out).astype(np.float64) - ref)
     assert not np.isnan(err).any()
@@ -89,8 +89,8 @@ def _check(q, seqs, out, pos, r, k, dtype):
 @given(lengths=st.lists(st.integers(1, 2500) | st.sampled_from([1, 8, 1023, 1024, 1025]), min_size=1, max_size=3),
        page_size=st.sampled_from([8, 16, 64]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 4, 8]),
        D=st.sampled_from([64, 128]), dtype=st.sampled_from(["float16", "bfloat16"]), r_frac=st.sampled_from([1, 4, 8]),
-       k=st.integers(1, 700), seed=st.integers(0, 2**31 - 1))
-def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r_frac, k, seed):
+       k=st.integers(1, 700), select=st.sampled_from(["group", "head"]), seed=st.integers(0, 2**31 - 1))
+def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r_frac, k, select, seed):
     rng = np.random.default_rng(seed)
     t = DTYPES[dtype]
     q = rng.standard_normal((len(lengths), 1, Hkv * group, D)).astype(t)
@@ -99,9 +99,10 @@ def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r
     cache = pyattn.PagedKVCache(sum(-(-n // page_size) for n in lengths) + 4, page_size, Hkv, D, dtype, sparq=True)
     ids = _fill(cache, seqs, t)
     r = max(1, D // r_frac)
-    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=k, return_indices=True)
-    assert out.shape == q.shape and out.dtype == t and pos.shape == (len(lengths), Hkv, min(k, max(lengths)))
-    _check(q, seqs, out, pos, r, k, dtype)
+    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=k, select=select, return_indices=True)
+    rows = Hkv * group if select == "head" else Hkv
+    assert out.shape == q.shape and out.dtype == t and pos.shape == (len(lengths), rows, min(k, max(lengths)))
+    _check(q, seqs, out, pos, r, k, dtype, select)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

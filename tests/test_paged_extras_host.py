@@ -71,6 +71,9 @@ def test_sparq_state_and_decode_launches(gpu):
     assert names[1][1] == (rows, 1, 1) and names[2][1] == names[3][1] == (2, rows, 1)  # 1500 keys: 2 chunks
     assert names[-1] == ("sparq", (rows, 1, 1))
     assert out.shape == (3, 1, 8, 64) and pos.shape == (3, 2, 100) and not cache._sq.dirty
+    _, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, select="head", return_indices=True)
+    names = _launched()
+    assert names[0] == ("sparq", (3 * 8, 1, 1)) and pos.shape == (3, 8, 100)  # a row per query head
     cache.free(a)
     assert a not in cache._sq.row_of
     host = pyattn.sparq_decode(np.ones((1, 1, 8, 64), ml_dtypes.bfloat16), cache, [b], r=64, k=5000)
@@ -104,7 +107,9 @@ def test_sparq_decode_needs_a_sparq_cache_and_live_tokens(gpu):
     s = cache.add_sequence()
     with pytest.raises(ValueError, match="^seq_ids: SparQ needs at least one cached token"):
         pyattn.sparq_decode(q, cache, [s], r=8, k=4)
-    with pytest.raises(ValueError, match="^q: SparQ takes at most 16 query heads"):
+    with pytest.raises(ValueError, match="^select: expected one of"):
+        pyattn.sparq_decode(q, cache, [s], r=8, k=4, select="heads")
+    with pytest.raises(ValueError, match=r"^q: SparQ \(select='group'\) takes at most 16 query heads"):
         pyattn.sparq_decode(np.ones((1, 1, 64, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)
     with pytest.raises(ValueError, match="^q: SparQ decodes one new token"):
         pyattn.sparq_decode(np.ones((1, 2, 4, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)

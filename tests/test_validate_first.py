@@ -76,6 +76,7 @@ def _bad_value(draw, name):
         "r": [0, 1000, -1, 1.5, True, "4", None],
         "k": [0, -3, 2**31, 2.5, False, None, "8"],
         "return_indices": ["yes", 1, None],
+        "select": ["heads", 1, None, "GROUP"],
     }[name]
     return draw(st.sampled_from(options))
 
@@ -129,7 +130,7 @@ def calls(draw):
         if entry == "sparq_decode":
             args += [draw(st.just("SPARQ")), list(range(B))]
             kwargs = {"r": draw(st.integers(1, D)), "k": draw(st.integers(1, 64))}
-            options = ["scale", "stream", "return_indices", "r", "k"]
+            options = ["scale", "stream", "return_indices", "r", "k", "select"]
         elif entry == "paged_decode":
             pool = Dev((8, 16, 2, D), dt)
             args += [pool, pool]

@@ -231,7 +231,8 @@ KV_SPARQ_PARAMS = ParamStruct(
     + (("n_items", "i32"), ("n_jobs", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
 )
 
-# SparQ decode stages (sparq.cuh). ws: one workspace; off_*: byte offsets of its parts (q~ values at
+# SparQ decode stages (sparq.cuh). Rows are (sequence, row head): row_heads per sequence, each with
+# `group` query heads (q heads rh * group ...), reading kv head rh / kv_div. ws: one workspace; off_*: byte offsets of its parts (q~ values at
 # 0, then qbar, per-block softmax partials, order-key scores, histograms, counters, thresholds,
 # chosen channels, candidate keys and positions), laid out by pyattn.ops.sparq. The page table is
 # the cache's CSR (page_indices, page_indptr, kv_len); sel / sel_pos / dec_len are the decode's
@@ -248,5 +249,5 @@ SPARQ_PARAMS = ParamStruct(
     + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("out_stride_b", "i64"), ("out_stride_h", "i64"),
        ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
     + (("batch", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("head_dim", "i32"), ("page_size", "i32"),
-       ("r", "i32"), ("k", "i32"), ("scale_log2", "f32")),
+       ("r", "i32"), ("k", "i32"), ("scale_log2", "f32"), ("row_heads", "i32"), ("kv_div", "i32")),
 )

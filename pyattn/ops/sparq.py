@@ -45,19 +45,20 @@ class _Plan(NamedTuple):
 
 def _build(P, device) -> _Plan:
     spec = KernelSpec("sparq", DTYPES[P.dtype.name][0], 32, device.arch, ptx_requested())
-    pool, D, G = P.pool, P.head_dim, P.group
+    pool, D, G = P.pool, P.head_dim, P.row_group
     H = pool.heads_kv
     kt = (H * D * pool.page_size, D * pool.page_size)  # the cache's kt pool, C-contiguous
     packer = spec.params.partial({
         "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "out_stride_b": P.heads_q * D, "out_stride_h": D,
         "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
         "batch": P.batch, "heads_kv": H, "group": G, "head_dim": D, "page_size": pool.page_size, "r": P.r, "k": P.k,
-        "scale_log2": P.scale * _LOG2E})
+        "scale_log2": P.scale * _LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
     # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools.
     rows_pool = PoolInfo(pool.num_pages * pool.page_size * H, 1, 1, D, pool.dtype, (D, D, D), (D, D, D))
-    dec = DecodeProblem(P.batch * H, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
+    rows = P.batch * P.row_heads
+    dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
-    return _Plan(get_kernel(spec, device), packer, spec.threads, dec, P.batch * H)
+    return _Plan(get_kernel(spec, device), packer, spec.threads, dec, rows)
 
 
 def _workspace(rows: int, G: int, R: int, n_chunks: int) -> tuple:
@@ -81,7 +82,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     cache.order(s)
     (indices, indptr, _, kv_len), max_len = cache.device_tables(ids, s)
     vrow = cache.sparq_rows(ids, s)
-    G, D, rows = P.group, P.head_dim, plan.rows
+    G, D, rows = P.row_group, P.head_dim, plan.rows
     n_chunks = -(-max_len // _CHUNK)
     k_max = min(P.k, max_len)
     offs, lpad = _workspace(rows, G, P.r, n_chunks)
@@ -108,20 +109,20 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
     go(4, (rows, 1, 1), o.ptr, lse.ptr)
     finish(s, [ws, o, lse, vrow])
-    pos = DeviceArray(sel_pos, (P.batch, P.heads_kv, k_max), np.int32, device, owner=ws, stream=s) \
+    pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
         if return_indices else None
     return out, pos
 
 
-def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, return_indices=False, stream=None):
+def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, select="group", return_indices=False, stream=None):
     """SparQ attention (Ribar et al., 2024) of one new query token per sequence over a paged cache.
 
-    Per sequence and kv head: the ``r`` query channels of largest magnitude (summed over the GQA
-    group) approximate the scores against the keys, reading only those ``r`` rows of the cache's
-    transposed key copy; the ``k`` keys with the largest approximate scores are attended exactly,
-    and the result is blended with the mean of all the sequence's values by the approximate softmax
-    mass of the chosen keys (alpha). The algorithm, for every group size, is
-    :func:`pyattn.reference.sparq_ref`.
+    Per sequence and kv head (``select="group"``) or query head (``"head"``): the ``r`` query
+    channels of largest magnitude (summed over the GQA group) approximate the scores against the
+    keys, reading only those ``r`` rows of the cache's transposed key copy; the ``k`` keys with the
+    largest approximate scores are attended exactly, and the result is blended with the mean of all
+    the sequence's values by the approximate softmax mass of the chosen keys (alpha). The algorithm
+    is :func:`pyattn.reference.sparq_ref`.
 
     Parameters
     ----------
@@ -139,9 +140,15 @@ def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, return_indices=False, s
         of them exactly (alpha = 1).
     scale : float, optional
         Default ``1 / sqrt(head_dim)``.
+    select : {"group", "head"}
+        ``"group"``: a GQA group's query heads share the chosen channels and keys, so a step reads what
+        a multi-head model's would (the bandwidth SparQ saves); less accurate when the heads attend
+        differently (BENCHMARKS.md). ``"head"``: every query head chooses its own, the paper's
+        algorithm, reading up to ``group`` times the channels and keys. The same for group 1.
     return_indices : bool
-        Also return the chosen positions, int32 (batch, heads_kv, min(k, longest length)): row (b, h)
-        holds ``min(k, length_b)`` distinct positions in no particular order, then unspecified values.
+        Also return the chosen positions, int32 (batch, heads_kv or heads_q, min(k, longest length)):
+        row (b, h) holds ``min(k, length_b)`` distinct positions in no particular order, then
+        unspecified values.
     stream : optional
 
     Returns
@@ -157,7 +164,7 @@ def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, return_indices=False, s
     scores' float32 rounding, so keys whose scores tie within that rounding may be swapped against
     the float64 reference.
     """
-    params = dict(q=q, r=r, k=k, scale=scale, return_indices=return_indices)
+    params = dict(q=q, r=r, k=k, scale=scale, select=select, return_indices=return_indices)
     check_stream_arg(stream)
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a pyattn.PagedKVCache, got {type(cache).__name__}")
@@ -168,7 +175,7 @@ def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, return_indices=False, s
     return_indices = check_bool("return_indices", return_indices)
     pool = cache.pool_info
     bucket = next(b for b in (32, 64, 96, 128, 160, 192, 224, 256) if b >= pool.head_dim)
-    P = check_sparq(a["q"], pool, r=r, k=k, scale=scale,
+    P = check_sparq(a["q"], pool, r=r, k=k, scale=scale, select=select,
                     max_rows_per_tile=16 * decode_max_q_tiles(cache.device.arch, bucket))
     if len(ids) != P.batch:
         raise ValueError(f"seq_ids: expected {P.batch} ids (q's batch), got {len(ids)}")

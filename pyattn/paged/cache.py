@@ -152,7 +152,7 @@ class PagedKVCache:
             self.k_scale = empty((shape[0], shape[2], 4 + shape[3] // 2), np.float32, device=device)
             self._kscratch = empty((4,), np.float32, device=device)  # kv_append's per-token K scales land here
         self.kt = empty((shape[0], shape[2], shape[3], shape[1]), dt, device=device) if sparq else None
-        self._sq, self.v_sum = (SparqRows() if sparq else None), None
+        self._sq, self.v_sum, self._vrows = (SparqRows() if sparq else None), None, None
         self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
         st = self.k.elem_strides[:3]
         sst = self.k_scale.elem_strides if kv else (0, 0, 0)
@@ -423,7 +423,8 @@ class PagedKVCache:
             self._stage = grown
         (d,) = upload([np.concatenate([work.jobs.ravel(), work.src])], self.device, s)
         pk, rs = self.pool_info.k_strides, self.k_scale.elem_strides
-        values = {"k_src": dk.ptr, "k": self.k.ptr, "rec": self.k_scale.ptr, "stage": self._stage.ptr,
+        stage = self._stage.ptr if self._stage is not None else 0  # (no page has been left open yet)
+        values = {"k_src": dk.ptr, "k": self.k.ptr, "rec": self.k_scale.ptr, "stage": stage,
                   "jobs": d.ptr, "src": d.ptr + 4 * work.jobs.size, "k_src_stride_t": kst[0], "k_src_stride_h": kst[1],
                   "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2], "rec_stride_page": rs[0],
                   "rec_stride_h": rs[1], "n_jobs": len(work.jobs), "heads_kv": H, "head_dim": D, "page_size": ps,
@@ -490,8 +491,13 @@ class PagedKVCache:
             jobs, slots = self._sq.jobs(self.book, stale)
             self._grow_sums(s)
             self._launch_sparq(jobs, slots, None, 0, s)
-        (d,) = upload([np.array([self._sq.row_of[sid] for sid in seq_ids], np.int32)], self.device, s)
-        return d
+        rows = tuple(self._sq.row_of[sid] for sid in seq_ids)
+        if self._vrows is None or self._vrows[0] != rows:  # an upload per call would wait on pinned staging
+            (d,) = upload([np.array(rows, np.int32)], self.device, s)
+            self._vrows = (rows, d)
+        else:
+            note_use(s, [self._vrows[1]])
+        return self._vrows[1]
 
     def __repr__(self) -> str:
         dt = f"{self.dtype} codes + float32 scales per token and kv head" if self._kv else str(self.dtype)
