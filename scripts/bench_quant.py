@@ -351,7 +351,7 @@ def targets(result) -> list:
     acc = {(a["dataset"], a["cache"]): a.get("max_err") for a in result["accuracy"]}
     bf, ch = acc.get(("outliers", "bf16")), acc.get(("outliers", "int8c"))
     if ("outliers", "int8c") in acc:
-        res.append({"pass": None if bf is None or ch is None else ch <= 3 * bf,
+        res.append({"pass": None if bf is None or ch is None else bool(ch <= 3 * bf),  # (NumPy floats: a plain bool)
                     "text": f"per-channel int8 within 3x the bf16 cache's error on outlier keys: {fmt(ch, '.2e')} vs "
                             f"3 x {fmt(bf, '.2e')}"})
     for r in result["speed"]:

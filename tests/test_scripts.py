@@ -265,9 +265,12 @@ def test_sparq_and_per_channel_reports_from_results_with_gaps():
     assert bench_sparq.sparq_bytes(8, 32768, 32, 4096, 64) < bench_sparq.exact_bytes(8, 32768) / 3
     rows = [{"batch": 8, "ctx": 32768, "cache": k, "bytes": bench_quant.read_bytes(8, 32768, k), "us": us, "held": 1}
             for k, us in (("int8", 200.0), ("int8c", 215.0), ("fp8", 200.0), ("fp8c", None))]
-    acc = [{"dataset": "outliers", "cache": "bf16", "max_err": 0.008}, {"dataset": "outliers", "cache": "int8c",
-                                                                         "max_err": 0.03}]
+    import numpy as np
+
+    acc = [{"dataset": "outliers", "cache": "bf16", "max_err": np.float64(0.008)},
+           {"dataset": "outliers", "cache": "int8c", "max_err": np.float64(0.03)}]
     quant = {"speed": rows, "accuracy": acc, "roundtrip": [], "copy_gbs": 4e3}
     bench_quant.derive(quant)
     assert bench_quant.read_bytes(8, 32768, "int8c") > bench_quant.read_bytes(8, 32768, "int8")
     assert [t["pass"] for t in bench_quant.targets(quant)] == [True, None, False, None, None]
+    assert type(bench_quant.targets(quant)[2]["pass"]) is bool
