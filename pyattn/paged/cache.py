@@ -27,10 +27,10 @@ from ..pipeline.plans import ptx_requested
 from ..quant import code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
-from ..runtime.memory import copy_device
 from ..runtime.stream import as_stream, check_stream_arg, order_after
 from ..validate.paged import DECODE_DTYPES, PoolInfo, check_cache_options
 from .book import PageBook
+from . import side_state
 from .keypages import KeyStager
 from .sparq_state import SparqRows
 
@@ -83,6 +83,9 @@ class PagedKVCache:
         :meth:`read_key_scales` and :func:`pyattn.quant.quantize_page`).
     kt : DeviceArray or None
         ``sparq=True``: the keys again, (num_pages, num_kv_heads, head_dim, page_size).
+    v_sum : DeviceArray or None
+        ``sparq=True``: float32 (rows, num_kv_heads, head_dim), each sequence's sum of V in token
+        order (a row per sequence; None until the first append).
     key_scales : str
         ``"token"`` or ``"channel"``.
     dtype : numpy.dtype
@@ -402,36 +405,18 @@ class PagedKVCache:
         self._tables = (key, tables, int(lens.max(initial=0)))
         return tables, self._tables[2]
 
-    # -- per-channel key scales and SparQ state (kernels after kv_append, on the same stream) -----
-    def _launch_fixed(self, spec, values: dict, units: int, s) -> None:
-        """A grid-stride launch of a one-warp-per-unit family (kv_key_pages, kv_sparq)."""
-        kernel = get_kernel(spec, self.device)
-        warps = spec.threads // 32
-        grid = max(1, min(-(-units // warps), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
-        launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
+    # -- per-channel key scales and SparQ state (pyattn.paged.side_state) ---------------------
+    def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:
+        side_state.append_key_pages(self, tag, dk, kst, counts, before, dst, s)
 
-    def _append_key_pages(self, tag: str, dk, kst, counts, before, dst, s) -> None:
-        """Requantize every page the append wrote with per-channel key scales (``kv_key_pages``)."""
-        work = self._keys.plan(counts, before, dst)
-        H, D, ps = self.num_kv_heads, self.head_dim, self.page_size
-        have = 0 if self._stage is None else self._stage.shape[0]
-        if work.capacity > have:  # more open pages than ever: a larger staging array, the old rows kept
-            grown = empty((max(work.capacity, 2 * have, 4), ps, H, D), np.float32, device=self.device, stream=s)
-            if self._stage is not None:
-                copy_device(grown.ptr, self._stage.ptr, self._stage.nbytes, s)
-                note_use(s, [self._stage])
-            self._stage = grown
-        (d,) = upload([np.concatenate([work.jobs.ravel(), work.src])], self.device, s)
-        pk, rs = self.pool_info.k_strides, self.k_scale.elem_strides
-        stage = self._stage.ptr if self._stage is not None else 0  # (no page has been left open yet)
-        values = {"k_src": dk.ptr, "k": self.k.ptr, "rec": self.k_scale.ptr, "stage": stage,
-                  "jobs": d.ptr, "src": d.ptr + 4 * work.jobs.size, "k_src_stride_t": kst[0], "k_src_stride_h": kst[1],
-                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2], "rec_stride_page": rs[0],
-                  "rec_stride_h": rs[1], "n_jobs": len(work.jobs), "heads_kv": H, "head_dim": D, "page_size": ps,
-                  "stage_rows": work.stage_rows}
-        spec = KernelSpec("kv_key_pages", tag, 32, self.device.arch, ptx_requested(), kv=self._kv)
-        self._launch_fixed(spec, values, len(work.jobs) * H, s)
-        self._keys.commit(work, self.book)
+    def _grow_sums(self, s) -> None:
+        side_state.grow_sums(self, s)
+
+    def _launch_sparq(self, jobs, slots, items_ptr, n_items: int, s) -> None:
+        side_state.launch_sparq(self, jobs, slots, items_ptr, n_items, s)
+
+    def _append_sparq(self, grown, items_ptr: int, n_items: int, s) -> None:
+        side_state.append_sparq(self, grown, items_ptr, n_items, s)
 
     def read_key_scales(self) -> tuple:
         """The per-channel key scales, copied to the host (``key_scales="channel"`` caches).
@@ -448,56 +433,10 @@ class PagedKVCache:
         rec = self.k_scale.numpy(self._stream)
         return rec[..., 0].copy(), np.ascontiguousarray(rec[..., 4:]).view(np.float16)
 
-    def _grow_sums(self, s) -> None:
-        """The V-sum array, large enough for every row handed out."""
-        have = 0 if self.v_sum is None else self.v_sum.shape[0]
-        if self._sq.capacity > have:
-            grown = empty((max(self._sq.capacity, 2 * have, 8), self.num_kv_heads, self.head_dim), np.float32,
-                          device=self.device, stream=s)
-            if self.v_sum is not None:
-                copy_device(grown.ptr, self.v_sum.ptr, self.v_sum.nbytes, s)
-                note_use(s, [self.v_sum])
-            self.v_sum = grown
-
-    def _launch_sparq(self, jobs, slots, items_ptr, n_items: int, s) -> None:
-        """``kv_sparq``: transposed copies of ``n_items`` key rows (slots at ``items_ptr``) and V-sum jobs."""
-        (d,) = upload([np.concatenate([jobs.ravel(), slots, np.zeros(1, np.int32)])], self.device, s)
-        pk, pv, kt = self.pool_info.k_strides, self.pool_info.v_strides, self.kt.elem_strides
-        tag = DTYPES[self.dtype.name][0]
-        spec = KernelSpec("kv_sparq", tag, 32, self.device.arch, ptx_requested())
-        values = {"k": self.k.ptr, "v": self.v.ptr, "kt": self.kt.ptr, "vsum": self.v_sum.ptr,
-                  "items": items_ptr or d.ptr, "jobs": d.ptr, "slots": d.ptr + 4 * jobs.size,
-                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
-                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
-                  "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": self.v_sum.elem_strides[0],
-                  "n_items": n_items, "n_jobs": len(jobs), "heads_kv": self.num_kv_heads, "head_dim": self.head_dim,
-                  "page_size": self.page_size}
-        self._launch_fixed(spec, values, (n_items + len(jobs)) * self.num_kv_heads, s)
-
-    def _append_sparq(self, grown, items_ptr: int, n_items: int, s) -> None:
-        """After an append: the written slots' transposed keys, and the grown (or dirty) V sums."""
-        jobs, slots = self._sq.jobs(self.book, [(sid, first, c) for sid, first, c in grown
-                                                if c or sid in self._sq.dirty])
-        self._grow_sums(s)
-        self._launch_sparq(jobs, slots, items_ptr, n_items, s)
-
     def sparq_rows(self, seq_ids, s):
         """Rows of the V sums of ``seq_ids`` (rebuilding dirty ones first) as a device int32 array,
         for :func:`pyattn.sparq_decode`; the cache must have been made with ``sparq=True``."""
-        if self._sq is None:
-            raise ValueError("cache: sparq_decode needs a PagedKVCache(..., sparq=True)")
-        stale = [(sid, 0, 0) for sid in seq_ids if sid in self._sq.dirty or sid not in self._sq.row_of]
-        if stale:
-            jobs, slots = self._sq.jobs(self.book, stale)
-            self._grow_sums(s)
-            self._launch_sparq(jobs, slots, None, 0, s)
-        rows = tuple(self._sq.row_of[sid] for sid in seq_ids)
-        if self._vrows is None or self._vrows[0] != rows:  # an upload per call would wait on pinned staging
-            (d,) = upload([np.array(rows, np.int32)], self.device, s)
-            self._vrows = (rows, d)
-        else:
-            note_use(s, [self._vrows[1]])
-        return self._vrows[1]
+        return side_state.sparq_rows(self, seq_ids, s)
 
     def __repr__(self) -> str:
         dt = f"{self.dtype} codes + float32 scales per token and kv head" if self._kv else str(self.dtype)
