@@ -15,6 +15,12 @@
 //    of two (vref) so that P * scale / vref stays in [0, 1] (fp16's range); O is kept in units of
 //    vref and rescaled when vref grows, like the online softmax's max.
 //  * Both products therefore run on fp16 tensor cores whatever the query dtype (T: the output).
+//  * Per-channel key scales (Traits::kKeyChannel; PagedKVCache(..., key_scales="channel")): a key's
+//    value is code * S[page] * r[page][c]. S rides on the score column like a per-token scale (the
+//    scale pool's slot stride is 0, so each key row's scale copy reads its page's S); r multiplies
+//    Q instead: each 16-key segment of a warp's keys lies in one page (page_size % 16 == 0), and
+//    its Q fragments are rescaled by that page's r (r <= 1 keeps the power-of-two scaled query in
+//    fp16's range) before the segment's Q K^T.
 // Requires pyattn::DecodeParams, common.cuh, mma.cuh and cuda_fp8.h.
 #pragma once
 #include <cuda_fp8.h>
@@ -65,8 +71,8 @@ __device__ __forceinline__ float pow2_ceil(float x) {
 // scales; keys at or past n_end are zero-filled (codes 0, scale 0) without reading memory.
 template <class Tr>
 __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
-                                                 const DecodeParams& p, const int* pages, int n0, int n_end,
-                                                 int kv_head) {
+                                                 __half* sR, const DecodeParams& p, const int* pages, int n0,
+                                                 int n_end, int kv_head) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
 #pragma unroll
@@ -96,16 +102,37 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
+  if constexpr (Tr::kKeyChannel) {  // each 16-key segment's page record: [S, 0, 0, 0, fp16 r[D]]
+    constexpr int SEG = Tr::kBlockN / 16, CPR = D / 8;
+    for (int c = threadIdx.x; c < SEG * CPR; c += Tr::kThreads) {
+      const int seg = c / CPR, ch = c % CPR, key = n0 + seg * 16;
+      const bool ok = key < n_end && ch * 8 < p.head_dim;  // padding channels: r = 0
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(p.k_scale);
+      if (ok) {
+        int slot;
+        const long long page = key_page(p, pages, key, slot);
+        src += (page * p.ks_stride_page + kv_head * p.ks_stride_h + 4) * 4 + ch * 16;
+      }
+      cp_async_16(sR + seg * D + ch * 8, src, ok);
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const unsigned*>(&r);
 }
 
 template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   using T = typename Tr::T;
-  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, KV = Tr::kKv;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, KV = Tr::kCode;
+  constexpr bool KC = Tr::kKeyChannel;
   constexpr int ROWS = Tr::kRows, LD = Tr::kStride, S = Tr::kStages, NG = Tr::kVGroup, CH = D / 16;
   constexpr int NT = KW / 8, DT = D / 8, G64 = D / 64;
   constexpr bool kMods = SOFTCAP || ALIBI;
   static_assert(KV == 1 || KV == 2, "8-bit kinds: 1 = int8, 2 = fp8 e4m3");
+  static_assert(!KC || KW % 16 == 0, "per-channel keys: whole 16-key segments per warp");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // the host's shared_bytes and this layout disagree
@@ -114,6 +141,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   unsigned char* sV = sK + S * KB * D;                             // [S][KB][D]
   float* sKs = reinterpret_cast<float*>(sV + S * KB * D);          // [S][KB] scales
   float* sVs = sKs + S * KB;                                       // [S][KB]
+  __half* sR = reinterpret_cast<__half*>(sVs + S * KB);            // [S][KB / 16][D] (per-channel keys only)
 
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -124,8 +152,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < blk.n_tiles)
-      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB, p, blk.pages,
-                           blk.n_first + st * KB, blk.end, blk.kv_head);
+      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
+                           sR + st * (KB / 16) * D, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head);
     cp_async_commit();
   }
   const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
@@ -180,14 +208,18 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     }
   }
   float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
+  bool hi_rows[MT];  // whether row tile mi has real rows 8..15 (per-channel keys skip rescaling padding)
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) hi_rows[mi] = blk.r0 + mi * 16 + 8 < blk.n_rows;
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     cp_async_wait<S - 2>();
     __syncthreads();  // stage j landed for all, and every warp is done with stage j - 1
     if (j + S - 1 < blk.n_tiles) {
       const int st = (j + S - 1) % S;
-      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB, p, blk.pages,
-                           blk.n_first + (j + S - 1) * KB, blk.end, blk.kv_head);
+      load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
+                           sR + st * (KB / 16) * D, p, blk.pages, blk.n_first + (j + S - 1) * KB, blk.end,
+                           blk.kv_head);
     }
     cp_async_commit();
     const int st = j % S, wrow = warp * KW;  // this warp's first ring row
@@ -200,8 +232,47 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     // -- S = Q K^T: one 16-byte read per key row and 64-column group feeds 4 k16 steps
     float s[MT][NT][4];
     zero_tiles<MT, NT>(s);
+    if constexpr (KC) {
+      // per 16-key segment (one page): Q fragments times the page's channel scales, then its 2 n8 tiles
 #pragma unroll
-    for (int gi = 0; gi < G64; ++gi) {
+      for (int sg = 0; sg < KW / 16; ++sg) {
+        const __half* rseg = sR + (st * (KB / 16) + wrow / 16 + sg) * D;
+        unsigned qs[MT][D / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const uint2 rr = *reinterpret_cast<const uint2*>(rseg + (ks / 4) * 64 + 16 * t + 4 * (ks % 4));
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            qs[mi][ks][0] = hmul2_bits(qf[mi][ks][0], rr.x);
+            qs[mi][ks][1] = hi_rows[mi] ? hmul2_bits(qf[mi][ks][1], rr.x) : 0u;
+            qs[mi][ks][2] = hmul2_bits(qf[mi][ks][2], rr.y);
+            qs[mi][ks][3] = hi_rows[mi] ? hmul2_bits(qf[mi][ks][3], rr.y) : 0u;
+          }
+        }
+#pragma unroll
+        for (int gi = 0; gi < G64; ++gi) {
+          uint4 kw[2];
+#pragma unroll
+          for (int q2 = 0; q2 < 2; ++q2) {
+            const int r = wrow + (2 * sg + q2) * 8 + g;
+            kw[q2] = *reinterpret_cast<const uint4*>(tK + r * D + (((4 * gi + t) ^ q8_swizzle<CH>(r)) << 4));
+          }
+#pragma unroll
+          for (int q2 = 0; q2 < 2; ++q2) {
+            const unsigned words[4] = {kw[q2].x, kw[q2].y, kw[q2].z, kw[q2].w};
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              unsigned b0, b1;
+              codes_to_half2<KV>(words[kk], b0, b1);
+#pragma unroll
+              for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][2 * sg + q2], qs[mi][4 * gi + kk], b0, b1);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int gi = 0; gi < (KC ? 0 : G64); ++gi) {
       uint4 kw[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {

@@ -10,7 +10,11 @@ namespace pyattn {
 template <typename T_, int HEAD_DIM_, int KEYS_PER_WARP_, int WARPS_, int M_TILES_, int STAGES_, int KV_ = 0>
 struct AttnDecodeTraits {
   using T = T_;
-  static constexpr int kKv = KV_;  // cache elements: 0 = T, 1 = int8, 2 = fp8 e4m3 (attention_decode_q8.cuh)
+  // cache elements: 0 = T, 1 = int8, 2 = fp8 e4m3 (attention_decode_q8.cuh); 3 / 4 = int8 / fp8 e4m3 whose
+  // keys have per-(page, channel) scales (kCode: the code kind; kKeyChannel: the channel scales' ring).
+  static constexpr int kKv = KV_;
+  static constexpr int kCode = KV_ > 2 ? KV_ - 2 : KV_;
+  static constexpr int kKeyChannel = KV_ > 2 ? 1 : 0;
   static constexpr int kHeadDim = HEAD_DIM_;
   static constexpr int kKeysPerWarp = KEYS_PER_WARP_;
   static constexpr int kWarps = WARPS_;
@@ -23,9 +27,11 @@ struct AttnDecodeTraits {
   static constexpr int kAccStride = HEAD_DIM_ + 8;  // fp32 rows of the warp merge (2-way at worst)
   static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
   // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
-  // swizzled rows) and their fp32 scales.
+  // swizzled rows) and their fp32 scales; per-channel keys add per stage the fp16 channel scales of
+  // each 16-key segment's page.
+  static constexpr int kSegBytes = kKeyChannel ? STAGES_ * (kBlockN / 16) * HEAD_DIM_ * 2 : 0;
   static constexpr int kPipeBytes = KV_ == 0 ? (kRows + 2 * STAGES_ * kBlockN) * kStride * 2
-                                             : kRows * kStride * 2 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4);
+                                             : kRows * kStride * 2 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
   static constexpr int kMergeBytes = WARPS_ * kRows * (kAccStride + 2) * 4;
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(sizeof(T_) == 2, "tensor-core decode takes fp16/bf16");

@@ -21,6 +21,7 @@ _EXPORTS = {
     "paged_decode": "ops.decode",
     "prefill": "ops.prefill",
     "verify_tree": "ops.prefill",
+    "sparq_decode": "ops.sparq",
     "PagedKVCache": "paged.cache",
     "OutOfPagesError": "paged.book",
     "DeviceArray": "array",

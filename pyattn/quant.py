@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KV_KINDS", "CODE_MAX", "code_dtype", "kind_of", "quantize_rows", "dequantize"]
+__all__ = ["KV_KINDS", "CODE_MAX", "code_dtype", "kind_of", "quantize_rows", "dequantize", "quantize_page",
+           "dequantize_page", "fp16_round_up"]
 
 KV_KINDS = ("int8", "fp8e4m3")
 CODE_MAX = {"int8": 127.0, "fp8e4m3": 448.0}  # M above: the largest code magnitude
@@ -150,3 +151,107 @@ def dequantize(codes, scales) -> np.ndarray:
     if codes.ndim < 1 or scales.shape != codes.shape[:-1]:
         raise ValueError(f"scales: expected shape {codes.shape[:-1]} (codes.shape[:-1]), got {scales.shape}")
     return codes.astype(np.float32) * scales[..., None]
+
+
+# -- per-channel key scales (``PagedKVCache(..., key_scales="channel")``) -----------------------
+
+
+def fp16_round_up(x) -> np.ndarray:
+    """float32 ``x`` rounded up (toward +inf) to float16, as CUDA ``__float2half_ru``."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):
+        h = x.astype(np.float16)  # round to nearest even: the neighbour below or above x
+        low = h.astype(np.float32) < x
+        return np.where(low, np.nextafter(h, np.float16(np.inf)), h).astype(np.float16)
+
+
+def quantize_page(x, kind: str) -> tuple:
+    """Quantize the keys of one page (one kv head) with per-channel scales, as ``kv_key_pages`` does.
+
+    A page of a ``key_scales="channel"`` cache stores 8-bit codes, one float32 page scale ``S`` and
+    one float16 relative channel scale ``r[c]`` in [0, 1] per channel; the value of code ``k[s, c]``
+    is ``k[s, c] * S * r[c]``. Every step below is one correctly rounded float32 operation (the
+    kernel does the same, bit for bit)::
+
+        amax[c] = max_s |x[s, c]|,  A = max_c amax[c]
+        S       = A / M                          M = 127 (int8) or 448 (fp8 e4m3)
+        r[c]    = round_up_fp16(amax[c] / A)     (rounded up: |x / e| never exceeds M by more
+        e[c]    = S * r[c]                        than float32 rounding, so codes never clip)
+        inv[c]  = min(1 / e[c], FLT_MAX), 0 where e[c] == 0
+        code    = encode(x * inv[c])             encode as :func:`quantize_rows`
+
+    A page whose values are all zero gets ``S = 0``, ``r = 0`` and codes 0; a page holding NaN
+    or +-inf anywhere gets ``S`` NaN (bits 0x7fffffff), ``r = 0`` and codes 0, so every key of the
+    page dequantizes to NaN for that kv head (a non-finite key poisons its page's scores, as one
+    poisons the softmax over a 16-bit cache).
+
+    Error: for a finite page, ``|x - value| <= e[c] / 2 + 2**-21 * amax[c] + 2**-140`` (int8:
+    half a step of the channel's own scale, ``e[c] <= amax[c] / M * (1 + 2**-10)``; fp8 e4m3:
+    ``max(2**-4 * |x|, 2**-10 * e[c]) + ...``), plus, for a channel whose ``amax[c] / A`` is below
+    2**-24 (r[c] a float16 subnormal), at most ``2**-25 * A``.
+
+    Parameters
+    ----------
+    x : array_like
+        float16, bfloat16 or float32, shape (..., n, head_dim): the n >= 1 filled slots of a page.
+    kind : {"int8", "fp8e4m3"}
+
+    Returns
+    -------
+    codes : numpy.ndarray
+        ``x``'s shape, dtype :func:`code_dtype` (kind).
+    page_scale : numpy.ndarray
+        float32, shape ``x.shape[:-2]``: ``S``.
+    chan : numpy.ndarray
+        float16, shape ``x.shape[:-2] + (head_dim,)``: ``r``.
+    """
+    _check_kind(kind)
+    x = np.asarray(x)
+    if x.dtype.name not in _SOURCE_DTYPES:
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    if x.ndim < 2 or x.shape[-1] < 1 or x.shape[-2] < 1:
+        raise ValueError(f"x: expected shape (..., n, head_dim) with n, head_dim >= 1, got {x.shape}")
+    m = np.float32(CODE_MAX[kind])
+    x32 = x.astype(np.float32)
+    with np.errstate(all="ignore"):
+        amax = np.max(np.abs(x32), axis=-2)  # (..., D); NaN propagates
+        big = np.max(amax, axis=-1)  # (...,)
+        finite, zero = big <= _FLT_MAX, big == 0
+        ok = finite & ~zero
+        safe = np.where(ok, big, np.float32(1))
+        scale = np.where(finite, np.where(zero, np.float32(0), safe / m), _QNAN).astype(np.float32)
+        chan = np.where(ok[..., None], fp16_round_up(amax / safe[..., None]), np.float16(0)).astype(np.float16)
+        e = (np.where(ok, scale, np.float32(0))[..., None] * chan.astype(np.float32)).astype(np.float32)
+        inv = np.where(e > 0, np.minimum(np.float32(1) / np.where(e > 0, e, np.float32(1)), _FLT_MAX),
+                       np.float32(0)).astype(np.float32)
+        y = x32 * inv[..., None, :]
+        keep = ok[..., None, None]
+        if kind == "int8":
+            codes = np.where(keep, np.clip(np.rint(y), -127, 127), 0).astype(np.int8)
+        else:
+            codes = np.where(keep, np.clip(y, -m, m), np.float32(0)).astype(code_dtype(kind))
+    return codes, scale, chan
+
+
+def dequantize_page(codes, page_scale, chan) -> np.ndarray:
+    """The float64 values of a per-channel page: ``codes * page_scale * chan`` (exact products).
+
+    Parameters
+    ----------
+    codes : numpy.ndarray
+        int8 or ``ml_dtypes.float8_e4m3fn``, shape (..., n, head_dim).
+    page_scale : numpy.ndarray
+        float32, shape ``codes.shape[:-2]``.
+    chan : numpy.ndarray
+        float16, shape ``codes.shape[:-2] + (head_dim,)``.
+    """
+    codes, page_scale, chan = np.asarray(codes), np.asarray(page_scale), np.asarray(chan)
+    if not kind_of(codes.dtype):
+        raise TypeError(f"codes: expected dtype int8 or float8_e4m3fn, got {codes.dtype}")
+    if page_scale.dtype != np.float32 or chan.dtype != np.float16:
+        raise TypeError(f"page_scale, chan: expected float32 and float16, got {page_scale.dtype} and {chan.dtype}")
+    if codes.ndim < 2 or page_scale.shape != codes.shape[:-2] or chan.shape != codes.shape[:-2] + codes.shape[-1:]:
+        raise ValueError(f"page_scale, chan: expected shapes {codes.shape[:-2]} and "
+                         f"{codes.shape[:-2] + codes.shape[-1:]}, got {page_scale.shape} and {chan.shape}")
+    return (codes.astype(np.float64) * page_scale.astype(np.float64)[..., None, None]
+            * chan.astype(np.float64)[..., None, :])

@@ -559,3 +559,8 @@ def error_bound(q, k, v, *, floor=None, **options) -> float:
 # pyattn.reference. Imported last: it builds on the helpers above.
 from .reference_backward import (attention_backward_lowp, attention_backward_ref,  # noqa: E402
                                  attention_varlen_backward_ref, backward_error_bounds)
+
+# SparQ attention (pyattn.sparq_decode): its own module, re-exported here with every op's reference.
+from .reference_sparq import sparq_ref, sparq_selection_scores  # noqa: E402
+
+__all__ += ["sparq_ref", "sparq_selection_scores"]

@@ -41,6 +41,7 @@ if [[ $what == all || $what == bench ]]; then
   bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth
   bench bench_sparse "$tables" 50           # block-sparse vs dense pyattn / SDPA, patterns, CSR
   bench bench_quant "$tables" 60            # bf16 / int8 / fp8 KV caches: speed and accuracy
+  bench bench_sparq "$tables" 40            # SparQ vs exact decode at L = 32k / 128k, accuracy on structured data
   bench bench_boundary "$tables" 45         # host time per input kind, NumPy vs its floor, torch after a compile
   bench bench_serving "$tables" 40          # paged chunked prefill vs dense, 64 x 512 batch, tree verify vs decode
   bench bench_backward "$tables" 45         # backward vs SDPA FA2 / cuDNN backward (issue 14)

@@ -155,6 +155,9 @@ class _Fake:
     def cuMemcpyDtoHAsync(self, dst, src, n, s):
         return (OK,)
 
+    def cuMemcpyDtoDAsync(self, dst, src, n, s):
+        return (OK,)
+
     def cuModuleLoadData(self, image):
         return OK, self._handle(driver.CUmodule)
 

@@ -359,3 +359,31 @@ def test_param_struct_layout_matches_c(kinds):
 
 def test_param_struct_of_4_byte_members_matches_c():
     _compile_layout(ParamStruct("S", (("a", "i32"), ("b", "f32"), ("c", "i32"))))
+
+
+def _issue13_specs(arch):
+    """The per-channel key-scale and SparQ kernels of ``arch``: every family and template argument,
+    spread over the archs to keep CI short (each compiles once per session; fp8 decode where the
+    conversion is one instruction, sm_89+, as sm_80/86's software one is the slow compile)."""
+    fp8 = arch in ("sm_89", "sm_90a")
+    specs = [KernelSpec("kv_key_pages", "bf16", 32, arch, kv="int8"), KernelSpec("kv_key_pages", "f16", 32, arch,
+                                                                                 kv="fp8e4m3"),
+             KernelSpec("kv_sparq", "f16" if fp8 else "bf16", 32, arch), KernelSpec("sparq", "bf16", 32, arch),
+             KernelSpec("attn_decode", "bf16", 128, arch, q_tiles=1, kv="fp8e4m3" if fp8 else "int8", key_channel=True)]
+    if arch == "sm_80":
+        specs.append(KernelSpec("sparq", "f16", 32, arch))
+    if arch == "sm_90a":
+        specs += [KernelSpec("attn_decode", "f16", 64, arch, q_tiles=1, kv="fp8e4m3", key_channel=True, softcap=True,
+                             alibi=True),
+                  KernelSpec("attn_decode", "bf16", 256, arch, q_tiles=1, kv="int8", key_channel=True)]
+    return specs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_channel_and_sparq_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    specs = _issue13_specs(arch)
+    assert {s.family for s in specs} == {"kv_key_pages", "kv_sparq", "sparq", "attn_decode"}
+    for spec, meta, _ in jit.build_many(specs, workers=2):
+        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+        assert not spec.key_channel or spec.entry_name.endswith("_kch")

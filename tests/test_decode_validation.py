@@ -439,6 +439,23 @@ def test_quantized_decode_specs_fit_and_match_traits(arch):
         KernelSpec("attn_fwd_mma", "bf16", 128, arch, kv="int8")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_channel_key_decode_specs_fit_and_match_traits(arch):
+    """key_scales="channel": the ring adds each 16-key segment's fp16 channel scales per stage."""
+    for d in (64, 128, 256):
+        for kv, num in (("int8", 3), ("fp8e4m3", 4)):
+            t = tile_config("attn_decode", arch, d, kv)
+            for mt in range(1, decode_max_q_tiles(arch, d, kv) + 1):
+                spec = KernelSpec("attn_decode", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=True)
+                ring = 16 * mt * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4) + t.stages * t.block_n // 16 * d * 2
+                merge = t.warps * 16 * mt * ((d + 8) + 2) * 4
+                kpw = t.block_n // t.warps
+                assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages, num)
+                assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
+                assert spec.entry_name.endswith(f"_kv{kv}_kch") and kpw % 16 == 0
+                assert spec.template_id.endswith(f"{t.stages}, {num}>, false, false>")
+
+
 def test_decode_shared_bytes_when_the_warp_merge_dominates():
     # No shipped tile has merge > ring; a hypothetical 16-warp d=32 tile does (the traits allow it).
     rows = (DecodeTile(32, 16, 16, 2, 2, 1, "test"),) + tile_table("attn_decode", "sm_90a")

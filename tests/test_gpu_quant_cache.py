@@ -208,3 +208,77 @@ def test_cache_ops_keep_every_sequence_exact(ops, page_size, num_pages, dtype, s
     pools = _pools(cache)
     for sid, (k_rows, v_rows) in model.items():
         _assert_seq(pools, cache, sid, k_rows, v_rows)
+
+
+# -- per-channel key scales (key_scales="channel") ----------------------------------------------
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, page_size=st.sampled_from([16, 32]), num_pages=st.integers(4, 30),
+       dtype=st.sampled_from(list(CACHE_DTYPES)), seed=st.integers(0, 2**31 - 1))
+def test_per_channel_pages_follow_the_rule(ops, page_size, num_pages, dtype, seed):
+    """Random add/append/fork/truncate/free: after each append every page it wrote holds, bit for
+    bit, ``quantize_page`` of the values the rule names (tests/_keypages_model.py: exact keys, a
+    reopened page's kept keys as dequantized then), its open pages' staging copy holds those values,
+    and values keep their per-token codes."""
+    from _keypages_model import Pages
+
+    rng = np.random.default_rng(seed)
+    H, D = 2, 64
+    cache = pyattn.PagedKVCache(num_pages, page_size, H, D, dtype, key_scales="channel")
+    assert cache.key_scales == "channel" and cache.k_scale.shape == (num_pages, H, 4 + D // 2)
+    pages, vmodel = Pages(page_size, H, D, CACHE_DTYPES[dtype]), {}
+
+    def key_pools():
+        scale, chan = cache.read_key_scales()
+        return cache.k.numpy(), scale, chan
+
+    for op, r in ops:
+        live = list(vmodel)
+        pick = live[r % len(live)] if live else None
+        if op == "add" or not live:
+            vmodel[cache.add_sequence()] = np.zeros((0, H, D), np.float32)
+        elif op == "append":
+            ids = [s for s in live if rng.random() < 0.7] or [pick]
+            counts = [int(rng.integers(0, 2 * page_size + 3)) for _ in ids]
+            src = list(SRC)[r % 2]
+            k, v = _rows(rng, sum(counts), H, D, src, outliers=False), _rows(rng, sum(counts), H, D, src)
+            k[..., rng.choice(D, 2, replace=False)] *= 30
+            before = [(cache.length(s), int(cache.book.pages(s)[-1]) if cache.length(s) % page_size else -1)
+                      for s in ids]
+            snap = key_pools()
+            try:
+                cache.append(ids, *((pyattn.asarray(k), pyattn.asarray(v)) if r % 3 == 0 else (k, v)), counts=counts)
+            except pyattn.OutOfPagesError:
+                for got, want in zip(key_pools(), snap):
+                    _assert_bits(got, want, "key pools after OutOfPagesError")
+                continue
+            written, at = [], 0
+            for sid, c, (n0, old_page) in zip(ids, counts, before):
+                if c:
+                    pos = np.arange(n0, n0 + c)
+                    dst = cache.book.pages(sid)[pos // page_size] * page_size + pos % page_size
+                    written += pages.append(n0, old_page, dst, k[at:at + c],
+                                            lambda p: (snap[0][p], snap[1][p], snap[2][p]))
+                    vmodel[sid] = np.concatenate([vmodel[sid], v[at:at + c].astype(np.float32)])
+                at += c
+            codes, scale, chan = key_pools()
+            pages.check(written, codes, scale, chan, cache._stage.numpy() if cache._stage is not None else None,
+                        cache._keys.stage_of)
+        elif op == "fork":
+            n = int(rng.integers(0, cache.length(pick) + 1)) if r % 2 else None
+            vmodel[cache.fork(pick, n)] = vmodel[pick][:n].copy()
+        elif op == "truncate":
+            n = int(rng.integers(0, cache.length(pick) + 1))
+            cache.truncate(pick, n)
+            vmodel[pick] = vmodel[pick][:n]
+        else:
+            cache.free(pick)
+            del vmodel[pick]
+        cache.book.check()
+        cache._keys.check()
+    vc, vs = cache.v.numpy(), cache.v_scale.numpy()
+    for sid, rows in vmodel.items():
+        idx = np.arange(cache.length(sid))
+        p, s = cache.book.pages(sid)[idx // page_size], idx % page_size
+        want_codes, want_scales = quantize_rows(rows, cache.kv)
+        _assert_bits(vc[p, s], want_codes, f"sequence {sid} V codes")
+        _assert_bits(vs[p, s], want_scales, f"sequence {sid} V scales")

@@ -249,3 +249,28 @@ def test_reports_print_from_results_with_gaps(capsys):
     assert [t["pass"] for t in bench_quant.targets(quant)] == [False, None]
     out = capsys.readouterr().out
     assert "PYATTN FAILED: boom" in out and "5.00x the floor" in out
+
+
+def test_sparq_and_per_channel_reports_from_results_with_gaps():
+    """bench_sparq's tables and targets, and bench_quant's per-channel targets, from made-up results."""
+    import bench_quant
+    import bench_sparq
+
+    speed = [{"batch": 8, "ctx": 32768, "page": 64, "sparq_us": 100.0, "exact_us": 330.0, "x_exact": 3.3},
+             {"batch": 1, "ctx": 131072, "errors": ["x"]}, {"batch": 1, "ctx": 4096, "x_exact": 1.0}]
+    result = {"speed": speed, "accuracy": [{"dataset": "needles", "r": 32, "k": 512, "max_err": 0.01},
+                                           {"dataset": "gaussian", "r": 16, "k": 128}], "copy_gbs": 4e3}
+    assert "\n".join(bench_sparq.tables(result)).count("| needles |") == 1
+    assert [t["pass"] for t in bench_sparq.targets(result)] == [True, None]
+    assert bench_sparq.sparq_bytes(8, 32768, 32, 4096, 64) < bench_sparq.exact_bytes(8, 32768) / 3
+    rows = [{"batch": 8, "ctx": 32768, "cache": k, "bytes": bench_quant.read_bytes(8, 32768, k), "us": us, "held": 1}
+            for k, us in (("int8", 200.0), ("int8c", 215.0), ("fp8", 200.0), ("fp8c", None))]
+    import numpy as np
+
+    acc = [{"dataset": "outliers", "cache": "bf16", "max_err": np.float64(0.008)},
+           {"dataset": "outliers", "cache": "int8c", "max_err": np.float64(0.03)}]
+    quant = {"speed": rows, "accuracy": acc, "roundtrip": [], "copy_gbs": 4e3}
+    bench_quant.derive(quant)
+    assert bench_quant.read_bytes(8, 32768, "int8c") > bench_quant.read_bytes(8, 32768, "int8")
+    assert [t["pass"] for t in bench_quant.targets(quant)] == [True, None, False, None, None]
+    assert type(bench_quant.targets(quant)[2]["pass"]) is bool

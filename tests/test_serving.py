@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
+import pyattn
 import pyattn.jit as jit
 from pyattn.kernels.params import ATTN_FWD_PARAMS, PAGED_FWD_EXTRA, PAGED_FWD_PARAMS
 from pyattn.kernels.specs import KernelSpec
@@ -249,3 +250,26 @@ def test_families_reuse_the_dense_kernels_tiles():
             a = dataclasses.replace(KernelSpec(dense, "bf16", d, arch), family=fam)
             b = KernelSpec(dense, "bf16", d, arch)
             assert (a.tiles, a.shared_bytes, a.threads) == (b.tiles, b.shared_bytes, b.threads)
+
+
+def test_accept_refuses_caches_whose_side_state_it_would_leave_stale(monkeypatch):
+    """Per-channel key scales and SparQ's transposed keys describe slots; accept moves slots, so it
+    refuses those caches before any device work (no GPU: the device is faked)."""
+    import types
+
+    from pyattn.paged import cache as cache_mod
+
+    dev = types.SimpleNamespace(ordinal=0, arch="sm_90a", activate=lambda: None)
+
+    def empty(shape, dtype, device=None):
+        return pyattn.DeviceArray(0x200000, shape, dtype, dev, stream=types.SimpleNamespace(
+            ptr=1, synchronize=lambda: None))
+
+    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
+    monkeypatch.setattr(cache_mod, "empty", empty)
+    for opts in (dict(dtype="int8", key_scales="channel"), dict(dtype="float16", sparq=True)):
+        dtype = opts.pop("dtype")
+        c = pyattn.PagedKVCache(16, 16, 2, 64, dtype, **opts)
+        sid = c.add_sequence()
+        with pytest.raises(ValueError, match="^accept: not supported"):
+            c.accept([sid], [[0]], 1)

@@ -344,10 +344,13 @@ def test_cache_key_differs_for_every_field_and_toolchain():
                 dataclasses.replace(base, mask="bool"), dataclasses.replace(base, mask="f32"),
                 dataclasses.replace(base, softcap=True), dataclasses.replace(base, alibi=True),
                 dataclasses.replace(base, family="attn_decode", q_tiles=1),
-                dataclasses.replace(base, family="attn_decode", q_tiles=2)]
+                dataclasses.replace(base, family="attn_decode", q_tiles=2),
+                dataclasses.replace(base, family="attn_decode", q_tiles=1, kv="int8"),
+                dataclasses.replace(base, family="attn_decode", q_tiles=1, kv="int8", key_channel=True)]
     # every field of the spec is covered above
     assert {f.name for f in dataclasses.fields(KernelSpec)} == {"family", "dtype", "head_dim", "arch", "ptx",
-                                                                 "mask", "softcap", "alibi", "q_tiles", "sparse", "kv"}
+                                                                 "mask", "softcap", "alibi", "q_tiles", "sparse", "kv",
+                                                                 "key_channel"}
     keys = {v.cache_key(TOOLCHAIN) for v in variants}
     keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
              base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),

@@ -74,6 +74,10 @@ def _bad_value(draw, name):
         "tensor_layout": ["bsdh"],
         "block_size": [(15, 16), (16,), (0, 16), ("a", 16)],
         "deterministic": ["yes", 1, None],
+        "r": [0, 1000, -1, 1.5, True, "4", None],
+        "k": [0, -3, 2**31, 2.5, False, None, "8"],
+        "return_indices": ["yes", 1, None],
+        "select": ["heads", 1, None, "GROUP"],
     }[name]
     return draw(st.sampled_from(options))
 
@@ -91,7 +95,8 @@ def calls(draw):
     """``(entry name, function, positional args, keyword args, what was broken)``."""
     entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
                                   "merge_states", "paged_decode", "decode", "prefill", "verify_tree",
-                                  "attention_backward", "attention_varlen_backward"]))
+                                  "attention_backward", "attention_varlen_backward",
+                                  "sparq_decode"]))
     B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
     dt = draw(st.sampled_from([np.float16, BF16]))
     device = draw(st.booleans())
@@ -151,7 +156,11 @@ def calls(draw):
     else:  # decode over pools or a cache: q is (batch, q_len, Hq, D)
         args = [arr((B, 1, H, D))]
         names, options = ["q"], ["scale", "softcap", "window", "causal", "stream", "num_splits", "return_lse"]
-        if entry == "paged_decode":
+        if entry == "sparq_decode":
+            args += [draw(st.just("SPARQ")), list(range(B))]
+            kwargs = {"r": draw(st.integers(1, D)), "k": draw(st.integers(1, 64))}
+            options = ["scale", "stream", "return_indices", "r", "k", "select"]
+        elif entry == "paged_decode":
             pool = Dev((8, 16, 2, D), dt)
             args += [pool, pool]
             kwargs = {"block_table": np.zeros((B, 2), np.int32), "seq_lens": np.full(B, 3, np.int32)}
@@ -192,17 +201,19 @@ def cache(monkeypatch):
     monkeypatch.setattr(cache_mod, "empty", empty)
     caches = {}
 
-    def make(D, dt, lengths=None):
+    def make(D, dt, lengths=None, sparq=False):
         if lengths is not None:  # a fresh cache whose sequences hold these many tokens (host bookkeeping only)
             c = pyattn.PagedKVCache(64, 16, 2, D, dt)
             ids = [c.add_sequence() for _ in lengths]
             c.book.plan_append(ids, lengths)
             return c
-        if (D, dt) not in caches:
-            c = caches[(D, dt)] = pyattn.PagedKVCache(32, 16, 2, D, dt)
+        if (D, dt, sparq) not in caches:
+            c = caches[(D, dt, sparq)] = pyattn.PagedKVCache(32, 16, 2, D, dt, sparq=sparq)
             for _ in range(3):
                 c.add_sequence()
-        return caches[(D, dt)]
+            if sparq:  # SparQ refuses empty sequences: give them tokens (bookkeeping only, no launch)
+                c.book.plan_append([0, 1, 2], [5, 17, 1])
+        return caches[(D, dt, sparq)]
     return make
 
 
@@ -219,11 +230,11 @@ def _tokens(args) -> int:
 @given(call=calls())
 def test_invalid_calls_are_refused_before_device_work(blocked, cache, call):
     entry, args, kwargs, what = call
-    if entry == "decode":
+    if entry in ("decode", "sparq_decode"):
         q = args[0]
         D = q.shape[-1] if hasattr(q, "shape") and len(q.shape) == 4 else 32
         dt = q.dtype if isinstance(q, np.ndarray) and q.dtype in (np.float16, BF16) else np.float16
-        args[1] = cache(D, dt)
+        args[1] = cache(D, dt, sparq=entry == "sparq_decode")
     if entry in ("prefill", "verify_tree"):
         q = args[0]
         D = q.shape[-1] if hasattr(q, "shape") and len(q.shape) in (3, 4) else 32
@@ -259,6 +270,8 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
         lambda: pyattn.attention_backward(q, q, kv, kv, q, np.zeros((1, 4, 8), np.float32), causal=True),
         lambda: pyattn.attention_varlen_backward(q[0], q[0], kv[0], kv[0], q[0], np.zeros((4, 8), np.float32),
                                                  np.array([0, 8], np.int32), np.array([0, 8], np.int32)),
+        lambda: pyattn.sparq_decode(np.zeros((1, 1, 4, 32), np.float16), cache(32, np.float16, sparq=True), [0], r=8, k=4),
+        lambda: pyattn.sparq_decode(Dev((2, 1, 4, 32)), cache(32, np.float16, sparq=True), [1, 2], r=32, k=1),
     ]
     for call in valid:
         with pytest.raises(pyattn.NoDeviceError, match=BLOCKED):

@@ -11,7 +11,8 @@ import struct
 from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
-           "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS"]
+           "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS",
+           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -178,8 +179,8 @@ def _pool_strides(prefix: str):
 DECODE_PARAMS = ParamStruct(
     "DecodeParams",
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
-     ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"),
-     ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"), ("v_scale", "f32_cptr"), ("num_splits", "i32"),
+     ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
+     ("kv_len", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"), ("v_scale", "f32_cptr"), ("num_splits", "i32"),
      ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
     + _pool_strides("ks") + _pool_strides("vs")
@@ -315,4 +316,52 @@ ATTN_BWD_PARAMS = ParamStruct(
        ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"), ("window_left", "i32"), ("window_right", "i32"),
        ("alibi_stride_b", "i32"), ("m_blocks", "i32"), ("block_m", "i32"), ("deterministic", "i32"),
        ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32")),
+)
+
+
+# Per-channel key scales (kv_pages.cuh kv_key_pages): job j = jobs[5j : 5j+5] = (dst page, n filled
+# slots, offset of its n slot sources in src, staging slot or -1, source page or -1). A source s >= 0
+# is row s of the new tokens (k_src + s * k_src_stride_t); -1 - x for x < stage_rows is row x of the
+# fp32 staging copy (rows, heads_kv, head_dim); else slot x - stage_rows of the source page,
+# dequantized. rec: the (page, kv head) scale records, float32 [S, 0, 0, 0, fp16 r[head_dim]].
+KV_PAGES_PARAMS = ParamStruct(
+    "KvPagesParams",
+    (("k_src", "ptr"), ("k", "mut_ptr"), ("rec", "f32_ptr"), ("stage", "f32_ptr"), ("jobs", "i32_cptr"),
+     ("src", "i32_cptr"), ("k_src_stride_t", "i64"), ("k_src_stride_h", "i64"))
+    + _pool_strides("k") + (("rec_stride_page", "i64"), ("rec_stride_h", "i64"))
+    + (("n_jobs", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32"), ("stage_rows", "i32")),
+)
+
+# SparQ cache state (kv_pages.cuh kv_sparq): items = pool slots whose key rows are copied into kt
+# (page, kv head, channel, slot: channel stride page_size); job j = jobs[4j : 4j+4] = (destination
+# row, source row or -1, offset into slots, count): vsum[dst] = vsum[src] (or 0) + the V rows of the
+# count slots, in order. vsum is (rows, heads_kv, head_dim) float32.
+KV_SPARQ_PARAMS = ParamStruct(
+    "KvSparqParams",
+    (("k", "ptr"), ("v", "ptr"), ("kt", "mut_ptr"), ("vsum", "f32_ptr"), ("items", "i32_cptr"), ("jobs", "i32_cptr"),
+     ("slots", "i32_cptr"))
+    + _pool_strides("k") + _pool_strides("v")
+    + (("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
+    + (("n_items", "i32"), ("n_jobs", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
+)
+
+# SparQ decode stages (sparq.cuh). Rows are (sequence, row head): row_heads per sequence, each with
+# `group` query heads (q heads rh * group ...), reading kv head rh / kv_div. ws: one workspace; off_*: byte offsets of its parts (q~ values at
+# 0, then qbar, per-block softmax partials, order-key scores, histograms, counters, thresholds,
+# chosen channels, candidate keys and positions), laid out by pyattn.ops.sparq. The page table is
+# the cache's CSR (page_indices, page_indptr, kv_len); sel / sel_pos / dec_len are the decode's
+# block table (k_max entries a row), the chosen positions and counts; o / dlse the decode's output
+# and LSE over rows (q_0..q_{G-1}, q~_0..q~_{G-1}).
+SPARQ_PARAMS = ParamStruct(
+    "SparqParams",
+    (("q", "ptr"), ("qx", "mut_ptr"), ("kt", "ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
+     ("kv_len", "i32_cptr"), ("ws", "mut_ptr"), ("sel", "mut_ptr"), ("sel_pos", "mut_ptr"), ("dec_len", "mut_ptr"),
+     ("o", "ptr"), ("dlse", "f32_cptr"), ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("out", "mut_ptr"),
+     ("lpad", "i64"), ("off_qbar", "i64"), ("off_part", "i64"), ("off_score", "i64"), ("off_hist", "i64"),
+     ("off_ctr", "i64"), ("off_info", "i64"), ("off_chan", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"),
+     ("n_chunks", "i32"), ("k_max", "i32"), ("stage", "i32"))  # per call; the rest per plan
+    + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("out_stride_b", "i64"), ("out_stride_h", "i64"),
+       ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
+    + (("batch", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("head_dim", "i32"), ("page_size", "i32"),
+       ("r", "i32"), ("k", "i32"), ("scale_log2", "f32"), ("row_heads", "i32"), ("kv_div", "i32")),
 )

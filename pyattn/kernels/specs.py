@@ -59,6 +59,9 @@ class KernelSpec:
     kv : str
         attn_decode / kv_append only: the cache's element kind, one of :data:`KV_KINDS` (``""`` =
         the query dtype; ``"int8"`` / ``"fp8e4m3"`` = 8-bit codes with fp32 scales).
+    key_channel : bool
+        attn_decode over an 8-bit cache only: the keys carry per-(page, channel) scales
+        (``PagedKVCache(..., key_scales="channel")``) instead of one scale per token.
     """
 
     family: str
@@ -72,6 +75,7 @@ class KernelSpec:
     q_tiles: int = 0
     sparse: int = 0
     kv: str = ""
+    key_channel: bool = False
 
     def __post_init__(self):
         check_spec(self)
@@ -163,7 +167,8 @@ class KernelSpec:
                                                ("softcap", self.softcap), ("alibi", self.alibi),
                                                (f"q_tiles={self.q_tiles}", self.q_tiles),
                                                (f"sparse={self.sparse}", self.sparse),
-                                               (f"kv={self.kv}", self.kv)) if on)
+                                               (f"kv={self.kv}", self.kv),
+                                               ("key_channel", self.key_channel)) if on)
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 

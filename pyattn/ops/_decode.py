@@ -34,14 +34,15 @@ _PART_IN_OUT = 256 << 10
 
 @functools.lru_cache(maxsize=256)
 def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
-          kv: str = "", generation: int = 0) -> KernelSpec:
+          kv: str = "", generation: int = 0, key_channel: bool = False) -> KernelSpec:
     """The decode spec for ``rows`` = group * q_len query rows per kv head; ``kv``: the cache's
     8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
-    replaced by ``override_tiles`` is read again."""
+    replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
-    return KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv)
+    return KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
+                      key_channel=key_channel)
 
 
 def _blocks_per_sm(spec, kernel) -> int:
@@ -75,7 +76,7 @@ def _build(P, device) -> DecodePlan:
     rows = P.group * P.q_len
     kv = pool.kv
     spec = _spec(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0, P.alibi is not None,
-                 kv, generation())
+                 kv, generation(), pool.key_channel)
     kernel = get_kernel(spec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)

@@ -28,8 +28,11 @@ from ..quant import code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
 from ..runtime.stream import as_stream, check_stream_arg, order_after
-from ..validate.paged import DECODE_DTYPES, PoolInfo
+from ..validate.paged import DECODE_DTYPES, PoolInfo, check_cache_options
 from .book import PageBook
+from . import side_state
+from .keypages import KeyStager
+from .sparq_state import SparqRows
 
 __all__ = ["PagedKVCache"]
 
@@ -57,6 +60,14 @@ class PagedKVCache:
         error bounds and the handling of NaN/inf).
     device : int or Device, optional
         Default: the current device.
+    key_scales : {"token", "channel"}, default "token"
+        8-bit caches: how keys are scaled. ``"token"``: one scale per (token, kv head), as values.
+        ``"channel"`` (KIVI-style): one scale per (page, kv head, channel), so keys with a few
+        large channels keep their precision in the others; page_size must be a multiple of 16.
+        See Notes.
+    sparq : bool, default False
+        Keep what :func:`pyattn.sparq_decode` needs (16-bit caches, page_size a multiple of 8): a
+        second, transposed copy of the keys (``kt``) and each sequence's running sum of V.
 
     Attributes
     ----------
@@ -65,7 +76,18 @@ class PagedKVCache:
         quantized cache); slots not covered by a sequence hold stale data.
     k_scale, v_scale : DeviceArray or None
         Quantized caches: float32 (num_pages, page_size, num_kv_heads), the scale of each code
-        row (value = code * scale). None for float16 / bfloat16 caches.
+        row (value = code * scale). None for float16 / bfloat16 caches. With
+        ``key_scales="channel"``, ``k_scale`` is float32 (num_pages, num_kv_heads, 4 + head_dim / 2):
+        per (page, kv head) the page scale ``S`` at ``[..., 0]`` and, from ``[..., 4]`` on, the
+        float16 relative channel scales ``r`` (value = code * S * r[channel]; see
+        :meth:`read_key_scales` and :func:`pyattn.quant.quantize_page`).
+    kt : DeviceArray or None
+        ``sparq=True``: the keys again, (num_pages, num_kv_heads, head_dim, page_size).
+    v_sum : DeviceArray or None
+        ``sparq=True``: float32 (rows, num_kv_heads, head_dim), each sequence's sum of V in token
+        order (a row per sequence; None until the first append).
+    key_scales : str
+        ``"token"`` or ``"channel"``.
     dtype : numpy.dtype
         float16, bfloat16, int8 or float8_e4m3fn.
     kv : str
@@ -77,13 +99,21 @@ class PagedKVCache:
     outlier token only costs its own precision, and the scales add 4 / head_dim of the code bytes
     (3% at head_dim 128).
 
+    Per-channel key scales: a page's channel scales depend on every key it holds, so each append
+    requantizes the pages it writes from their keys' exact 16-bit values, which the cache keeps
+    (float32, one page per partly filled page) until the page is full; its scales are fixed from
+    then on. A page reopened by :meth:`truncate` or a partial :meth:`fork` and then appended to is
+    requantized from its dequantized keys (one more rounding for those). Values keep per-token
+    scales. Why: :mod:`pyattn.paged.keypages`.
+
     Sequences are created with :meth:`add_sequence` or :meth:`fork`, grown with :meth:`append`,
     rolled back with :meth:`truncate` and released with :meth:`free`. Forks share pages by
     reference count; a shared page is copied when a sequence next writes into it. Running out of
     pages raises :class:`~pyattn.paged.book.OutOfPagesError` and changes nothing.
     """
 
-    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, dtype, *, device=None):
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, dtype, *, device=None, key_scales="token",
+                 sparq=False):
         self.book = PageBook(num_pages, page_size)
         for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
@@ -106,6 +136,8 @@ class PagedKVCache:
         if not kv and dt.name not in DECODE_DTYPES:
             raise TypeError(f"dtype: expected float16, bfloat16, int8 or fp8_e4m3 (ml_dtypes.float8_e4m3fn), "
                             f"got {dt}")
+        channel, sparq = check_cache_options(key_scales, sparq, kv, self.book.num_pages, self.book.page_size,
+                                             int(num_kv_heads))
         if device is None or isinstance(device, (int, np.integer)):
             device = get_device(None if device is None else int(device))
         elif not isinstance(device, Device):
@@ -117,10 +149,20 @@ class PagedKVCache:
         self.v = empty(shape, dt, device=device)
         self.k_scale = empty(shape[:3], np.float32, device=device) if kv else None
         self.v_scale = empty(shape[:3], np.float32, device=device) if kv else None
+        self.key_scales, self._keys, self._stage, self._kscratch = "token", None, None, None
+        if channel:  # one record per (page, kv head): [S, 0, 0, 0, fp16 r[head_dim]] (16-byte aligned r)
+            self.key_scales, self._keys = "channel", KeyStager(self.book.page_size)
+            self.k_scale = empty((shape[0], shape[2], 4 + shape[3] // 2), np.float32, device=device)
+            self._kscratch = empty((4,), np.float32, device=device)  # kv_append's per-token K scales land here
+        self.kt = empty((shape[0], shape[2], shape[3], shape[1]), dt, device=device) if sparq else None
+        self._sq, self.v_sum, self._vrows = (SparqRows() if sparq else None), None, None
         self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
         st = self.k.elem_strides[:3]
         sst = self.k_scale.elem_strides if kv else (0, 0, 0)
-        self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, sst)
+        vst = self.v_scale.elem_strides if kv else (0, 0, 0)
+        if channel:  # the decode reads S of a key's page at (page, any slot, head)
+            sst = (sst[0], 0, sst[1])
+        self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, vst, channel)
         # What a decode's problem takes from the cache, for memo keys: not the cache (a key would
         # keep its pools alive), and the layout as a number (hashing the dataclass costs ~0.4 us).
         token = _layout_tokens.get(self.pool_info)
@@ -160,15 +202,31 @@ class PagedKVCache:
     def fork(self, seq_id, length=None) -> int:
         """A new sequence sharing the first ``length`` tokens (default all) of ``seq_id`` (a shared
         prefix, parallel sampling, beam search); pages are copied only when written."""
-        return self.book.fork(seq_id, length)
+        child = self.book.fork(seq_id, length)
+        if self._sq is not None:
+            job = self._sq.fork(seq_id, child, self.book.length(child) == self.book.length(seq_id))
+            if job is not None:  # the parent's V sum, copied now (the parent may grow before the child)
+                self.device.activate()
+                self._grow_sums(self._stream)
+                self._launch_sparq(np.array([[job[0], job[1], 0, 0]], np.int32), np.empty(0, np.int32), None, 0,
+                                   self._stream)
+        return child
 
     def truncate(self, seq_id, length) -> None:
         """Keep the first ``length`` tokens of ``seq_id`` (speculative-decoding rollback)."""
         self.book.truncate(seq_id, length)
+        if self._keys is not None:
+            self._keys.release_unreferenced(self.book)
+        if self._sq is not None:
+            self._sq.dirty.add(seq_id)  # rebuilt by its next append or SparQ decode
 
     def free(self, seq_id) -> None:
         """Release ``seq_id``; pages no other sequence shares return to the pool."""
         self.book.free(seq_id)
+        if self._keys is not None:
+            self._keys.release_unreferenced(self.book)
+        if self._sq is not None:
+            self._sq.drop(seq_id)
 
     def length(self, seq_id) -> int:
         """Tokens held by ``seq_id``."""
@@ -270,6 +328,8 @@ class PagedKVCache:
         # The spec's dtype is the new tokens' type (the pool's, for a 16-bit cache).
         spec = KernelSpec("kv_append", DTYPES[ki.dtype.name][0], 32, self.device.arch, ptx_requested(), kv=self._kv)
         kernel = get_kernel(spec, self.device)
+        before = self._keys.before(self.book, seq_ids, counts) if self._keys is not None else None
+        grown = [(sid, self.book.length(sid), c) for sid, c in zip(seq_ids, counts)] if self._sq is not None else None
         plan = self.book.plan_append(seq_ids, counts)  # raises before any change when pages run out
         n_items = len(plan.dst) + len(plan.copy_dst)
         if n_items == 0:
@@ -280,9 +340,12 @@ class PagedKVCache:
         (dk, ks), (dv, vs) = rows
         pi = self.pool_info
         pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
+        k_scale = self.k_scale.ptr if self._kv else 0
+        if self._keys is not None:  # per-channel keys: kv_key_pages rewrites them; per-token K scales go nowhere
+            k_scale, pks = self._kscratch.ptr, (0, 0, 0)
         values = {"k_src": dk.ptr if dk is not None else 0, "v_src": dv.ptr if dv is not None else 0,
                   "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr, "src": d_items.ptr + 4 * n_items,
-                  "k_scale": self.k_scale.ptr if self._kv else 0, "v_scale": self.v_scale.ptr if self._kv else 0,
+                  "k_scale": k_scale, "v_scale": self.v_scale.ptr if self._kv else 0,
                   "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
                   "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
                   "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
@@ -293,6 +356,10 @@ class PagedKVCache:
         threads = n_items * H * (32 if self._kv else D // 8)
         grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
+        if self._keys is not None:
+            self._append_key_pages(spec.dtype, dk, ks, counts, before, plan.dst, s)
+        if self._sq is not None:
+            self._append_sparq(grown, d_items.ptr, n_items, s)
         finish(s, [ki, vi])
 
     def accept(self, seq_ids, paths, tree_sizes, *, stream=None) -> None:
@@ -317,6 +384,8 @@ class PagedKVCache:
         ------
         OutOfPagesError
             Too few free pages for the moved tokens' fresh pages; the cache is unchanged.
+        ValueError
+            Bad arguments, or a cache with per-channel key scales or SparQ state (not supported).
 
         Notes
         -----
@@ -326,6 +395,11 @@ class PagedKVCache:
         pages shared with forks are never written (see :meth:`PageBook.plan_accept`).
         """
         check_stream_arg(stream)
+        if self.key_scales == "channel" or self.kt is not None:
+            # Moving slots would leave the per-page key scales (and the open page's exact copy) or
+            # SparQ's transposed keys and V sums describing tokens that are no longer there.
+            raise ValueError(f"accept: not supported on caches made with key_scales='channel' or sparq=True, got "
+                             f"key_scales={self.key_scales!r}, sparq={self.kt is not None}")
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         self.book.seq_list(seq_ids)
         self.device.activate()
@@ -398,6 +472,39 @@ class PagedKVCache:
         tables = (views[2], views[0], 0, views[1])
         self._tables = (key, tables, int(lens.max(initial=0)))
         return tables, self._tables[2]
+
+    # -- per-channel key scales and SparQ state (pyattn.paged.side_state) ---------------------
+    def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:
+        side_state.append_key_pages(self, tag, dk, kst, counts, before, dst, s)
+
+    def _grow_sums(self, s) -> None:
+        side_state.grow_sums(self, s)
+
+    def _launch_sparq(self, jobs, slots, items_ptr, n_items: int, s) -> None:
+        side_state.launch_sparq(self, jobs, slots, items_ptr, n_items, s)
+
+    def _append_sparq(self, grown, items_ptr: int, n_items: int, s) -> None:
+        side_state.append_sparq(self, grown, items_ptr, n_items, s)
+
+    def read_key_scales(self) -> tuple:
+        """The per-channel key scales, copied to the host (``key_scales="channel"`` caches).
+
+        Returns
+        -------
+        page_scale : numpy.ndarray
+            float32 (num_pages, num_kv_heads): ``S``.
+        chan : numpy.ndarray
+            float16 (num_pages, num_kv_heads, head_dim): ``r``; a key's value is code * S * r[channel].
+        """
+        if self._keys is None:
+            raise ValueError(f"key_scales: this cache scales keys per {self.key_scales}, not per channel")
+        rec = self.k_scale.numpy(self._stream)
+        return rec[..., 0].copy(), np.ascontiguousarray(rec[..., 4:]).view(np.float16)
+
+    def sparq_rows(self, seq_ids, s):
+        """Rows of the V sums of ``seq_ids`` (rebuilding dirty ones first) as a device int32 array,
+        for :func:`pyattn.sparq_decode`; the cache must have been made with ``sparq=True``."""
+        return side_state.sparq_rows(self, seq_ids, s)
 
     def __repr__(self) -> str:
         dt = f"{self.dtype} codes + float32 scales per token and kv head" if self._kv else str(self.dtype)

@@ -28,7 +28,7 @@ from ._resource import exiting, per_device, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "PinnedBuffer", "StagingPool", "get_staging",
-           "copy_to_device", "copy_to_host", "memset_async", "pinned_empty"]
+           "copy_to_device", "copy_to_host", "memset_async", "pinned_empty", "copy_device"]
 
 _pools: dict[int, "DevicePool"] = {}
 _staging: dict[int, "StagingPool"] = {}
@@ -422,3 +422,9 @@ def memset_async(ptr: int, byte: int, nbytes: int, stream) -> None:
     """Fill ``nbytes`` at ``ptr`` with ``byte`` on ``stream`` (tests poison outputs with 0xFF = NaN)."""
     if nbytes:
         check(_drv().cuMemsetD8Async(ptr, byte, nbytes, stream.handle), "cuMemsetD8Async")
+
+
+def copy_device(dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+    """Copy ``nbytes`` device-to-device on ``stream`` (a paged cache growing its side arrays)."""
+    if nbytes:
+        check(_drv().cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, stream.handle), "cuMemcpyDtoDAsync")

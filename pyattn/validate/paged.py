@@ -15,12 +15,14 @@ import numpy as np
 from .options import check_alibi, check_causal, check_int, check_scale, check_softcap, check_window
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
-           "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS"]
+           "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
+           "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
 MAX_SPLITS = 256
 _MAX_GRID_YZ = 65535
+KEY_SCALES = ("token", "channel")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class PoolInfo:
     ``kv`` is ``""`` for fp16/bf16 pools, else the 8-bit kind (``"int8"`` / ``"fp8e4m3"``, see
     :mod:`pyattn.quant`): ``dtype`` is then the code dtype and ``ks_strides`` / ``vs_strides`` are
     the (page, slot, head) element strides of the float32 K / V scale pools (0s without them).
+    ``key_channel``: the keys have per-(page, channel) scales (``ks_strides`` then address each page's
+    scale record, slot stride 0).
     """
 
     num_pages: int
@@ -42,6 +46,7 @@ class PoolInfo:
     kv: str = ""
     ks_strides: tuple = (0, 0, 0)
     vs_strides: tuple = (0, 0, 0)
+    key_channel: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,3 +244,27 @@ def _check_pages(name: str, pages: np.ndarray, num_pages: int) -> None:
         j = int(np.flatnonzero(bad.ravel())[0])
         raise ValueError(f"{name}: page indices must be in [0, {num_pages}) (the pool's pages), "
                          f"got {int(pages.ravel()[j])} among the used entries")
+
+
+def check_cache_options(key_scales, sparq, kv: str, num_pages: int, page_size: int, heads_kv: int) -> tuple:
+    """Validate ``PagedKVCache``'s ``key_scales`` and ``sparq``; returns ``(per-channel keys, sparq)``."""
+    if key_scales not in KEY_SCALES:
+        raise ValueError(f"key_scales: expected one of {KEY_SCALES}, got {key_scales!r}")
+    channel = key_scales == "channel"
+    if channel and not kv:
+        raise ValueError("key_scales: per-channel key scales are for 8-bit caches (dtype int8 or fp8_e4m3), "
+                         "got a 16-bit cache")
+    if channel and page_size % 16:
+        raise ValueError(f"page_size: key_scales='channel' needs a multiple of 16 (the decode kernel rescales "
+                         f"its query per 16-key segment, which must lie in one page), got {page_size}")
+    if not isinstance(sparq, (bool, np.bool_)):
+        raise TypeError(f"sparq: expected a bool, got {type(sparq).__name__}")
+    if sparq and kv:
+        raise ValueError(f"sparq: SparQ reads 16-bit caches (float16 / bfloat16), got an 8-bit ({kv}) cache")
+    if sparq and page_size % 8:
+        raise ValueError(f"page_size: sparq=True needs a multiple of 8 (the approximate scores read 4 keys of a "
+                         f"page at a time), got {page_size}")
+    if sparq and num_pages * page_size * heads_kv > 2**31 - 1:
+        raise ValueError(f"num_pages: sparq=True needs num_pages * page_size * num_kv_heads < 2**31 (its decode "
+                         f"addresses key rows by an int32), got {num_pages} x {page_size} x {heads_kv}")
+    return channel, bool(sparq)

@@ -44,6 +44,9 @@ _WHERE = {
     "attn_bwd_mma": ("backward", "ATTN_BWD_MMA"),
     "attn_bwd_simt": ("backward", "ATTN_BWD_SIMT"),
     "attn_bwd_convert": ("backward", "ATTN_BWD_CONVERT"),
+    "kv_key_pages": ("paged", "KV_KEY_PAGES"),
+    "kv_sparq": ("paged", "KV_SPARQ"),
+    "sparq": ("paged", "SPARQ"),
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
@@ -137,6 +140,9 @@ def check_spec(spec) -> None:
         raise ValueError(f"sparse: block-sparse tile lists are read by {_able('sparse')}, got {spec.family}")
     if spec.kv and not record.kv:
         raise ValueError(f"kv: only {_able('kv')} read quantized caches, got {spec.family}")
+    if spec.key_channel and not (record.key_channel and spec.kv):
+        raise ValueError(f"key_channel: per-channel key scales are read by {_able('key_channel')} over an 8-bit "
+                         f"cache (kv set), got {spec.family} with kv={spec.kv!r}")
 
 
 def tile_table(family: str, arch: str, table: str = "dense") -> tuple:

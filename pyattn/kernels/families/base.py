@@ -121,6 +121,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("_softcap" if spec.softcap else "") \
         + ("_alibi" if spec.alibi else "")
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
+    mods += "_kch" if spec.key_channel else ""
     ring = f"s{t.stages}" if stages else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
@@ -175,24 +176,27 @@ class Family:
         ``sparse`` / ``kv`` ones).
     sparse, kv, q_tiles : bool
         Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
+    key_channel : bool
+        Whether it reads 8-bit caches whose keys have per-(page, channel) scales.
     """
 
     __slots__ = ("name", "label", "header", "params", "tables", "template_id", "dtypes", "mods", "alignment",
                  "traits", "smem_bytes", "table_for", "spec_tiles", "entry_name", "takes", "check", "sparse", "kv",
-                 "q_tiles")
+                 "q_tiles", "key_channel")
 
     def __init__(self, *, name: str, label: str, header: str, params, tables: Mapping[str, Mapping[str, tuple]],
                  template_id: Callable, dtypes: tuple = ("f32", "f16", "bf16"), mods: tuple = (),
                  alignment: Alignment = Alignment(), traits: Callable | None = None,
                  smem_bytes: Callable = no_shared_memory, table_for: Callable = dense_table,
                  spec_tiles: Callable = table_tiles, entry_name: Callable = entry_name, takes: str = "",
-                 check: Callable | None = None, sparse: bool = False, kv: bool = False, q_tiles: bool = False):
+                 check: Callable | None = None, sparse: bool = False, kv: bool = False, q_tiles: bool = False,
+                 key_channel: bool = False):
         # Read-only views: a table changes through override_tiles only, never by patching.
         frozen = MappingProxyType({n: MappingProxyType(dict(by_arch)) for n, by_arch in tables.items()})
         values = dict(name=name, label=label, header=header, params=params, tables=frozen, template_id=template_id,
                       dtypes=dtypes, mods=mods, alignment=alignment, traits=traits, smem_bytes=smem_bytes,
                       table_for=table_for, spec_tiles=spec_tiles, entry_name=entry_name, takes=takes, check=check,
-                      sparse=sparse, kv=kv, q_tiles=q_tiles)
+                      sparse=sparse, kv=kv, q_tiles=q_tiles, key_channel=key_channel)
         for field, value in values.items():
             object.__setattr__(self, field, value)
 

@@ -90,8 +90,9 @@ def _spec_tiles(spec, t: TileConfig) -> TileConfig:
 
 
 def _traits(spec, t) -> str:
+    kv = KV_KINDS[spec.kv] + (2 if spec.key_channel else 0)  # AttnDecodeTraits: 3 / 4 = per-channel key scales
     return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // t.warps}, {t.warps}, "
-            f"{t.m_tiles}, {t.stages}, {KV_KINDS[spec.kv]}>")
+            f"{t.m_tiles}, {t.stages}, {kv}>")
 
 
 def _smem_bytes(spec, t) -> int:
@@ -100,6 +101,8 @@ def _smem_bytes(spec, t) -> int:
     ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
     if spec.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
         ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
+    if spec.key_channel:  # and the fp16 channel scales of each 16-key segment's page
+        ring += t.stages * (t.block_n // 16) * d * 2
     return max(ring, t.warps * t.block_m * (d + 10) * 4)
 
 
@@ -121,4 +124,5 @@ ATTN_DECODE = Family(
     dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT, traits=_traits,
     smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
+    key_channel=True,
 )

@@ -1,0 +1,50 @@
+"""Kernel families of the paged cache's optional state: per-channel key scales and SparQ.
+
+kv_key_pages (re)quantizes the keys of the pages an append wrote with per-(page, channel) scales;
+kv_sparq keeps SparQ's transposed key copy and running V sums; sparq is SparQ's decode, one kernel
+whose stages (``SparqParams.stage``) run as separate launches around the paged decode kernel. All
+take the head dim as a launch parameter (one variant, bucket 32, serves every head dim) and have
+no dynamic shared memory.
+"""
+
+from __future__ import annotations
+
+from ..params import KV_PAGES_PARAMS, KV_SPARQ_PARAMS, SPARQ_PARAMS
+from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, Family, FixedTile, every_arch
+from .decode import PAGED_ALIGNMENT
+
+__all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ"]
+
+_PAGES = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
+                               reason="memory-bound, one warp per (page, kv head) or (slot, kv head): 256 threads, "
+                                      "grid-stride; unmeasured"),))
+_SPARQ = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=1024, warps=8,
+                               reason="1024 keys a block (4 per thread: one 8-byte read per chosen kt row), 36 KiB "
+                                      "of static shared memory; unmeasured"),))
+
+
+def _needs_kv(spec) -> None:
+    if not spec.kv:
+        raise ValueError(f"kv: kv_key_pages quantizes 8-bit caches (int8 / fp8e4m3), got {spec.kv!r}")
+
+
+KV_KEY_PAGES = Family(
+    name="kv_key_pages", label="kv_key_pages", header="kv_pages.cuh", params=KV_PAGES_PARAMS,
+    tables={"dense": _PAGES},
+    template_id=lambda spec, t: f"pyattn::kv_key_pages<{CTYPES[spec.dtype]}, {KV_KINDS[spec.kv]}>",
+    dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT, check=_needs_kv, kv=True,
+)
+
+KV_SPARQ = Family(
+    name="kv_sparq", label="kv_sparq", header="kv_pages.cuh", params=KV_SPARQ_PARAMS,
+    tables={"dense": _PAGES},
+    template_id=lambda spec, t: f"pyattn::kv_sparq<{CTYPES[spec.dtype]}>",
+    dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT,
+)
+
+SPARQ = Family(
+    name="sparq", label="sparq", header="sparq.cuh", params=SPARQ_PARAMS,
+    tables={"dense": _SPARQ},
+    template_id=lambda spec, t: f"pyattn::sparq_stage<{CTYPES[spec.dtype]}>",
+    dtypes=("f16", "bf16"),
+)

@@ -1,0 +1,199 @@
+"""``pyattn.sparq_decode``: SparQ attention over a :class:`pyattn.PagedKVCache` (approximate decode).
+
+The plan and launches: the ``sparq`` kernel's stages (prep, score, select) choose each (sequence, kv
+head)'s keys reading only r of the transposed keys' channels; the paged decode kernel attends over
+the chosen keys (each a one-slot "page" of the pools) for the queries and, in the m16 tile's spare
+rows, for q~ (whose log-sum-exp gives alpha); the finish stage blends in the mean of V. See
+``kernels_src/sparq.cuh`` and :mod:`pyattn.reference_sparq`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..array import DeviceArray
+from ..interop.inputs import read_args
+from ..kernels.registry import get_kernel
+from ..kernels.specs import DTYPES, KernelSpec, decode_max_q_tiles
+from ..paged.cache import PagedKVCache
+from ..pipeline.device import finish, output, start
+from ..pipeline import host
+from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.launch import launch
+from ..runtime.stream import check_stream_arg
+from ..validate.options import check_bool
+from ..validate.paged import DecodeProblem, PoolInfo
+from ..validate.sparq import check_sparq
+from ._decode import run_decode
+
+__all__ = ["sparq_decode"]
+
+_LOG2E = 1.4426950408889634
+_CHUNK = 1024  # keys a block of the score / select stages takes (kSparqChunk)
+_BINS = 4096
+
+
+class _Plan(NamedTuple):
+    kernel: object
+    packer: object  # PartialPack: the per-call fields -> SparqParams bytes
+    threads: int
+    decode: DecodeProblem  # the attention over the chosen keys
+    rows: int
+
+
+def _build(P, device) -> _Plan:
+    spec = KernelSpec("sparq", DTYPES[P.dtype.name][0], 32, device.arch, ptx_requested())
+    pool, D, G = P.pool, P.head_dim, P.row_group
+    H = pool.heads_kv
+    kt = (H * D * pool.page_size, D * pool.page_size)  # the cache's kt pool, C-contiguous
+    packer = spec.params.partial({
+        "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "out_stride_b": P.heads_q * D, "out_stride_h": D,
+        "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
+        "batch": P.batch, "heads_kv": H, "group": G, "head_dim": D, "page_size": pool.page_size, "r": P.r, "k": P.k,
+        "scale_log2": P.scale * _LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
+    # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools.
+    rows_pool = PoolInfo(pool.num_pages * pool.page_size * H, 1, 1, D, pool.dtype, (D, D, D), (D, D, D))
+    rows = P.batch * P.row_heads
+    dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
+                        P.scale, None, None, rows_pool)
+    return _Plan(get_kernel(spec, device), packer, spec.threads, dec, rows)
+
+
+def _workspace(rows: int, G: int, R: int, n_chunks: int) -> tuple:
+    """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
+    ``lpad`` of its per-key arrays; ``offs["end"]`` is its size."""
+    lpad = n_chunks * _CHUNK
+    parts = [("qt", rows * G * R), ("qbar", rows * R), ("part", rows * n_chunks * G * 2), ("score", rows * lpad),
+             ("hist", rows * _BINS), ("ctr", rows * 4), ("info", rows * 4), ("chan", rows * R),
+             ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
+    offs, at = {}, 0
+    for name, words in parts:  # 4-byte words, each part 256-byte aligned
+        offs[name] = at
+        at += -(-4 * words // 256) * 256
+    offs["end"] = at
+    return offs, lpad
+
+
+def _run(P, plan, cache, ids, q_ptr, s, return_indices):
+    """Launch every stage for validated problem ``P``; returns (out, positions or None)."""
+    device = cache.device
+    cache.order(s)
+    (indices, indptr, _, kv_len), max_len = cache.device_tables(ids, s)
+    vrow = cache.sparq_rows(ids, s)
+    G, D, rows = P.row_group, P.head_dim, plan.rows
+    n_chunks = -(-max_len // _CHUNK)
+    k_max = min(P.k, max_len)
+    offs, lpad = _workspace(rows, G, P.r, n_chunks)
+    isz = P.dtype.itemsize
+    qx_bytes = -(-rows * 2 * G * D * isz // 256) * 256
+    idx_bytes = -(-rows * k_max * 4 // 256) * 256
+    ws = output(device, s, (offs["end"] + qx_bytes + 2 * idx_bytes + 4 * rows,), np.uint8)
+    qx, sel = ws.ptr + offs["end"], ws.ptr + offs["end"] + qx_bytes
+    sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
+    out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype)
+
+    def go(stage, grid, o=0, dlse=0):
+        params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
+                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["qbar"],
+                                  offs["part"], offs["score"], offs["hist"], offs["ctr"], offs["info"], offs["chan"],
+                                  offs["cand_u"], offs["cand_i"], n_chunks, k_max, stage)
+        launch(plan.kernel, grid, (plan.threads, 1, 1), 0, s, params)
+
+    go(0, (rows, 1, 1))
+    go(1, (n_chunks, rows, 1))
+    go(2, (n_chunks, rows, 1))
+    tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
+              DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s))
+    o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
+    go(4, (rows, 1, 1), o.ptr, lse.ptr)
+    finish(s, [ws, o, lse, vrow])
+    pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
+        if return_indices else None
+    return out, pos
+
+
+def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, select="group", return_indices=False, stream=None):
+    """SparQ attention (Ribar et al., 2024) of one new query token per sequence over a paged cache.
+
+    Per sequence and kv head (``select="group"``) or query head (``"head"``): the ``r`` query
+    channels of largest magnitude (summed over the GQA group) approximate the scores against the
+    keys, reading only those ``r`` rows of the cache's transposed key copy; the ``k`` keys with the
+    largest approximate scores are attended exactly, and the result is blended with the mean of all
+    the sequence's values by the approximate softmax mass of the chosen keys (alpha). The algorithm
+    is :func:`pyattn.reference.sparq_ref`.
+
+    Parameters
+    ----------
+    q : array, (batch, 1, heads_q, head_dim)
+        The cache's dtype (float16 / bfloat16), NumPy or device; append the tokens' K/V first.
+    cache : PagedKVCache
+        Made with ``sparq=True``.
+    seq_ids : sequence of int
+        One live, non-empty sequence per batch row, no repeats.
+    r : int
+        Query channels of the approximate scores, 1 to head_dim (the paper's r; ``head_dim / 4``
+        reads a quarter of the keys' bytes).
+    k : int
+        Keys attended per (sequence, kv head), >= 1; a sequence with at most k tokens attends to all
+        of them exactly (alpha = 1).
+    scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    select : {"group", "head"}
+        ``"group"``: a GQA group's query heads share the chosen channels and keys, so a step reads what
+        a multi-head model's would (the bandwidth SparQ saves); less accurate when the heads attend
+        differently (BENCHMARKS.md). ``"head"``: every query head chooses its own, the paper's
+        algorithm, reading up to ``group`` times the channels and keys. The same for group 1.
+    return_indices : bool
+        Also return the chosen positions, int32 (batch, heads_kv or heads_q, min(k, longest length)):
+        row (b, h) holds ``min(k, length_b)`` distinct positions in no particular order, then
+        unspecified values.
+    stream : optional
+
+    Returns
+    -------
+    out : array (batch, 1, heads_q, head_dim), q's dtype; NumPy for NumPy q
+    positions : array, only with ``return_indices``
+
+    Notes
+    -----
+    Bytes read per (sequence, kv head) and step: ``r`` of the ``head_dim`` channels of the keys,
+    ``k`` full key and value rows, and small per-key scores (8 bytes); at ``r = head_dim / 4`` and
+    ``k = L / 8``, about a quarter of exact decode's. The chosen set depends on the approximate
+    scores' float32 rounding, so keys whose scores tie within that rounding may be swapped against
+    the float64 reference.
+    """
+    params = dict(q=q, r=r, k=k, scale=scale, select=select, return_indices=return_indices)
+    check_stream_arg(stream)
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a pyattn.PagedKVCache, got {type(cache).__name__}")
+    if cache.kt is None:
+        raise ValueError("cache: sparq_decode needs a PagedKVCache made with sparq=True")
+    ids = cache.check_ids(seq_ids)
+    a = read_args(params, ("q",), ("q",))
+    return_indices = check_bool("return_indices", return_indices)
+    pool = cache.pool_info
+    bucket = next(b for b in (32, 64, 96, 128, 160, 192, 224, 256) if b >= pool.head_dim)
+    P = check_sparq(a["q"], pool, r=r, k=k, scale=scale, select=select,
+                    max_rows_per_tile=16 * decode_max_q_tiles(cache.device.arch, bucket))
+    if len(ids) != P.batch:
+        raise ValueError(f"seq_ids: expected {P.batch} ids (q's batch), got {len(ids)}")
+    empty = [sid for sid, n in zip(ids, cache.book.lengths(ids)) if n == 0]
+    if empty:
+        raise ValueError(f"seq_ids: SparQ needs at least one cached token per sequence; empty: {empty}")
+    if a["q"].on_device:
+        device, s, (dq,) = start(stream, [a["q"]])
+        if device is not cache.device:
+            raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, "
+                             f"got device {device.ordinal}")
+        out, pos = _run(P, get_plan(_build, P, device), cache, ids, dq.ptr, s, return_indices)
+        finish(s, [dq])
+        return (out, pos) if return_indices else out
+
+    def run(dev, s):  # NumPy q: uploaded, results copied back (pyattn.pipeline.host.call)
+        out, pos = _run(P, get_plan(_build, P, dev[0].device), cache, ids, dev[0].ptr, s, return_indices)
+        return (out, pos) if return_indices else (out,)
+
+    res = host.call(run, [np.ascontiguousarray(a["q"].obj)], [], stream)
+    return tuple(res) if return_indices else res[0]

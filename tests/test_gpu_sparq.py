@@ -1,0 +1,182 @@
+"""GPU tests of SparQ attention (``pyattn.sparq_decode``) and the cache state it reads (marked ``gpu``).
+
+* The state: the transposed key copy equals the key pool, and each sequence's V sum is the float32
+  sum of its values in token order, bit for bit, through appends, forks, truncations and frees.
+* The algorithm against its own definition (``pyattn.reference_sparq``): the kernel's chosen keys
+  are a top-k of the float64 selection scores up to the scores' rounding, and its output equals
+  the float64 SparQ over those same keys within 2x the naive same-precision error (plus a floor).
+* Limits: k >= length is exact attention; torch tensors as inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn.reference import attention_lowp, attention_ref
+from pyattn.reference import sparq_ref, sparq_selection_scores
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_gpu_attention import DTYPES, _has_gpu  # noqa: E402
+from pyattn.runtime import memory
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+FLOOR = {"float16": 1e-3, "bfloat16": 8e-3}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(memory, "POISON_ALLOC", True)
+
+
+def _structured(rng, n, Hkv, D, q_group):
+    """Keys with 4 outlier channels (x10) and a few positions matching the group's query strongly;
+    values N(0, 1). ``q_group``: (Hkv, G, D) float."""
+    k = rng.standard_normal((n, Hkv, D))
+    k[:, :, rng.choice(D, min(4, D), replace=False)] *= 10.0
+    for h in range(Hkv):
+        for pos in rng.choice(n, min(n, 3), replace=False):
+            k[pos, h] += 4.0 * q_group[h].mean(0) / (np.linalg.norm(q_group[h].mean(0)) + 1e-9) * np.sqrt(D)
+    return k, rng.standard_normal((n, Hkv, D))
+
+
+def _fill(cache, seqs, dt):
+    ids = []
+    for k, v in seqs:
+        sid = cache.add_sequence()
+        ids.append(sid)
+        at = 0
+        for step in (1, 5, 300, len(k)):
+            take = min(step, len(k) - at)
+            if take > 0:
+                cache.append([sid], k[None, at:at + take].astype(dt), v[None, at:at + take].astype(dt))
+                at += take
+    return ids
+
+
+def _check(q, seqs, out, pos, r, k, dtype, select="group"):
+    """The kernel's choice is a top-k up to rounding; its output is SparQ over that choice."""
+    t = DTYPES[dtype]
+    ks, vs = [s[0].astype(t) for s in seqs], [s[1].astype(t) for s in seqs]
+    chosen = []
+    for b, (sc, mag) in enumerate(sparq_selection_scores(q, ks, r, rounding=t, select=select)):
+        L = sc.shape[1]
+        k_eff = min(k, L)
+        rows = []
+        for h in range(sc.shape[0]):
+            c = np.asarray(pos[b, h, :k_eff], np.int64)
+            assert len(np.unique(c)) == k_eff and c.min() >= 0 and c.max() < L, (b, h, np.sort(c))
+            rest = np.setdiff1d(np.arange(L), c)
+            # q~ may differ by one rounding of the query dtype from float64's (its temperature is a float32)
+            tol = (2.0 * float(ml_dtypes.finfo(t).eps) + 64 * 2.0**-24) * mag[h].max()
+            if len(rest):
+                assert sc[h, rest].max() <= sc[h, c].min() + tol, (b, h, sc[h, rest].max(), sc[h, c].min(), tol)
+            rows.append(c)
+        chosen.append(rows)
+    ref = sparq_ref(q, ks, vs, r=r, k=k, select=select, chosen=chosen)
+    low = sparq_ref(q, ks, vs, r=r, k=k, select=select, chosen=chosen, lowp=True)
+    bound = 2 * np.abs(low - ref).max() + FLOOR[dtype]
+    err = np.abs(np.asarray(out).astype(np.float64) - ref)
+    assert not np.isnan(err).any()
+    assert err.max() <= bound, f"max error {err.max():.3e} > bound {bound:.3e} at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 2500) | st.sampled_from([1, 8, 1023, 1024, 1025]), min_size=1, max_size=3),
+       page_size=st.sampled_from([8, 16, 64]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 4, 8]),
+       D=st.sampled_from([64, 128]), dtype=st.sampled_from(["float16", "bfloat16"]), r_frac=st.sampled_from([1, 4, 8]),
+       k=st.integers(1, 700), select=st.sampled_from(["group", "head"]), seed=st.integers(0, 2**31 - 1))
+def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r_frac, k, select, seed):
+    rng = np.random.default_rng(seed)
+    t = DTYPES[dtype]
+    q = rng.standard_normal((len(lengths), 1, Hkv * group, D)).astype(t)
+    seqs = [_structured(rng, n, Hkv, D, q[b, 0].astype(np.float64).reshape(Hkv, group, D))
+            for b, n in enumerate(lengths)]
+    cache = pyattn.PagedKVCache(sum(-(-n // page_size) for n in lengths) + 4, page_size, Hkv, D, dtype, sparq=True)
+    ids = _fill(cache, seqs, t)
+    r = max(1, D // r_frac)
+    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=k, select=select, return_indices=True)
+    rows = Hkv * group if select == "head" else Hkv
+    assert out.shape == q.shape and out.dtype == t and pos.shape == (len(lengths), rows, min(k, max(lengths)))
+    _check(q, seqs, out, pos, r, k, dtype, select)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_k_at_least_the_length_is_exact_attention(dtype):
+    rng = np.random.default_rng(2)
+    t, Hkv, G, D = DTYPES[dtype], 2, 4, 128
+    seqs = [(rng.standard_normal((n, Hkv, D)), rng.standard_normal((n, Hkv, D))) for n in (1, 300, 2049)]
+    cache = pyattn.PagedKVCache(200, 16, Hkv, D, dtype, sparq=True)
+    ids = _fill(cache, seqs, t)
+    q = rng.standard_normal((3, 1, Hkv * G, D)).astype(t)
+    out = pyattn.sparq_decode(q, cache, ids, r=16, k=4096)
+    for b, (k, v) in enumerate(seqs):
+        kb, vb = k[None].astype(t), v[None].astype(t)
+        ref = attention_ref(q[b:b + 1], kb, vb)
+        bound = 2 * np.abs(attention_lowp(q[b:b + 1], kb, vb) - ref).max() + FLOOR[dtype]
+        assert np.abs(out[b:b + 1].astype(np.float64) - ref).max() <= bound
+
+
+def test_state_kt_and_value_sums_follow_cache_operations():
+    rng = np.random.default_rng(4)
+    Hkv, D, ps, t = 2, 64, 16, np.float16
+    cache = pyattn.PagedKVCache(64, ps, Hkv, D, "float16", sparq=True)
+    model = {}
+
+    def add(sid, n):
+        k, v = rng.standard_normal((n, Hkv, D)).astype(t), rng.standard_normal((n, Hkv, D)).astype(t)
+        cache.append([sid], k[None], v[None])
+        mk, mv = model[sid]
+        model[sid] = (np.concatenate([mk, k]), np.concatenate([mv, v]))
+
+    a = cache.add_sequence()
+    model[a] = (np.zeros((0, Hkv, D), t),) * 2
+    add(a, 37)
+    b = cache.fork(a)  # whole: the sum is copied
+    model[b] = model[a]
+    c = cache.fork(a, 20)  # partial: rebuilt from the tokens at its next use
+    model[c] = tuple(x[:20] for x in model[a])
+    add(b, 5)
+    add(a, 1)
+    cache.truncate(a, 30)
+    model[a] = tuple(x[:30] for x in model[a])
+    add(a, 3)
+    d = cache.fork(b)
+    model[d] = model[b]
+    cache.free(b)
+    del model[b]
+    cache.truncate(d, 7)
+    model[d] = tuple(x[:7] for x in model[d])
+    ids = list(model)
+    q = rng.standard_normal((len(ids), 1, Hkv * 2, D)).astype(t)
+    pyattn.sparq_decode(q, cache, ids, r=8, k=4)  # rebuilds the dirty sums
+    kp, kt, vsum = cache.k.numpy(), cache.kt.numpy(), cache.v_sum.numpy()
+    for sid, (k, v) in model.items():
+        pages, n = cache.book.pages(sid), cache.length(sid)
+        idx = np.arange(n)
+        pg, sl = pages[idx // ps], idx % ps
+        assert np.array_equal(kp[pg, sl].view(np.uint16), k.view(np.uint16))
+        assert np.array_equal(kt[pg, :, :, sl].view(np.uint16), k.view(np.uint16)), f"kt of sequence {sid}"
+        want = np.zeros((Hkv, D), np.float32)
+        for row in v.astype(np.float32):  # token order, float32
+            want = (want + row).astype(np.float32)
+        got = vsum[cache._sq.row_of[sid]]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"V sum of sequence {sid}"
+
+
+def test_torch_query_and_the_mean_blend():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    Hkv, G, D, n = 2, 4, 128, 4000
+    k, v = rng.standard_normal((n, Hkv, D)), rng.standard_normal((n, Hkv, D)) + 0.5  # a mean worth blending
+    cache = pyattn.PagedKVCache(n // 16 + 4, 16, Hkv, D, "bfloat16", sparq=True)
+    ids = _fill(cache, [(k, v)], ml_dtypes.bfloat16)
+    q = rng.standard_normal((1, 1, Hkv * G, D)).astype(ml_dtypes.bfloat16)
+    qt = torch.from_numpy(q.view(np.int16)).view(torch.bfloat16).cuda()
+    out, pos = pyattn.sparq_decode(qt, cache, ids, r=32, k=500, return_indices=True)
+    assert isinstance(out, pyattn.DeviceArray)
+    _check(q, [(k, v)], out.numpy(), pos.numpy(), 32, 500, "bfloat16")

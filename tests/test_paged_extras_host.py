@@ -1,0 +1,119 @@
+"""Per-channel key scales and SparQ on the fake driver (``fake_driver.py``): the host paths run on a
+CPU, and each call queues the kernels, in the order and with the grids, its design says."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fake_driver
+import pyattn
+from pyattn.kernels import registry
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = fake_driver.install(monkeypatch)
+    fake.record_launches = True
+    yield fake
+    fake_driver.uninstall(fake)
+
+
+def _launched():
+    # entry points are pyattn_<family>_<dtype>_d<dim>_...: the family
+    names = [(re.match(r"pyattn_([a-z0-9_]+?)_(?:f16|bf16|f32)_d", name).group(1), grid)
+             for name, grid, _, _ in fake_driver.LAUNCHES]
+    fake_driver.LAUNCHES.clear()
+    return names
+
+
+def test_per_channel_cache_appends_then_requantizes_pages(gpu):
+    cache = pyattn.PagedKVCache(40, 16, 2, 128, "int8", key_scales="channel")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k = np.ones((2, 20, 2, 128), ml_dtypes.bfloat16)
+    cache.append([a, b], k, k)
+    assert [n for n, _ in _launched()] == ["kv_append", "kv_key_pages"]
+    assert cache._keys.stage_of.keys() == {1, 3} and cache._stage.shape == (4, 16, 2, 128)  # a's and b's open pages
+    c = cache.fork(a)
+    cache.append([c], k[:1, :12], k[:1, :12])  # copy-on-write of the shared open page, now full
+    assert [n for n, _ in _launched()] == ["kv_append", "kv_key_pages"]
+    assert set(cache._keys.stage_of) == {1, 3}
+    cache.truncate(a, 10)  # into the full first page (shared with c): copied and reopened at the next append
+    assert set(cache._keys.stage_of) == {3}  # a's open page went back to the pool
+    cache.append([a], k[:1, :1], k[:1, :1])
+    _launched()
+    assert set(cache._keys.stage_of) == {int(cache.book.pages(a)[-1]), 3} and cache.book.pages(a)[-1] != 0
+    cache._keys.check()
+    q = np.ones((2, 1, 8, 128), ml_dtypes.bfloat16)
+    pyattn.decode(pyattn.asarray(q), cache, [a, b])
+    assert [n for n, _ in _launched()][0] == "attn_decode"
+    assert any(spec.family == "attn_decode" and spec.key_channel for _, spec in registry.loaded_kernels())
+    scale, chan = cache.read_key_scales()
+    assert scale.shape == (40, 2) and chan.shape == (40, 2, 128) and chan.dtype == np.float16
+
+
+def test_sparq_state_and_decode_launches(gpu):
+    cache = pyattn.PagedKVCache(400, 16, 2, 64, "bfloat16", sparq=True)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k = np.ones((2, 1500, 2, 64), ml_dtypes.bfloat16)
+    cache.append([a, b], k, k)
+    assert [n for n, _ in _launched()] == ["kv_append", "kv_sparq"]
+    c = cache.fork(a)  # whole: the V sum is copied now
+    assert [n for n, _ in _launched()] == ["kv_sparq"]
+    d = cache.fork(b, 700)  # partial: rebuilt later
+    assert not _launched() and d in cache._sq.dirty
+    cache.truncate(c, 1000)
+    q = pyattn.asarray(np.ones((3, 1, 8, 64), ml_dtypes.bfloat16))
+    out, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, return_indices=True)
+    names = _launched()
+    rows = 3 * 2
+    assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
+    assert [n for n, _ in names[1:]][:4] == ["sparq", "sparq", "sparq", "attn_decode"]
+    assert names[1][1] == (rows, 1, 1) and names[2][1] == names[3][1] == (2, rows, 1)  # 1500 keys: 2 chunks
+    assert names[-1] == ("sparq", (rows, 1, 1))
+    assert out.shape == (3, 1, 8, 64) and pos.shape == (3, 2, 100) and not cache._sq.dirty
+    _, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, select="head", return_indices=True)
+    names = _launched()
+    assert names[0] == ("sparq", (3 * 8, 1, 1)) and pos.shape == (3, 8, 100)  # a row per query head
+    cache.free(a)
+    assert a not in cache._sq.row_of
+    host = pyattn.sparq_decode(np.ones((1, 1, 8, 64), ml_dtypes.bfloat16), cache, [b], r=64, k=5000)
+    assert isinstance(host, np.ndarray) and host.shape == (1, 1, 8, 64)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="int8", sparq=True), r"^sparq: SparQ reads 16-bit caches"),
+    (dict(dtype="bfloat16", key_scales="channel"), r"^key_scales: per-channel key scales are for 8-bit caches"),
+    (dict(dtype="int8", key_scales="page"), r"^key_scales: expected one of"),
+    (dict(dtype="int8", key_scales="channel", page_size=8), r"^page_size: key_scales='channel' needs a multiple of 16"),
+    (dict(dtype="bfloat16", sparq=True, page_size=12), r"^page_size: sparq=True needs a multiple of 8"),
+    (dict(dtype="bfloat16", sparq=1), r"^sparq: expected a bool"),
+])
+def test_cache_options_are_refused_before_allocating(gpu, kw, match):
+    kw = {"page_size": 16, **kw}
+    ps = kw.pop("page_size")
+    dt = kw.pop("dtype")
+    with pytest.raises((ValueError, TypeError), match=match):
+        pyattn.PagedKVCache(8, ps, 2, 64, dt, **kw)
+    assert not fake_driver.CALLS.get("cuMemAllocFromPoolAsync")
+
+
+def test_sparq_decode_needs_a_sparq_cache_and_live_tokens(gpu):
+    plain = pyattn.PagedKVCache(8, 16, 2, 64, "bfloat16")
+    s = plain.add_sequence()
+    q = np.ones((1, 1, 4, 64), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="^cache: sparq_decode needs"):
+        pyattn.sparq_decode(q, plain, [s], r=8, k=4)
+    cache = pyattn.PagedKVCache(8, 16, 2, 64, "bfloat16", sparq=True)
+    s = cache.add_sequence()
+    with pytest.raises(ValueError, match="^seq_ids: SparQ needs at least one cached token"):
+        pyattn.sparq_decode(q, cache, [s], r=8, k=4)
+    with pytest.raises(ValueError, match="^select: expected one of"):
+        pyattn.sparq_decode(q, cache, [s], r=8, k=4, select="heads")
+    with pytest.raises(ValueError, match=r"^q: SparQ \(select='group'\) takes at most 16 query heads"):
+        pyattn.sparq_decode(np.ones((1, 1, 64, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)
+    with pytest.raises(ValueError, match="^q: SparQ decodes one new token"):
+        pyattn.sparq_decode(np.ones((1, 2, 4, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)
