@@ -4,7 +4,8 @@ Usage: PYTHONPATH=. python dev/probe_serving.py [--quick] [--chunk-only]
 
 bf16, D 128, Hq 32, Hkv 8. Times (harness.Bench.gpu_ms, one run):
 - the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_wgmma rows put in
-  through ``override_tiles`` (the dense table's warp-specialized row, and a 64-key 4-stage one);
+  through ``override_tiles`` (the dense table's warp-specialized row, 64-key rows of 4 and 6 stages,
+  a 2-stage 128-key row);
 - draft trees (n = 16 / 64 over 4096 tokens, batch 1 / 8) with attn_tree_wgmma rows (one warpgroup
   of 64 rows at 64 / 128 keys, 2 / 3 stages; the two-warpgroup warp-specialized row), and forced
   split counts; pyattn.decode with q_len = n beside them.
@@ -52,7 +53,9 @@ def main() -> int:
     cache, ids = cache_of(bench, [16384 + 4096])
     q = harness.to_pyattn(torch.randn(1, 4096, HQ, D, device="cuda", dtype=torch.bfloat16), bench.stream)
     base = tile_table("attn_prefill_wgmma", "sm_90a")
-    for name, row in (("ws 128x128 s3", None), ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True))):
+    for name, row in (("ws 128x128 s3", None), ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True)),
+                      ("ws 128x64 s6", WgmmaTile(128, 64, 2, 6, True, 1, "probe", ws=True)),
+                      ("ws 128x128 s2", WgmmaTile(128, 128, 2, 2, False, 1, "probe", ws=True))):
         table = base if row is None else rows_with(base, 128, row)
         with override_tiles("attn_prefill_wgmma", "sm_90a", table):
             call = lambda: pyattn.prefill(q, cache, ids, stream=bench.stream)  # noqa: E731
