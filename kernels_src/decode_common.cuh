@@ -363,7 +363,8 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
       *reinterpret_cast<float2*>(p.o_part + row * p.head_dim + d) = make_float2(ox, oy);
     }
   }
-  if (p.num_splits > 1) decode_combine_last<Tr>(p, smem_raw, kv_head, b, r0, n_rows);
+  // Null counters: the host merges the splits in a second launch (pyattn.ops._decode.fused_combine).
+  if (p.num_splits > 1 && p.split_counters != nullptr) decode_combine_last<Tr>(p, smem_raw, kv_head, b, r0, n_rows);
 }
 
 }  // namespace pyattn

@@ -126,6 +126,18 @@ def test_splits_agree(splits):
     _check_decode(out, lse, q, ks, vs, causal=True)
 
 
+@pytest.mark.parametrize("splits", [2, 17])
+def test_speculative_rows_with_splits_merged_fused_or_by_a_second_launch(splits):
+    """16 query tokens x GQA 4 (two row tiles): 2 splits merge inside the decode launch, 17 by
+    split_combine after it (the fused share would be over its budget); both give the reference."""
+    rng = np.random.default_rng(splits)
+    kp, vp, pages, ks, vs = _pools(rng, [3000], 16, 2, 128, "bfloat16", "nhd", extra=0)
+    q = _rand(rng, (1, 16, 8, 128), "bfloat16")
+    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=pages[0][None],
+                                   seq_lens=np.array([3000], np.int32), num_splits=splits, return_lse=True)
+    _check_decode(out, lse, q, ks, vs, causal=True)
+
+
 def test_fused_combine_beyond_its_shared_weights():
     """A decode tile whose shared memory holds fewer split weights than the splits (the combine
     recomputes the rest from their LSEs), many splits empty, rows of two row tiles (GQA 8 x

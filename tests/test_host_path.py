@@ -259,6 +259,24 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     assert p[7] != 0  # the stream's split counters
 
 
+def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache):
+    """16 query tokens x a GQA group of 4 at 17 splits: the fused combine's last block would read
+    8 items x 2 batches of splits per thread (over its budget), so the decode leaves the merge
+    (null counters) to split_combine, launched right after on the same stream."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 16, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q, c, ids, num_splits=17)
+    (name, grid, _, p), (cname, _, cstream, cp) = fake_driver.LAUNCHES
+    assert name.startswith("pyattn_attn_decode") and grid[0] == 17 and p[7] == 0
+    assert cname.startswith("pyattn_split_combine") and cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids, num_splits=2)  # 8 items x 1 batch: within the budget, fused
+    ((name, grid, _, p),) = fake_driver.LAUNCHES
+    assert grid[0] == 2 and p[7] != 0
+
+
 def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):
     c, ids = cache
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)

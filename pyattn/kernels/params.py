@@ -168,7 +168,8 @@ MERGE_STATES_PARAMS = ParamStruct(
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
 # o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq], and the last
 # split of a unit to finish merges them into o and lse, counting in split_counters (one uint32 per
-# (kv head x row block, sequence), zero before the launch and left zero); otherwise o and lse
+# (kv head x row block, sequence), zero before the launch and left zero; null: a second launch
+# merges them); otherwise o and lse
 # (lse[b * lse_stride_b + hq * lse_stride_h + qi]). Quantized pools (int8 / fp8 e4m3) carry
 # one fp32 scale per (page, slot, kv head) in k_scale / v_scale (strides ks_* / vs_*): the value of
 # an element is its stored code times that scale. Null for 16-bit pools.

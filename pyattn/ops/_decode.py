@@ -2,8 +2,9 @@
 
 Flash-decoding: one block per (split, kv head, row block, sequence) reads its keys once for the
 whole GQA group; when batch x kv heads is too small to fill the GPU, each sequence's keys are
-split across blocks, and the last block of a sequence's splits to finish merges their fp32
-partials by LSE, in the same launch (``decode_combine_last`` in ``kernels_src/decode_common.cuh``).
+split across blocks and their fp32 partials merged by LSE: by the last block of a unit's splits
+to finish, in the same launch (``decode_combine_last`` in ``kernels_src/decode_common.cuh``), when
+that block's share is small; else by a second launch, ``split_combine`` (see :func:`fused_combine`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class DecodePlan(NamedTuple):
     """What a validated decode needs besides pointers, the page table and the split count."""
 
     kernel: object
+    cspec: object  # the separate split combine (split_combine), loaded when first needed
+    cpacker: object  # PartialPack: pointers, n_b -> MergeStatesParams bytes
+    cgrid: tuple
+    cblock: tuple
+    combine_items: int  # (row, 4-column) items one block's fused combine takes per thread
     block: tuple
     shared_bytes: int
     grid_yz: tuple  # (kv heads x row blocks, batch)
@@ -101,16 +107,41 @@ def _build(P, device) -> DecodePlan:
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
     })
-    plan = DecodePlan(kernel, (spec.threads, 1, 1), spec.shared_bytes, (P.heads_kv * row_blocks, P.batch), packer,
-                      t.block_n, P.batch * P.heads_kv * row_blocks, device.sm_count * _blocks_per_sm(spec, kernel),
-                      layout(out_shape, P.dtype), layout((P.batch, P.heads_q, P.q_len), _F32),
-                      P.batch * P.q_len * P.heads_q, P.head_dim)
+    # The separate combine reads the fp32 partials (split, batch, q_len, heads_q, D) and writes rows
+    # (batch, q_len, heads_q) of out and of lse, which is (batch, heads_q, q_len).
+    D, H, L = P.head_dim, P.heads_q, P.q_len
+    n_rows = P.batch * L * H
+    cspec = KernelSpec("split_combine", spec.dtype, next(b for b in HEAD_DIM_BUCKETS if b >= D), device.arch, spec.ptx)
+    cstatic = {"o_b_stride_n": n_rows * D, "lse_b_stride_n": n_rows, "dim0": P.batch, "dim1": L, "dim2": H,
+               "head_dim": D}
+    for name, st in (("o_a", (L * H * D, H * D, D)), ("o_b", (L * H * D, H * D, D)), ("out", os_[:3]),
+                     ("lse_a", (L * H, H, 1)), ("lse_b", (L * H, H, 1)), ("out_lse", (H * L, 1, L))):
+        cstatic.update({f"{name}_stride_{i}": v for i, v in enumerate(st)})
+    items = -(-min(t.block_m, rows) * (spec.head_dim // 4) // spec.threads)
+    plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
+                      (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
+                      (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
+                      device.sm_count * _blocks_per_sm(spec, kernel), layout(out_shape, P.dtype),
+                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D)
     return plan
+
+
+# The fused combine's budget: L2 round trips of one thread (items x batches of 16 splits). Measured
+# on an H200 (BENCHMARKS.md): B=1 x 32k, q_len 1 (2 items x 33 splits = 6) 54.7 us fused against 63
+# with two launches; a q_len = 16 decode of the tree benchmark (16 items x 16 splits = 16) 67 us
+# fused against 28.5 with two launches.
+_FUSED_ROUND_TRIPS = 8
+
+
+def fused_combine(items: int, splits: int) -> bool:
+    """Whether a decode of ``splits`` splits merges them in its own launch: when the last block's
+    share (``items`` per thread, each reading every split) stays within a few L2 round trips."""
+    return items * -(-splits // 16) <= _FUSED_ROUND_TRIPS
 
 
 def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
                scales=(0, 0)):
-    """Launch decode (its split combine fused in) for a validated problem.
+    """Launch decode (and its split combine, fused in or a second launch) for a validated problem.
 
     Parameters
     ----------
@@ -152,12 +183,17 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
     lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     lse_ptr = lse.ptr if lse is not None else 0
-    counters = get_pool(device).counters(plan.units, s) if splits > 1 else 0
+    fused = splits > 1 and fused_combine(plan.combine_items, splits)
+    counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len = tables
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, kv_len.ptr, alibi_ptr, scales[0], scales[1],
                               splits, table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
+    if splits > 1 and not fused:
+        cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
+                                    lse_ptr, splits - 1)
+        launch(get_kernel(plan.cspec, device), plan.cgrid, plan.cblock, 0, s, cparams)
     return out, lse
 
 

@@ -1,7 +1,8 @@
 """Families with one launch shape on every arch and no dynamic shared memory.
 
-merge_states (LSE merge of attention states), split_combine (the same kernel merging a key-split
-prefill's fp32 partials into the output type; decode merges its splits inside its own kernel),
+merge_states (LSE merge of attention states), split_combine (the same kernel merging the fp32
+partials of a key-split prefill, or of a decode whose splits are not merged inside its kernel,
+into the output type),
 kv_append (paged-cache writes) and attn_sparse (CSR gather attention). No traits struct, so nothing for the rendered unit to assert about shared memory.
 """
 
