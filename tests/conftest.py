@@ -56,3 +56,23 @@ def fake_include(tmp_path, monkeypatch):
     monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
     cuda_include_dir.cache_clear()
     jit.toolchain_fingerprint.cache_clear()
+
+
+@pytest.fixture
+def deviceless_cache(monkeypatch):
+    """Make ``pyattn.PagedKVCache`` constructible without a GPU: its pools become descriptions at a
+    fake address that nothing touches (validation and bookkeeping tests)."""
+    import types
+
+    import pyattn
+    import pyattn.paged.cache as cache_mod
+
+    dev = types.SimpleNamespace(ordinal=0, arch="sm_90a", activate=lambda: None)
+
+    def empty(shape, dtype, device=None):
+        return pyattn.DeviceArray(0x200000, shape, dtype, dev, stream=types.SimpleNamespace(
+            ptr=1, synchronize=lambda: None))
+
+    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
+    monkeypatch.setattr(cache_mod, "empty", empty)
+    return pyattn.PagedKVCache

@@ -261,24 +261,11 @@ def test_families_reuse_the_dense_kernels_tiles():
             assert (a.tiles, a.shared_bytes, a.threads) == (b.tiles, b.shared_bytes, b.threads)
 
 
-def test_accept_refuses_caches_whose_side_state_it_would_leave_stale(monkeypatch):
+def test_accept_refuses_caches_whose_side_state_it_would_leave_stale(deviceless_cache):
     """Per-channel key scales and SparQ's transposed keys describe slots; accept moves slots, so it
     refuses those caches before any device work (no GPU: the device is faked)."""
-    import types
-
-    from pyattn.paged import cache as cache_mod
-
-    dev = types.SimpleNamespace(ordinal=0, arch="sm_90a", activate=lambda: None)
-
-    def empty(shape, dtype, device=None):
-        return pyattn.DeviceArray(0x200000, shape, dtype, dev, stream=types.SimpleNamespace(
-            ptr=1, synchronize=lambda: None))
-
-    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
-    monkeypatch.setattr(cache_mod, "empty", empty)
-    for opts in (dict(dtype="int8", key_scales="channel"), dict(dtype="float16", sparq=True)):
-        dtype = opts.pop("dtype")
-        c = pyattn.PagedKVCache(16, 16, 2, 64, dtype, **opts)
+    for dtype, opts in (("int8", dict(key_scales="channel")), ("float16", dict(sparq=True))):
+        c = deviceless_cache(16, 16, 2, 64, dtype, **opts)
         sid = c.add_sequence()
         with pytest.raises(ValueError, match="^accept: not supported"):
             c.accept([sid], [[0]], 1)

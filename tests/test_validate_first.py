@@ -187,18 +187,8 @@ def calls(draw):
 
 
 @pytest.fixture
-def cache(monkeypatch):
+def cache(deviceless_cache):
     """A PagedKVCache made without a GPU (its pools are descriptions, never touched)."""
-    import pyattn.paged.cache as cache_mod
-
-    dev = types.SimpleNamespace(ordinal=0, arch="sm_90a", activate=lambda: None)
-
-    def empty(shape, dtype, device=None):
-        return pyattn.DeviceArray(0x200000, shape, dtype, dev, stream=types.SimpleNamespace(
-            ptr=1, synchronize=lambda: None))
-
-    monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
-    monkeypatch.setattr(cache_mod, "empty", empty)
     caches = {}
 
     def make(D, dt, lengths=None, sparq=False):
