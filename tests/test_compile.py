@@ -15,7 +15,6 @@ What a cubin says about its arch, checked empirically with NVRTC 13.x:
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
@@ -124,7 +123,7 @@ def _sparse_and_quant_specs(arch):
     8-bit-cache decode kernels of ``arch``, at the head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
-    specs = [dataclasses.replace(select_attention_spec(dt, d, arch, softcap=cap), sparse=sp)
+    specs = [select_attention_spec(dt, d, arch, softcap=cap).replace(sparse=sp)
              for dt, d, cap, sp in (("float16", 64, False, 1), ("bfloat16", 256, False, 1), ("bfloat16", 128, True, 1),
                                     ("bfloat16", 128, False, 2), ("float16", 256, True, 2))]
     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import types
 
@@ -132,7 +131,7 @@ def test_check_spec_is_what_kernel_spec_runs():
     spec = KernelSpec("attn_decode", "f16", 64, "sm_80", q_tiles=1)
     check_spec(spec)  # a valid spec passes
     with pytest.raises(ValueError, match=r"^q_tiles:"):
-        check_spec(types.SimpleNamespace(**{**dataclasses.asdict(spec), "q_tiles": 0}))
+        check_spec(types.SimpleNamespace(**{**spec.asdict(), "q_tiles": 0}))
 
 
 def test_tile_lookups_and_their_errors():

@@ -6,7 +6,6 @@ variant for every arch. GPU behaviour is in test_gpu_serving.py.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -250,7 +249,7 @@ def test_families_reuse_the_dense_kernels_tiles():
     for arch, fam, dense in (("sm_90a", "attn_prefill_wgmma", "attn_fwd_wgmma"), ("sm_80", "attn_prefill_mma",
                                                                                     "attn_fwd_mma")):
         for d in (64, 128, 256):
-            a = dataclasses.replace(KernelSpec(dense, "bf16", d, arch), family=fam)
+            a = KernelSpec(dense, "bf16", d, arch).replace(family=fam)
             b = KernelSpec(dense, "bf16", d, arch)
             if fam == "attn_prefill_wgmma" and d == 128:
                 assert (a.tiles.block_m, a.tiles.block_n, a.tiles.stages, a.tiles.ws) == (128, 64, 4, True)

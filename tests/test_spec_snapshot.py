@@ -19,7 +19,6 @@ Regenerate it only for an intended change of kernels or tiles, and say why in th
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -70,8 +69,8 @@ def _curated(arch: str) -> list:
             specs += [KernelSpec("merge_states", tag, d, arch), KernelSpec("attn_sparse", tag, d, arch)]
             if tag != "f32":
                 for sp in (1, 2):  # block-sparse: the tensor-core kernel attention picks, then mma.sync with mods
-                    specs.append(dataclasses.replace(select_attention_spec(name, d, arch), sparse=sp))
-                    specs.append(dataclasses.replace(select_attention_spec(name, d, arch, softcap=True), sparse=sp))
+                    specs.append(select_attention_spec(name, d, arch).replace(sparse=sp))
+                    specs.append(select_attention_spec(name, d, arch, softcap=True).replace(sparse=sp))
                 for mt in range(1, decode_max_q_tiles(arch, d) + 1):
                     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=mt, softcap=sc, alibi=al)
                               for sc, al in ((True, False), (False, True), (True, True))]

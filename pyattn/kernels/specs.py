@@ -9,7 +9,6 @@ which a spec looks up by its ``family`` field.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
@@ -30,7 +29,10 @@ def decode_max_q_tiles(arch: str, head_dim: int, kv: str = "") -> int:
     return decode_row(arch, head_dim, kv).max_q_tiles
 
 
-@dataclass(frozen=True)
+_FIELDS = ("family", "dtype", "head_dim", "arch", "ptx", "mask", "softcap", "alibi", "q_tiles", "sparse", "kv",
+           "key_channel")
+
+
 class KernelSpec:
     """One compiled kernel variant.
 
@@ -64,21 +66,45 @@ class KernelSpec:
         (``PagedKVCache(..., key_scales="channel")``) instead of one scale per token.
     """
 
-    family: str
-    dtype: str
-    head_dim: int
-    arch: str
-    ptx: bool = False
-    mask: str = "none"
-    softcap: bool = False
-    alibi: bool = False
-    q_tiles: int = 0
-    sparse: int = 0
-    kv: str = ""
-    key_channel: bool = False
+    # A read-only slotted class, not a frozen dataclass: the dataclass's generated methods cost
+    # ~0.5 ms of a fresh process's first call at import (issue 16). Value semantics as before:
+    # equal and hashable by its fields, ``replace`` / ``asdict`` for dataclasses.replace / asdict.
+    __slots__ = _FIELDS + ("_key",)
+    FIELDS = _FIELDS
 
-    def __post_init__(self):
+    def __init__(self, family: str, dtype: str, head_dim: int, arch: str, ptx: bool = False, mask: str = "none",
+                 softcap: bool = False, alibi: bool = False, q_tiles: int = 0, sparse: int = 0, kv: str = "",
+                 key_channel: bool = False):
+        key = (family, dtype, head_dim, arch, ptx, mask, softcap, alibi, q_tiles, sparse, kv, key_channel)
+        for name, value in zip(_FIELDS, key):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_key", key)
         check_spec(self)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"KernelSpec is read-only (cannot set {name!r})")
+
+    __delattr__ = __setattr__
+
+    def __eq__(self, other):
+        return type(other) is KernelSpec and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return "KernelSpec(" + ", ".join(f"{n}={v!r}" for n, v in zip(_FIELDS, self._key)) + ")"
+
+    def __reduce__(self):
+        return KernelSpec, self._key
+
+    def asdict(self) -> dict:
+        """The fields by name, in declaration order."""
+        return dict(zip(_FIELDS, self._key))
+
+    def replace(self, **changes) -> "KernelSpec":
+        """A copy with ``changes`` to some fields (checked like a new spec)."""
+        return KernelSpec(**{**self.asdict(), **changes})
 
     @property
     def has_mods(self) -> bool:
@@ -159,7 +185,7 @@ class KernelSpec:
         # template id and the parameter struct layout.
         unit = digest.hexdigest(render(self).encode())
         # repr of str/int/bool tuples is exact and stable: no json import on a warm start.
-        doc = (tuple(asdict(self).items()), self.compile_options(), unit, toolchain)
+        doc = (tuple(self.asdict().items()), self.compile_options(), unit, toolchain)
         return digest.hexdigest(repr(doc).encode())
 
     def describe(self) -> str:

@@ -8,7 +8,6 @@ repeat call is then one pool allocation, a small ``struct.pack`` and a launch.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -67,7 +66,7 @@ def build_fwd_plan(problem, device) -> FwdPlan:
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32)
     if sparse:
-        spec = dataclasses.replace(spec, sparse=sparse)
+        spec = spec.replace(sparse=sparse)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
