@@ -85,12 +85,82 @@ struct AttnFwdWgmmaTraits {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
+// What a wgmma attention block does once its Mainloop is set up, shared by the dense kernel below
+// and the paged one (attention_prefill_wgmma.cuh): the wgmma descriptors (128-byte swizzle;
+// K-major operands step 32 B per k16 inside a 64-column block, then jump to the next block; V is
+// read MN-major, 16 keys = 2048 B per k16 step, LBO the distance between its 64-dim blocks); when
+// warp-specialized, the stages' barriers at `bar_full` ("full" takes the 128 producer threads'
+// arrivals, "empty" one per consumer warp, 8 * STAGES bytes later) and the producer warpgroup's
+// whole run; the accumulators; when all threads load, the prologue (Q by `load_q` with tile 0,
+// then tiles 1 .. AHEAD-1, one cp.async group per tile); and the main loop to the last P V.
+// Returns false in the producer warpgroup (done), true in the consumers, whose epilogue follows.
+template <class Tr, class Mainloop, class LoadQ>
+__device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsigned sKV, unsigned bar_full,
+                                                const typename Tr::T* q, long long q_stride_s, int wgi,
+                                                LoadQ&& load_q) {
+  constexpr int BN = Tr::kBlockN, STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  ml.q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
+  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
+  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
+  ml.stage = ml.prev_stage = 0;
+  ml.load_stage = AHEAD % STAGES;
+  ml.full_parity = 0;
+
+  if constexpr (Tr::kWS) {
+    ml.bar_full = bar_full;
+    ml.bar_empty = ml.bar_full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        pipe::init(ml.bar_full + 8 * st, 128);
+        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+      }
+      pipe::init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
+      pipe::regs_dec<Tr::kProducerRegs>();
+      if (ml.n_tiles > 0) ml.produce(sQ, q, q_stride_s, threadIdx.x - Tr::kConsumerThreads);
+      return false;
+    }
+    pipe::regs_inc<Tr::kConsumerRegs>();
+    if constexpr (Tr::kPingPong)
+      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+  }
+#pragma unroll
+  for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
+  ml.row_max[0] = ml.row_max[1] = -inf();
+  ml.row_sum[0] = ml.row_sum[1] = 0.f;
+
+  if (ml.n_tiles > 0) {  // CTA-uniform
+    if constexpr (!Tr::kWS) {
+      load_q();
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i) {
+        if (i < ml.n_tiles) ml.template load<Tr::kThreads>(i, ml.tiles.n0(i), threadIdx.x);
+        wg::cp_async_commit();
+      }
+    }
+    // -- main loop: tile 0 has no previous P V to overlap
+    ml.template step<false>(0);
+    for (int j = 1; j < ml.n_tiles; ++j) ml.template step<Mainloop::OVERLAP>(j);
+    if constexpr (Mainloop::OVERLAP) {  // -- O += P_last V_last
+      wg::fence_operands(ml.acc);
+      wg::fence();
+      ml.pv(ml.prev_stage);
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_operands(ml.acc);
+    }
+  }
+  return true;
+}
+
 template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   using T = typename Tr::T;
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
-  constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  constexpr int STAGES = Tr::kStages;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -142,65 +212,11 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
   // softcap * log2(e) the softmax applies (FastMods::kCapScale).
   ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
 
-  // Descriptors (128-byte swizzle). K-major operands step 32 B per k16 inside a 64-column block,
-  // then jump to the next block; V is read MN-major: 16 keys = 2048 B per k16 step, LBO = the
-  // distance between its 64-dim blocks.
-  ml.q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
-  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
-  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
-
-  ml.stage = ml.prev_stage = 0;
-  ml.load_stage = AHEAD % STAGES;
-  ml.full_parity = 0;
-
-  if constexpr (Tr::kWS) {
-    // -- barriers: "full" takes the 128 producer threads' arrivals, "empty" one per consumer warp
-    ml.bar_full = sMask + STAGES * Tr::kMaskTileBytes;
-    ml.bar_empty = ml.bar_full + 8 * STAGES;
-    if (threadIdx.x == 0) {
-      for (int st = 0; st < STAGES; ++st) {
-        pipe::init(ml.bar_full + 8 * st, 128);
-        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
-      }
-      pipe::init_fence();
-    }
-    __syncthreads();
-    if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
-      pipe::regs_dec<Tr::kProducerRegs>();
-      if (ml.n_tiles > 0) ml.produce(sQ, q, p.q_stride_s, threadIdx.x - Tr::kConsumerThreads);
-      return;
-    }
-    pipe::regs_inc<Tr::kConsumerRegs>();
-    if constexpr (Tr::kPingPong)
-      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
-  }
-#pragma unroll
-  for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
-  ml.row_max[0] = ml.row_max[1] = -inf();
-  ml.row_sum[0] = ml.row_sum[1] = 0.f;
-
-  if (ml.n_tiles > 0) {  // CTA-uniform
-    if constexpr (!Tr::kWS) {
-      // -- prologue: Q with tile 0, then tiles 1 .. AHEAD-1, one cp.async group per tile
-      wgmma_load_tile<Tr, BM, Tr::kThreads>(sQ, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
-#pragma unroll
-      for (int i = 0; i < AHEAD; ++i) {
-        if (i < ml.n_tiles) ml.template load<Tr::kThreads>(i, ml.tiles.n0(i), threadIdx.x);
-        wg::cp_async_commit();
-      }
-    }
-    // -- main loop: tile 0 has no previous P V to overlap
-    ml.template step<false>(0);
-    for (int j = 1; j < ml.n_tiles; ++j) ml.template step<Mainloop::OVERLAP>(j);
-    if constexpr (Mainloop::OVERLAP) {  // -- O += P_last V_last
-      wg::fence_operands(ml.acc);
-      wg::fence();
-      ml.pv(ml.prev_stage);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(ml.acc);
-    }
-  }
+  // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
+  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask + STAGES * Tr::kMaskTileBytes, q, p.q_stride_s, wgi, [&] {
+        wgmma_load_tile<Tr, BM, Tr::kThreads>(sQ, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
+      }))
+    return;
 
   // -- epilogue: full row sums, normalise, store O and the natural-log LSE
 #pragma unroll

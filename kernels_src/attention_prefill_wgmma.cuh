@@ -24,7 +24,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   using T = typename Tr::T;
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false, true, TREE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
-  constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  constexpr int STAGES = Tr::kStages;
   static_assert(Mods::kMask == kMaskNone, "paged prefill takes no mask tensor");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -96,58 +96,9 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   }
   ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
 
-  ml.q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
-  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
-  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
-  ml.stage = ml.prev_stage = 0;
-  ml.load_stage = AHEAD % STAGES;
-  ml.full_parity = 0;
-
-  if constexpr (Tr::kWS) {
-    ml.bar_full = sMask;
-    ml.bar_empty = ml.bar_full + 8 * STAGES;
-    if (threadIdx.x == 0) {
-      for (int st = 0; st < STAGES; ++st) {
-        pipe::init(ml.bar_full + 8 * st, 128);
-        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
-      }
-      pipe::init_fence();
-    }
-    __syncthreads();
-    if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
-      pipe::regs_dec<Tr::kProducerRegs>();
-      if (ml.n_tiles > 0) ml.produce(sQ, q, p.q_stride_s, threadIdx.x - Tr::kConsumerThreads);
-      return;
-    }
-    pipe::regs_inc<Tr::kConsumerRegs>();
-    if constexpr (Tr::kPingPong)
-      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);
-  }
-#pragma unroll
-  for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
-  ml.row_max[0] = ml.row_max[1] = -inf();
-  ml.row_sum[0] = ml.row_sum[1] = 0.f;
-
-  if (ml.n_tiles > 0) {  // CTA-uniform
-    if constexpr (!Tr::kWS) {
-      ml.template load_q<Tr::kThreads>(sQ, q, p.q_stride_s, threadIdx.x);
-#pragma unroll
-      for (int i = 0; i < AHEAD; ++i) {
-        if (i < ml.n_tiles) ml.template load<Tr::kThreads>(i, ml.tiles.n0(i), threadIdx.x);
-        wg::cp_async_commit();
-      }
-    }
-    ml.template step<false>(0);
-    for (int j = 1; j < ml.n_tiles; ++j) ml.template step<Mainloop::OVERLAP>(j);
-    if constexpr (Mainloop::OVERLAP) {
-      wg::fence_operands(ml.acc);
-      wg::fence();
-      ml.pv(ml.prev_stage);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(ml.acc);
-    }
-  }
+  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask, q, p.q_stride_s, wgi,
+                          [&] { ml.template load_q<Tr::kThreads>(sQ, q, p.q_stride_s, threadIdx.x); }))
+    return;  // the producer warpgroup
 
   // -- epilogue: normalise; store O and the LSE, or this split's fp32 partial row and LSE
 #pragma unroll
