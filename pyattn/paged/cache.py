@@ -338,24 +338,8 @@ class PagedKVCache:
         src = np.concatenate([np.arange(total, dtype=np.int32), -1 - plan.copy_src])
         (d_items,) = upload([np.stack([dst, src]).astype(np.int32)], self.device, s)
         (dk, ks), (dv, vs) = rows
-        pi = self.pool_info
-        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
-        k_scale = self.k_scale.ptr if self._kv else 0
-        if self._keys is not None:  # per-channel keys: kv_key_pages rewrites them; per-token K scales go nowhere
-            k_scale, pks = self._kscratch.ptr, (0, 0, 0)
-        values = {"k_src": dk.ptr if dk is not None else 0, "v_src": dv.ptr if dv is not None else 0,
-                  "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr, "src": d_items.ptr + 4 * n_items,
-                  "k_scale": k_scale, "v_scale": self.v_scale.ptr if self._kv else 0,
-                  "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
-                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
-                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
-                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
-                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
-                  "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
-        # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
-        threads = n_items * H * (32 if self._kv else D // 8)
-        grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
-        launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
+        self._launch_copy(spec, kernel, s, d_items.ptr, n_items, (dk.ptr if dk is not None else 0, ks),
+                          (dv.ptr if dv is not None else 0, vs))
         if self._keys is not None:
             self._append_key_pages(spec.dtype, dk, ks, counts, before, plan.dst, s)
         if self._sq is not None:
@@ -413,22 +397,32 @@ class PagedKVCache:
             return
         self.order(s)
         (d_items,) = upload([np.stack([plan.copy_dst, -1 - plan.copy_src]).astype(np.int32)], self.device, s)
+        self._launch_copy(spec, kernel, s, d_items.ptr, n_items)  # pool slots only: no new tokens
+        finish(s, [d_items])
+
+    def _launch_copy(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0))) -> None:
+        """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
+        ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
+        tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x."""
+        H, D = self.num_kv_heads, self.head_dim
         pi = self.pool_info
         pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
-        H, D = self.num_kv_heads, self.head_dim
-        values = {"k_src": 0, "v_src": 0, "k": self.k.ptr, "v": self.v.ptr, "dst": d_items.ptr,
-                  "src": d_items.ptr + 4 * n_items,
-                  "k_scale": self.k_scale.ptr if self._kv else 0, "v_scale": self.v_scale.ptr if self._kv else 0,
-                  "k_src_stride_t": 0, "k_src_stride_h": 0, "v_src_stride_t": 0, "v_src_stride_h": 0,
+        k_scale = self.k_scale.ptr if self._kv else 0
+        if self._keys is not None:  # per-channel keys: kv_key_pages rewrites them; per-token K scales go nowhere
+            k_scale, pks = self._kscratch.ptr, (0, 0, 0)
+        (k_src, ks), (v_src, vs) = k_new, v_new
+        values = {"k_src": k_src, "v_src": v_src, "k": self.k.ptr, "v": self.v.ptr, "dst": items,
+                  "src": items + 4 * n_items, "k_scale": k_scale, "v_scale": self.v_scale.ptr if self._kv else 0,
+                  "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
                   "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
                   "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
                   "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
                   "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
                   "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
+        # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
         threads = n_items * H * (32 if self._kv else D // 8)
         grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
-        finish(s, [d_items])
 
     def _check_rows(self, i) -> None:
         """A device token array the append kernel can read (16-byte chunks, collapsible rows)."""
