@@ -198,6 +198,16 @@ class KernelSpec:
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"
 
 
+def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
+    """The spec dtype tag of ``dtype_name`` and the smallest head-dim bucket >= ``head_dim``."""
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
+    bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
+    if bucket is None:
+        raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
+    return DTYPES[dtype_name][0], bucket
+
+
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
                           softcap: bool = False, alibi: bool = False, allow_tf32: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
@@ -217,12 +227,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     allow_tf32 : bool
         float32 inputs may run on TF32 tensor cores (10-bit mantissa products) instead of exact FMA.
     """
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
-    bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
-    if bucket is None:
-        raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
-    tag = DTYPES[dtype_name][0]
+    tag, bucket = _tag_and_bucket(dtype_name, head_dim)
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
     # warpgroup MMA on sm_90a (its buckets are multiples of 64, score modifiers included).
     if tag == "f32":
@@ -270,12 +275,7 @@ def select_backward_specs(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     float16/bfloat16 and ``attn_bwd_simt`` (exact fp32 FMA) for float32, at the smallest head-dim
     bucket >= ``head_dim``; the row kernels read the head dim at run time (one variant per dtype).
     """
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype_name!r}")
-    bucket = next((b for b in HEAD_DIM_BUCKETS if b >= head_dim), None)
-    if bucket is None:
-        raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
-    tag = DTYPES[dtype_name][0]
+    tag, bucket = _tag_and_bucket(dtype_name, head_dim)
     main = "attn_bwd_simt" if tag == "f32" else "attn_bwd_mma"
     return (KernelSpec("attn_bwd_pre", tag, HEAD_DIM_BUCKETS[0], arch, ptx),
             KernelSpec(main, tag, bucket, arch, ptx, softcap=bool(softcap), alibi=bool(alibi)),
