@@ -356,11 +356,7 @@ def main(argv=None) -> int:
         traceback.print_exc()
         result["rows"].append({"batch": 0, "ctx": 0, "layout": "-", "kv_bytes": 0, "errors": ["run aborted"]})
     result["environment"] = harness.environment(bench)
-    failures = report(bench, result, args)
-    result.update(failures=failures, seconds=time.perf_counter() - result.pop("t0"), preroll_ran_out=bench.unheld)
-    print(harness.unheld_note(bench) + f"({result['seconds']:.0f} s)")
-    harness.save_json(args.json, result)
-    return 1 if failures else 0
+    return harness.end_run(bench, result, args.json, report(bench, result, args))
 
 
 if __name__ == "__main__":

@@ -329,11 +329,7 @@ def main(argv=None) -> int:
             bench.torch.cuda.empty_cache()
             harness.save_json(args.json, {k: v for k, v in result.items() if k != "t0"})
     result["environment"] = harness.environment(bench)
-    failures = report(result)
-    result.update(failures=failures, seconds=time.perf_counter() - result.pop("t0"), preroll_ran_out=bench.unheld)
-    print(harness.unheld_note(bench) + f"({result['seconds']:.0f} s)")
-    harness.save_json(args.json, result)
-    return 1 if failures else 0
+    return harness.end_run(bench, result, args.json, report(result))
 
 
 if __name__ == "__main__":

@@ -349,11 +349,9 @@ def finish(bench, result, rows) -> int:
         print(f"  note: {n}")
     harness.print_targets(result["targets"])
     failures = sum(bool(r.get("errors")) or bool(r.get("flagged")) for r in rows)
-    result.update(environment=harness.environment(bench), failures=failures, preroll_ran_out=bench.unheld,
-                  seconds=time.perf_counter() - result.pop("t0"))
-    print(harness.unheld_note(bench) + f"  {failures} row(s) with errors or flags ({result['seconds']:.0f} s)")
-    harness.save_json(result["args"]["json"], result)
-    return 1 if failures else 0
+    result["environment"] = harness.environment(bench)
+    return harness.end_run(bench, result, result["args"]["json"], failures,
+                           f"  {failures} row(s) with errors or flags ")
 
 
 def main(argv=None) -> int:

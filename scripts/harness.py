@@ -418,6 +418,16 @@ def unheld_note(bench: Bench) -> str:
             f"may be in them: {', '.join(bench.unheld[:10])}\n")
 
 
+def end_run(bench: Bench, result: dict, path: str | None, failures: int, note: str = "") -> int:
+    """A benchmark's ending: its failures, seconds (since ``result["t0"]``, popped) and unheld
+    pre-rolls into ``result``, the pre-roll warning and run time printed, the JSON written; the
+    exit code (1 when anything failed)."""
+    result.update(failures=failures, seconds=time.perf_counter() - result.pop("t0"), preroll_ran_out=bench.unheld)
+    print(unheld_note(bench) + f"{note}({result['seconds']:.0f} s)")
+    save_json(path, result)
+    return 1 if failures else 0
+
+
 def print_targets(targets: list) -> int:
     """Print ``[{"pass": True/False/None, "text": ...}]`` as PASS/MISS lines; returns how many passed."""
     print("\n== targets")
