@@ -36,7 +36,23 @@ def toolchain_fingerprint() -> str:
     str
         ``nvrtc=<file id>;headers=<version>@<dir>|<file ids>;src=<blake2b-256>;pyattn=<version>``.
     """
-    return toolchain.fingerprint()
+    return toolchain.fingerprint(src=_memoised_sources_digest())
+
+
+def _memoised_sources_digest() -> str:
+    """:func:`~.source.sources_digest`, memoised in the cache under the templates' file stats
+    (:func:`~.source.sources_identity` says why that is safe and what it saves)."""
+    from .digest import hexdigest
+    from .source import sources_digest, sources_identity
+
+    cache = get_cache()
+    key = hexdigest(b"pyattn kernel-source digest|" + sources_identity().encode())
+    hit = cache.get_memo(key)
+    if hit is not None and len(hit) == 64:
+        return hit.decode("ascii")
+    value = sources_digest()
+    cache.put_memo(key, value.encode("ascii"))
+    return value
 
 
 _caches: dict = {}

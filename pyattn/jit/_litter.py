@@ -10,7 +10,7 @@ import os
 import time
 
 from . import _keylock
-from ._entry import LOCK_RE, temp_writer_pid
+from ._entry import is_lock_name, temp_writer_pid
 
 __all__ = ["remove_litter"]
 
@@ -68,5 +68,5 @@ def remove_litter(dir_fd: int) -> None:
             if _is_orphan_temp(dir_fd, name, pid, now):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=dir_fd)
-        elif LOCK_RE.fullmatch(name):
+        elif is_lock_name(name):
             _keylock.remove_if_free(dir_fd, name)  # a held lock (one of ours included) stays

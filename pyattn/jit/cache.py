@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 from . import _trust
-from ._entry import (ENTRY_RE, ENTRY_SUFFIX, LOCK_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
-                     default_cache_dir, encode, normalise_meta, temp_name)
+from ._entry import (ENTRY_SUFFIX, LOCK_SUFFIX, MEMO_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
+                     default_cache_dir, encode, entry_key, is_memo_name, normalise_meta, temp_name)
 from ._log import LazyLogger
 
 # _keylock and _litter are imported where writes need them: a warm start only reads.
@@ -155,33 +155,34 @@ class KernelCache:
             If ``key`` is invalid, or ``meta`` is not a JSON-serialisable dict with str keys.
         """
         key = check_key(key)
-        data = encode(key, bytes(payload), normalise_meta(meta))
-        from ._litter import remove_litter
+        return self._write(key, ENTRY_SUFFIX, encode(key, bytes(payload), normalise_meta(meta)), quiet=False)
 
-        with self._dir_fd(create=True) as dfd:
-            if dfd is None:
-                return None
-            remove_litter(dfd)
-            name, tmp = key + ENTRY_SUFFIX, temp_name(key)
-            try:
-                # O_EXCL + O_NOFOLLOW: never write through something already there. 0o600 can
-                # only lose bits to the umask.
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o600, dir_fd=dfd)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                tmp = None
-                return self._dir / name
-            except OSError as exc:
-                self._warn_unwritable(exc)
-                return None
-            finally:
-                if tmp is not None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=dfd)
+    def get_memo(self, key: str) -> bytes | None:
+        """Look up a memo: a small value that is costly to compute, such as the kernel-source digest.
+
+        Memos live beside the kernels, with the same format, checks and trust rules, but are no
+        kernels: :meth:`entries` and counts leave them out; :meth:`clear` removes them too.
+
+        Parameters
+        ----------
+        key : str
+            16 to 128 lowercase hex digits, naming everything the value depends on.
+
+        Returns
+        -------
+        bytes or None
+            The value, or ``None`` on a miss (as :meth:`get`).
+        """
+        key = check_key(key)
+        with self._dir_fd(create=False) as dfd:
+            hit = None if dfd is None else self._read(dfd, key, MEMO_SUFFIX)
+        return None if hit is None else hit[0]
+
+    def put_memo(self, key: str, value: bytes) -> None:
+        """Store a memo atomically and silently, in an existing directory only: a read-only cache
+        (a shipped, pre-warmed one) is a normal setup, and a lost memo costs only its recomputation."""
+        key = check_key(key)
+        self._write(key, MEMO_SUFFIX, encode(key, bytes(value), {}), quiet=True)
 
     def get_or_build(self, key: str,
                      build: Callable[[], tuple[bytes, dict]]) -> tuple[bytes, Mapping, bool]:
@@ -229,11 +230,11 @@ class KernelCache:
         found = []
         with self._dir_fd(create=False) as dfd:
             for name in self._listdir(dfd):
-                if (match := ENTRY_RE.fullmatch(name)) is not None:
+                if (key := entry_key(name)) is not None:
                     with contextlib.suppress(OSError):  # removed since listdir
                         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                         if stat.S_ISREG(st.st_mode):
-                            found.append(CacheEntry(match.group(1), self._dir / name, st.st_size))
+                            found.append(CacheEntry(key, self._dir / name, st.st_size))
         return sorted(found, key=lambda e: e.key)
 
     def total_size(self) -> int:
@@ -241,7 +242,7 @@ class KernelCache:
         return sum(e.size for e in self.entries())
 
     def clear(self) -> int:
-        """Delete every entry file, plus lock files nobody holds and temp files of dead writers.
+        """Delete every entry file and memo, plus lock files nobody holds and temp files of dead writers.
 
         Files whose names do not match the cache's patterns are left alone, and so is a refused
         (untrusted) directory.
@@ -256,10 +257,10 @@ class KernelCache:
         removed, failed = 0, []
         with self._dir_fd(create=False) as dfd:
             for name in self._listdir(dfd):
-                if ENTRY_RE.fullmatch(name):
+                if (entry := entry_key(name) is not None) or is_memo_name(name):
                     try:
                         os.unlink(name, dir_fd=dfd)
-                        removed += 1
+                        removed += entry
                     except FileNotFoundError:
                         pass
                     except OSError as exc:
@@ -299,8 +300,39 @@ class KernelCache:
             if fd is not None:
                 os.close(fd)
 
-    def _read(self, dfd: int, key: str) -> tuple[bytes, dict] | None:
-        name = key + ENTRY_SUFFIX
+    def _write(self, key: str, suffix: str, data: bytes, quiet: bool) -> pathlib.Path | None:
+        from ._litter import remove_litter
+
+        with self._dir_fd(create=not quiet) as dfd:
+            if dfd is None:
+                return None
+            remove_litter(dfd)
+            name, tmp = key + suffix, temp_name(key)
+            try:
+                # O_EXCL + O_NOFOLLOW: never write through something already there. 0o600 can
+                # only lose bits to the umask.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=dfd)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                tmp = None
+                return self._dir / name
+            except OSError as exc:
+                if quiet:
+                    logger.debug("cannot write %s to kernel cache directory %s: %s", name, self._dir, exc)
+                else:
+                    self._warn_unwritable(exc)
+                return None
+            finally:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dfd)
+
+    def _read(self, dfd: int, key: str, suffix: str = ENTRY_SUFFIX) -> tuple[bytes, dict] | None:
+        name = key + suffix
         path = self._dir / name
         try:
             fd, st = _trust.open_trusted_file(dfd, name, os.O_RDONLY)

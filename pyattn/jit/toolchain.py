@@ -139,17 +139,19 @@ def headers_identity() -> str:
     return f"{hv[0]}.{hv[1]}@{inc}|{files}"
 
 
-def fingerprint(nvrtc: str | None = None) -> str:
+def fingerprint(nvrtc: str | None = None, src: str | None = None) -> str:
     """The toolchain fingerprint (see ``pyattn.jit.toolchain_fingerprint``) with the libnvrtc at
-    ``nvrtc`` (default :func:`nvrtc_path`), computed now."""
-    return (f"nvrtc={nvrtc_identity(nvrtc)};headers={headers_identity()};src={sources_digest()};"
+    ``nvrtc`` (default :func:`nvrtc_path`) and the kernel-source digest ``src`` (default
+    :func:`~.source.sources_digest`, hashed now), computed now."""
+    return (f"nvrtc={nvrtc_identity(nvrtc)};headers={headers_identity()};src={src or sources_digest()};"
             f"pyattn={__version__}")
 
 
 def check_unchanged(named: str) -> None:
     """Before a compile: raise :class:`ToolchainChanged` unless the toolchain the compile will use
-    (NVRTC as cuda.bindings loads it, now: the compile needs it anyway; the headers as they are)
-    gives the fingerprint ``named``, the one the cache key was made from."""
+    (NVRTC as cuda.bindings loads it, now: the compile needs it anyway; the headers as they are;
+    the digest of the very template bytes compiled, never a memo) gives the fingerprint ``named``,
+    the one the cache key was made from."""
     path = loaded_nvrtc_path()
     now = fingerprint(path)
     if now != named:
