@@ -219,9 +219,14 @@ def test_signature_covers_every_parameter_but_stream(op):
     assert signature(dict(base, stream="a"), {}) == signature(dict(base, stream="b"), {})
 
 
-def test_memo_takes_no_host_arrays_and_no_unhashables():
+def test_memo_takes_host_arrays_only_where_named_and_no_unhashables():
     host = read("q", np.zeros((1, 2, 1, 8), np.float16))
     assert signature({"q": host.obj, "stream": None}, {"q": host}) is None
+    # named: validation reads only its kind, shape, dtype and strides (attention's q, k, v)
+    named = signature({"q": host.obj, "stream": None}, {"q": host}, host_ok=("q",))
+    other = read("q", np.zeros((1, 2, 1, 8), np.float32))
+    assert named is not None and named != signature({"q": other.obj, "stream": None}, {"q": other}, host_ok=("q",))
+    assert signature({"mask": host.obj, "stream": None}, {"mask": host}, host_ok=("q",)) is None
     assert signature({"window": [1, 2], "stream": None}, {}) is None  # a list: validated every call
     dev = read("q", pyattn.DeviceArray(0x1000, (1, 2, 1, 8), np.float16, None))
     params = {"q": dev.obj, "window": (1, 2), "stream": None}

@@ -341,3 +341,30 @@ def test_a_refused_address_makes_no_driver_call(gpu):
     with pytest.raises(ValueError, match=r"^q: "):
         pyattn.attention(shifted, x, x)
     assert not fake_driver.CALLS
+
+
+def test_numpy_calls_validate_once_and_stage_without_events(gpu, cache, monkeypatch):
+    """Repeat NumPy calls find their problem by signature (q, k, v are read for shape, dtype and
+    strides only); a small call's staging buffer is released after its synchronisation, so it makes
+    no event calls; an ``out=`` (read for its writeable flag) is validated every call."""
+    from pyattn.ops import attention as att_op
+    from pyattn.ops import decode as dec_op
+
+    made = []
+    for mod, name in ((att_op, "make_problem"), (dec_op, "check_query")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: made.append(1) or _real(*a, **k))
+    q = np.ones(SHAPE, np.float16)
+    calls = _repeat_calls(lambda: pyattn.attention(q, q, q))
+    assert len(made) == 2  # the NumPy call's problem, and its one chunk's on the uploaded arrays
+    assert not {n for n in calls if n.startswith("cuEvent")}, calls
+    assert calls.get("cuMemcpyHtoDAsync") == 1 and calls.get("cuMemcpyDtoHAsync") == 1
+    c, ids = cache
+    qd = np.ones((2, 1, 8, 64), ml_dtypes.bfloat16)
+    calls = _repeat_calls(lambda: pyattn.decode(qd, c, ids))
+    assert len(made) == 3 and not {n for n in calls if n.startswith("cuEvent")}, calls
+    out = np.empty(SHAPE, np.float16)
+    pyattn.attention(q, q, q, out=out)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out"):
+        pyattn.attention(q, q, q, out=out)

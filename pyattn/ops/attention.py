@@ -118,7 +118,7 @@ def _full(qkey, params, *, q, k, v, causal, mask, window, softcap, alibi_slopes,
           allow_tf32, out, stream):
     """A call read into Args: validated (or found by its signature), then run; binds its quick key."""
     args = read_args(params, _ARRAYS, _REQUIRED)
-    key = signature(params, args)
+    key = signature(params, args, host_ok=("q", "k", "v"))
     P = _memo.get(key)
     if P is None:
         return_lse = check_bool("return_lse", return_lse)

@@ -188,7 +188,7 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
 def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
     """A decode read into Args: validated (or found by its signature), then run; binds its quick key."""
     args = read_args(keyed, ("q", "alibi_slopes"), ("q",))
-    key = signature(keyed, args)
+    key = signature(keyed, args, host_ok=("q",))
     P = _memo.get(key)
     if P is None:
         check_bool("return_lse", return_lse)

@@ -34,7 +34,7 @@ import numpy as np
 from ..array import DeviceArray
 from ..runtime._resource import per_device
 from ..runtime.device import get_device
-from ..runtime.memory import pinned_empty
+from ..runtime.memory import get_staging, pinned_empty
 from ..runtime.stream import Stream, as_stream
 from . import host
 
@@ -183,8 +183,9 @@ class _Call:
             j = i - shared
             if j >= 0 and j % width == width - 1:
                 self._launch(j // width, dev, shared, width)
+        held = []  # a small upload's staging buffer: released below, with no event once s is idle
         try:
-            host.upload(arrays, self.device, self.s, on_ready)
+            host.upload(arrays, self.device, self.s, on_ready, held=held)
             for st in self.streams:  # the results are on the host when the call returns
                 st.synchronize()
         except BaseException:
@@ -194,6 +195,9 @@ class _Call:
                 except Exception:
                     pass
             raise
+        finally:
+            for buf in held:  # (small uploads are one chunk: self.s is among the streams synchronised)
+                get_staging(self.device).release(buf, None if self.s in self.streams else self.s)
 
     def _launch(self, i: int, dev: list, shared: int, width: int) -> None:
         """Queue chunk ``i``'s kernel and D2H copies on its stream, after its inputs' H2D copies."""

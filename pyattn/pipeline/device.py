@@ -9,6 +9,7 @@ streams. Both apply the same stream-order rule (``pyattn.interop.streams``).
 # No ``from __future__ import annotations`` here: typing.NamedTuple would compile every string
 # annotation of its fields into a ForwardRef at import (~0.2 ms of a first call; issue 16).
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -116,7 +117,7 @@ def layout(shape: tuple, dtype) -> tuple:
         if len(_layouts) >= 4096:
             _layouts.clear()
         fields = _layouts[(shape, dtype)] = (shape, dt, c_strides(shape, dt.itemsize), c_strides(shape, 1),
-                                             int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+                                             math.prod(shape) * dt.itemsize)
     return fields
 
 

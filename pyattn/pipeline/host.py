@@ -241,7 +241,7 @@ def _waves(pieces) -> list:
     return waves
 
 
-def upload(arrays, device, s, on_ready=None) -> list:
+def upload(arrays, device, s, on_ready=None, held=None) -> list:
     """Copy host arrays to one device block, ordered on ``s``; returns C-contiguous DeviceArrays
     (None entries kept).
 
@@ -249,7 +249,9 @@ def upload(arrays, device, s, on_ready=None) -> list:
     ``on_ready(i, views)``, if given, is called (on this thread, for each ``i`` in order) once every
     H2D copy of array ``i`` is queued on ``s``, with the list of all the DeviceArrays (those after
     ``i`` are not filled yet): a consumer on another stream may wait for an event recorded then.
-    Arrays are sent in the order given, so the ones needed first should come first.
+    Arrays are sent in the order given, so the ones needed first should come first. ``held``, a
+    list, takes a small upload's staging buffer instead of its release: a caller that synchronises
+    ``s`` anyway (:func:`call`) releases it then, with no event (four driver calls fewer).
     """
     # Each entry as (array, staged dtype), once.
     items = [None if a is None else (a[0], np.dtype(a[1])) if isinstance(a, tuple) else (a, a.dtype) for a in arrays]
@@ -265,28 +267,34 @@ def upload(arrays, device, s, on_ready=None) -> list:
              for item, o in zip(items, offs)]
     ready = None if on_ready is None else (lambda i: on_ready(i, views))
     if total:
-        pieces = _plan_pieces(items, offs)
         if total > _SMALL_BYTES:
-            _upload_waves(pieces, len(arrays), device, alloc.ptr, s, ready)
+            _upload_waves(_plan_pieces(items, offs), len(arrays), device, alloc.ptr, s, ready)
             return views
-        _upload_here(pieces, device, alloc.ptr, s)
+        _upload_here(items, offs, total, device, alloc.ptr, s, held)
     if ready is not None:
         for i in range(len(arrays)):
             ready(i)
     return views
 
 
-def _upload_here(pieces, device, dev_ptr, s) -> None:
-    """A small upload: one staging buffer, copies on this thread, one H2D copy."""
+def _upload_here(items, offs, total, device, dev_ptr, s, held) -> None:
+    """A small upload: one staging buffer, laid out as the device block, copies on this thread, one
+    H2D copy."""
     staging = get_staging(device)
-    end = max(p.dev_off + p.nbytes for p in pieces)
-    buf = staging.acquire(end)
+    buf = staging.acquire(total)
     try:
         raw = buf.array(np.uint8, (buf.nbytes,))
-        for p in pieces:
-            _copy(raw[p.dev_off:p.dev_off + p.nbytes].view(p.dtype).reshape(p.shape), p.src)
-        h2d(dev_ptr, buf.ptr, end, s)
-    finally:
+        for item, o in zip(items, offs):
+            if item is not None:
+                src, dt = item
+                _copy(raw[o:o + src.size * dt.itemsize].view(dt).reshape(src.shape), src)
+        h2d(dev_ptr, buf.ptr, total, s)
+    except BaseException:
+        staging.release(buf, s)
+        raise
+    if held is not None:
+        held.append(buf)
+    else:
         staging.release(buf, s)  # reusable once s has read it
 
 
@@ -353,7 +361,8 @@ def download(results, outs, s) -> list:
         hosts.append(h)
     s.synchronize()
     pairs = [(o, h) for o, h in zip(outs, hosts) if o is not None and h is not None]
-    finish_copies(start_copies(pairs))
+    if pairs:
+        finish_copies(start_copies(pairs))
     return [o if o is not None else h for o, h in zip(outs, hosts)]
 
 
@@ -363,5 +372,12 @@ def call(fn, inputs, outs, stream):
     device = get_device()
     device.activate()
     s = as_stream(stream, device)
-    results = fn(upload(inputs, device, s), s)
-    return download(results, list(outs) + [None] * (len(results) - len(outs)), s)
+    held, synced = [], False
+    try:
+        results = fn(upload(inputs, device, s, held=held), s)
+        out = download(results, list(outs) + [None] * (len(results) - len(outs)), s)
+        synced = True
+        return out
+    finally:
+        for buf in held:  # after download's synchronisation nothing reads it; else s may still
+            get_staging(device).release(buf, None if synced else s)

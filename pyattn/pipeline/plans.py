@@ -94,15 +94,17 @@ class Memo:
             pass
 
 
-def signature(params: dict, args: dict):
+def signature(params: dict, args: dict, host_ok: tuple = ()):
     """The memo key of a call: ``params`` is the op's ``locals()`` taken first thing (every parameter,
     in order), ``args`` the :class:`~pyattn.interop.inputs.Arg` (or None) read for its array parameters; ``stream`` is per
-    call. None when the call cannot be memoised (host arrays, unhashable options)."""
+    call. None when the call cannot be memoised (unhashable options, or host arrays other than those
+    named in ``host_ok``: the parameters whose validation reads only kind, shape, dtype and strides,
+    never values or flags, e.g. attention's q, k, v but not a host mask, slopes or ``out=``)."""
     values = dict(params)  # a copy keeps the parameters' order; the array entries are overwritten in place
     del values["stream"]
     for n, a in args.items():
         if a is not None:  # (a None Arg stands for a None parameter, already there)
-            if a.kind == HOST:
+            if a.kind == HOST and n not in host_ok:
                 return None
             values[n] = a[1:6]  # kind, shape, dtype, strides, ordinal: a tuple slice
     # With the values' types: causal=1 must not reuse what validation made of causal=True (equal, same hash).

@@ -17,6 +17,7 @@ be freed by two threads at once (its finalizer runs once).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -262,7 +263,7 @@ class PinnedBuffer:
     def array(self, dtype, shape) -> np.ndarray:
         """A NumPy view of the first ``prod(shape) * itemsize`` bytes."""
         dtype = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize
         if n > self.nbytes:
             raise ValueError(f"pinned buffer of {self.nbytes} bytes cannot hold {n}")
         return np.asarray(_HostView(self.ptr, n, self)).view(dtype).reshape(shape)
@@ -383,7 +384,7 @@ def pinned_empty(shape, dtype) -> np.ndarray:
             if _results is None:
                 _results = _ResultBlocks()
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = _results.take(max(nbytes, 1))
     raw = np.asarray(_Lease(buf, max(nbytes, 1), _results))
     return raw[:nbytes].view(dtype).reshape(shape)

@@ -1,0 +1,129 @@
+"""Dev probe: the timeline of one NumPy ``attention`` call, (1, 4096, 16, 128) fp16 (issue 11).
+
+Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal]
+
+Prints, in ms from the call's start: each staging piece's host copy (thread, start, end, GB/s)
+and its H2D issue; each chunk's launch (host time, and GPU start/end of its kernel and its result
+copy from timing events); the call's end. Then the bounds of the same run: pinned H2D of 48 MiB and
+D2H of 16 MiB alone and together (full duplex), and 48 MiB staged by the workers with and without
+a DMA reading host memory at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import numpy as np
+
+import pyattn
+import pyattn.pipeline.chunks as C
+import pyattn.pipeline.host as H
+from pyattn.runtime.memory import PinnedBuffer
+
+T = time.perf_counter
+
+
+def med(fn, n=7):
+    fn()
+    ts = []
+    for _ in range(n):
+        t = T()
+        fn()
+        ts.append((T() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--causal", action="store_true")
+    a = ap.parse_args()
+    dev = pyattn.get_device()
+    dev.activate()
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 4096, 16, 128)).astype(np.float16) for i in range(3))
+    call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
+    print(f"uninstrumented call: median {med(call, 9):.3f} ms")
+
+    pieces, launches = [], []
+    orig_send, orig_launch, orig_attn = H._send, C._Call._launch, C._device_attention
+
+    def send(device, jobs, stage_ptr, dev_ptr, s):
+        device.activate()
+        for dst, src, so, do, n in jobs:
+            t0 = T()
+            H._copy(dst, src)
+            t1 = T()
+            H.h2d(dev_ptr + do, stage_ptr + so, n, s)
+            pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
+
+    def launch(self, i, devs, shared, width):
+        st = self.streams[i % len(self.streams)]
+        e0 = st.record(timing=True)
+        t = T()
+        orig_launch(self, i, devs, shared, width)
+        launches.append((i, t, T(), e0, st.record(timing=True)))
+
+    H._send, C._Call._launch = send, launch
+    call()
+    pieces.clear(), launches.clear()
+    s0 = pyattn.Stream()
+    start = s0.record(timing=True)
+    t0 = T()
+    call()
+    t_end = T()
+    H._send, C._Call._launch = orig_send, orig_launch
+    ms = lambda t: (t - t0) * 1e3  # noqa: E731
+    print(f"instrumented call: {ms(t_end):.3f} ms; {len(pieces)} pieces, {len(launches)} chunks")
+    for tid, a0, a1, a2, n in sorted(pieces, key=lambda p: p[1]):
+        print(f"  piece thr {tid:3d} copy {ms(a0):7.3f}-{ms(a1):7.3f} ({n / (a1 - a0) / 1e9:5.1f} GB/s) "
+              f"h2d issued {ms(a2):7.3f}")
+    for i, h0, h1, e0, e1 in launches:
+        print(f"  chunk {i}: host launch {ms(h0):7.3f}-{ms(h1):7.3f}; GPU (from the start event, "
+              f"same clock only roughly) queued-start {start.elapsed_ms(e0):7.3f} end of kernel+D2H {start.elapsed_ms(e1):7.3f}")
+
+    # bounds
+    N_IN, N_OUT = 48 << 20, 16 << 20
+    pin_in, pin_out = PinnedBuffer(N_IN), PinnedBuffer(N_OUT)
+    d_in, d_out = pyattn.empty((N_IN,), np.uint8), pyattn.empty((N_OUT,), np.uint8)
+    s1, s2 = pyattn.Stream(), pyattn.Stream()
+    from cuda.bindings import driver as drv
+
+    def h2d():
+        drv.cuMemcpyHtoDAsync(d_in.ptr, pin_in.ptr, N_IN, s1.handle)
+        s1.synchronize()
+
+    def d2h():
+        drv.cuMemcpyDtoHAsync(pin_out.ptr, d_out.ptr, N_OUT, s2.handle)
+        s2.synchronize()
+
+    def both():
+        drv.cuMemcpyHtoDAsync(d_in.ptr, pin_in.ptr, N_IN, s1.handle)
+        drv.cuMemcpyDtoHAsync(pin_out.ptr, d_out.ptr, N_OUT, s2.handle)
+        s1.synchronize()
+        s2.synchronize()
+    print(f"bounds: H2D 48 MiB {med(h2d):.3f} ms, D2H 16 MiB {med(d2h):.3f} ms, both at once {med(both):.3f} ms")
+    src = np.random.default_rng(0).integers(0, 255, N_IN, dtype=np.uint8)
+    stg = pin_in.array(np.uint8, (N_IN,))
+    ex, workers = H._executor_get()
+    parts = H.split_range(N_IN, 12)
+
+    def stage():
+        H.finish_copies([ex.submit(H._copy, stg[x:y], src[x:y]) for x, y in parts])
+    print(f"staging 48 MiB on {workers} workers: {med(stage):.3f} ms")
+    big = PinnedBuffer(256 << 20)
+    dbig = pyattn.empty((256 << 20,), np.uint8)
+
+    def stage_under_dma():
+        drv.cuMemcpyHtoDAsync(dbig.ptr, big.ptr, 256 << 20, s1.handle)  # ~5 ms of DMA reading host memory
+        t = T()
+        stage()
+        dt = T() - t
+        s1.synchronize()
+        return dt
+    stage_under_dma()
+    print(f"staging 48 MiB under a DMA: {np.median([stage_under_dma() for _ in range(5)]) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
