@@ -48,14 +48,13 @@ def main():
     pieces, launches = [], []
     orig_send, orig_launch, orig_attn = H._send, C._Call._launch, C._device_attention
 
-    def send(device, jobs, stage_ptr, dev_ptr, s):
+    def send(device, dst, src, stage_ptr, dev_ptr, n, s):
         device.activate()
-        for dst, src, so, do, n in jobs:
-            t0 = T()
-            H._copy(dst, src)
-            t1 = T()
-            H.h2d(dev_ptr + do, stage_ptr + so, n, s)
-            pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
+        t0 = T()
+        H._copy(dst, src)
+        t1 = T()
+        H.h2d(dev_ptr, stage_ptr, n, s)
+        pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
 
     def launch(self, i, devs, shared, width):
         st = self.streams[i % len(self.streams)]
