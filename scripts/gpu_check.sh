@@ -39,6 +39,7 @@ if [[ $what == all || $what == bench ]]; then
   bench bench_foundation '.' 20
   bench bench_prefill '.' 45                # pyattn vs torch SDPA FA2 / cuDNN, ceilings, NumPy end to end
   bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth
+  bench bench_ragged "$tables|^\(" 20       # a ragged batch (128..64k tokens): split choice, copy bandwidth
   bench bench_sparse "$tables" 50           # block-sparse vs dense pyattn / SDPA, patterns, CSR
   bench bench_quant "$tables" 60            # bf16 / int8 / fp8 KV caches: speed and accuracy
   bench bench_sparq "$tables" 40            # SparQ vs exact decode at L = 32k / 128k, accuracy on structured data

@@ -140,7 +140,7 @@ def fused_combine(items: int, splits: int) -> bool:
 
 
 def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
-               scales=(0, 0)):
+               scales=(0, 0), total_len: int | None = None):
     """Launch decode (and its split combine, fused in or a second launch) for a validated problem.
 
     Parameters
@@ -158,6 +158,9 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     return_lse : bool
     scales : (int, int)
         Device addresses of the K and V scale pools of an 8-bit cache; (0, 0) for 16-bit ones.
+    total_len : int, optional
+        The batch's total length (host value): a ragged batch gets more splits (see
+        :func:`choose_num_splits`). None: every sequence is taken as ``max_len`` long.
 
     Returns
     -------
@@ -168,7 +171,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
         splits = P.num_splits
     else:
         visible = max_len if P.window[0] < 0 else min(max_len, P.window[0] + P.q_len + plan.block_n)
-        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots)
+        fill = 1.0 if not total_len or not max_len or P.window[0] >= 0 else total_len / (P.batch * max_len)
+        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots, _fill_bucket(fill))
     n_rows, D = plan.n_rows, plan.head_dim
     part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
     if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
@@ -197,14 +201,23 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     return out, lse
 
 
-def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
+def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0) -> int:
     """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
-    blocks per SM) when the longest sequence has ``max_tiles`` key tiles.
+    blocks per SM) when the longest sequence has ``max_tiles`` key tiles and the mean sequence
+    ``fill`` times as many.
 
-    Every block of a decode does the same work, so the grid runs in waves: the smallest split
+    Every block of an even batch does the same work, so the grid runs in waves: the smallest split
     count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
     (FlashAttention's rule, applied past one wave too: 512 blocks on 396 slots run 65% busy
     unsplit). At least 2 key tiles per split keep the combine cheap next to the attention.
+
+    A ragged batch (``fill`` < 1) is not waves: its longest sequence's blocks end last. Each split
+    of a sequence takes an equal share of its tiles, so those blocks carry ``max_tiles / s`` tiles
+    while a block slot's mean load is ``units * fill * max_tiles / slots``. When the first exceeds
+    the second, the longest sequence is the critical path (64 sequences of 128..64k tokens: one
+    split, its 64k-token blocks taking ~3x the mean load); then ``s`` is raised until they carry at
+    most half of it, ``s >= 2 * slots / (units * fill)``, so they finish within the other blocks'
+    time wherever the block scheduler places them.
     """
     limit = max(1, min(MAX_SPLITS, max_tiles // 2))
     effs = []
@@ -212,7 +225,16 @@ def choose_num_splits(units: int, max_tiles: int, slots: int) -> int:
         waves = units * s / slots
         effs.append(waves / math.ceil(waves))
     best = max(effs)
-    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    s = next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    if fill < 1.0 and s * units * fill < slots:
+        s = max(s, min(limit, math.ceil(2 * slots / (units * fill))))
+    return s
+
+
+def _fill_bucket(fill: float) -> float:
+    """``fill`` rounded up to 1/32: the split choice is cached on it, and a batch's lengths grow
+    by one token a step."""
+    return min(1.0, math.ceil(fill * 32) / 32)
 
 
 _num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)

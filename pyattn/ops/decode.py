@@ -119,12 +119,12 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
         table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
         host_tables = (table, None, lens)
         dev_tables = (a["block_table"], None, a["seq_lens"])
-        max_len = int(lens.max(initial=0))
+        max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
     else:
         ip, ix, kv_len = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
         host_tables = (ix, ip, kv_len)
         dev_tables = (a["indices"], a["indptr"], None)  # kv_len is derived on the host: always uploaded
-        max_len = int(kv_len.max(initial=0))
+        max_len, total_len = int(kv_len.max(initial=0)), int(kv_len.sum(dtype=np.int64))
 
     def launch_fn(device, s, dq, alibi_ptr):
         on_dev = [t if t is not None and t.on_device else None for t in dev_tables]
@@ -134,7 +134,7 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
         # A block table's row stride in elements: the device table's own, or the uploaded copy's width.
         stride = 0 if block_table is None else (on_dev[0].strides[0] if on_dev[0] is not None else table.shape[1])
         return run_decode(P, device, dq.ptr, kp.ptr, vp.ptr, (idx, iptr, stride, lens), max_len, alibi_ptr, s,
-                          return_lse)
+                          return_lse, total_len=total_len)
 
     if not P.q_on_device:
         device, s, (kp, vp, *tabs) = start(stream, [a["k_pool"], a["v_pool"], *dev_tables])
@@ -207,9 +207,9 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
 
     def launch_fn(device, s, dq, alibi_ptr):
         cache.order(s)
-        tables, max_len = cache.device_tables(ids, s)
+        tables, max_len, total_len = cache.device_tables(ids, s)
         return run_decode(P, device, dq.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, alibi_ptr, s, return_lse,
-                          scales)
+                          scales, total_len)
 
     if not P.q_on_device:
         return _host_q(P, args["q"], args["alibi_slopes"], stream, launch_fn, return_lse)
@@ -228,7 +228,8 @@ def _repeat(bound, cache, ids, arrays, stream, return_lse):
     P, device = bound.problem, bound.device
     s, (q, alibi) = begin(bound, stream, arrays)  # (q's address checked: _check)
     cache.order(s)
-    tables, max_len = cache.device_tables(ids, s)
+    tables, max_len, total_len = cache.device_tables(ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)
-    out, lse = run_decode(P, device, q, cache.k.ptr, cache.v.ptr, tables, max_len, alibi, s, return_lse, scales)
+    out, lse = run_decode(P, device, q, cache.k.ptr, cache.v.ptr, tables, max_len, alibi, s, return_lse, scales,
+                          total_len)
     return (out, lse) if return_lse else out

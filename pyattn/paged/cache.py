@@ -450,12 +450,13 @@ class PagedKVCache:
     def device_tables(self, seq_ids, s) -> tuple:
         """Device CSR page table of ``seq_ids`` for the decode kernel, reused while nothing changed.
 
-        Returns ``((indices, indptr, 0, kv_len), max_len)``.
+        Returns ``((indices, indptr, 0, kv_len), max_len, total_len)``: the lengths of the longest
+        sequence and of all together (the split choice of a ragged batch needs both).
         """
         key = (tuple(seq_ids), self.book.version)
         if self._tables is not None and self._tables[0] == key:
             note_use(s, self._tables[1][:1])  # its block's free must wait for this stream's use too
-            return self._tables[1], self._tables[2]
+            return self._tables[1:]
         indptr, indices, _ = self.book.csr(seq_ids)
         lens = self.book.lengths(seq_ids)
         packed = np.concatenate([indptr, lens, indices if len(indices) else np.zeros(1, np.int32)]).astype(np.int32)
@@ -464,8 +465,8 @@ class PagedKVCache:
         views = [DeviceArray(d.ptr + 4 * off, (m,), np.int32, self.device, owner=d, stream=s)
                  for off, m in ((0, n + 1), (n + 1, n), (2 * n + 1, max(len(indices), 1)))]
         tables = (views[2], views[0], 0, views[1])
-        self._tables = (key, tables, int(lens.max(initial=0)))
-        return tables, self._tables[2]
+        self._tables = (key, tables, int(lens.max(initial=0)), int(lens.sum(dtype=np.int64)))
+        return self._tables[1:]
 
     # -- per-channel key scales and SparQ state (pyattn.paged.side_state) ---------------------
     def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:
