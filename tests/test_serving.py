@@ -21,7 +21,8 @@ from pyattn.kernels.specs import KernelSpec
 from pyattn.ops._prefill import prefill_specs
 from pyattn.paged.book import OutOfPagesError, PageBook
 from pyattn.reference import tree_ancestor_mask
-from pyattn.validate.serving import check_parents, check_new_tokens, check_cu_seqlens_q, tree_masks
+from pyattn.validate.paged import PoolInfo
+from pyattn.validate.serving import check_parents, check_new_tokens, check_cu_seqlens_q, check_pool_rows, tree_masks
 from test_paged_book import BookMachine, snapshot
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -193,6 +194,23 @@ def test_new_tokens_must_be_in_the_cache_and_trees_small():
     with pytest.raises(ValueError, match="q: a tree of at most 64 tokens"):
         check_new_tokens(np.array([65]), np.array([100]), True)
     check_new_tokens(np.array([64, 0]), np.array([64, 0]), True)
+
+
+@pytest.mark.parametrize("k_strides, v_strides, pages, ok", [
+    ((16 * 1024, 1024, 128), (16 * 1024, 1024, 128), 10, True),     # a cache's own (pages, slot, head, dim)
+    ((16 * 1024, 128, 16 * 128), (16 * 1024, 128, 16 * 128), 10, True),  # (pages, head, slot, dim)
+    ((16 * 1024 + 8, 1024, 128), (16 * 1024 + 8, 1024, 128), 10, False),  # padded pages
+    ((16 * 1024, 1024, 128), (32 * 1024, 2048, 128), 10, True),     # V rows twice as far apart, same count
+    ((16 * 1024, 1024, 128), (16 * 2048, 1024, 128), 10, False),    # V pages of another slot count
+    ((16 * 1024, 1024, 128), (16 * 1024, 1024, 128), 2**28, False),  # 2**32 slot rows
+])
+def test_prefill_pools_need_32_bit_slot_rows(k_strides, v_strides, pages, ok):
+    pool = PoolInfo(pages, 16, 8, 128, np.dtype(np.float16), k_strides, v_strides)
+    if ok:
+        check_pool_rows(pool)
+    else:
+        with pytest.raises(ValueError, match="cache: prefill needs K/V pools whose page stride"):
+            check_pool_rows(pool)
 
 
 # -- specs, parameter struct, compilation --------------------------------------------------------
