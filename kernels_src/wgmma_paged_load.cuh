@@ -60,9 +60,10 @@ struct PagedKVLoad {
 
   __device__ __forceinline__ void init(const T* k_, const T* v_, long long k_slot_, long long v_slot_,
                                        long long k_page_, long long v_page_, const int* pages_, int page_size_,
-                                       int page_shift_, int head_dim_, int tid) {
+                                       int page_shift_, int rows_per_page_, int head_dim_, int tid) {
     k = k_, v = v_, k_slot = k_slot_, v_slot = v_slot_, k_page = k_page_, v_page = v_page_;
-    pages = pages_, page_size = page_size_, page_shift = page_shift_, head_dim = head_dim_;
+    pages = pages_, page_size = page_size_, page_shift = page_shift_, rows_per_page = rows_per_page_;
+    head_dim = head_dim_;
     page = slot = 0;
     me = tid;
     if constexpr (kShuffle) {
@@ -74,7 +75,6 @@ struct PagedKVLoad {
       vc = reinterpret_cast<const char*>(v + (col_ok ? cc * 8 : 0));
       k_row = static_cast<unsigned>(k_slot * sizeof(T));
       v_row = static_cast<unsigned>(v_slot * sizeof(T));
-      rows_per_page = static_cast<int>(k_page / k_slot);
       const int row = (lane / R) * kRowsPerPass + (tid - lane) / CPR + lane % R;
       look = lane / R < kPasses && row < ROWS ? row : -1;
     }
