@@ -4,13 +4,15 @@
 // pages[r / page_size]; one lookup per row serves both K and V. Rows at or past `row_end` and
 // columns at or past `head_dim` are zero-filled.
 //
-// The cost model (issue 13, BENCHMARKS.md "Paged prefill loader"): the producer warpgroup shares
-// the SM's four schedulers with the eight consumer warps, and at 64-key tiles a scheduler issued
-// ~2 x 530 consumer + ~300 producer instructions per ~1400-cycle tile, so every producer
-// instruction is taken from the consumers. The previous loader shuffled two 64-bit element
-// offsets per pass and formed two 64-bit addresses from them (~25 instructions per pass of a K
-// and a V copy, against ~3.5 per copy in the dense loader), and looked its page up after the
-// stage was free, so each tile's copies started an L2 round trip late.
+// Why this shape (issue 13, BENCHMARKS.md "Paged prefill loader"): the previous loader shuffled
+// two 64-bit element offsets per pass and formed two 64-bit addresses from them (~25 instructions
+// per pass of a K and a V copy, ~296 per 64-key tile, against ~3.5 per copy in the dense loader),
+// and looked its page up only after the stage was free. Nsight Compute on the 4k chunk over 16k
+// (H200): 2.24 M instructions per scheduler against the dense kernel's 1.38 M, 4.49 M cycles
+// against 3.95 M, no scheduler saturated (0.50 issued per cycle): the producer's serial per-tile
+// chain (wait, lookup round trip, offset math, copies) held the consumers up. This loader: 1.84 M
+// instructions and 3.90 M cycles on the same 64-key tiles, and the dense kernel's 128-key row
+// became usable (the chunk at 1.02-1.03x the dense kernel's speed).
 //
 // Here, per tile, lane l of each warp looks up one row the warp copies (as before) but keeps it
 // as one 32-bit number: the row's index in units of the pool's slot stride (page *
