@@ -5,7 +5,8 @@ Usage: PYTHONPATH=. python dev/probe_serving.py [--quick] [--chunk-only]
 bf16, D 128, Hq 32, Hkv 8. Times (harness.Bench.gpu_ms, one run):
 - the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_wgmma rows put in
   through ``override_tiles`` (the dense table's warp-specialized row, 64-key rows of 4 and 6 stages,
-  a 2-stage 128-key row);
+  a 2-stage 128-key row), beside pyattn.attention on the same keys contiguous (dense / paged, and
+  the largest difference of the outputs);
 - draft trees (n = 16 / 64 over 4096 tokens, batch 1 / 8) with attn_tree_wgmma rows (one warpgroup
   of 64 rows at 64 / 128 keys, 2 / 3 stages; the two-warpgroup warp-specialized row), and forced
   split counts; pyattn.decode with q_len = n beside them.
@@ -26,14 +27,19 @@ from pyattn.kernels.families import WgmmaTile, override_tiles, tile_table  # noq
 HQ, HKV, D = 32, 8, 128
 
 
-def cache_of(bench, lens, page=16):
+def cache_of(bench, lens, page=16, kv=None):
+    """A cache holding sequences of ``lens`` tokens, each with a twin (pages interleave); ``kv``: one
+    sequence's (K, V) torch tensors (L, HKV, D), else random keys that double as values."""
     torch = bench.torch
     cache = pyattn.PagedKVCache(sum(-(-n // page) + 1 for n in lens) * 2 + 2, page, HKV, D, "bfloat16")
     ids = [cache.add_sequence() for _ in range(2 * len(lens))]
     for t0 in range(0, max(lens), 256):
         counts = [max(0, min(256, n - t0)) for n in lens] * 2
-        k = torch.randn(sum(counts), HKV, D, device="cuda", dtype=torch.bfloat16)
-        cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(k, bench.stream), counts=counts,
+        if kv is not None:
+            k, v = (torch.cat([x[t0:t0 + 256]] * 2).contiguous() for x in kv)
+        else:
+            k = v = torch.randn(sum(counts), HKV, D, device="cuda", dtype=torch.bfloat16)
+        cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(v, bench.stream), counts=counts,
                      stream=bench.stream)
     return cache, ids[:len(lens)]
 
@@ -49,18 +55,30 @@ def main() -> int:
     if bench is None:
         return 1
     torch = bench.torch
-    # -- chunk
-    cache, ids = cache_of(bench, [16384 + 4096])
-    q = harness.to_pyattn(torch.randn(1, 4096, HQ, D, device="cuda", dtype=torch.bfloat16), bench.stream)
+    # -- chunk: the paged family's rows against the dense kernel on the same keys, contiguous
+    P, N = 16384, 4096
+    k = torch.randn(P + N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(P + N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cache, ids = cache_of(bench, [P + N], kv=(k, v))
+    qt = torch.randn(1, N, HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = harness.to_pyattn(qt, bench.stream)
+    kd, vd = (harness.to_pyattn(x.view(1, P + N, HKV, D), bench.stream) for x in (k, v))
+    dense = lambda: pyattn.attention(q, kd, vd, causal=True, stream=bench.stream)  # noqa: E731
+    td = harness.attempt({}, "dense", lambda: bench.gpu_ms(dense, loop=loop, reps=reps))
+    ref = harness.to_torch(dense()).float()
+    print(f"chunk dense (attention, contiguous): {harness.fmt(td.ms if td else None, '.3f')} ms", flush=True)
     base = tile_table("attn_prefill_wgmma", "sm_90a")
-    for name, row in (("ws 128x128 s3", None), ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True)),
+    for name, row in (("ws 128x128 s3", WgmmaTile(128, 128, 2, 3, True, 1, "probe", ws=True)),
+                      ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True)),
                       ("ws 128x64 s6", WgmmaTile(128, 64, 2, 6, True, 1, "probe", ws=True)),
                       ("ws 128x128 s2", WgmmaTile(128, 128, 2, 2, False, 1, "probe", ws=True))):
-        table = base if row is None else rows_with(base, 128, row)
-        with override_tiles("attn_prefill_wgmma", "sm_90a", table):
+        with override_tiles("attn_prefill_wgmma", "sm_90a", rows_with(base, 128, row)):
             call = lambda: pyattn.prefill(q, cache, ids, stream=bench.stream)  # noqa: E731
             t = harness.attempt({}, name, lambda: bench.gpu_ms(call, loop=loop, reps=reps))
-        print(f"chunk {name}: {harness.fmt(t.ms if t else None, '.3f')} ms", flush=True)
+            diff = (harness.to_torch(call()).float() - ref).abs().max().item()
+        ratio = td.ms / t.ms if t and td else None
+        print(f"chunk {name}: {harness.fmt(t.ms if t else None, '.3f')} ms (dense / paged "
+              f"{harness.fmt(ratio, '.3f')}); max |paged - dense| {diff:.1e}", flush=True)
     del cache
     if "--chunk-only" in sys.argv:
         return 0

@@ -10,6 +10,7 @@
 #include "attention_mask.cuh"
 #include "block_sparse.cuh"
 #include "wgmma.cuh"
+#include "wgmma_paged_load.cuh"
 #include "wgmma_pipe.cuh"
 
 namespace pyattn {
@@ -55,6 +56,7 @@ struct AttnFwdWgmmaMainloop {
   const int* pages;
   long long k_page, v_page, q_head_stride;
   int page_size, page_shift, row_group;
+  int rows_per_page;               // slot strides per page stride (K's = V's: validate/serving.py)
   int tok[2];                      // tokens of rows row_a, row_a + 8
   int wg_tok0, wg_tok1;            // tokens of the warpgroup's first and last rows
   int tree_k0;                     // TREE: the first key of the tree (sk - sq tokens)
@@ -84,9 +86,10 @@ struct AttnFwdWgmmaMainloop {
   template <int NT>
   __device__ __forceinline__ void load(int st, int n_load, int tid) {
     const unsigned kv = sKV + st * Tr::kStageBytes;
-    if constexpr (PAGED) {
-      wgmma_load_kv_paged<Tr, BN, NT>(kv, kv + Tr::kKVBytes, k, v, k_stride, v_stride, k_page, v_page, pages,
-                                      page_size, page_shift, n_load, sk, head_dim, tid);
+    if constexpr (PAGED) {  // all threads load (no producer warpgroup): look up, then copy
+      PagedKVLoad<Tr, BN, NT> pl = paged_load<NT>(tid);
+      pl.fetch(n_load, sk);
+      pl.copy(kv, kv + Tr::kKVBytes, pl.take(), n_load, sk);
       return;
     }
     wgmma_load_tile<Tr, BN, NT>(kv, k, k_stride, n_load, sk, head_dim, tid);
@@ -96,16 +99,38 @@ struct AttnFwdWgmmaMainloop {
         wgmma_load_mask<Tr, NT>(sMask + st * Tr::kMaskTileBytes, mods.mask, mods.m_sq, m0, sq, n_load, sk, tid);
   }
 
+  // PAGED: the K/V loader of NT threads, this one `tid`.
+  template <int NT>
+  __device__ __forceinline__ PagedKVLoad<Tr, BN, NT> paged_load(int tid) const {
+    PagedKVLoad<Tr, BN, NT> pl;
+    pl.init(k, v, k_stride, v_stride, k_page, v_page, pages, page_size, page_shift, rows_per_page, head_dim, tid);
+    return pl;
+  }
+
   // WS producer: Q and every key tile through the ring. A stage is reused once all consumer warps
   // released it; it is handed over once this thread's copies into it landed and were fenced for
-  // the async proxy (each of the 128 producer threads arrives on "full").
+  // the async proxy (each of the 128 producer threads arrives on "full"). PAGED: tile i + 1's page
+  // lookups are issued before the wait for tile i's stage, so its copies never wait on them.
   __device__ __forceinline__ void produce(unsigned sQ, const T* q, long long q_stride, int tid) {
     load_q<128>(sQ, q, q_stride, tid);  // with tile 0's group
+    PagedKVLoad<Tr, BN, 128> pl;
+    if constexpr (PAGED) {
+      pl = paged_load<128>(tid);
+      pl.fetch(tiles.n0(0), sk);
+    }
     int st = 0;
     unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
     for (int i = 0; i < n_tiles; ++i) {
-      pipe::wait(bar_empty + 8 * st, empty_parity);
-      load<128>(st, tiles.n0(i), tid);
+      if constexpr (PAGED) {
+        const unsigned row = pl.take();
+        if (i + 1 < n_tiles) pl.fetch(tiles.n0(i + 1), sk);
+        pipe::wait(bar_empty + 8 * st, empty_parity);
+        const unsigned kv = sKV + st * Tr::kStageBytes;
+        pl.copy(kv, kv + Tr::kKVBytes, row, tiles.n0(i), sk);
+      } else {
+        pipe::wait(bar_empty + 8 * st, empty_parity);
+        load<128>(st, tiles.n0(i), tid);
+      }
       wg::cp_async_commit();
       if (i > 0) {  // tile i - 1 landed (one group may stay in flight): hand its stage over
         wg::cp_async_wait<1>();

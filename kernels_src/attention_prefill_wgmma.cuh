@@ -58,6 +58,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   ml.pages = pp.page_indices + pp.page_indptr[batch];
   ml.page_size = pp.page_size;
   ml.page_shift = pp.page_shift;
+  ml.rows_per_page = static_cast<int>(pp.k_stride_page / pp.k_stride_slot);  // once per block
   ml.row_group = rg;
   ml.band = make_band(p, sq, sk);
   int n_begin, n_end;  // key tiles some token of the block can see, then this split's share

@@ -21,7 +21,8 @@ from pyattn.kernels.specs import KernelSpec
 from pyattn.ops._prefill import prefill_specs
 from pyattn.paged.book import OutOfPagesError, PageBook
 from pyattn.reference import tree_ancestor_mask
-from pyattn.validate.serving import check_parents, check_new_tokens, check_cu_seqlens_q, tree_masks
+from pyattn.validate.paged import PoolInfo
+from pyattn.validate.serving import check_parents, check_new_tokens, check_cu_seqlens_q, check_pool_rows, tree_masks
 from test_paged_book import BookMachine, snapshot
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -195,6 +196,23 @@ def test_new_tokens_must_be_in_the_cache_and_trees_small():
     check_new_tokens(np.array([64, 0]), np.array([64, 0]), True)
 
 
+@pytest.mark.parametrize("k_strides, v_strides, pages, ok", [
+    ((16 * 1024, 1024, 128), (16 * 1024, 1024, 128), 10, True),     # a cache's own (pages, slot, head, dim)
+    ((16 * 1024, 128, 16 * 128), (16 * 1024, 128, 16 * 128), 10, True),  # (pages, head, slot, dim)
+    ((16 * 1024 + 8, 1024, 128), (16 * 1024 + 8, 1024, 128), 10, False),  # padded pages
+    ((16 * 1024, 1024, 128), (32 * 1024, 2048, 128), 10, True),     # V rows twice as far apart, same count
+    ((16 * 1024, 1024, 128), (16 * 2048, 1024, 128), 10, False),    # V pages of another slot count
+    ((16 * 1024, 1024, 128), (16 * 1024, 1024, 128), 2**28, False),  # 2**32 slot rows
+])
+def test_prefill_pools_need_32_bit_slot_rows(k_strides, v_strides, pages, ok):
+    pool = PoolInfo(pages, 16, 8, 128, np.dtype(np.float16), k_strides, v_strides)
+    if ok:
+        check_pool_rows(pool)
+    else:
+        with pytest.raises(ValueError, match="cache: prefill needs K/V pools whose page stride"):
+            check_pool_rows(pool)
+
+
 # -- specs, parameter struct, compilation --------------------------------------------------------
 def test_nested_params_pack_like_the_two_halves():
     assert PAGED_FWD_PARAMS.size == ATTN_FWD_PARAMS.size + PAGED_FWD_EXTRA.size
@@ -244,20 +262,19 @@ def test_serving_variants_compile_for_every_arch(arch, session_cache_dir, monkey
 
 
 def test_families_reuse_the_dense_kernels_tiles():
-    """The paged prefill runs the dense kernels' traits and tiles, except its own measured d = 128
-    row on sm_90a (64-key tiles, 4 stages); the shared-memory formula is the dense family's."""
+    """The paged prefill runs the dense kernels' traits and tiles (on sm_90a at d = 128 the dense
+    row, measured again on the paged kernel: only its reason differs); the shared-memory formula is
+    the dense family's."""
     for arch, fam, dense in (("sm_90a", "attn_prefill_wgmma", "attn_fwd_wgmma"), ("sm_80", "attn_prefill_mma",
                                                                                     "attn_fwd_mma")):
         for d in (64, 128, 256):
             a = KernelSpec(dense, "bf16", d, arch).replace(family=fam)
             b = KernelSpec(dense, "bf16", d, arch)
+            assert (a.tiles._replace(reason=""), a.shared_bytes, a.threads) == \
+                (b.tiles._replace(reason=""), b.shared_bytes, b.threads)
             if fam == "attn_prefill_wgmma" and d == 128:
-                assert (a.tiles.block_m, a.tiles.block_n, a.tiles.stages, a.tiles.ws) == (128, 64, 4, True)
-                with override_tiles(dense, arch, tile_table(fam, arch)):  # the same row in the dense family
-                    b = KernelSpec(dense, "bf16", d, arch)
-                    assert (a.tiles, a.shared_bytes, a.threads) == (b.tiles, b.shared_bytes, b.threads)
-                continue
-            assert (a.tiles, a.shared_bytes, a.threads) == (b.tiles, b.shared_bytes, b.threads)
+                assert (a.tiles.block_m, a.tiles.block_n, a.tiles.stages, a.tiles.ws) == (128, 128, 3, True)
+                assert "paged" in a.tiles.reason
 
 
 def test_accept_refuses_caches_whose_side_state_it_would_leave_stale(deviceless_cache):

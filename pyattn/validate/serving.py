@@ -15,8 +15,8 @@ import numpy as np
 from .options import check_alibi, check_causal, check_int, check_scale, check_softcap, check_window
 from .paged import DECODE_DTYPES, MAX_SPLITS, PoolInfo
 
-__all__ = ["PrefillProblem", "MAX_TREE", "check_prefill", "check_new_tokens", "check_cu_seqlens_q",
-           "check_parents", "tree_masks"]
+__all__ = ["PrefillProblem", "MAX_TREE", "check_prefill", "check_pool_rows", "check_new_tokens",
+           "check_cu_seqlens_q", "check_parents", "tree_masks"]
 
 MAX_TREE = 64  # tree tokens per sequence: one uint64 ancestor mask per token
 _MAX_GRID_YZ = 65535
@@ -58,6 +58,20 @@ class PrefillProblem:
             (self.batch, t, self.heads_q, self.head_dim)
 
 
+def check_pool_rows(pool: PoolInfo) -> None:
+    """The prefill kernels address a pool row (one slot of one kv head) by a 32-bit index in slot
+    strides, shared by K and V (``kernels_src/wgmma_paged_load.cuh``): the page stride must be a
+    whole number of slot strides, the same number for K and V, the pool under 2**32 such rows and a
+    slot stride under 4 GiB. A :class:`~pyattn.PagedKVCache`'s pools always are; refuse the rest."""
+    (kp, ks, _), (vp, vs, _) = pool.k_strides, pool.v_strides
+    rows = kp // ks if ks > 0 and kp % ks == 0 else 0
+    if (rows < 1 or vs < 1 or vp != rows * vs or pool.num_pages * rows >= 2**32
+            or max(ks, vs) * pool.dtype.itemsize >= 2**32):
+        raise ValueError(f"cache: prefill needs K/V pools whose page stride is the same whole number of slot "
+                         f"strides in K and V, under 2**32 slot rows in all; got (page, slot) element strides "
+                         f"K {(kp, ks)}, V {(vp, vs)} over {pool.num_pages} pages")
+
+
 def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, window, softcap, alibi_slopes, scale,
                   num_splits, tree: bool) -> PrefillProblem:
     """Validate q (an Arg) against the cache's pools and the options.
@@ -68,6 +82,7 @@ def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, windo
     if pool.kv:
         raise TypeError(f"cache: prefill reads float16 / bfloat16 caches; this one holds {pool.kv} codes "
                         f"(8-bit caches serve decode only)")
+    check_pool_rows(pool)
     if q.dtype != pool.dtype:
         raise TypeError(f"q: expected dtype {pool.dtype} (the KV cache's), got {q.dtype}")
     if q.dtype.name not in DECODE_DTYPES:

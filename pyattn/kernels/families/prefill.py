@@ -57,13 +57,14 @@ def _family(name: str, base: Family, tables: dict, tree: bool, wgmma: bool) -> F
     )
 
 
-# The dense kernel's rows, but 64-key tiles in a 4-deep ring at d = 128: the paged producer issues
-# more address work per key than the dense one, and smaller tiles keep more of them in flight.
-# dev/probe_serving.py (H200, 4096-token chunk over 16384 cached, pages of 16, bf16 Hq32 Hkv8):
-# 128 x 128 x 3 stages 3.258 ms, 128 x 64 x 4 stages 2.643, x 6 stages 2.667, 128 x 128 x 2 3.665.
+# The dense kernel's rows. At d = 128 the dense row itself, measured on the paged kernel: with
+# 32-bit slot-row loads and page lookups a tile ahead (wgmma_paged_load.cuh) the producer keeps
+# up with 128-key tiles. dev/probe_serving.py (H200, 4096-token chunk over 16384 cached, pages of
+# 16, bf16 Hq32 Hkv8; dense 2.195 ms): 128 x 128 x 3 stages 2.152 ms, 128 x 64 x 4 2.199, x 6
+# 2.225, 128 x 128 x 2 2.678. (The old loader needed 128 x 64 x 4: 2.643 against 3.258.)
 _PREFILL_SM90 = tuple(
-    WgmmaTile(128, 64, 2, 4, True, 1, "paged: 64-key tiles, 4 stages (dev/probe_serving.py, H200: the 4k chunk "
-                                      "over 16k 2.64 ms against 3.26 with the dense row)", ws=True)
+    r._replace(reason="paged, the dense row: the 4k chunk over 16k 2.152 ms against dense 2.195 and 2.199 with "
+                      "64-key tiles x 4 stages (dev/probe_serving.py, H200)")
     if r.max_head_dim == 128 else r for r in ATTN_FWD_WGMMA.tables["dense"]["sm_90a"])
 ATTN_PREFILL_WGMMA = _family("attn_prefill_wgmma", ATTN_FWD_WGMMA, {a: _PREFILL_SM90 for a in WGMMA_ARCHS}, False,
                              True)
