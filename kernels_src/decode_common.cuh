@@ -83,7 +83,9 @@ struct DecodeBlock {
     constexpr int KB = Tr::kBlockN;
     split = blockIdx.x;
     kv_head = blockIdx.y / p.row_blocks;
-    b = blockIdx.z;
+    // A ragged batch runs its longest sequences first (batch_order: pyattn.ops._decode.run_decode),
+    // so that their blocks are not the last to start; null keeps the batch's own order.
+    b = p.batch_order != nullptr ? __ldg(p.batch_order + blockIdx.z) : blockIdx.z;
     r0 = (blockIdx.y % p.row_blocks) * Tr::kRows;
     kv_len = p.kv_len[b];
     n_rows = p.group * p.q_len;

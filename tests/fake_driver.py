@@ -28,7 +28,7 @@ from pyattn.runtime import device, memory, stream
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
-LAUNCHES: list = []  # (kernel name, grid, stream handle, first 8 struct fields) per launch, when recording
+LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields) per launch, when recording
 _CTX = 0xC0000
 
 
@@ -181,7 +181,7 @@ class _Fake:
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
         if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
             struct = ctypes.c_uint64.from_address(int(argv)).value
-            ptrs = tuple((ctypes.c_uint64 * 8).from_address(struct))
+            ptrs = tuple((ctypes.c_uint64 * 12).from_address(struct))
             LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s), ptrs))
         return (OK,)
 

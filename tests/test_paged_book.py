@@ -415,3 +415,14 @@ def test_bool_ids_and_non_int_counts_are_rejected():
     with pytest.raises(TypeError, match="^counts: expected ints"):
         book.plan_append([sid], ["3"])
     assert book.length(sid) == 0 and book.num_free == 4
+
+
+def test_longest_first_orders_a_ragged_batch_only():
+    """A decode's blocks start longest sequence first (a stable order), and an even batch keeps its
+    own order (no table at all, so its kernel runs as before)."""
+    from pyattn.paged.book import longest_first
+
+    assert longest_first(np.array([5, 5, 5], np.int32)) is None
+    assert longest_first(np.array([7], np.int32)) is None
+    order = longest_first(np.array([3, 9, 1, 9, 4], np.int32))
+    assert order.dtype == np.int32 and order.tolist() == [1, 3, 4, 0, 2]

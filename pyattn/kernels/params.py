@@ -182,7 +182,8 @@ DECODE_PARAMS = ParamStruct(
     "DecodeParams",
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
      ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
-     ("kv_len", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"), ("v_scale", "f32_cptr"), ("num_splits", "i32"),
+     ("kv_len", "i32_cptr"), ("batch_order", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"),
+     ("v_scale", "f32_cptr"), ("num_splits", "i32"),
      ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
     + _pool_strides("ks") + _pool_strides("vs")

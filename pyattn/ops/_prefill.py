@@ -152,7 +152,7 @@ def run_prefill(P, device, s, q: int, cache, ids, cu: np.ndarray, masks, alibi_p
     if m_blocks == 0:
         return out, lse
     cache.order(s)
-    (idx, indptr, _, kv_len), max_len, _ = cache.device_tables(ids, s)
+    (idx, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
     if P.num_splits:
         splits = P.num_splits
     else:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..interop.inputs import quick_key, read_args
 from ..interop.streams import order_inputs
+from ..paged.book import longest_first
 from ..paged.cache import PagedKVCache
 from ..pipeline import host
 from ..pipeline.device import begin, bind, fetch_values, finish, start
@@ -117,23 +118,23 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     fetch = fetch_values  # a device table's values, after every metadata check (see validate.paged)
     if block_table is not None:
         table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
-        host_tables = (table, None, lens)
-        dev_tables = (a["block_table"], None, a["seq_lens"])
+        host_tables = (table, None, lens, longest_first(lens))
+        dev_tables = (a["block_table"], None, a["seq_lens"], None)
         max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
     else:
         ip, ix, kv_len = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
-        host_tables = (ix, ip, kv_len)
-        dev_tables = (a["indices"], a["indptr"], None)  # kv_len is derived on the host: always uploaded
+        host_tables = (ix, ip, kv_len, longest_first(kv_len))
+        dev_tables = (a["indices"], a["indptr"], None, None)  # kv_len (and the order) derived on the host: uploaded
         max_len, total_len = int(kv_len.max(initial=0)), int(kv_len.sum(dtype=np.int64))
 
     def launch_fn(device, s, dq, alibi_ptr):
         on_dev = [t if t is not None and t.on_device else None for t in dev_tables]
         ups = upload([None if d is not None or h is None else np.ascontiguousarray(h, np.int32)
                       for d, h in zip(on_dev, host_tables)], device, s)
-        idx, iptr, lens = (d if d is not None else u for d, u in zip(on_dev, ups))
+        idx, iptr, lens, order = (d if d is not None else u for d, u in zip(on_dev, ups))
         # A block table's row stride in elements: the device table's own, or the uploaded copy's width.
         stride = 0 if block_table is None else (on_dev[0].strides[0] if on_dev[0] is not None else table.shape[1])
-        return run_decode(P, device, dq.ptr, kp.ptr, vp.ptr, (idx, iptr, stride, lens), max_len, alibi_ptr, s,
+        return run_decode(P, device, dq.ptr, kp.ptr, vp.ptr, (idx, iptr, stride, lens, order), max_len, alibi_ptr, s,
                           return_lse, total_len=total_len)
 
     if not P.q_on_device:

@@ -80,7 +80,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     """Launch every stage for validated problem ``P``; returns (out, positions or None)."""
     device = cache.device
     cache.order(s)
-    (indices, indptr, _, kv_len), max_len, _ = cache.device_tables(ids, s)
+    (indices, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
     vrow = cache.sparq_rows(ids, s)
     G, D, rows = P.row_group, P.head_dim, plan.rows
     n_chunks = -(-max_len // _CHUNK)

@@ -19,10 +19,19 @@ import numpy as np
 
 from ..runtime.errors import PyattnError
 
-__all__ = ["PageBook", "AppendPlan", "AcceptPlan", "OutOfPagesError", "MAX_PAGE_SIZE"]
+__all__ = ["PageBook", "AppendPlan", "AcceptPlan", "OutOfPagesError", "MAX_PAGE_SIZE", "longest_first"]
 
 MAX_PAGE_SIZE = 256
 _INT32_MAX = 2**31 - 1
+
+
+def longest_first(lens) -> np.ndarray | None:
+    """The batch order of a decode's blocks: int32 entries longest first, or None (the batch's own
+    order) when every length is equal. The block scheduler starts blocks in grid order; a long
+    sequence whose blocks start last is the tail of a ragged batch's decode."""
+    if len(lens) < 2 or int(lens.min()) == int(lens.max()):
+        return None
+    return np.argsort(-np.asarray(lens, np.int64), kind="stable").astype(np.int32)
 
 
 class OutOfPagesError(PyattnError):

@@ -29,7 +29,7 @@ from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
 from ..runtime.stream import as_stream, check_stream_arg, order_after
 from ..validate.paged import DECODE_DTYPES, PoolInfo, check_cache_options
-from .book import PageBook
+from .book import PageBook, longest_first
 from . import side_state
 from .keypages import KeyStager
 from .sparq_state import SparqRows
@@ -459,12 +459,14 @@ class PagedKVCache:
             return self._tables[1:]
         indptr, indices, _ = self.book.csr(seq_ids)
         lens = self.book.lengths(seq_ids)
-        packed = np.concatenate([indptr, lens, indices if len(indices) else np.zeros(1, np.int32)]).astype(np.int32)
-        (d,) = upload([packed], self.device, s)  # one upload for all three
-        n = len(seq_ids)
-        views = [DeviceArray(d.ptr + 4 * off, (m,), np.int32, self.device, owner=d, stream=s)
-                 for off, m in ((0, n + 1), (n + 1, n), (2 * n + 1, max(len(indices), 1)))]
-        tables = (views[2], views[0], 0, views[1])
+        order = longest_first(lens)
+        n, m = len(seq_ids), max(len(indices), 1)
+        packed = np.concatenate([indptr, lens, indices if len(indices) else np.zeros(1, np.int32),
+                                 order if order is not None else np.zeros(0, np.int32)]).astype(np.int32)
+        (d,) = upload([packed], self.device, s)  # one upload for all four
+        views = [DeviceArray(d.ptr + 4 * off, (k,), np.int32, self.device, owner=d, stream=s)
+                 for off, k in ((0, n + 1), (n + 1, n), (2 * n + 1, m), (2 * n + 1 + m, n))]
+        tables = (views[2], views[0], 0, views[1], views[3] if order is not None else None)
         self._tables = (key, tables, int(lens.max(initial=0)), int(lens.sum(dtype=np.int64)))
         return self._tables[1:]
 
