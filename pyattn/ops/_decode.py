@@ -218,10 +218,12 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0)
     while a block slot's mean load is ``units * fill * max_tiles / slots``. When the first exceeds
     the second, the longest sequence is the critical path (64 sequences of 128..64k tokens: one
     split, its 64k-token blocks taking ~3x the mean load); then ``s`` is raised until they carry at
-    most a quarter of it, ``s >= 4 * slots / (units * fill)``, so they finish within the other
-    blocks' time wherever the block scheduler places them. Measured on an H200
-    (``scripts/bench_ragged.py``, that batch): 1 split 46% of the copy rate, 2: 58%, 4: 76%, 8: 81%,
-    16: 82%, 32: 72% (empty blocks and the combine grow); a half-load bound chose 5 (75%).
+    most half of it, ``s >= 2 * slots / (units * fill)``: the decode starts the longest sequences'
+    blocks first (``PagedKVCache.device_tables``' batch order), so such blocks end within the mean
+    load. More splits only add empty blocks, partials and combine work. Measured on an H200
+    (``scripts/bench_ragged.py``, that batch, longest first): 1 split 52% of the copy rate, 2: 80%,
+    4: 87%, 8: 85%, 16: 81%, 32: 74%; a quarter-load bound (13 splits) 84%. In the batch's own
+    order the best was 16 splits at 82%.
     """
     limit = max(1, min(MAX_SPLITS, max_tiles // 2))
     effs = []
@@ -231,7 +233,7 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0)
     best = max(effs)
     s = next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
     if fill < 1.0 and s * units * fill < slots:
-        s = max(s, min(limit, math.ceil(4 * slots / (units * fill))))
+        s = max(s, min(limit, math.ceil(2 * slots / (units * fill))))
     return s
 
 
