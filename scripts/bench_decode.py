@@ -1,9 +1,10 @@
 """Decode benchmark: pyattn decode over paged / contiguous KV against torch SDPA (FA2, cuDNN), one GPU, one run.
 
 Usage: PYTHONPATH=. python scripts/bench_decode.py [--json out.json] [--quick] [--splits N]
-       [--configs 8x4096,64x32768] [--layouts p16,p128,contig] [--budget 240]
+       [--configs 8x4096,64x32768] [--layouts p16,p128,contig] [--budget 240] [--kv-heads 8]
 
-- Shapes (the decode issue's): bf16, D 128, Hq 32, Hkv 8, q_len 1, batch 1/8/64, context 4096/32768.
+- Shapes (the decode issue's): bf16, D 128, Hq 32, Hkv 8 (GQA 4; ``--kv-heads 32``: MHA), q_len 1,
+  batch 1/8/64, context 4096/32768.
 - Layouts: p16 / p128: a pyattn.PagedKVCache with pages of 16 / 128 tokens, filled by append() one
   page of tokens at a time for the whole batch (so a sequence's pages interleave with the other
   sequences'); contig: contiguous (batch, ctx, Hkv, D) K/V given to pyattn.paged_decode as one page
@@ -276,6 +277,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", help="comma list of BATCHxCTX, e.g. 8x4096,64x32768 (default: all six)")
     p.add_argument("--layouts", default="p16,p128,contig", help="comma list of p16, p128, contig")
     p.add_argument("--budget", type=float, default=240.0, help="skip shapes not started after this many s")
+    p.add_argument("--kv-heads", type=int, default=HKV, choices=(1, 2, 4, 8, 16, 32),
+                   help=f"KV heads for Hq={HQ} (default {HKV}: GQA 4; 32: MHA)")
     args = p.parse_args(argv)
     args.reps, args.loop = (3, 10) if args.quick else (7, 20)
     try:
@@ -342,7 +345,9 @@ def report(bench, result: dict, args) -> int:
 
 
 def main(argv=None) -> int:
+    global HKV
     args = parse_args(argv)
+    HKV = args.kv_heads  # read by every function here: one shape family per run
     bench = harness.open_bench(need_torch=True)
     if bench is None:
         return 1
