@@ -46,11 +46,6 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
                "r"(valid ? 4 : 0));
 }
 
-__device__ __forceinline__ void cp_async_8(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 8 : 0));
-}
-
 // Four codes of one word -> two packed fp16 pairs (codes 0, 1) and (2, 3), exactly.
 template <int KV>
 __device__ __forceinline__ void codes_to_half2(unsigned w, unsigned& lo, unsigned& hi) {
@@ -91,8 +86,8 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
                                                  int n_end, int kv_head) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
-  static_assert(!Tr::kKeyChannel || kRowsPerPass % 32 == 0,
-                "per-channel keys: one warp of a segment's 64 copy threads copies its header and r");
+  static_assert(!Tr::kKeyChannel || (kRowsPerPass % 16 == 0 && SegRec<D>::kChunks <= 64),
+                "per-channel keys: a segment's 64 copy threads copy its record");
 #pragma unroll
   for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / 4, key = n0 + r, lane4 = threadIdx.x % 4;
@@ -120,23 +115,16 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       gks = Tr::kKeyChannel ? rec : gks + page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
       gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
     }
-    if constexpr (Tr::kKeyChannel) {  // the segment's record; unread segments are zero-filled
+    if constexpr (Tr::kKeyChannel) {  // chunk i of the segment's record; unread segments are zero-filled
       using R = SegRec<D>;
-      unsigned char* dseg = sSeg + (r / 16) * R::kBytes;
-      const unsigned char* rb = reinterpret_cast<const unsigned char*>(rec);
-      // each row's 4 kept values: its third copy thread, every warp alike. The record holds
-      // p.head_dim channels (D is the bucket): the kept values follow r at 16 + 2 head_dim bytes.
-      if (lane4 == 2)
-        cp_async_8(dseg + R::kKept + (r & 15) * 8, rb + (look_ok ? 16 + 2 * p.head_dim + slot * 8 : 0), look_ok);
-      // header and r (chunk i): one warp of the segment's two per pass, the other in the next pass, so
-      // every warp does it in half the passes; r chunks past head_dim are zero (padding channels).
-      const int lane_r = (threadIdx.x % 64) - 32 * (pass & 1);
-      if (lane_r >= 0 && lane_r < 32) {
-#pragma unroll
-        for (int i = lane_r; i < R::kKept / 16; i += 32) {  // (d = 256: 33 chunks)
-          const bool ok = look_ok && (i == 0 || (i - 1) * 8 < p.head_dim);
-          cp_async_16(dseg + i * 16, rb + (ok ? i * 16 : 0), ok);
-        }
+      const int i = (r & 15) * 4 + lane4;
+      if (i < R::kChunks) {
+        // The record holds p.head_dim channels (D is the bucket): r chunks past it are zero-filled
+        // (padding channels: r = 0), and the kept values follow r at 16 + 2 head_dim bytes.
+        const bool is_r = i * 16 < R::kKept, ok = look_ok && (!is_r || (i - 1) * 8 < p.head_dim);
+        const int off = is_r ? i * 16 : 16 + 2 * p.head_dim + (slot - (r & 15)) * kKeptChannels * 2 + (i * 16 - R::kKept);
+        cp_async_16(sSeg + (r / 16) * R::kBytes + i * 16, reinterpret_cast<const unsigned char*>(rec) + (ok ? off : 0),
+                    ok);
       }
     }
     const int swz = q8_swizzle<CH>(r);
@@ -147,7 +135,7 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       cp_async_16(sK + r * D + ((c ^ swz) << 4), ok ? gk + c * 16 : gk, ok);
       cp_async_16(sV + r * D + ((c ^ swz) << 4), ok ? gv + c * 16 : gv, ok);
     }
-    if (!Tr::kKeyChannel && lane4 == 0) cp_async_4(sKs + r, gks, row_ok);  // per-channel: S in the segment header
+    if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
 }
@@ -396,15 +384,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     // -- K scales (column c of the tile is key wrow + nt * 8 + 2t + (e & 1)) and the query rows' scales
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      // (per-channel keys: both keys' scale is their page's S, from the segment's record header; keys
-      // past the end get it too, but the mask below drops every such column)
-      float2 ksc;
-      if constexpr (KC) {
-        const float S = *reinterpret_cast<const float*>(sSeg + (st * (KB / 16) + (wrow + nt * 8) / 16) * SEGB);
-        ksc = make_float2(S, S);
-      } else {
-        ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
-      }
+      const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
         s[mi][nt][0] *= ksc.x * row_inv[mi][0], s[mi][nt][1] *= ksc.y * row_inv[mi][0];
