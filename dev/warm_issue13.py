@@ -22,7 +22,7 @@ def specs(arch: str) -> list:
         out += [KernelSpec("kv_key_pages", tag, 32, arch, kv=kv) for kv in ("int8", "fp8e4m3")]
         out += [KernelSpec("kv_sparq", tag, 32, arch), KernelSpec("sparq", tag, 32, arch)]
         for d in (64, 128, 256):
-            out.append(KernelSpec("decode_combine", tag, d, arch))
+            out.append(KernelSpec("split_combine", tag, d, arch))
             for kv in ("int8", "fp8e4m3"):
                 for mt in range(1, decode_max_q_tiles(arch, d, kv) + 1):
                     for mods in (False, True):

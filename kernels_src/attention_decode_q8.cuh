@@ -20,7 +20,10 @@
 //    scale pool's slot stride is 0, so each key row's scale copy reads its page's S); r multiplies
 //    Q instead: each 16-key segment of a warp's keys lies in one page (page_size % 16 == 0), and
 //    its Q fragments are rescaled by that page's r (r <= 1 keeps the power-of-two scaled query in
-//    fp16's range) before the segment's Q K^T.
+//    fp16's range) before the segment's Q K^T. The page's kKeptChannels largest channels (r = 0,
+//    codes 0) come back as a rank-4 correction on the same score column: one m16n8k8 MMA per n8
+//    tile of the scaled query's kept columns (gathered from shared memory) times their fp16 values
+//    over S, accumulated before S is applied.
 // Requires pyattn::DecodeParams, common.cuh, mma.cuh and cuda_fp8.h.
 #pragma once
 #include <cuda_fp8.h>
@@ -69,12 +72,22 @@ __device__ __forceinline__ float pow2_ceil(float x) {
 
 // Issue the copies of keys [n0, n0 + BLOCK_N) into one ring stage: codes (swizzled chunks) and
 // scales; keys at or past n_end are zero-filled (codes 0, scale 0) without reading memory.
+// Per-channel keys: each 16-key segment's page record in the ring, kSegRecBytes: [S, idx, 0, 0]
+// (16 bytes), fp16 r[D], then the segment's 16 slots x kKeptChannels fp16 kept values.
+constexpr int kKeptChannels = 4;  // as kv_pages.cuh / pyattn.quant.KEPT_CHANNELS
+template <int D>
+struct SegRec {
+  static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
+};
+
 template <class Tr>
 __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
-                                                 __half* sR, const DecodeParams& p, const int* pages, int n0,
+                                                 unsigned char* sSeg, const DecodeParams& p, const int* pages, int n0,
                                                  int n_end, int kv_head) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
+  static_assert(!Tr::kKeyChannel || (kRowsPerPass % 16 == 0 && SegRec<D>::kChunks <= 64),
+                "per-channel keys: a segment's 64 copy threads copy its record");
 #pragma unroll
   for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / 4, key = n0 + r, lane4 = threadIdx.x % 4;
@@ -83,13 +96,36 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     const float* gks = p.k_scale;
     const float* gvs = p.v_scale;
     const bool row_ok = key < n_end;
-    if (row_ok) {  // never reads a page-table entry past the sequence's pages
-      int slot;
-      const long long page = key_page(p, pages, key, slot);
+    // Per-channel keys look the page up once per 16-key segment (all its keys lie in one page), so
+    // the same lookup also serves the segment's record copy below.
+    const int look = Tr::kKeyChannel ? n0 + (r & ~15) : key;
+    const bool look_ok = look < n_end;
+    long long page = 0;
+    int slot = 0;
+    if (look_ok) {  // never reads a page-table entry past the sequence's pages
+      page = key_page(p, pages, look, slot);
+      if (Tr::kKeyChannel) slot += r & 15;
+    }
+    // Per-channel keys: the page's record (its S is every key's scale: the slot stride is 0).
+    const float* rec = p.k_scale;
+    if (Tr::kKeyChannel && look_ok) rec += page * p.ks_stride_page + kv_head * p.ks_stride_h;
+    if (row_ok) {
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
       gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
-      gks += page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
+      gks = Tr::kKeyChannel ? rec : gks + page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
       gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
+    }
+    if constexpr (Tr::kKeyChannel) {  // chunk i of the segment's record; unread segments are zero-filled
+      using R = SegRec<D>;
+      const int i = (r & 15) * 4 + lane4;
+      if (i < R::kChunks) {
+        // The record holds p.head_dim channels (D is the bucket): r chunks past it are zero-filled
+        // (padding channels: r = 0), and the kept values follow r at 16 + 2 head_dim bytes.
+        const bool is_r = i * 16 < R::kKept, ok = look_ok && (!is_r || (i - 1) * 8 < p.head_dim);
+        const int off = is_r ? i * 16 : 16 + 2 * p.head_dim + (slot - (r & 15)) * kKeptChannels * 2 + (i * 16 - R::kKept);
+        cp_async_16(sSeg + (r / 16) * R::kBytes + i * 16, reinterpret_cast<const unsigned char*>(rec) + (ok ? off : 0),
+                    ok);
+      }
     }
     const int swz = q8_swizzle<CH>(r);
 #pragma unroll
@@ -102,20 +138,17 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
-  if constexpr (Tr::kKeyChannel) {  // each 16-key segment's page record: [S, 0, 0, 0, fp16 r[D]]
-    constexpr int SEG = Tr::kBlockN / 16, CPR = D / 8;
-    for (int c = threadIdx.x; c < SEG * CPR; c += Tr::kThreads) {
-      const int seg = c / CPR, ch = c % CPR, key = n0 + seg * 16;
-      const bool ok = key < n_end && ch * 8 < p.head_dim;  // padding channels: r = 0
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(p.k_scale);
-      if (ok) {
-        int slot;
-        const long long page = key_page(p, pages, key, slot);
-        src += (page * p.ks_stride_page + kv_head * p.ks_stride_h + 4) * 4 + ch * 16;
-      }
-      cp_async_16(sR + seg * D + ch * 8, src, ok);
-    }
-  }
+}
+
+// D = A B + C on m16n8k8 (fp16 inputs, fp32 accumulate): the kept channels' rank-4 correction.
+__device__ __forceinline__ void mma_1688_f16(float (&d)[4], const unsigned (&a)[2], unsigned b) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+__device__ __forceinline__ unsigned pack_half2_bits(__half lo, __half hi) {
+  return static_cast<unsigned>(__half_as_ushort(lo)) | (static_cast<unsigned>(__half_as_ushort(hi)) << 16);
 }
 
 __device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) {
@@ -141,7 +174,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   unsigned char* sV = sK + S * KB * D;                             // [S][KB][D]
   float* sKs = reinterpret_cast<float*>(sV + S * KB * D);          // [S][KB] scales
   float* sVs = sKs + S * KB;                                       // [S][KB]
-  __half* sR = reinterpret_cast<__half*>(sVs + S * KB);            // [S][KB / 16][D] (per-channel keys only)
+  unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
+  constexpr int SEGB = SegRec<D>::kBytes;
 
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -153,7 +187,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   for (int st = 0; st < S - 1; ++st) {
     if (st < blk.n_tiles)
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
-                           sR + st * (KB / 16) * D, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head);
+                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head);
     cp_async_commit();
   }
   const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
@@ -207,10 +241,36 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       }
     }
   }
+  // Per-channel keys: the scaled fp16 query goes back into sQ (same size, same positions), where the
+  // kept channels' correction gathers its columns; every warp has built its fragments first.
+  __half* sQh = reinterpret_cast<__half*>(sQ);
+  if constexpr (KC) {
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            unsigned* r = reinterpret_cast<unsigned*>(sQh + (mi * 16 + g + 8 * h) * LD + p0);
+            r[0] = qf[mi][ks][h];
+            r[1] = qf[mi][ks][2 + h];
+          }
+        }
+    }
+  }
   float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
   bool hi_rows[MT];  // whether row tile mi has real rows 8..15 (per-channel keys skip rescaling padding)
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) hi_rows[mi] = blk.r0 + mi * 16 + 8 < blk.n_rows;
+  // per-channel keys: Q fragments times each segment's channel scales (rows 8..15 only where real)
+  unsigned qs[KC ? MT : 1][KC ? D / 16 : 1][4];
+#pragma unroll
+  for (int mi = 0; mi < (KC ? MT : 1); ++mi)
+#pragma unroll
+    for (int ks = 0; ks < (KC ? D / 16 : 1); ++ks) qs[mi][ks][0] = qs[mi][ks][1] = qs[mi][ks][2] = qs[mi][ks][3] = 0u;
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     cp_async_wait<S - 2>();
@@ -218,7 +278,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     if (j + S - 1 < blk.n_tiles) {
       const int st = (j + S - 1) % S;
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
-                           sR + st * (KB / 16) * D, p, blk.pages, blk.n_first + (j + S - 1) * KB, blk.end,
+                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + (j + S - 1) * KB, blk.end,
                            blk.kv_head);
     }
     cp_async_commit();
@@ -236,17 +296,28 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       // per 16-key segment (one page): Q fragments times the page's channel scales, then its 2 n8 tiles
 #pragma unroll
       for (int sg = 0; sg < KW / 16; ++sg) {
-        const __half* rseg = sR + (st * (KB / 16) + wrow / 16 + sg) * D;
-        unsigned qs[MT][D / 16][4];
+        const unsigned char* seg = sSeg + (st * (KB / 16) + wrow / 16 + sg) * SEGB;
+        const __half* rseg = reinterpret_cast<const __half*>(seg + SegRec<D>::kR);
+        uint2 rr[D / 16];
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          const uint2 rr = *reinterpret_cast<const uint2*>(rseg + (ks / 4) * 64 + 16 * t + 4 * (ks % 4));
+        for (int ks = 0; ks < D / 16; ++ks)
+          rr[ks] = *reinterpret_cast<const uint2*>(rseg + (ks / 4) * 64 + 16 * t + 4 * (ks % 4));
 #pragma unroll
-          for (int mi = 0; mi < MT; ++mi) {
-            qs[mi][ks][0] = hmul2_bits(qf[mi][ks][0], rr.x);
-            qs[mi][ks][1] = hi_rows[mi] ? hmul2_bits(qf[mi][ks][1], rr.x) : 0u;
-            qs[mi][ks][2] = hmul2_bits(qf[mi][ks][2], rr.y);
-            qs[mi][ks][3] = hi_rows[mi] ? hmul2_bits(qf[mi][ks][3], rr.y) : 0u;
+        for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks) {
+            qs[mi][ks][0] = hmul2_bits(qf[mi][ks][0], rr[ks].x);
+            qs[mi][ks][2] = hmul2_bits(qf[mi][ks][2], rr[ks].y);
+          }
+          // Rows 8..15 only where real (warp-uniform; else they stay 0, set before the key loop). At
+          // D = 256 that would keep 64 more registers live across segments: there they are always
+          // computed (padding rows are 0 in qf, so they come out 0).
+          if (D > 128 || hi_rows[mi]) {
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+              qs[mi][ks][1] = hmul2_bits(qf[mi][ks][1], rr[ks].x);
+              qs[mi][ks][3] = hmul2_bits(qf[mi][ks][3], rr[ks].y);
+            }
           }
         }
 #pragma unroll
@@ -268,6 +339,25 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
               for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][2 * sg + q2], qs[mi][4 * gi + kk], b0, b1);
             }
           }
+        }
+        // -- the kept channels: k step 2t, 2t + 1 of an m16n8k8 is kept channel (rank) 2t, 2t + 1 for
+        // quad lanes t = 0, 1; lanes t = 2, 3 feed zeros. A: the scaled query's kept columns (sQh), B:
+        // the keys' kept values over S (key g of each n8 tile: slot 8 q2 + g of the segment).
+        const unsigned idxw = *reinterpret_cast<const unsigned*>(seg + 4) >> (16 * (t & 1));
+        const int c0 = idxw & 0xffu, c1 = (idxw >> 8) & 0xffu;
+        unsigned ka[MT][2];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const __half* q0 = sQh + (mi * 16 + g) * LD;
+          ka[mi][0] = t < 2 ? pack_half2_bits(q0[c0], q0[c1]) : 0u;
+          ka[mi][1] = t < 2 && hi_rows[mi] ? pack_half2_bits(q0[8 * LD + c0], q0[8 * LD + c1]) : 0u;
+        }
+        const unsigned* kept = reinterpret_cast<const unsigned*>(seg + SegRec<D>::kKept);
+#pragma unroll
+        for (int q2 = 0; q2 < 2; ++q2) {
+          const unsigned kb = t < 2 ? kept[(q2 * 8 + g) * (kKeptChannels / 2) + t] : 0u;
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) mma_1688_f16(s[mi][2 * sg + q2], ka[mi], kb);
         }
       }
     }

@@ -27,9 +27,9 @@ struct AttnDecodeTraits {
   static constexpr int kAccStride = HEAD_DIM_ + 8;  // fp32 rows of the warp merge (2-way at worst)
   static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
   // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
-  // swizzled rows) and their fp32 scales; per-channel keys add per stage the fp16 channel scales of
-  // each 16-key segment's page.
-  static constexpr int kSegBytes = kKeyChannel ? STAGES_ * (kBlockN / 16) * HEAD_DIM_ * 2 : 0;
+  // swizzled rows) and their fp32 scales; per-channel keys add per stage each 16-key segment's page
+  // record (attention_decode_q8.cuh SegRec: 16 bytes, fp16 r[HEAD_DIM_], 16 x 4 fp16 kept values).
+  static constexpr int kSegBytes = kKeyChannel ? STAGES_ * (kBlockN / 16) * (HEAD_DIM_ * 2 + 144) : 0;
   static constexpr int kPipeBytes = KV_ == 0 ? (kRows + 2 * STAGES_ * kBlockN) * kStride * 2
                                              : kRows * kStride * 2 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
   static constexpr int kMergeBytes = WARPS_ * kRows * (kAccStride + 2) * 4;

@@ -25,8 +25,9 @@ Usage: PYTHONPATH=. python scripts/bench_quant.py [--json out.json] [--quick] [-
   codes and scales against pyattn.quant.quantize_rows bit for bit (a mismatch is flagged). Round trip of the
   quantizer: max / mean of |x - dequantize(quantize_rows(x))| / row amax per dataset, tensor and kind.
 - Per-channel key scales (issue 13; int8c / fp8c: PagedKVCache(..., key_scales="channel")): keys quantized per
-  (page, kv head, channel) by pyattn.quant.quantize_page, values per token as before. Bytes read add one record
-  per page and kv head (16 + 2 D bytes). Their "quantized ref" and code checks use quantize_page over each page.
+  (page, kv head, channel) by pyattn.quant.quantize_page, each page's 4 largest channels kept apart in float16,
+  values per token as before. Bytes read add one record per page and kv head (16 + 2 D + 8 x page bytes). Their
+  "quantized ref" and code checks use quantize_page over each page (codes, scales, kept channels and values).
 - Targets: "8-bit KV decode at ctx >= 32k >= 1.7x faster than bf16", per 8-bit kind and batch at ctx 32768;
   per-channel (issue 13): the outliers error of int8c within 3x the bf16 cache's, and int8c / fp8c decode no more
   than 10% slower than int8 / fp8 (per-token) in the same run, per configuration.
@@ -60,9 +61,9 @@ CHUNK, AB, ACTX = 2048, 4, 4096
 
 def read_bytes(B: int, ctx: int, kind: str) -> int:
     """Bytes of K and V one decode step reads: codes (and float32 scales per token and kv head; per-channel
-    keys: one (16 + 2 D)-byte record per page and kv head instead of the keys' per-token scales)."""
+    keys: one (16 + 2 D + 2 x 4 x page)-byte record per page and kv head instead of the keys' per-token scales)."""
     if kind in CHANNEL:
-        return B * ctx * HKV * (2 * D + 4) + B * -(-ctx // PAGE) * HKV * (16 + 2 * D)
+        return B * ctx * HKV * (2 * D + 4) + B * -(-ctx // PAGE) * HKV * (16 + 2 * D + 8 * PAGE)
     return B * ctx * HKV * (2 * D if kind == "bf16" else D + 4) * 2
 
 
@@ -140,7 +141,8 @@ def held_ref(q, k0, v0, kind):
 
 def dequant_keys(k, kind) -> np.ndarray:
     """Keys (..., ctx, Hkv, D) as a per-channel cache holds them: each page of PAGE tokens (a sequence's pages
-    are whole here: ctx is a multiple of PAGE) quantized by pyattn.quant.quantize_page, dequantized."""
+    are whole here: ctx is a multiple of PAGE) quantized by pyattn.quant.quantize_page (kept channels included),
+    dequantized."""
     from pyattn.quant import dequantize_page, quantize_page
 
     x = np.asarray(k)
@@ -229,12 +231,12 @@ def code_mismatches(cache, seqs, kind, k, v) -> int:
     table, _ = cache.block_table(seqs)
     n = 0
     if kind in CHANNEL:  # keys: codes, page scales and channel scales of every page
-        codes, scale, chan = quantize_page(np.moveaxis(k.reshape(AB, -1, PAGE, HKV, D), -2, -3), QKIND[kind])
-        got = np.moveaxis(cache.k.numpy()[table], -2, -3)  # (AB, pages, Hkv, PAGE, D)
-        got_s, got_c = (x[table] for x in cache.read_key_scales())
-        n += int((got.view(np.uint8) != codes.view(np.uint8)).sum())
-        n += int((got_s.view(np.uint32) != scale.view(np.uint32)).sum())
-        n += int((got_c.view(np.uint16) != chan.view(np.uint16)).sum())
+        want = quantize_page(np.moveaxis(k.reshape(AB, -1, PAGE, HKV, D), -2, -3), QKIND[kind])
+        scale, chan, kidx, kept = (x[table] for x in cache.read_key_scales())
+        got = (cache.k.numpy()[table], scale, chan, kidx, kept)  # codes, kept: (AB, pages, PAGE, Hkv, .)
+        for i, (g, w) in enumerate(zip(got, want)):
+            g = np.moveaxis(g, -2, -3) if i in (0, 4) else g  # as quantize_page's (.., Hkv, PAGE, .)
+            n += int((np.ascontiguousarray(g).view(np.uint8) != np.ascontiguousarray(w).view(np.uint8)).sum())
     for pool, spool, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
         if kind in CHANNEL and x is k:
             continue

@@ -467,13 +467,14 @@ def test_quantized_decode_specs_fit_and_match_traits(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_per_channel_key_decode_specs_fit_and_match_traits(arch):
-    """key_scales="channel": the ring adds each 16-key segment's fp16 channel scales per stage."""
+    """key_scales="channel": the ring adds each 16-key segment's page record per stage (16 bytes,
+    fp16 channel scales, 16 slots x 4 kept fp16 values)."""
     for d in (64, 128, 256):
         for kv, num in (("int8", 3), ("fp8e4m3", 4)):
             t = tile_config("attn_decode", arch, d, kv)
             for mt in range(1, decode_max_q_tiles(arch, d, kv) + 1):
                 spec = KernelSpec("attn_decode", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=True)
-                ring = 16 * mt * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4) + t.stages * t.block_n // 16 * d * 2
+                ring = 16 * mt * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4) + t.stages * t.block_n // 16 * (16 + d * 2 + 128)
                 merge = t.warps * 16 * mt * ((d + 8) + 2) * 4
                 kpw = t.block_n // t.warps
                 assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages, num)

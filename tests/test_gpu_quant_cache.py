@@ -224,12 +224,11 @@ def test_per_channel_pages_follow_the_rule(ops, page_size, num_pages, dtype, see
     rng = np.random.default_rng(seed)
     H, D = 2, 64
     cache = pyattn.PagedKVCache(num_pages, page_size, H, D, dtype, key_scales="channel")
-    assert cache.key_scales == "channel" and cache.k_scale.shape == (num_pages, H, 4 + D // 2)
+    assert cache.key_scales == "channel" and cache.k_scale.shape == (num_pages, H, 4 + D // 2 + 2 * page_size)
     pages, vmodel = Pages(page_size, H, D, CACHE_DTYPES[dtype]), {}
 
     def key_pools():
-        scale, chan = cache.read_key_scales()
-        return cache.k.numpy(), scale, chan
+        return (cache.k.numpy(),) + cache.read_key_scales()  # codes, S, r, kept channels, kept values
 
     for op, r in ops:
         live = list(vmodel)
@@ -257,11 +256,10 @@ def test_per_channel_pages_follow_the_rule(ops, page_size, num_pages, dtype, see
                     pos = np.arange(n0, n0 + c)
                     dst = cache.book.pages(sid)[pos // page_size] * page_size + pos % page_size
                     written += pages.append(n0, old_page, dst, k[at:at + c],
-                                            lambda p: (snap[0][p], snap[1][p], snap[2][p]))
+                                            lambda p: tuple(x[p] for x in snap))
                     vmodel[sid] = np.concatenate([vmodel[sid], v[at:at + c].astype(np.float32)])
                 at += c
-            codes, scale, chan = key_pools()
-            pages.check(written, codes, scale, chan, cache._stage.numpy() if cache._stage is not None else None,
+            pages.check(written, *key_pools(), cache._stage.numpy() if cache._stage is not None else None,
                         cache._keys.stage_of)
         elif op == "fork":
             n = int(rng.integers(0, cache.length(pick) + 1)) if r % 2 else None

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.quant import dequantize, quantize_rows
+from pyattn.quant import dequantize, dequantize_page, quantize_rows
 from pyattn.reference import attention_ref, error_bound
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -132,12 +132,13 @@ def test_quantization_error_within_documented_bound(kind, data):
 
 # -- per-channel key scales (key_scales="channel") ----------------------------------------------
 def _dequant_keys(cache, sid) -> np.ndarray:
-    """float64 (n, Hkv, D) keys of ``sid`` as a per-channel cache holds them: code * S * r."""
-    codes, (scale, chan) = cache.k.numpy(), cache.read_key_scales()
+    """float64 (n, Hkv, D) keys of ``sid`` as a per-channel cache holds them: code * S * r, and each
+    page's kept channels kept * S (pyattn.quant.dequantize_page over the cache's own records)."""
+    codes, (scale, chan, kidx, kept) = cache.k.numpy(), cache.read_key_scales()
     pages, n, ps = cache.book.pages(sid), cache.length(sid), cache.page_size
-    idx = np.arange(n)
-    p, s = pages[idx // ps], idx % ps
-    return codes[p, s].astype(np.float64) * scale[p][..., None].astype(np.float64) * chan[p].astype(np.float64)
+    per_head = lambda x: np.moveaxis(x[pages], 1, 2)  # noqa: E731 - (pages, Hkv, ps, .)
+    d = dequantize_page(per_head(codes), scale[pages], chan[pages], kidx[pages], per_head(kept))
+    return np.moveaxis(d, 2, 1).reshape(-1, *d.shape[1:2], d.shape[-1])[:n]
 
 
 def _dequant_values(cache, sid) -> np.ndarray:
@@ -185,7 +186,9 @@ def test_per_channel_decode_matches_dequantized_reference(lengths, page_size, Hk
 def test_per_channel_keys_fix_outlier_channels(kind):
     """The measured case of BENCHMARKS.md (4 key channels x30): per-channel key scales cut the
     error against fp64 attention over the original data well below per-token scales' (int8: by
-    more than 4x; fp8 e4m3, whose rounding is relative anyway, by at least a third)."""
+    more than 4x; fp8 e4m3, whose rounding is relative anyway, by at least a third), and per-channel
+    int8, whose pages keep their 4 largest channels in float16, errs within 3x of a bf16 cache
+    (issue 13's target; the NumPy model of the rule predicts 2x on this data)."""
     rng = np.random.default_rng(11)
     B, L, Hkv, group, D = 2, 2048, 2, 4, 128
     seqs = []
@@ -194,13 +197,16 @@ def test_per_channel_keys_fix_outlier_channels(kind):
         seqs.append((k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)))
     q = rng.standard_normal((B, 1, Hkv * group, D)).astype(ml_dtypes.bfloat16)
     errs = {}
-    for scales in ("token", "channel"):
-        cache = pyattn.PagedKVCache(B * L // 16 + 4, 16, Hkv, D, kind, key_scales=scales)
+    for scales in ("token", "channel", "bf16"):
+        cache = (pyattn.PagedKVCache(B * L // 16 + 4, 16, Hkv, D, "bfloat16") if scales == "bf16" else
+                 pyattn.PagedKVCache(B * L // 16 + 4, 16, Hkv, D, kind, key_scales=scales))
         ids = _fill(cache, seqs, "bfloat16")
         out = pyattn.decode(q, cache, ids).astype(np.float64)
         errs[scales] = max(np.abs(out[b:b + 1] - attention_ref(q[b:b + 1], k[None], v[None], causal=True)).max()
                            for b, (k, v) in enumerate(seqs))
     assert errs["channel"] <= {"int8": 0.25, "fp8_e4m3": 0.67}[kind] * errs["token"], errs
+    if kind == "int8":
+        assert errs["channel"] <= 3 * errs["bf16"], errs
     assert errs["channel"] <= QUANT_BOUND[kind] * max(np.abs(v.astype(np.float64)).max() for _, v in seqs)
 
 

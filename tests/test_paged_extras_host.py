@@ -51,8 +51,9 @@ def test_per_channel_cache_appends_then_requantizes_pages(gpu):
     pyattn.decode(pyattn.asarray(q), cache, [a, b])
     assert [n for n, _ in _launched()][0] == "attn_decode"
     assert any(spec.family == "attn_decode" and spec.key_channel for _, spec in registry.loaded_kernels())
-    scale, chan = cache.read_key_scales()
+    scale, chan, idx, kept = cache.read_key_scales()
     assert scale.shape == (40, 2) and chan.shape == (40, 2, 128) and chan.dtype == np.float16
+    assert idx.shape == (40, 2, 4) and kept.shape == (40, 16, 2, 4) and kept.dtype == np.float16
 
 
 def test_sparq_state_and_decode_launches(gpu):

@@ -24,7 +24,7 @@ from ..kernels.specs import DTYPES, KernelSpec
 from ..pipeline.device import finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
-from ..quant import code_dtype, kind_of
+from ..quant import KEPT_CHANNELS, code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
 from ..runtime.stream import as_stream, check_stream_arg, order_after
@@ -63,7 +63,8 @@ class PagedKVCache:
     key_scales : {"token", "channel"}, default "token"
         8-bit caches: how keys are scaled. ``"token"``: one scale per (token, kv head), as values.
         ``"channel"`` (KIVI-style): one scale per (page, kv head, channel), so keys with a few
-        large channels keep their precision in the others; page_size must be a multiple of 16.
+        large channels keep their precision in the others, and each page's 4 largest channels kept
+        in float16; page_size must be a multiple of 16.
         See Notes.
     sparq : bool, default False
         Keep what :func:`pyattn.sparq_decode` needs (16-bit caches, page_size a multiple of 8): a
@@ -77,10 +78,11 @@ class PagedKVCache:
     k_scale, v_scale : DeviceArray or None
         Quantized caches: float32 (num_pages, page_size, num_kv_heads), the scale of each code
         row (value = code * scale). None for float16 / bfloat16 caches. With
-        ``key_scales="channel"``, ``k_scale`` is float32 (num_pages, num_kv_heads, 4 + head_dim / 2):
-        per (page, kv head) the page scale ``S`` at ``[..., 0]`` and, from ``[..., 4]`` on, the
-        float16 relative channel scales ``r`` (value = code * S * r[channel]; see
-        :meth:`read_key_scales` and :func:`pyattn.quant.quantize_page`).
+        ``key_scales="channel"``, ``k_scale`` is float32 (num_pages, num_kv_heads, 4 + head_dim / 2
+        + 2 page_size): per (page, kv head) the page scale ``S`` at ``[..., 0]``, the kept channels'
+        indices (4 bytes) at ``[..., 1]``, from ``[..., 4]`` on the float16 relative channel scales
+        ``r`` (value = code * S * r[channel]), then the kept channels' float16 values over ``S``,
+        (page_size, 4) (see :meth:`read_key_scales` and :func:`pyattn.quant.quantize_page`).
     kt : DeviceArray or None
         ``sparq=True``: the keys again, (num_pages, num_kv_heads, head_dim, page_size).
     v_sum : DeviceArray or None
@@ -150,9 +152,10 @@ class PagedKVCache:
         self.k_scale = empty(shape[:3], np.float32, device=device) if kv else None
         self.v_scale = empty(shape[:3], np.float32, device=device) if kv else None
         self.key_scales, self._keys, self._stage, self._kscratch = "token", None, None, None
-        if channel:  # one record per (page, kv head): [S, 0, 0, 0, fp16 r[head_dim]] (16-byte aligned r)
+        if channel:  # one record per (page, kv head): [S, idx, 0, 0, fp16 r[head_dim], fp16 kept[page_size][4]]
             self.key_scales, self._keys = "channel", KeyStager(self.book.page_size)
-            self.k_scale = empty((shape[0], shape[2], 4 + shape[3] // 2), np.float32, device=device)
+            rec = 4 + shape[3] // 2 + shape[1] * KEPT_CHANNELS // 2  # 16-byte aligned pieces
+            self.k_scale = empty((shape[0], shape[2], rec), np.float32, device=device)
             self._kscratch = empty((4,), np.float32, device=device)  # kv_append's per-token K scales land here
         self.kt = empty((shape[0], shape[2], shape[3], shape[1]), dt, device=device) if sparq else None
         self._sq, self.v_sum, self._vrows = (SparqRows() if sparq else None), None, None
@@ -484,7 +487,7 @@ class PagedKVCache:
         side_state.append_sparq(self, grown, items_ptr, n_items, s)
 
     def read_key_scales(self) -> tuple:
-        """The per-channel key scales, copied to the host (``key_scales="channel"`` caches).
+        """The per-channel key scales and kept channels, copied to the host (``key_scales="channel"``).
 
         Returns
         -------
@@ -492,11 +495,20 @@ class PagedKVCache:
             float32 (num_pages, num_kv_heads): ``S``.
         chan : numpy.ndarray
             float16 (num_pages, num_kv_heads, head_dim): ``r``; a key's value is code * S * r[channel].
+        idx : numpy.ndarray
+            uint8 (num_pages, num_kv_heads, 4): each page's kept channels, largest first.
+        kept : numpy.ndarray
+            float16 (num_pages, page_size, num_kv_heads, 4): their values over ``S`` (value = kept * S).
+        (:func:`pyattn.quant.dequantize_page` takes them per kv head.)
         """
         if self._keys is None:
             raise ValueError(f"key_scales: this cache scales keys per {self.key_scales}, not per channel")
         rec = self.k_scale.numpy(self._stream)
-        return rec[..., 0].copy(), np.ascontiguousarray(rec[..., 4:]).view(np.float16)
+        D, ps = self.head_dim, self.page_size
+        idx = np.ascontiguousarray(rec[..., 1]).view(np.uint8).reshape(rec.shape[:2] + (KEPT_CHANNELS,))
+        halves = np.ascontiguousarray(rec[..., 4:]).view(np.float16)
+        kept = halves[..., D:].reshape(rec.shape[:2] + (ps, KEPT_CHANNELS)).transpose(0, 2, 1, 3)
+        return rec[..., 0].copy(), np.ascontiguousarray(halves[..., :D]), idx, np.ascontiguousarray(kept)
 
     def sparq_rows(self, seq_ids, s):
         """Rows of the V sums of ``seq_ids`` (rebuilding dirty ones first) as a device int32 array,

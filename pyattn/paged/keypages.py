@@ -12,7 +12,8 @@ float32 *staging* copy, one page per open page, freed when the page fills) makes
 exact per-channel quantization of the keys it holds, and decode reads every page, open or full, the
 same way. Only a page reopened after the fact (``truncate`` into a full page, or ``fork`` of a
 prefix that ends inside one, then an append) has no exact copy: its kept keys are dequantized from
-their codes and requantized with the new ones, one more rounding for those keys.
+their codes (and, in the page's float16 channels, their kept values) and requantized with the new
+ones, one more rounding for those keys.
 
 :class:`KeyStager` decides, per append, the jobs of that kernel (which page, which sources for each
 slot, which staging slot) and owns the staging-slot map. No GPU here.

@@ -101,8 +101,8 @@ def _smem_bytes(spec, t) -> int:
     ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
     if spec.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
         ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
-    if spec.key_channel:  # and the fp16 channel scales of each 16-key segment's page
-        ring += t.stages * (t.block_n // 16) * d * 2
+    if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
+        ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
     return max(ring, t.warps * t.block_m * (d + 10) * 4)
 
 
