@@ -39,7 +39,10 @@ if [[ $what == all || $what == bench ]]; then
   bench bench_foundation '.' 20
   bench bench_prefill '.' 45                # pyattn vs torch SDPA FA2 / cuDNN, ceilings, NumPy end to end
   bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth
-  OUT_TAG=mha bench bench_decode "$tables|^\(" 20 --kv-heads 32 --layouts p16 --configs 8x32768,64x4096  # MHA 32/32
+  echo "== bench_decode, MHA 32/32"          # (not bench_*.json: the plot takes the GQA run's)
+  python3 scripts/bench_decode.py --json "$out/mha_decode.json" --kv-heads 32 --layouts p16 --configs 8x32768,64x4096 \
+    2>&1 | tee "$out/mha_decode.log" | grep -E "$tables|^\(" | tail -20
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
   bench bench_ragged "$tables|^\(" 20       # a ragged batch (128..64k tokens): split choice, copy bandwidth
   bench bench_sparse "$tables" 50           # block-sparse vs dense pyattn / SDPA, patterns, CSR
   bench bench_quant "$tables" 60            # bf16 / int8 / fp8 KV caches: speed and accuracy
