@@ -49,7 +49,7 @@ def test_three_launches_on_one_stream_with_the_callers_pointers(gpu):
     assert len({s for _, _, s, _ in fake_driver.LAUNCHES}) == 1
     ptrs = fake_driver.LAUNCHES[1][3]  # q, k, v, o, dout, lse, dq, dk: the struct's leading pointers
     assert ptrs[:6] == (q.ptr, k.ptr, v.ptr, out.ptr, dout.ptr, lse.ptr)
-    assert ptrs[6:] == (dq.ptr, dk.ptr)
+    assert ptrs[6:8] == (dq.ptr, dk.ptr)
     assert all(launch[3] == ptrs for launch in fake_driver.LAUNCHES)  # one struct for all three
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dq.dtype == dk.dtype == dv.dtype == np.float16
@@ -64,7 +64,7 @@ def test_given_outputs_are_written_and_returned(gpu):
     assert all(g is d for g, d in zip(grads, dests))
     assert _kinds(n for n, *_ in fake_driver.LAUNCHES) == ["attn_bwd_pre_f32_d32", "attn_bwd_simt_f32_d64",
                                                            "attn_bwd_convert_f32_d32"]
-    assert fake_driver.LAUNCHES[0][3][6:] == (dests[0].ptr, dests[1].ptr)
+    assert fake_driver.LAUNCHES[0][3][6:8] == (dests[0].ptr, dests[1].ptr)
 
 
 def test_torch_tensors_run_on_torchs_current_stream(gpu):

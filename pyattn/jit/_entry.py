@@ -190,9 +190,12 @@ def normalise_meta(meta: object) -> dict:
 
 
 def encode(key: str, payload: bytes, meta: dict) -> bytes:
-    import json
+    if meta:
+        import json
 
-    header = json.dumps({"key": key, "meta": meta}, allow_nan=False, sort_keys=True).encode()
+        header = json.dumps({"key": key, "meta": meta}, allow_nan=False, sort_keys=True).encode()
+    else:  # a memo: json's bytes for a hex key, written without importing json on a warm start
+        header = b'{"key": "' + key.encode() + b'", "meta": {}}'
     body = b"".join([_MAGIC, _HEADER_LEN.pack(len(header)), header, payload])
     return body + digest.new(body).digest()
 
