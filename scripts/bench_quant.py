@@ -28,7 +28,7 @@ Usage: PYTHONPATH=. python scripts/bench_quant.py [--json out.json] [--quick] [-
   (page, kv head, channel) by pyattn.quant.quantize_page, each page's 4 largest channels kept apart in float16,
   values per token as before. Bytes read add one record per page and kv head (16 + 2 D + 8 x page bytes). Their
   "quantized ref" and code checks use quantize_page over each page (codes, scales, kept channels and values).
-- Targets: "8-bit KV decode at ctx >= 32k >= 1.7x faster than bf16", per 8-bit kind and batch at ctx 32768;
+- Targets: "8-bit KV decode at ctx >= 32k >= 1.8x faster than bf16 (issue 12)", per 8-bit kind and batch at ctx 32768;
   per-channel (issue 13): the outliers error of int8c within 3x the bf16 cache's, and int8c / fp8c decode no more
   than 10% slower than int8 / fp8 (per-token) in the same run, per configuration.
   A failing configuration prints its error and the run goes on; exit code 1 when a pyattn measurement failed or a
@@ -359,8 +359,8 @@ def targets(result) -> list:
     for r in result["speed"]:
         if r["ctx"] >= 32768 and r["cache"] in QKIND and r["cache"] not in CHANNEL:
             x = r.get("x_bf16")
-            res.append({"pass": None if x is None else x >= 1.7,
-                        "text": f"8-bit KV decode at ctx >= 32k >= 1.7x faster than bf16: {r['cache']} B={r['batch']} "
+            res.append({"pass": None if x is None else x >= 1.8,
+                        "text": f"8-bit KV decode at ctx >= 32k >= 1.8x faster than bf16 (issue 12): {r['cache']} B={r['batch']} "
                                 f"ctx={r['ctx']}: {fmt(x, '.2f')}x"})
     return res
 
