@@ -282,7 +282,7 @@ def _upload_here(items, offs, total, device, dev_ptr, s, held) -> None:
     staging = get_staging(device)
     buf = staging.acquire(total)
     try:
-        raw = buf.array(np.uint8, (buf.nbytes,))
+        raw = buf.raw
         for item, o in zip(items, offs):
             if item is not None:
                 src, dt = item
@@ -350,7 +350,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
             else:
                 buf = staging.acquire(max(used, first_size))
             bufs[w] = buf
-            raw = buf.array(np.uint8, (buf.nbytes,))
+            raw = buf.raw
             for p, off in wp:
                 dst = raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape)
                 queue.append((w, p, ex.submit(_send, device, dst, p.src, buf.ptr + off, dev_ptr + p.dev_off,
