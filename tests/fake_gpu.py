@@ -101,6 +101,11 @@ class FakePinned:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return self._a[:n].view(dtype).reshape(shape)
 
+    @property
+    def raw(self):
+        assert not self.closed, "pinned buffer used after close"
+        return self._a
+
     def close(self):
         self.closed = True
 
