@@ -28,7 +28,8 @@ from ..quant import KEPT_CHANNELS, code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.launch import launch
 from ..runtime.stream import as_stream, check_stream_arg, order_after
-from ..validate.paged import DECODE_DTYPES, PoolInfo, check_cache_options
+from ..validate.paged import (DECODE_DTYPES, PoolInfo, check_append, check_cache_options,
+                              check_token_rows)
 from .book import PageBook, longest_first
 from . import side_state
 from .keypages import KeyStager
@@ -286,38 +287,11 @@ class PagedKVCache:
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         self.book.seq_list(seq_ids)  # ids first: an unknown id is the likelier mistake than a shape
         ki, vi = read("k", k), read("v", v)
-        H, D = self.num_kv_heads, self.head_dim
-        for i in (ki, vi):
-            if self._kv and i.dtype.name not in DECODE_DTYPES:
-                raise TypeError(f"{i.name}: expected dtype float16 or bfloat16 (quantized into the {self._kv} "
-                                f"cache), got {i.dtype}")
-            if not self._kv and i.dtype != self.dtype:
-                raise TypeError(f"{i.name}: expected dtype {self.dtype} (the cache's), got {i.dtype}")
-        if vi.dtype != ki.dtype:
-            raise TypeError(f"v: expected dtype {ki.dtype} (k's), got {vi.dtype}")
-        if ki.shape != vi.shape or ki.on_device != vi.on_device:
-            raise ValueError(f"v: expected k's shape {ki.shape} and place, got {vi.shape}")
-        if len(ki.shape) == 4:
-            if counts is not None:
-                raise ValueError("counts: only for packed (total, heads, dim) k/v")
-            if ki.shape[0] != len(seq_ids) or ki.shape[2:] != (H, D):
-                raise ValueError(f"k: expected shape ({len(seq_ids)}, t, {H}, {D}), got {ki.shape}")
-            counts = [ki.shape[1]] * len(seq_ids)
-        elif len(ki.shape) == 3:
-            if counts is None:
-                raise ValueError("counts: required for packed (total, heads, dim) k/v")
-            if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
-                raise TypeError(f"counts: expected ints, got {list(counts)}")
-            counts = [int(c) for c in counts]
-            if ki.shape[1:] != (H, D) or len(counts) != len(seq_ids) or sum(counts) != ki.shape[0]:
-                raise ValueError(f"k: expected shape (sum(counts) = {sum(counts)}, {H}, {D}) with one count per "
-                                 f"sequence ({len(seq_ids)}), got shape {ki.shape} and {len(counts)} counts")
-        else:
-            raise ValueError(f"k: expected (batch, t, {H}, {D}) or packed (total, {H}, {D}), got {ki.shape}")
+        counts = check_append(ki, vi, counts, len(seq_ids), self.num_kv_heads, self.head_dim, self._kv, self.dtype)
         total = sum(counts)
         for i in (ki, vi):
             if i.on_device:
-                self._check_rows(i)
+                check_token_rows(i)
         if ki.on_device:
             device, s, (ki, vi) = start(stream, [ki, vi])
             if device is not self.device:
@@ -426,18 +400,6 @@ class PagedKVCache:
         threads = n_items * H * (32 if self._kv else D // 8)
         grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
         launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
-
-    def _check_rows(self, i) -> None:
-        """A device token array the append kernel can read (16-byte chunks, collapsible rows)."""
-        st = i.strides
-        if st[-1] != 1 or any(x % 8 for x in st[:-1]) or i.ptr % 16:
-            raise ValueError(f"{i.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
-                             f"strides multiples of 8 elements and a 16-byte aligned address; got element "
-                             f"strides {st}")
-        if len(i.shape) == 4 and i.shape[0] > 1 and i.shape[1] > 0 and st[0] != i.shape[1] * st[1]:
-            # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
-            raise ValueError(f"{i.name}: (batch, t) must collapse into one token axis (stride_b == t * "
-                             f"stride_t), got element strides {st}; pass a contiguous array")
 
     def _token_rows(self, i, total: int, s) -> tuple:
         """(device pointer holder, (token stride, head stride)) of new tokens as rows; host data is uploaded."""

@@ -16,7 +16,7 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
-           "KEY_SCALES"]
+           "check_append", "check_token_rows", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -268,3 +268,53 @@ def check_cache_options(key_scales, sparq, kv: str, num_pages: int, page_size: i
         raise ValueError(f"num_pages: sparq=True needs num_pages * page_size * num_kv_heads < 2**31 (its decode "
                          f"addresses key rows by an int32), got {num_pages} x {page_size} x {heads_kv}")
     return channel, bool(sparq)
+
+
+def check_append(ki, vi, counts, n_seqs: int, heads: int, head_dim: int, kv: str, dtype) -> list:
+    """``PagedKVCache.append``'s token arrays (Args) and counts, checked; returns the tokens per
+    sequence.
+
+    ``k`` / ``v``: (n_seqs, t, heads, head_dim), or packed (total, heads, head_dim) with ``counts``;
+    the cache's ``dtype`` for a 16-bit cache, float16 or bfloat16 for an 8-bit one (``kv``).
+    """
+    for i in (ki, vi):
+        if kv and i.dtype.name not in DECODE_DTYPES:
+            raise TypeError(f"{i.name}: expected dtype float16 or bfloat16 (quantized into the {kv} "
+                            f"cache), got {i.dtype}")
+        if not kv and i.dtype != dtype:
+            raise TypeError(f"{i.name}: expected dtype {dtype} (the cache's), got {i.dtype}")
+    if vi.dtype != ki.dtype:
+        raise TypeError(f"v: expected dtype {ki.dtype} (k's), got {vi.dtype}")
+    if ki.shape != vi.shape or ki.on_device != vi.on_device:
+        raise ValueError(f"v: expected k's shape {ki.shape} and place, got {vi.shape}")
+    H, D = heads, head_dim
+    if len(ki.shape) == 4:
+        if counts is not None:
+            raise ValueError("counts: only for packed (total, heads, dim) k/v")
+        if ki.shape[0] != n_seqs or ki.shape[2:] != (H, D):
+            raise ValueError(f"k: expected shape ({n_seqs}, t, {H}, {D}), got {ki.shape}")
+        return [ki.shape[1]] * n_seqs
+    if len(ki.shape) == 3:
+        if counts is None:
+            raise ValueError("counts: required for packed (total, heads, dim) k/v")
+        if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
+            raise TypeError(f"counts: expected ints, got {list(counts)}")
+        counts = [int(c) for c in counts]
+        if ki.shape[1:] != (H, D) or len(counts) != n_seqs or sum(counts) != ki.shape[0]:
+            raise ValueError(f"k: expected shape (sum(counts) = {sum(counts)}, {H}, {D}) with one count per "
+                             f"sequence ({n_seqs}), got shape {ki.shape} and {len(counts)} counts")
+        return counts
+    raise ValueError(f"k: expected (batch, t, {H}, {D}) or packed (total, {H}, {D}), got {ki.shape}")
+
+
+def check_token_rows(i) -> None:
+    """A device token array (an Arg) the append kernel can read: 16-byte chunks, collapsible rows."""
+    st = i.strides
+    if st[-1] != 1 or any(x % 8 for x in st[:-1]) or i.ptr % 16:
+        raise ValueError(f"{i.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
+                         f"strides multiples of 8 elements and a 16-byte aligned address; got element "
+                         f"strides {st}")
+    if len(i.shape) == 4 and i.shape[0] > 1 and i.shape[1] > 0 and st[0] != i.shape[1] * st[1]:
+        # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
+        raise ValueError(f"{i.name}: (batch, t) must collapse into one token axis (stride_b == t * "
+                         f"stride_t), got element strides {st}; pass a contiguous array")
