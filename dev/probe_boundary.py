@@ -250,7 +250,8 @@ def probe_numpy():
     import pyattn
     from cuda.bindings import driver as d
     from pyattn.runtime.errors import check
-    from pyattn.runtime.memory import PinnedBuffer, get_pool
+    from pyattn.runtime.memory import get_pool
+    from pyattn.runtime.pinned import PinnedBuffer
     print("== numpy: copy rates and floors")
     print("   cpus:", len(os.sched_getaffinity(0)))
     dev = pyattn.get_device()

@@ -12,7 +12,8 @@ from cuda.bindings import driver as d
 
 import pyattn
 from pyattn.runtime.errors import check
-from pyattn.runtime.memory import PinnedBuffer, get_pool
+from pyattn.runtime.memory import get_pool
+from pyattn.runtime.pinned import PinnedBuffer
 
 
 def ms(f, n=5):

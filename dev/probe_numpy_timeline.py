@@ -20,7 +20,7 @@ import numpy as np
 import pyattn
 import pyattn.pipeline.chunks as C
 import pyattn.pipeline.host as H
-from pyattn.runtime.memory import PinnedBuffer
+from pyattn.runtime.pinned import PinnedBuffer
 
 T = time.perf_counter
 

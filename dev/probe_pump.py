@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from cuda.bindings import driver as drv
 import pyattn
-from pyattn.runtime.memory import PinnedBuffer
+from pyattn.runtime.pinned import PinnedBuffer
 dev = pyattn.get_device(); dev.activate()
 s = pyattn.Stream()
 N = 48 << 20

@@ -27,7 +27,7 @@ _EXPORTS = {
     "DeviceArray": "array",
     "empty": "array",
     "asarray": "interop.convert",
-    "pinned_empty": "runtime.memory",
+    "pinned_empty": "runtime.pinned",
     "Device": "runtime.device",
     "get_device": "runtime.device",
     "device_count": "runtime.device",

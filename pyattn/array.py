@@ -21,7 +21,8 @@ import numpy as np
 from .runtime.device import Device, get_device
 from .runtime.dlpack import KDL_CUDA, export_capsule
 from .runtime import memory
-from .runtime.memory import copy_to_host, get_pool, memset_async, poison_alloc
+from .runtime.memory import get_pool, memset_async, poison_alloc
+from .runtime.pinned import copy_to_host
 from .runtime.stream import LEGACY_STREAM, as_stream, borrowed, order_after
 
 __all__ = ["DeviceArray", "empty", "allocate", "c_strides"]

@@ -24,7 +24,7 @@ from cuda.bindings import driver
 from pyattn import jit
 from pyattn.kernels import registry
 from pyattn.pipeline import plans
-from pyattn.runtime import device, memory, stream
+from pyattn.runtime import device, memory, pinned, stream
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
@@ -215,8 +215,8 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(stream, "_borrowed", {})
     monkeypatch.setattr(stream, "_order_events", type(stream._order_events)())
     monkeypatch.setattr(memory, "_pools", {})
-    monkeypatch.setattr(memory, "_staging", {})
-    monkeypatch.setattr(memory, "_results", None)  # (its pinned blocks would be fake ones)
+    monkeypatch.setattr(pinned, "_staging", {})
+    monkeypatch.setattr(pinned, "_results", None)  # (its pinned blocks would be fake ones)
     monkeypatch.setattr(memory, "POISON_ALLOC", False)
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(plans, "_plans", {})

@@ -111,7 +111,7 @@ class FakePinned:
 
 
 class FakeStaging:
-    """``runtime.memory.StagingPool``: a buffer comes back only once its last copy has run."""
+    """``runtime.pinned.StagingPool``: a buffer comes back only once its last copy has run."""
 
     def __init__(self):
         self.free = []

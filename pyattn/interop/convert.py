@@ -7,7 +7,7 @@ import numpy as np
 from ..array import DeviceArray, empty
 from ..runtime.device import Device, get_device
 from ..runtime.errors import check
-from ..runtime.memory import copy_to_device
+from ..runtime.pinned import copy_to_device
 from .inputs import TORCH, read
 from .streams import choose_stream, order_inputs
 

@@ -4,7 +4,7 @@ The inputs go up through :func:`pyattn.pipeline.host.upload` (worker threads sta
 pinned memory and queue each piece's H2D copy on the caller's stream). The call is cut into
 chunks whose kernels start as soon as their inputs are queued, on two streams that take turns,
 each chunk's result copied device-to-host right after its kernel, straight into a pinned NumPy
-array (``runtime.memory.pinned_empty``): the DMA engines and the SMs work at the same time, and
+array (``runtime.pinned.pinned_empty``): the DMA engines and the SMs work at the same time, and
 the last chunk's copy is all that follows the last kernel.
 
 Chunks, all contiguous on the host:
@@ -34,7 +34,7 @@ import numpy as np
 from ..array import DeviceArray
 from ..runtime._resource import per_device
 from ..runtime.device import get_device
-from ..runtime.memory import get_staging, pinned_empty
+from ..runtime.pinned import get_staging, pinned_empty
 from ..runtime.stream import Stream, as_stream
 from . import host
 

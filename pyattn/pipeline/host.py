@@ -7,7 +7,7 @@ and never waits for a thread hand-off: measured on an H200 host, eight threads s
 GIL on every driver call while eight workers copied. Staging is bounded: pieces are grouped in
 waves of ``_WAVE_BYTES``, at most ``_WAVES_IN_FLIGHT`` waves in flight, a wave's buffer reused once its H2D copies
 are done. Small uploads skip the threads. Results are copied device-to-host straight into NumPy
-arrays in pooled pinned memory (``runtime.memory.pinned_empty``): no host copy after the DMA and
+arrays in pooled pinned memory (``runtime.pinned.pinned_empty``): no host copy after the DMA and
 no page faults on a fresh array. ``call`` returns when the results are on the host; work the
 caller queued on ``stream`` before the call runs first.
 """
@@ -26,7 +26,8 @@ import numpy as np
 from ..array import DeviceArray, c_strides
 from ..runtime.device import get_device
 from ..runtime.errors import check
-from ..runtime.memory import get_pool, get_staging, pinned_empty
+from ..runtime.memory import get_pool
+from ..runtime.pinned import get_staging, pinned_empty
 from ..runtime.stream import as_stream
 
 __all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split_range", "h2d", "d2h",
