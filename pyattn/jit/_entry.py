@@ -31,7 +31,8 @@ from typing import NamedTuple
 from . import digest
 
 __all__ = ["CacheEntry", "EntryMeta", "default_cache_dir", "CorruptEntry", "check_key", "normalise_meta", "encode",
-           "decode", "ENTRY_SUFFIX", "MEMO_SUFFIX", "LOCK_SUFFIX", "entry_key", "is_memo_name", "is_lock_name", "temp_name", "temp_writer_pid"]
+           "decode", "ENTRY_SUFFIX", "MEMO_SUFFIX", "LOCK_SUFFIX", "entry_key", "is_memo_name", "is_lock_name",
+           "temp_name", "temp_writer_pid"]
 
 _MAGIC = b"PYATTNK2"  # 2: BLAKE2b-256 checksum (1: sha256)
 _HEADER_LEN = struct.Struct("<I")

@@ -257,10 +257,11 @@ class KernelCache:
         removed, failed = 0, []
         with self._dir_fd(create=False) as dfd:
             for name in self._listdir(dfd):
-                if (entry := entry_key(name) is not None) or is_memo_name(name):
+                is_entry = entry_key(name) is not None
+                if is_entry or is_memo_name(name):
                     try:
                         os.unlink(name, dir_fd=dfd)
-                        removed += entry
+                        removed += is_entry
                     except FileNotFoundError:
                         pass
                     except OSError as exc:

@@ -191,10 +191,11 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len = tables[:4]
-    order = tables[4] if len(tables) > 4 and tables[4] is not None else None
+    order = tables[4] if len(tables) > 4 else None
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
-                              indptr.ptr if indptr is not None else 0, kv_len.ptr, order.ptr if order is not None else 0,
-                              alibi_ptr, scales[0], scales[1], splits, table_stride)
+                              indptr.ptr if indptr is not None else 0, kv_len.ptr,
+                              order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], splits,
+                              table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1 and not fused:
         cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,

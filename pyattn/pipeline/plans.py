@@ -9,8 +9,9 @@ A *signature* is every argument of a call, arrays by what was read of them (kind
 strides, dtype, device) and everything else by value. The memo maps a signature to the problem
 validation made of it, so a repeat call costs a dict lookup instead of re-validating. It is built
 from all of an op's arguments by construction (the op passes its ``locals()``), so no argument
-can be left out of it; calls whose validity depends on array *values* (host data, device index
-arrays) never use it.
+can be left out of it; calls whose validity depends on array *values* (host masks and slopes,
+device index arrays) or flags (a host ``out=``'s writeable flag) never use it; host arrays that
+validation reads only for their shape, dtype and strides (attention's q, k, v) may.
 """
 
 from __future__ import annotations
