@@ -388,3 +388,11 @@ def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
     tables = c.device_tables(ids, c._stream)[0]
     assert tables[4] is not None and fake_driver.LAUNCHES[-1][3][11] == tables[4].ptr
     assert longest_first(c.book.lengths(ids)).tolist() == [1, 0]
+
+
+def test_is_pinned_follows_the_views_to_pyattn_pinned_memory(gpu):
+    from pyattn.runtime.pinned import is_pinned
+
+    a = pyattn.pinned_empty((4, 8), np.float16)
+    assert is_pinned(a) and is_pinned(a[1:3]) and is_pinned(a.view(np.uint16).T)
+    assert not is_pinned(np.zeros((4, 8), np.float16)) and not is_pinned(np.zeros(4)[1:])

@@ -301,6 +301,38 @@ def test_upload_waves_and_download(fake_gpu, monkeypatch):
     assert res is given and np.array_equal(given, (a * 2 + b[0]).astype(np.float32))
 
 
+def test_pinned_inputs_are_sent_in_place(fake_gpu, monkeypatch):
+    """An input in pyattn's pinned memory (``is_pinned``) is sent by the DMA from its own address,
+    piece by piece, with no staging copy; a strided view of it, or another dtype, is staged as before."""
+    caller, _ = fake_gpu
+    from fake_gpu import COPIES, host_view
+
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((1, 400, 3, 8)).astype(np.float32)
+    b = rng.standard_normal((300, 4)).astype(np.float32)[:, ::2]  # strided: staged even when "pinned"
+    pinned = {id(a), id(b)}
+    monkeypatch.setattr(host, "is_pinned", lambda x: id(x) in pinned)
+    sources = []
+    real_send = host._send
+    monkeypatch.setattr(host, "_send", lambda device, dst, src, sp, dp, n, s: sources.append((dst, sp)) or
+                        real_send(device, dst, src, sp, dp, n, s))
+
+    def fn(dev, s):
+        (da, db), out = dev, FakeAttention.array(a.shape, a.dtype, s)
+
+        def work():
+            host_view(out)[...] = host_view(da) * 2 + host_view(db)[0, 0]
+        s.enqueue(work)
+        return (out,)
+
+    COPIES.clear()
+    (res,) = host.call(fn, [a, b], [], caller)
+    np.testing.assert_array_equal(res, (a * 2 + b[0, 0]).astype(np.float32))
+    in_place = [sp for dst, sp in sources if dst is None]
+    assert len(in_place) >= a.nbytes // 1024 and all(addr(a) <= sp < addr(a) + a.nbytes for sp in in_place)
+    assert len(sources) > len(in_place)  # b's pieces went through staging
+
+
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(0, 7), min_size=0, max_size=4), itemsize=st.sampled_from([1, 2, 4]),
        target=st.integers(1, 300))

@@ -27,7 +27,7 @@ from ..array import DeviceArray, c_strides
 from ..runtime.device import get_device
 from ..runtime.errors import check
 from ..runtime.memory import get_pool
-from ..runtime.pinned import get_staging, pinned_empty
+from ..runtime.pinned import get_staging, is_pinned, pinned_empty
 from ..runtime.stream import as_stream
 
 __all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split_range", "h2d", "d2h",
@@ -198,9 +198,11 @@ def cuts(shape: tuple, itemsize: int, target: int) -> list:
 
 
 def _send(device, dst, src, stage_ptr, dev_ptr, nbytes, s) -> None:
-    """Worker: copy one piece into staging, then queue its H2D copy at once."""
+    """Worker: copy one piece into staging (``dst``; None: ``src`` is pinned itself, at
+    ``stage_ptr``), then queue its H2D copy at once."""
     device.activate()  # the driver call needs the context current on this thread
-    _copy(dst, src)
+    if dst is not None:
+        _copy(dst, src)
     h2d(dev_ptr, stage_ptr, nbytes, s)
 
 
@@ -211,6 +213,7 @@ class _Piece(NamedTuple):
     dev_off: int  # byte offset in the device block
     nbytes: int
     shape: tuple
+    pinned: bool  # src is page-locked, C-contiguous and of the staged dtype: sent without staging
 
 
 def _plan_pieces(items, offs) -> list:
@@ -220,17 +223,20 @@ def _plan_pieces(items, offs) -> list:
         if item is None:
             continue
         src, dt = item
+        pin = src.dtype == dt and is_pinned(src)
         for idx, off, shape in cuts(src.shape, dt.itemsize, _PIECE_BYTES):
-            pieces.append(_Piece(i, src[idx] if idx else src, dt, o + off, math.prod(shape) * dt.itemsize, shape))
+            part = src[idx] if idx else src
+            pieces.append(_Piece(i, part, dt, o + off, math.prod(shape) * dt.itemsize, shape,
+                                 pin and part.flags.c_contiguous))
     return pieces
 
 
 def _waves(pieces) -> list:
     """Consecutive pieces grouped into waves of at most ``_WAVE_BYTES`` staged bytes (a single larger
-    piece is a wave of its own), each piece with its staging offset."""
+    piece is a wave of its own), each piece with its staging offset (pinned pieces take none)."""
     waves, cur, used = [], [], 0
     for p in pieces:
-        size = -(-p.nbytes // 64) * 64
+        size = 0 if p.pinned else -(-p.nbytes // 64) * 64
         if cur and used + size > _WAVE_BYTES:
             waves.append((cur, used))
             cur, used = [], 0
@@ -337,7 +343,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
         wait_through(wave_end[w])
         events[w] = s.record()
 
-    first_size = min(_WAVE_BYTES, sum(p.nbytes for p in pieces))  # the first buffers: one size, reusable
+    first_size = min(_WAVE_BYTES, sum(p.nbytes for p in pieces if not p.pinned))  # the first buffers: one size
     try:
         depth = _WAVES_IN_FLIGHT
         for w, (wp, used) in enumerate(waves):
@@ -353,9 +359,11 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
             bufs[w] = buf
             raw = buf.raw
             for p, off in wp:
-                dst = raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape)
-                queue.append((w, p, ex.submit(_send, device, dst, p.src, buf.ptr + off, dev_ptr + p.dev_off,
-                                              p.nbytes, s)))
+                if p.pinned:  # the DMA reads the caller's page-locked array itself
+                    job = (None, p.src, addr(p.src))
+                else:
+                    job = (raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, buf.ptr + off)
+                queue.append((w, p, ex.submit(_send, device, *job, dev_ptr + p.dev_off, p.nbytes, s)))
             wave_end.append(len(queue))
         for w in range(max(0, len(waves) - depth), len(waves)):
             complete(w)

@@ -21,7 +21,8 @@ from ._resource import per_device, release_quietly
 from .device import Device
 from .errors import check
 
-__all__ = ["PinnedBuffer", "StagingPool", "get_staging", "pinned_empty", "copy_to_device", "copy_to_host"]
+__all__ = ["PinnedBuffer", "StagingPool", "get_staging", "pinned_empty", "is_pinned", "copy_to_device",
+           "copy_to_host"]
 
 _staging: dict[int, "StagingPool"] = {}
 _results = None  # the process's _ResultBlocks, made on first use
@@ -225,3 +226,12 @@ def copy_to_host(host: np.ndarray, src_ptr: int, stream) -> None:
     stream.synchronize()
     np.copyto(host, buf.array(host.dtype, host.shape), casting="no")
     staging.release(buf)
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    """Whether NumPy array ``a`` views pyattn's pinned memory (:func:`pinned_empty` or a staging
+    buffer), so that a DMA may read it in place."""
+    owner = a
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return isinstance(owner, (_Lease, _HostView))
