@@ -198,11 +198,9 @@ def cuts(shape: tuple, itemsize: int, target: int) -> list:
 
 
 def _send(device, dst, src, stage_ptr, dev_ptr, nbytes, s) -> None:
-    """Worker: copy one piece into staging (``dst``; None: ``src`` is pinned itself, at
-    ``stage_ptr``), then queue its H2D copy at once."""
+    """Worker: copy one piece into staging, then queue its H2D copy at once."""
     device.activate()  # the driver call needs the context current on this thread
-    if dst is not None:
-        _copy(dst, src)
+    _copy(dst, src)
     h2d(dev_ptr, stage_ptr, nbytes, s)
 
 
@@ -330,7 +328,8 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
         nonlocal done, signalled
         while done < n:
             _, _, fut = queue[done]
-            fut.result()
+            if fut is not None:  # (None: a pinned piece, its H2D queued by this thread)
+                fut.result()
             a = ends.get(done)
             done += 1
             if a is not None and on_ready is not None:
@@ -359,11 +358,13 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
             bufs[w] = buf
             raw = buf.raw
             for p, off in wp:
-                if p.pinned:  # the DMA reads the caller's page-locked array itself
-                    job = (None, p.src, addr(p.src))
-                else:
-                    job = (raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, buf.ptr + off)
-                queue.append((w, p, ex.submit(_send, device, *job, dev_ptr + p.dev_off, p.nbytes, s)))
+                if p.pinned:  # the DMA reads the caller's page-locked array itself: no worker needed
+                    h2d(dev_ptr + p.dev_off, addr(p.src), p.nbytes, s)
+                    queue.append((w, p, None))
+                    continue
+                dst = raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape)
+                queue.append((w, p, ex.submit(_send, device, dst, p.src, buf.ptr + off, dev_ptr + p.dev_off,
+                                              p.nbytes, s)))
             wave_end.append(len(queue))
         for w in range(max(0, len(waves) - depth), len(waves)):
             complete(w)
@@ -372,7 +373,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
                 on_ready(signalled)
                 signalled += 1
     finally:
-        _wait_futures([f for _, _, f in queue])  # nothing may write a buffer once released
+        _wait_futures([f for _, _, f in queue if f is not None])  # nothing may write a buffer once released
         for buf in bufs.values():
             staging.release(buf, s)  # reusable once s has read it
 
