@@ -212,3 +212,19 @@ def test_a_script_that_keeps_results_exits_cleanly(tmp_path):
     for _ in range(6):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_pinned_inputs_first_in_a_fresh_process(tmp_path):
+    """``pinned_empty`` as a process's first CUDA call (it needs a current context), and NumPy
+    inputs in pinned memory, sent in place, give the result of pageable ones."""
+    code = textwrap.dedent("""
+        import numpy as np, pyattn
+        x = np.random.default_rng(0).standard_normal((1, 2048, 4, 64)).astype(np.float16)
+        p = pyattn.pinned_empty(x.shape, x.dtype)
+        p[...] = x
+        a, b = pyattn.attention(p, p, p), pyattn.attention(x, x, x)
+        print("equal", bool(np.array_equal(a, b)))
+    """)
+    env = dict(os.environ, PYATTN_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "equal True" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

@@ -396,3 +396,17 @@ def test_is_pinned_follows_the_views_to_pyattn_pinned_memory(gpu):
     a = pyattn.pinned_empty((4, 8), np.float16)
     assert is_pinned(a) and is_pinned(a[1:3]) and is_pinned(a.view(np.uint16).T)
     assert not is_pinned(np.zeros((4, 8), np.float16)) and not is_pinned(np.zeros(4)[1:])
+
+
+def test_pinned_empty_as_a_first_cuda_call_makes_a_context_current(gpu):
+    """cuMemHostAlloc needs a current context: pinned_empty before any other call must make one
+    (an H200 run found CUDA_ERROR_NOT_INITIALIZED), and must leave a caller's own context alone."""
+    from pyattn.runtime import pinned
+
+    gpu.current = 0  # no context current on this thread
+    fake_driver.CALLS.clear()
+    a = pyattn.pinned_empty((1 << 20,), np.uint8)  # a size no pooled block has yet
+    assert a.shape == (1 << 20,) and gpu.current != 0 and fake_driver.CALLS["cuCtxSetCurrent"] == 1
+    fake_driver.CALLS.clear()
+    pinned.PinnedBuffer(4096)  # a context is current now: no switch
+    assert fake_driver.CALLS["cuCtxSetCurrent"] == 0

@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 
 from ._resource import per_device, release_quietly
-from .device import Device
+from .device import Device, get_device
 from .errors import check
 
 __all__ = ["PinnedBuffer", "StagingPool", "get_staging", "pinned_empty", "is_pinned", "copy_to_device",
@@ -45,6 +45,15 @@ class _HostView:
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
+def _need_context(driver) -> None:
+    """Make the default device's context current unless some context is: ``cuMemHostAlloc`` needs
+    one, and ``pinned_empty`` may be a process's first CUDA call (the caller's own context, on any
+    device, is left as it is)."""
+    err, ctx = driver.cuCtxGetCurrent()
+    if err or not int(ctx):
+        get_device().activate()
+
+
 class PinnedBuffer:
     """Page-locked host memory, usable as a NumPy ``uint8`` array via :meth:`array`.
 
@@ -55,6 +64,7 @@ class PinnedBuffer:
 
     def __init__(self, nbytes: int):
         driver = _drv()
+        _need_context(driver)
         flags = driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every context, not just the current one
         self.nbytes = max(int(nbytes), 1)
         self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
