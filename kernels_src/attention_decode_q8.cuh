@@ -16,8 +16,8 @@
 //    vref and rescaled when vref grows, like the online softmax's max.
 //  * Both products therefore run on fp16 tensor cores whatever the query dtype (T: the output).
 //  * Per-channel key scales (Traits::kKeyChannel; PagedKVCache(..., key_scales="channel")): a key's
-//    value is code * S[page] * r[page][c]. S rides on the score column like a per-token scale (the
-//    scale pool's slot stride is 0, so each key row's scale copy reads its page's S); r multiplies
+//    value is code * S[page] * r[page][c]. S multiplies the score column of each 16-key segment, read
+//    from the segment's page record in the ring (no per-row scale copy: sKs is unused); r multiplies
 //    Q instead: each 16-key segment of a warp's keys lies in one page (page_size % 16 == 0), and
 //    its Q fragments are rescaled by that page's r (r <= 1 keeps the power-of-two scaled query in
 //    fp16's range) before the segment's Q K^T. The page's kKeptChannels largest channels (r = 0,
@@ -80,10 +80,36 @@ struct SegRec {
   static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
 };
 
+// Per-channel keys: what a thread copies of each segment's record, worked out once per block (the
+// loader runs per stage, and its per-pass address arithmetic is what the kernel's time follows).
+// Thread x copies chunk i = x % 64 of segment (x / 64) of each copy pass: the header and r chunks
+// from the record's start, the kept chunks from 16 + 2 head_dim + 8 slot0 + (16 i - kKept), slot0
+// the segment's first slot in its page. Chunks of r past p.head_dim (padding channels) read nothing.
+// The values are made opaque to the compiler: otherwise it rebuilds them from threadIdx in every pass
+// of every stage (~30 instructions each time) rather than keep 5 registers.
+template <class Tr>
+struct SegCopy {
+  long long base;       // bytes from p.k_scale to the chunk in page 0's record of this kv head, without slot0
+  int slot_mul, dst;    // slot0's multiplier (kept chunks: 8 bytes a slot); offset in a pass's records
+  int copier, r_ok;     // whether this thread copies a chunk; whether that chunk holds real data
+  __device__ __forceinline__ SegCopy(const DecodeParams& p, int kv_head) : base(0), slot_mul(0), dst(0), copier(0), r_ok(0) {
+    if constexpr (!Tr::kKeyChannel) return;  // per-token scales: nothing to copy (and no opaque registers)
+    using R = SegRec<Tr::kHeadDim>;
+    const int i = threadIdx.x % 64;
+    const bool is_r = i * 16 < R::kKept;
+    copier = i < R::kChunks;
+    r_ok = !is_r || (i - 1) * 8 < p.head_dim;
+    base = kv_head * p.ks_stride_h * 4 + (is_r ? i * 16 : 16 + 2 * p.head_dim + (i * 16 - R::kKept));
+    slot_mul = is_r ? 0 : kKeptChannels * 2;
+    dst = (threadIdx.x / 64) * R::kBytes + i * 16;
+    asm volatile("" : "+l"(base), "+r"(slot_mul), "+r"(dst), "+r"(copier), "+r"(r_ok));
+  }
+};
+
 template <class Tr>
 __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
                                                  unsigned char* sSeg, const DecodeParams& p, const int* pages, int n0,
-                                                 int n_end, int kv_head) {
+                                                 int n_end, int kv_head, const SegCopy<Tr>& sc) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
   static_assert(!Tr::kKeyChannel || (kRowsPerPass % 16 == 0 && SegRec<D>::kChunks <= 64),
@@ -101,31 +127,25 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     const int look = Tr::kKeyChannel ? n0 + (r & ~15) : key;
     const bool look_ok = look < n_end;
     long long page = 0;
-    int slot = 0;
+    int slot = 0, slot0 = 0;
     if (look_ok) {  // never reads a page-table entry past the sequence's pages
-      page = key_page(p, pages, look, slot);
-      if (Tr::kKeyChannel) slot += r & 15;
+      page = key_page(p, pages, look, slot0);
+      slot = slot0 + (Tr::kKeyChannel ? (r & 15) : 0);
     }
-    // Per-channel keys: the page's record (its S is every key's scale: the slot stride is 0).
-    const float* rec = p.k_scale;
-    if (Tr::kKeyChannel && look_ok) rec += page * p.ks_stride_page + kv_head * p.ks_stride_h;
     if (row_ok) {
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
       gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
-      gks = Tr::kKeyChannel ? rec : gks + page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
+      gks += page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
       gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
     }
-    if constexpr (Tr::kKeyChannel) {  // chunk i of the segment's record; unread segments are zero-filled
-      using R = SegRec<D>;
-      const int i = (r & 15) * 4 + lane4;
-      if (i < R::kChunks) {
-        // The record holds p.head_dim channels (D is the bucket): r chunks past it are zero-filled
-        // (padding channels: r = 0), and the kept values follow r at 16 + 2 head_dim bytes.
-        const bool is_r = i * 16 < R::kKept, ok = look_ok && (!is_r || (i - 1) * 8 < p.head_dim);
-        const int off = is_r ? i * 16 : 16 + 2 * p.head_dim + (slot - (r & 15)) * kKeptChannels * 2 + (i * 16 - R::kKept);
-        cp_async_16(sSeg + (r / 16) * R::kBytes + i * 16, reinterpret_cast<const unsigned char*>(rec) + (ok ? off : 0),
-                    ok);
-      }
+    // Per-channel keys: the segment's page record (its S is every key's scale: the scoring reads it
+    // from the record, so no per-row scale copy); unread segments are zero-filled.
+    if (Tr::kKeyChannel && sc.copier) {
+      const bool ok = look_ok && sc.r_ok;
+      // (page and slot0 are 0 where !look_ok; a chunk that is not ok reads nothing, from the pool's start)
+      const long long off = page * (p.ks_stride_page * 4) + sc.base + slot0 * sc.slot_mul;
+      cp_async_16(sSeg + pass * (kRowsPerPass / 16) * SegRec<D>::kBytes + sc.dst,
+                  reinterpret_cast<const unsigned char*>(p.k_scale) + (ok ? off : 0), ok);
     }
     const int swz = q8_swizzle<CH>(r);
 #pragma unroll
@@ -135,7 +155,7 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       cp_async_16(sK + r * D + ((c ^ swz) << 4), ok ? gk + c * 16 : gk, ok);
       cp_async_16(sV + r * D + ((c ^ swz) << 4), ok ? gv + c * 16 : gv, ok);
     }
-    if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
+    if (!Tr::kKeyChannel && lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
 }
@@ -180,6 +200,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
+  const SegCopy<Tr> seg_copy(p, blk.kv_head);
+
   // -- prologue: Q, then the first S - 1 stages
   load_q<Tr>(sQ, p, blk);
   cp_async_commit();
@@ -187,7 +209,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   for (int st = 0; st < S - 1; ++st) {
     if (st < blk.n_tiles)
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
-                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head);
+                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head,
+                           seg_copy);
     cp_async_commit();
   }
   const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
@@ -279,7 +302,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       const int st = (j + S - 1) % S;
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
                            sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + (j + S - 1) * KB, blk.end,
-                           blk.kv_head);
+                           blk.kv_head, seg_copy);
     }
     cp_async_commit();
     const int st = j % S, wrow = warp * KW;  // this warp's first ring row
@@ -343,7 +366,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         // -- the kept channels: k step 2t, 2t + 1 of an m16n8k8 is kept channel (rank) 2t, 2t + 1 for
         // quad lanes t = 0, 1; lanes t = 2, 3 feed zeros. A: the scaled query's kept columns (sQh), B:
         // the keys' kept values over S (key g of each n8 tile: slot 8 q2 + g of the segment).
-        const unsigned idxw = *reinterpret_cast<const unsigned*>(seg + 4) >> (16 * (t & 1));
+        const uint2 hdr = *reinterpret_cast<const uint2*>(seg);  // S, the kept channels' indices
+        const unsigned idxw = hdr.y >> (16 * (t & 1));
         const int c0 = idxw & 0xffu, c1 = (idxw >> 8) & 0xffu;
         unsigned ka[MT][2];
 #pragma unroll
@@ -355,9 +379,20 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         const unsigned* kept = reinterpret_cast<const unsigned*>(seg + SegRec<D>::kKept);
 #pragma unroll
         for (int q2 = 0; q2 < 2; ++q2) {
-          const unsigned kb = t < 2 ? kept[(q2 * 8 + g) * (kKeptChannels / 2) + t] : 0u;
+          // lanes t = 2, 3 repeat lanes 0, 1's values (finite): their A columns are 0
+          const unsigned kb = kept[(q2 * 8 + g) * (kKeptChannels / 2) + (t & 1)];
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) mma_1688_f16(s[mi][2 * sg + q2], ka[mi], kb);
+        }
+        // -- the page's S and the query rows' scales (rows 8..15 that are padding score 0 already)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const float a0 = __uint_as_float(hdr.x) * row_inv[mi][0], a1 = __uint_as_float(hdr.x) * row_inv[mi][1];
+#pragma unroll
+          for (int q2 = 0; q2 < 2; ++q2) {
+            s[mi][2 * sg + q2][0] *= a0, s[mi][2 * sg + q2][1] *= a0;
+            if (hi_rows[mi]) s[mi][2 * sg + q2][2] *= a1, s[mi][2 * sg + q2][3] *= a1;
+          }
         }
       }
     }
@@ -383,7 +418,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     }
     // -- K scales (column c of the tile is key wrow + nt * 8 + 2t + (e & 1)) and the query rows' scales
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < (KC ? 0 : NT); ++nt) {
       const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
