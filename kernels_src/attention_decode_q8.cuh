@@ -80,29 +80,54 @@ struct SegRec {
   static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
 };
 
-// Per-channel keys: what a thread copies of each segment's record, worked out once per block (the
-// loader runs per stage, and its per-pass address arithmetic is what the kernel's time follows).
-// Thread x copies chunk i = x % 64 of segment (x / 64) of each copy pass: the header and r chunks
-// from the record's start, the kept chunks from 16 + 2 head_dim + 8 slot0 + (16 i - kKept), slot0
-// the segment's first slot in its page. Chunks of r past p.head_dim (padding channels) read nothing.
-// The values are made opaque to the compiler: otherwise it rebuilds them from threadIdx in every pass
-// of every stage (~30 instructions each time) rather than keep 5 registers.
+// Per-channel keys: a warp loads its own 16-key segments, one per kSegPasses passes (8 rows a pass:
+// 4 threads a row), so it looks each segment's page up once and copies the segment's record in the
+// same passes (lane l of pass h of the segment: chunk 32 h + l) -- every warp alike, no predicated
+// copy on warps without a record. What a thread copies is worked out once per block and made opaque
+// to the compiler: otherwise it rebuilds it from threadIdx in every pass (~30 instructions each).
+template <bool WIDE>
+struct SegBase {
+  using type = long long;
+};
+template <>
+struct SegBase<false> {
+  using type = int;
+};
+
 template <class Tr>
 struct SegCopy {
-  long long base;       // bytes from p.k_scale to the chunk in page 0's record of this kv head, without slot0
-  int slot_mul, dst;    // slot0's multiplier (kept chunks: 8 bytes a slot); offset in a pass's records
-  int copier, r_ok;     // whether this thread copies a chunk; whether that chunk holds real data
-  __device__ __forceinline__ SegCopy(const DecodeParams& p, int kv_head) : base(0), slot_mul(0), dst(0), copier(0), r_ok(0) {
+  static constexpr int kHalves = (SegRec<Tr::kHeadDim>::kChunks + 31) / 32;  // passes of a segment that copy
+  // One copy pass (d <= 128): base includes the kv head's record offset (64-bit; fewest instructions
+  // per copy). Two (d = 256): base is the offset inside the record, so that the opaque registers fit
+  // (with the kv head's part in them, the modifier variant spilled 4 bytes).
+  static constexpr bool kWide = kHalves == 1;
+  typename SegBase<kWide>::type base[kHalves];  // bytes to the chunk (see kWide), without slot0
+  int slot_mul[kHalves];    // slot0's multiplier (kept chunks: 8 bytes a slot)
+  int copier[kHalves];      // whether this lane copies a chunk in that pass
+  int r_ok[kHalves];        // whether that chunk holds real data (r chunks past p.head_dim: zero-filled)
+  int dst;                  // this lane's offset in the warp's first segment record
+  __device__ __forceinline__ SegCopy(const DecodeParams& p, int kv_head) : dst(0) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) base[h] = 0, slot_mul[h] = copier[h] = r_ok[h] = 0;
     if constexpr (!Tr::kKeyChannel) return;  // per-token scales: nothing to copy (and no opaque registers)
     using R = SegRec<Tr::kHeadDim>;
-    const int i = threadIdx.x % 64;
-    const bool is_r = i * 16 < R::kKept;
-    copier = i < R::kChunks;
-    r_ok = !is_r || (i - 1) * 8 < p.head_dim;
-    base = kv_head * p.ks_stride_h * 4 + (is_r ? i * 16 : 16 + 2 * p.head_dim + (i * 16 - R::kKept));
-    slot_mul = is_r ? 0 : kKeptChannels * 2;
-    dst = (threadIdx.x / 64) * R::kBytes + i * 16;
-    asm volatile("" : "+l"(base), "+r"(slot_mul), "+r"(dst), "+r"(copier), "+r"(r_ok));
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const int i = 32 * h + lane;
+      const bool is_r = i * 16 < R::kKept;
+      copier[h] = i < R::kChunks;
+      r_ok[h] = !is_r || (i - 1) * 8 < p.head_dim;
+      base[h] = (kWide ? kv_head * p.ks_stride_h * 4 : 0) + (is_r ? i * 16 : 16 + 2 * p.head_dim + (i * 16 - R::kKept));
+      slot_mul[h] = is_r ? 0 : kKeptChannels * 2;
+      if constexpr (kWide) {
+        asm volatile("" : "+l"(base[h]), "+r"(slot_mul[h]), "+r"(copier[h]), "+r"(r_ok[h]));
+      } else {
+        asm volatile("" : "+r"(base[h]), "+r"(slot_mul[h]), "+r"(copier[h]), "+r"(r_ok[h]));
+      }
+    }
+    dst = (threadIdx.x / 32) * (Tr::kBlockN / 16 / Tr::kWarps) * R::kBytes + lane * 16;
+    asm volatile("" : "+r"(dst));
   }
 };
 
@@ -111,26 +136,39 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
                                                  unsigned char* sSeg, const DecodeParams& p, const int* pages, int n0,
                                                  int n_end, int kv_head, const SegCopy<Tr>& sc) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
+  constexpr bool KC = Tr::kKeyChannel;
+  constexpr int kSegPasses = 16 / 8, kSegsPerWarp = Tr::kBlockN / 16 / Tr::kWarps;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
-  static_assert(!Tr::kKeyChannel || (kRowsPerPass % 16 == 0 && SegRec<D>::kChunks <= 64),
-                "per-channel keys: a segment's 64 copy threads copy its record");
+  static_assert(!KC || (Tr::kBlockN % (16 * Tr::kWarps) == 0 && SegCopy<Tr>::kHalves <= kSegPasses),
+                "per-channel keys: whole segments per warp, each record copied in its segment's passes");
+  long long seg_page = 0;  // per-channel keys: the page of this warp's current segment, its first slot
+  int seg_slot0 = 0;
+  bool seg_ok = false;     // whether the segment has keys (else its page table entry is not read)
 #pragma unroll
   for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
-    const int r = pass * kRowsPerPass + threadIdx.x / 4, key = n0 + r, lane4 = threadIdx.x % 4;
+    // per-channel keys: rows 8 (pass % 2) .. +7 of this warp's segment pass / 2
+    const int r = KC ? ((threadIdx.x / 32) * kSegsPerWarp + pass / kSegPasses) * 16 + (pass % kSegPasses) * 8 +
+                           (threadIdx.x % 32) / 4
+                     : pass * kRowsPerPass + threadIdx.x / 4;
+    const int key = n0 + r, lane4 = threadIdx.x % 4;
     const unsigned char* gk = static_cast<const unsigned char*>(p.k);
     const unsigned char* gv = static_cast<const unsigned char*>(p.v);
     const float* gks = p.k_scale;
     const float* gvs = p.v_scale;
     const bool row_ok = key < n_end;
-    // Per-channel keys look the page up once per 16-key segment (all its keys lie in one page), so
-    // the same lookup also serves the segment's record copy below.
-    const int look = Tr::kKeyChannel ? n0 + (r & ~15) : key;
-    const bool look_ok = look < n_end;
     long long page = 0;
-    int slot = 0, slot0 = 0;
-    if (look_ok) {  // never reads a page-table entry past the sequence's pages
-      page = key_page(p, pages, look, slot0);
-      slot = slot0 + (Tr::kKeyChannel ? (r & 15) : 0);
+    int slot = 0;
+    if constexpr (KC) {
+      if (pass % kSegPasses == 0) {  // one lookup per 16-key segment (all its keys lie in one page)
+        seg_ok = n0 + (r & ~15) < n_end;
+        seg_page = 0;
+        seg_slot0 = 0;
+        if (seg_ok) seg_page = key_page(p, pages, n0 + (r & ~15), seg_slot0);  // never reads past the pages
+      }
+      page = seg_page;
+      slot = seg_slot0 + (r & 15);
+    } else if (row_ok) {  // never reads a page-table entry past the sequence's pages
+      page = key_page(p, pages, key, slot);
     }
     if (row_ok) {
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
@@ -139,13 +177,17 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
     }
     // Per-channel keys: the segment's page record (its S is every key's scale: the scoring reads it
-    // from the record, so no per-row scale copy); unread segments are zero-filled.
-    if (Tr::kKeyChannel && sc.copier) {
-      const bool ok = look_ok && sc.r_ok;
-      // (page and slot0 are 0 where !look_ok; a chunk that is not ok reads nothing, from the pool's start)
-      const long long off = page * (p.ks_stride_page * 4) + sc.base + slot0 * sc.slot_mul;
-      cp_async_16(sSeg + pass * (kRowsPerPass / 16) * SegRec<D>::kBytes + sc.dst,
-                  reinterpret_cast<const unsigned char*>(p.k_scale) + (ok ? off : 0), ok);
+    // from the record, so no per-row scale copy); unread segments are zero-filled. seg_page and seg_slot0 are 0
+    // where !seg_ok, and a chunk that is not ok reads nothing (from the pool's start).
+    if (KC && pass % kSegPasses < SegCopy<Tr>::kHalves) {
+      const int h = pass % kSegPasses;
+      if (sc.copier[h]) {
+        const bool ok = seg_ok && sc.r_ok[h];
+        const long long off = page * (p.ks_stride_page * 4) + (SegCopy<Tr>::kWide ? 0 : kv_head * p.ks_stride_h * 4) +
+                              sc.base[h] + seg_slot0 * sc.slot_mul[h];
+        cp_async_16(sSeg + (pass / kSegPasses) * SegRec<D>::kBytes + 512 * h + sc.dst,
+                    reinterpret_cast<const unsigned char*>(p.k_scale) + (ok ? off : 0), ok);
+      }
     }
     const int swz = q8_swizzle<CH>(r);
 #pragma unroll
@@ -155,7 +197,7 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       cp_async_16(sK + r * D + ((c ^ swz) << 4), ok ? gk + c * 16 : gk, ok);
       cp_async_16(sV + r * D + ((c ^ swz) << 4), ok ? gv + c * 16 : gv, ok);
     }
-    if (!Tr::kKeyChannel && lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
+    if (!KC && lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
 }
