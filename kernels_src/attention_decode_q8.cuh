@@ -16,8 +16,8 @@
 //    vref and rescaled when vref grows, like the online softmax's max.
 //  * Both products therefore run on fp16 tensor cores whatever the query dtype (T: the output).
 //  * Per-channel key scales (Traits::kKeyChannel; PagedKVCache(..., key_scales="channel")): a key's
-//    value is code * S[page] * r[page][c]. S rides on the score column like a per-token scale (the
-//    scale pool's slot stride is 0, so each key row's scale copy reads its page's S); r multiplies
+//    value is code * S[page] * r[page][c]. S multiplies the score column of each 16-key segment, read
+//    from the segment's page record in the ring (no per-row scale copy: sKs is unused); r multiplies
 //    Q instead: each 16-key segment of a warp's keys lies in one page (page_size % 16 == 0), and
 //    its Q fragments are rescaled by that page's r (r <= 1 keeps the power-of-two scaled query in
 //    fp16's range) before the segment's Q K^T. The page's kKeptChannels largest channels (r = 0,
@@ -80,51 +80,113 @@ struct SegRec {
   static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
 };
 
+// Per-channel keys: a warp loads its own 16-key segments, one per kSegPasses passes (8 rows a pass:
+// 4 threads a row), so it looks each segment's page up once and copies the segment's record in the
+// same passes (lane l of pass h of the segment: chunk 32 h + l) -- every warp alike, no predicated
+// copy on warps without a record. What a thread copies is worked out once per block and made opaque
+// to the compiler: otherwise it rebuilds it from threadIdx in every pass (~30 instructions each).
+template <bool WIDE>
+struct SegBase {
+  using type = long long;
+};
+template <>
+struct SegBase<false> {
+  using type = int;
+};
+
+template <class Tr>
+struct SegCopy {
+  static constexpr int kHalves = (SegRec<Tr::kHeadDim>::kChunks + 31) / 32;  // passes of a segment that copy
+  // One copy pass (d <= 128): base includes the kv head's record offset (64-bit; fewest instructions
+  // per copy). Two (d = 256): base is the offset inside the record, so that the opaque registers fit
+  // (with the kv head's part in them, the modifier variant spilled 4 bytes).
+  static constexpr bool kWide = kHalves == 1;
+  typename SegBase<kWide>::type base[kHalves];  // bytes to the chunk (see kWide), without slot0
+  int slot_mul[kHalves];    // slot0's multiplier (kept chunks: 8 bytes a slot)
+  int copier[kHalves];      // whether this lane copies a chunk in that pass
+  int r_ok[kHalves];        // whether that chunk holds real data (r chunks past p.head_dim: zero-filled)
+  int dst;                  // this lane's offset in the warp's first segment record
+  __device__ __forceinline__ SegCopy(const DecodeParams& p, int kv_head) : dst(0) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) base[h] = 0, slot_mul[h] = copier[h] = r_ok[h] = 0;
+    if constexpr (!Tr::kKeyChannel) return;  // per-token scales: nothing to copy (and no opaque registers)
+    using R = SegRec<Tr::kHeadDim>;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const int i = 32 * h + lane;
+      const bool is_r = i * 16 < R::kKept;
+      copier[h] = i < R::kChunks;
+      r_ok[h] = !is_r || (i - 1) * 8 < p.head_dim;
+      base[h] = (kWide ? kv_head * p.ks_stride_h * 4 : 0) + (is_r ? i * 16 : 16 + 2 * p.head_dim + (i * 16 - R::kKept));
+      slot_mul[h] = is_r ? 0 : kKeptChannels * 2;
+      if constexpr (kWide) {
+        asm volatile("" : "+l"(base[h]), "+r"(slot_mul[h]), "+r"(copier[h]), "+r"(r_ok[h]));
+      } else {
+        asm volatile("" : "+r"(base[h]), "+r"(slot_mul[h]), "+r"(copier[h]), "+r"(r_ok[h]));
+      }
+    }
+    dst = (threadIdx.x / 32) * (Tr::kBlockN / 16 / Tr::kWarps) * R::kBytes + lane * 16;
+    asm volatile("" : "+r"(dst));
+  }
+};
+
 template <class Tr>
 __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
                                                  unsigned char* sSeg, const DecodeParams& p, const int* pages, int n0,
-                                                 int n_end, int kv_head) {
+                                                 int n_end, int kv_head, const SegCopy<Tr>& sc) {
   constexpr int D = Tr::kHeadDim, CH = D / 16, kRowsPerPass = Tr::kThreads / 4;
+  constexpr bool KC = Tr::kKeyChannel;
+  constexpr int kSegPasses = 16 / 8, kSegsPerWarp = Tr::kBlockN / 16 / Tr::kWarps;
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
-  static_assert(!Tr::kKeyChannel || (kRowsPerPass % 16 == 0 && SegRec<D>::kChunks <= 64),
-                "per-channel keys: a segment's 64 copy threads copy its record");
+  static_assert(!KC || (Tr::kBlockN % (16 * Tr::kWarps) == 0 && SegCopy<Tr>::kHalves <= kSegPasses),
+                "per-channel keys: whole segments per warp, each record copied in its segment's passes");
+  long long seg_page = 0;  // per-channel keys: the page of this warp's current segment, its first slot
+  int seg_slot0 = 0;
+  bool seg_ok = false;     // whether the segment has keys (else its page table entry is not read)
 #pragma unroll
   for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
-    const int r = pass * kRowsPerPass + threadIdx.x / 4, key = n0 + r, lane4 = threadIdx.x % 4;
+    // per-channel keys: rows 8 (pass % 2) .. +7 of this warp's segment pass / 2
+    const int r = KC ? ((threadIdx.x / 32) * kSegsPerWarp + pass / kSegPasses) * 16 + (pass % kSegPasses) * 8 +
+                           (threadIdx.x % 32) / 4
+                     : pass * kRowsPerPass + threadIdx.x / 4;
+    const int key = n0 + r, lane4 = threadIdx.x % 4;
     const unsigned char* gk = static_cast<const unsigned char*>(p.k);
     const unsigned char* gv = static_cast<const unsigned char*>(p.v);
     const float* gks = p.k_scale;
     const float* gvs = p.v_scale;
     const bool row_ok = key < n_end;
-    // Per-channel keys look the page up once per 16-key segment (all its keys lie in one page), so
-    // the same lookup also serves the segment's record copy below.
-    const int look = Tr::kKeyChannel ? n0 + (r & ~15) : key;
-    const bool look_ok = look < n_end;
     long long page = 0;
     int slot = 0;
-    if (look_ok) {  // never reads a page-table entry past the sequence's pages
-      page = key_page(p, pages, look, slot);
-      if (Tr::kKeyChannel) slot += r & 15;
+    if constexpr (KC) {
+      if (pass % kSegPasses == 0) {  // one lookup per 16-key segment (all its keys lie in one page)
+        seg_ok = n0 + (r & ~15) < n_end;
+        seg_page = 0;
+        seg_slot0 = 0;
+        if (seg_ok) seg_page = key_page(p, pages, n0 + (r & ~15), seg_slot0);  // never reads past the pages
+      }
+      page = seg_page;
+      slot = seg_slot0 + (r & 15);
+    } else if (row_ok) {  // never reads a page-table entry past the sequence's pages
+      page = key_page(p, pages, key, slot);
     }
-    // Per-channel keys: the page's record (its S is every key's scale: the slot stride is 0).
-    const float* rec = p.k_scale;
-    if (Tr::kKeyChannel && look_ok) rec += page * p.ks_stride_page + kv_head * p.ks_stride_h;
     if (row_ok) {
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
       gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
-      gks = Tr::kKeyChannel ? rec : gks + page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
+      gks += page * p.ks_stride_page + slot * p.ks_stride_slot + kv_head * p.ks_stride_h;
       gvs += page * p.vs_stride_page + slot * p.vs_stride_slot + kv_head * p.vs_stride_h;
     }
-    if constexpr (Tr::kKeyChannel) {  // chunk i of the segment's record; unread segments are zero-filled
-      using R = SegRec<D>;
-      const int i = (r & 15) * 4 + lane4;
-      if (i < R::kChunks) {
-        // The record holds p.head_dim channels (D is the bucket): r chunks past it are zero-filled
-        // (padding channels: r = 0), and the kept values follow r at 16 + 2 head_dim bytes.
-        const bool is_r = i * 16 < R::kKept, ok = look_ok && (!is_r || (i - 1) * 8 < p.head_dim);
-        const int off = is_r ? i * 16 : 16 + 2 * p.head_dim + (slot - (r & 15)) * kKeptChannels * 2 + (i * 16 - R::kKept);
-        cp_async_16(sSeg + (r / 16) * R::kBytes + i * 16, reinterpret_cast<const unsigned char*>(rec) + (ok ? off : 0),
-                    ok);
+    // Per-channel keys: the segment's page record (its S is every key's scale: the scoring reads it
+    // from the record, so no per-row scale copy); unread segments are zero-filled. seg_page and seg_slot0 are 0
+    // where !seg_ok, and a chunk that is not ok reads nothing (from the pool's start).
+    if (KC && pass % kSegPasses < SegCopy<Tr>::kHalves) {
+      const int h = pass % kSegPasses;
+      if (sc.copier[h]) {
+        const bool ok = seg_ok && sc.r_ok[h];
+        const long long off = page * (p.ks_stride_page * 4) + (SegCopy<Tr>::kWide ? 0 : kv_head * p.ks_stride_h * 4) +
+                              sc.base[h] + seg_slot0 * sc.slot_mul[h];
+        cp_async_16(sSeg + (pass / kSegPasses) * SegRec<D>::kBytes + 512 * h + sc.dst,
+                    reinterpret_cast<const unsigned char*>(p.k_scale) + (ok ? off : 0), ok);
       }
     }
     const int swz = q8_swizzle<CH>(r);
@@ -135,7 +197,7 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
       cp_async_16(sK + r * D + ((c ^ swz) << 4), ok ? gk + c * 16 : gk, ok);
       cp_async_16(sV + r * D + ((c ^ swz) << 4), ok ? gv + c * 16 : gv, ok);
     }
-    if (lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
+    if (!KC && lane4 == 0) cp_async_4(sKs + r, gks, row_ok);
     if (lane4 == 1) cp_async_4(sVs + r, gvs, row_ok);
   }
 }
@@ -180,6 +242,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
+  const SegCopy<Tr> seg_copy(p, blk.kv_head);
+
   // -- prologue: Q, then the first S - 1 stages
   load_q<Tr>(sQ, p, blk);
   cp_async_commit();
@@ -187,7 +251,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   for (int st = 0; st < S - 1; ++st) {
     if (st < blk.n_tiles)
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
-                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head);
+                           sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + st * KB, blk.end, blk.kv_head,
+                           seg_copy);
     cp_async_commit();
   }
   const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
@@ -279,7 +344,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       const int st = (j + S - 1) % S;
       load_kv_stage_q8<Tr>(sK + st * KB * D, sV + st * KB * D, sKs + st * KB, sVs + st * KB,
                            sSeg + st * (KB / 16) * SEGB, p, blk.pages, blk.n_first + (j + S - 1) * KB, blk.end,
-                           blk.kv_head);
+                           blk.kv_head, seg_copy);
     }
     cp_async_commit();
     const int st = j % S, wrow = warp * KW;  // this warp's first ring row
@@ -343,7 +408,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         // -- the kept channels: k step 2t, 2t + 1 of an m16n8k8 is kept channel (rank) 2t, 2t + 1 for
         // quad lanes t = 0, 1; lanes t = 2, 3 feed zeros. A: the scaled query's kept columns (sQh), B:
         // the keys' kept values over S (key g of each n8 tile: slot 8 q2 + g of the segment).
-        const unsigned idxw = *reinterpret_cast<const unsigned*>(seg + 4) >> (16 * (t & 1));
+        const uint2 hdr = *reinterpret_cast<const uint2*>(seg);  // S, the kept channels' indices
+        const unsigned idxw = hdr.y >> (16 * (t & 1));
         const int c0 = idxw & 0xffu, c1 = (idxw >> 8) & 0xffu;
         unsigned ka[MT][2];
 #pragma unroll
@@ -355,9 +421,20 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         const unsigned* kept = reinterpret_cast<const unsigned*>(seg + SegRec<D>::kKept);
 #pragma unroll
         for (int q2 = 0; q2 < 2; ++q2) {
-          const unsigned kb = t < 2 ? kept[(q2 * 8 + g) * (kKeptChannels / 2) + t] : 0u;
+          // lanes t = 2, 3 repeat lanes 0, 1's values (finite): their A columns are 0
+          const unsigned kb = kept[(q2 * 8 + g) * (kKeptChannels / 2) + (t & 1)];
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) mma_1688_f16(s[mi][2 * sg + q2], ka[mi], kb);
+        }
+        // -- the page's S and the query rows' scales (rows 8..15 that are padding score 0 already)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const float a0 = __uint_as_float(hdr.x) * row_inv[mi][0], a1 = __uint_as_float(hdr.x) * row_inv[mi][1];
+#pragma unroll
+          for (int q2 = 0; q2 < 2; ++q2) {
+            s[mi][2 * sg + q2][0] *= a0, s[mi][2 * sg + q2][1] *= a0;
+            if (hi_rows[mi]) s[mi][2 * sg + q2][2] *= a1, s[mi][2 * sg + q2][3] *= a1;
+          }
         }
       }
     }
@@ -383,7 +460,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     }
     // -- K scales (column c of the tile is key wrow + nt * 8 + 2t + (e & 1)) and the query rows' scales
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < (KC ? 0 : NT); ++nt) {
       const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
