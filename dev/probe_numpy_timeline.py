@@ -1,12 +1,12 @@
 """Dev probe: the timeline of one NumPy ``attention`` call, (1, 4096, 16, 128) fp16 (issue 11).
 
-Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal]
+Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal] [--pinned]
 
 Prints, in ms from the call's start: each staging piece's host copy (thread, start, end, GB/s)
-and its H2D issue; each chunk's launch (host time, and GPU start/end of its kernel and its result
+and its H2D issue, the calling thread's own H2D copies (pinned pieces); each chunk's launch (host time, and GPU start/end of its kernel and its result
 copy from timing events); the call's end. Then the bounds of the same run: pinned H2D of 48 MiB and
 D2H of 16 MiB alone and together (full duplex), and 48 MiB staged by the workers with and without
-a DMA reading host memory at the same time.
+a DMA reading host memory at the same time; and a cProfile of the calling thread.
 """
 
 from __future__ import annotations
@@ -38,23 +38,33 @@ def med(fn, n=7):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--pinned", action="store_true", help="q, k, v in pinned_empty arrays (sent in place)")
     a = ap.parse_args()
     dev = pyattn.get_device()
     dev.activate()
     q, k, v = (np.random.default_rng(i).standard_normal((1, 4096, 16, 128)).astype(np.float16) for i in range(3))
+    if a.pinned:
+        pinned = [pyattn.pinned_empty(x.shape, x.dtype) for x in (q, k, v)]
+        for d, x in zip(pinned, (q, k, v)):
+            d[...] = x
+        q, k, v = pinned
     call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
     print(f"uninstrumented call: median {med(call, 9):.3f} ms")
 
-    pieces, launches = [], []
-    orig_send, orig_launch, orig_attn = H._send, C._Call._launch, C._device_attention
+    pieces, launches, h2ds = [], [], []
+    orig_send, orig_launch, orig_h2d = H._send, C._Call._launch, H.h2d
 
     def send(device, dst, src, stage_ptr, dev_ptr, n, s):
         device.activate()
         t0 = T()
         H._copy(dst, src)
         t1 = T()
-        H.h2d(dev_ptr, stage_ptr, n, s)
+        orig_h2d(dev_ptr, stage_ptr, n, s)
         pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
+
+    def h2d(dev_ptr, src_ptr, n, s):  # the calling thread's own H2D copies (pinned pieces, small uploads)
+        orig_h2d(dev_ptr, src_ptr, n, s)
+        h2ds.append((T(), n))
 
     def launch(self, i, devs, shared, width):
         st = self.streams[i % len(self.streams)]
@@ -63,23 +73,38 @@ def main():
         orig_launch(self, i, devs, shared, width)
         launches.append((i, t, T(), e0, st.record(timing=True)))
 
-    H._send, C._Call._launch = send, launch
+    H._send, C._Call._launch, H.h2d = send, launch, h2d
     call()
-    pieces.clear(), launches.clear()
+    pieces.clear(), launches.clear(), h2ds.clear()
     s0 = pyattn.Stream()
     start = s0.record(timing=True)
     t0 = T()
     call()
     t_end = T()
-    H._send, C._Call._launch = orig_send, orig_launch
+    H._send, C._Call._launch, H.h2d = orig_send, orig_launch, orig_h2d
     ms = lambda t: (t - t0) * 1e3  # noqa: E731
-    print(f"instrumented call: {ms(t_end):.3f} ms; {len(pieces)} pieces, {len(launches)} chunks")
+    print(f"instrumented call: {ms(t_end):.3f} ms; {len(pieces)} staged pieces, {len(h2ds)} H2D copies by the "
+          f"calling thread, {len(launches)} chunks")
     for tid, a0, a1, a2, n in sorted(pieces, key=lambda p: p[1]):
         print(f"  piece thr {tid:3d} copy {ms(a0):7.3f}-{ms(a1):7.3f} ({n / (a1 - a0) / 1e9:5.1f} GB/s) "
               f"h2d issued {ms(a2):7.3f}")
+    if h2ds:
+        print(f"  calling thread's H2D copies issued {ms(h2ds[0][0]):7.3f} .. {ms(h2ds[-1][0]):7.3f} "
+              f"({sum(n for _, n in h2ds) / 2**20:.0f} MiB)")
     for i, h0, h1, e0, e1 in launches:
         print(f"  chunk {i}: host launch {ms(h0):7.3f}-{ms(h1):7.3f}; GPU (from the start event, "
               f"same clock only roughly) queued-start {start.elapsed_ms(e0):7.3f} end of kernel+D2H {start.elapsed_ms(e1):7.3f}")
+
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()  # the calling thread only (the workers are not profiled)
+    pr.enable()
+    for _ in range(5):
+        call()
+    pr.disable()
+    print("== cProfile of 5 calls, the calling thread (tottime)")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 
     # bounds
     N_IN, N_OUT = 48 << 20, 16 << 20
