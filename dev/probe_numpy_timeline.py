@@ -63,8 +63,9 @@ def main():
         pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
 
     def h2d(dev_ptr, src_ptr, n, s):  # the calling thread's own H2D copies (pinned pieces, small uploads)
+        t = T()
         orig_h2d(dev_ptr, src_ptr, n, s)
-        h2ds.append((T(), n))
+        h2ds.append((T(), n, t))
 
     def launch(self, i, devs, shared, width):
         st = self.streams[i % len(self.streams)]
@@ -90,10 +91,47 @@ def main():
               f"h2d issued {ms(a2):7.3f}")
     if h2ds:
         print(f"  calling thread's H2D copies issued {ms(h2ds[0][0]):7.3f} .. {ms(h2ds[-1][0]):7.3f} "
-              f"({sum(n for _, n in h2ds) / 2**20:.0f} MiB)")
+              f"({sum(h[1] for h in h2ds) / 2**20:.0f} MiB); calls took "
+              + ", ".join(f"{(h[0] - h[2]) * 1e6:.0f}" for h in h2ds) + " us")
     for i, h0, h1, e0, e1 in launches:
         print(f"  chunk {i}: host launch {ms(h0):7.3f}-{ms(h1):7.3f}; GPU (from the start event, "
               f"same clock only roughly) queued-start {start.elapsed_ms(e0):7.3f} end of kernel+D2H {start.elapsed_ms(e1):7.3f}")
+
+    # The set-up before the first copy: each step's start and duration, one call.
+    import pyattn.ops.attention as OA
+    from pyattn.runtime import memory as M
+    stamps, undo = [], []
+
+    def wrap(mod, name):
+        f = getattr(mod, name)
+
+        def w(*args, **kw):
+            t = T()
+            r = f(*args, **kw)
+            stamps.append((name, t, T()))
+            return r
+        setattr(mod, name, w)
+        undo.append((mod, name, f))
+    for mod, name in ((C, "pinned_empty"), (C, "plan_chunks"), (H, "_plan_pieces"), (H, "_waves"), (H, "get_pool"),
+                      (H, "get_staging"), (OA, "read_args"), (OA, "signature"), (C, "attention_numpy"),
+                      (H, "_upload_waves"), (H, "upload"), (C, "get_device"), (C, "per_device"),
+                      (H, "_executor_get")):
+        wrap(mod, name)
+    M.DevicePool.allocate, real_alloc = (lambda self, *a, _f=M.DevicePool.allocate, **k: (
+        stamps.append(("DevicePool.allocate", T(), None)) or _f(self, *a, **k))), M.DevicePool.allocate
+    from pyattn.runtime import pinned as PN
+    PN.StagingPool.acquire, real_acq = (lambda self, *a, _f=PN.StagingPool.acquire: (
+        stamps.append(("StagingPool.acquire", T(), None)) or _f(self, *a))), PN.StagingPool.acquire
+    call()
+    stamps.clear()
+    t0 = T()
+    call()
+    for name, a0, a1 in stamps:
+        print(f"  {name:22} start {(a0 - t0) * 1e3:7.3f} ms" + (f", {(a1 - a0) * 1e3:7.3f} ms" if a1 else ""))
+    for mod, name, f in undo:
+        setattr(mod, name, f)
+    M.DevicePool.allocate = real_alloc
+    PN.StagingPool.acquire = real_acq
 
     import cProfile
     import pstats
