@@ -332,6 +332,30 @@ def test_pinned_inputs_are_sent_in_place(fake_gpu, monkeypatch):
     assert len(sources) > len(in_place)  # b's pieces went through staging
 
 
+def test_pinned_inputs_launch_each_chunk_as_its_rows_are_queued(fake_gpu, monkeypatch):
+    """With every input pinned, a query-row chunk is launched right after its own rows' copies are
+    queued, before the next chunk's: its event then does not wait for copies it does not read."""
+    _, fake = fake_gpu
+    monkeypatch.setattr(chunks, "_MIN_PIPELINE_BYTES", 0)
+    monkeypatch.setattr(chunks, "_CHUNK_BYTES", 1)
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, 1, 64, 48, 4, 2, 16, "bshd")
+    monkeypatch.setattr(host, "is_pinned", lambda x: True)
+    log = []
+    real_h2d, real_call = host.h2d, FakeAttention.__call__
+    monkeypatch.setattr(host, "h2d", lambda *a: log.append("h2d") or real_h2d(*a))
+    monkeypatch.setattr(FakeAttention, "__call__", lambda self, *a, **kw: log.append("launch") or
+                        real_call(self, *a, **kw))
+    P = problem(q, k, v)
+    out, _ = chunks.attention_numpy(P, q, k, v, mask=None, alibi_slopes=None, options={}, return_lse=False,
+                                    stream=None)
+    np.testing.assert_allclose(out, attention_ref(q, k, v), rtol=2e-5, atol=2e-5)
+    n = len(fake.calls)
+    assert n > 1 and log.count("launch") == n
+    last_h2d = len(log) - 1 - log[::-1].index("h2d")
+    assert log.index("launch") < last_h2d  # the first chunk went before the last rows were queued
+
+
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(0, 7), min_size=0, max_size=4), itemsize=st.sampled_from([1, 2, 4]),
        target=st.integers(1, 300))

@@ -361,6 +361,8 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
                 if p.pinned:  # the DMA reads the caller's page-locked array itself: no worker needed
                     h2d(dev_ptr + p.dev_off, addr(p.src), p.nbytes, s)
                     queue.append((w, p, None))
+                    if done == len(queue) - 1:  # nothing before it pending: signal now, so that a
+                        wait_through(len(queue))  # chunk's event is recorded before later copies
                     continue
                 dst = raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape)
                 queue.append((w, p, ex.submit(_send, device, dst, p.src, buf.ptr + off, dev_ptr + p.dev_off,
