@@ -27,6 +27,7 @@
 // Requires pyattn::DecodeParams, common.cuh, mma.cuh and cuda_fp8.h.
 #pragma once
 #include <cuda_fp8.h>
+#include "q8_codes.cuh"
 
 #include "decode_common.cuh"
 
@@ -44,25 +45,6 @@ __device__ __forceinline__ int q8_swizzle(int r) {
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 4 : 0));
-}
-
-// Four codes of one word -> two packed fp16 pairs (codes 0, 1) and (2, 3), exactly.
-template <int KV>
-__device__ __forceinline__ void codes_to_half2(unsigned w, unsigned& lo, unsigned& hi) {
-  if constexpr (KV == 1) {  // int8: (x + 128) in the low mantissa of 1024 (0x64xx), minus 1152
-    const unsigned u = w ^ 0x80808080u;
-    const unsigned x = __byte_perm(u, 0x64646464u, 0x4140), y = __byte_perm(u, 0x64646464u, 0x4342);
-    const __half2 bias = __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
-    const __half2 a = __hsub2(*reinterpret_cast<const __half2*>(&x), bias);
-    const __half2 b = __hsub2(*reinterpret_cast<const __half2*>(&y), bias);
-    lo = *reinterpret_cast<const unsigned*>(&a);
-    hi = *reinterpret_cast<const unsigned*>(&b);
-  } else {  // e4m3 -> f16 is exact (one cvt per pair on sm_89+)
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = *reinterpret_cast<const unsigned*>(&a);  // {x, y}: x in the low half, as mma expects
-    hi = *reinterpret_cast<const unsigned*>(&b);
-  }
 }
 
 // The smallest power of two >= x (x > 0 and finite; 0 stays 0).

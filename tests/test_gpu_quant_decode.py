@@ -221,3 +221,55 @@ def test_per_channel_decode_takes_torch_queries():
     out = pyattn.decode(torch.from_numpy(q).cuda(), cache, ids)
     want = pyattn.decode(q, cache, ids)
     assert np.array_equal(torch.from_dlpack(out).cpu().numpy().view(np.uint16), want.view(np.uint16))
+
+
+_CONVERT = r'''
+#include "common.cuh"
+#include <cuda_fp8.h>
+#include "q8_codes.cuh"
+struct ConvParams { const unsigned* w; unsigned* out; int n; };
+extern "C" __global__ void conv(const __grid_constant__ ConvParams p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < p.n) {
+    unsigned lo, hi;
+    pyattn::codes_to_half2<2>(p.w[i], lo, hi);
+    p.out[2 * i] = lo;
+    p.out[2 * i + 1] = hi;
+  }
+}
+'''
+
+
+@pytest.mark.parametrize("target", ["compute_80", "device"])
+def test_fp8_codes_to_half_exact_on_both_paths(target):
+    """``codes_to_half2<2>`` (kernels_src/q8_codes.cuh) turns every e4m3 code pair, in both halves
+    of a word, into the exact fp16 values: before sm_89 by placing the code's bits in an fp16 and
+    scaling by 256 (compiled as sm_80 PTX, which the driver runs on this GPU), from sm_89 by the cvt
+    instruction (this GPU's own arch). The NaN code (0x7F, never written by the cache) is left out."""
+    import struct
+
+    from pyattn.jit.headers import cuda_include_dir
+    from pyattn.jit.nvrtc import compile_source
+    from pyattn.jit.source import kernel_headers
+    from pyattn.runtime.launch import launch
+    from pyattn.runtime.module import Module
+
+    dev = pyattn.get_device()
+    dev.activate()
+    arch = dev.arch if target == "device" else target
+    opts = (f"-arch={arch}", "-std=c++17", f"-I{cuda_include_dir()[0]}")
+    image, _ = compile_source(_CONVERT, kernel_headers(), opts, name="conv", ptx=arch.startswith("compute"))
+    kernel = Module(dev, image).kernel("conv")
+    pairs = np.arange(1 << 16, dtype=np.uint32)
+    words = pairs | (pairs << 16)  # every code pair, in the low and the high half of a word
+    w, out = pyattn.asarray(words), pyattn.empty((2 * len(words),), np.uint32)
+    s = pyattn.Stream(dev)
+    launch(kernel, (len(words) // 256, 1, 1), (256, 1, 1), 0, s,
+           struct.pack("@QQi4x", w.ptr, out.ptr, len(words)))
+    got = out.numpy(s).view(np.float16).reshape(-1, 4).astype(np.float64)  # codes 0, 1, 2, 3 of each word
+    codes = words.view(np.uint8).reshape(-1, 4)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = (codes & 0x7F) != 0x7F
+    assert finite.sum() == 4 * len(words) - 4 * 512  # 0x7F / 0xFF in each of the 4 positions
+    np.testing.assert_array_equal(got[finite], want[finite])
+    s.close()
