@@ -12,9 +12,11 @@ Test and dev code only (it reads the launched parameter struct through ctypes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import gc
 import itertools
+import sys
 import types
 import weakref
 
@@ -244,6 +246,22 @@ def uninstall(fake: _Fake) -> None:
     for obj in gc.get_objects():
         if type(obj) is memory.Allocation and obj.ptr in fake.handed_out:
             obj.ptr = 0
+
+
+@contextlib.contextmanager
+def installed(monkeypatch, *, torch: bool = False, record_launches: bool = False):
+    """The fake driver for a test fixture's life: :func:`install`, optionally the fake ``torch`` as
+    ``sys.modules["torch"]`` (and ``fake.torch``) and launch recording, then :func:`uninstall` (nothing
+    made under the fake may reach a real driver later)."""
+    fake = install(monkeypatch)
+    if torch:
+        fake.torch = fake_torch()
+        monkeypatch.setitem(sys.modules, "torch", fake.torch)
+    fake.record_launches = record_launches
+    try:
+        yield fake
+    finally:
+        uninstall(fake)
 
 
 def fake_torch(current_stream=0x7000):

@@ -4,7 +4,6 @@ kernels it launches, on which stream, with which pointers, and what it returns (
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -16,13 +15,8 @@ from pyattn.kernels.specs import KernelSpec
 
 @pytest.fixture
 def gpu(monkeypatch):
-    fake = fake_driver.install(monkeypatch)
-    torch = fake_driver.fake_torch()
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    fake.torch = torch
-    fake.record_launches = True
-    yield fake
-    fake_driver.uninstall(fake)
+    with fake_driver.installed(monkeypatch, torch=True, record_launches=True) as fake:
+        yield fake
 
 
 def _arrays(B=2, Sq=100, Sk=300, Hq=8, Hkv=2, D=128, dtype=np.float16):

@@ -8,7 +8,6 @@ torch is the stand-in ``fake_driver.fake_torch()`` installed as ``sys.modules["t
 from __future__ import annotations
 
 import gc
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -23,12 +22,8 @@ SHAPE = (1, 16, 2, 64)
 
 @pytest.fixture
 def gpu(monkeypatch):
-    fake = fake_driver.install(monkeypatch)
-    torch = fake_driver.fake_torch()
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    fake.torch = torch
-    yield fake
-    fake_driver.uninstall(fake)  # nothing made under the fake may reach a real driver later
+    with fake_driver.installed(monkeypatch, torch=True) as fake:
+        yield fake
 
 
 def _repeat_calls(fn) -> dict:

@@ -16,10 +16,8 @@ from pyattn.kernels import registry
 
 @pytest.fixture
 def gpu(monkeypatch):
-    fake = fake_driver.install(monkeypatch)
-    fake.record_launches = True
-    yield fake
-    fake_driver.uninstall(fake)
+    with fake_driver.installed(monkeypatch, record_launches=True) as fake:
+        yield fake
 
 
 def _launched():

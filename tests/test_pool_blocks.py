@@ -15,9 +15,8 @@ from pyattn.runtime.stream import Stream
 
 @pytest.fixture
 def gpu(monkeypatch):
-    fake = fake_driver.install(monkeypatch)
-    yield fake
-    fake_driver.uninstall(fake)  # nothing made under the fake may reach a real driver later
+    with fake_driver.installed(monkeypatch) as fake:
+        yield fake
 
 
 def test_a_freed_block_is_reused_only_by_its_stream(gpu):
