@@ -95,6 +95,15 @@ def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatc
     assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
 
 
+def _cubins(specs, session_cache_dir, monkeypatch) -> list:
+    """Build ``specs`` into the session cache (two workers); each must give a cubin under its own
+    entry name. Returns the specs."""
+    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
+    for spec, meta, _ in jit.build_many(specs, workers=2):
+        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+    return specs
+
+
 def _modifier_specs(arch):
     """Score-modifier variants for ``arch``: every family/dtype with soft-cap + ALiBi and a mask kind
     (all four kinds across the list), at the smallest and largest head-dim buckets."""
@@ -109,11 +118,9 @@ def _modifier_specs(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
-    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     specs = _modifier_specs(arch)
     assert {s.mask for s in specs} == {"bool", "f16", "bf16", "f32", "none"}
-    for spec, meta, _ in jit.build_many(specs, workers=2):
-        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+    for spec in _cubins(specs, session_cache_dir, monkeypatch):
         mask = f"_mask{spec.mask}" if spec.mask != "none" else ""
         assert spec.entry_name.endswith(f"{mask}_softcap_alibi")
 
@@ -134,10 +141,7 @@ def _sparse_and_quant_specs(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sparse_and_quantized_decode_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
-    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
-    specs = _sparse_and_quant_specs(arch)
-    for spec, meta, _ in jit.build_many(specs, workers=2):
-        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+    for spec in _cubins(_sparse_and_quant_specs(arch), session_cache_dir, monkeypatch):
         assert spec.entry_name.endswith(("_sparse", "_sparse64")) or "_kv" in spec.entry_name
 
 
@@ -157,11 +161,9 @@ def _backward_specs(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
-    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     specs = _backward_specs(arch)
     assert {s.family for s in specs} == {"attn_bwd_pre", "attn_bwd_mma", "attn_bwd_simt", "attn_bwd_convert"}
-    for spec, meta, _ in jit.build_many(specs, workers=2):
-        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+    _cubins(specs, session_cache_dir, monkeypatch)
 
 
 def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
@@ -380,9 +382,7 @@ def _issue13_specs(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_per_channel_and_sparq_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
-    monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     specs = _issue13_specs(arch)
     assert {s.family for s in specs} == {"kv_key_pages", "kv_sparq", "sparq", "attn_decode"}
-    for spec, meta, _ in jit.build_many(specs, workers=2):
-        assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
+    for spec in _cubins(specs, session_cache_dir, monkeypatch):
         assert not spec.key_channel or spec.entry_name.endswith("_kch")
