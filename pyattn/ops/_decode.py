@@ -149,8 +149,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     device : Device
     q, k, v : int
         Device addresses of the queries and of the K and V pools.
-    tables : (indices, indptr or None, table_stride, kv_len[, order]): device int32 arrays (``.ptr``);
-        ``order``, if given and not None, the batch entries longest first: their blocks start first
+    tables : (indices, indptr or None, table_stride, kv_len, order or None): device int32 arrays
+        (``.ptr``); ``order``, the batch entries longest first: their blocks start first
     max_len : int
         The longest sequence (host value) for the split heuristic.
     alibi_ptr : int
@@ -190,8 +190,7 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     lse_ptr = lse.ptr if lse is not None else 0
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
-    indices, indptr, table_stride, kv_len = tables[:4]
-    order = tables[4] if len(tables) > 4 else None
+    indices, indptr, table_stride, kv_len, order = tables
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], splits,

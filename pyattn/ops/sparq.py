@@ -105,7 +105,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     go(1, (n_chunks, rows, 1))
     go(2, (n_chunks, rows, 1))
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
-              DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s))
+              DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
     o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
     go(4, (rows, 1, 1), o.ptr, lse.ptr)
     finish(s, [ws, o, lse, vrow])

@@ -67,6 +67,7 @@ class PinnedBuffer:
         _need_context(driver)
         flags = driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every context, not just the current one
         self.nbytes = max(int(nbytes), 1)
+        self._raw = None  # the uint8 view of the whole buffer (raw), made on first use
         self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
         self._finalizer = weakref.finalize(self, release_quietly, "cuMemFreeHost", self.ptr)
 
@@ -82,10 +83,9 @@ class PinnedBuffer:
     def raw(self) -> np.ndarray:
         """The whole buffer as a NumPy ``uint8`` array, made once (a staging buffer is reused by
         every small NumPy call; making the view cost ~3 us of each)."""
-        raw = self.__dict__.get("_raw")
-        if raw is None:
-            raw = self.__dict__["_raw"] = np.asarray(_HostView(self.ptr, self.nbytes, self))
-        return raw
+        if self._raw is None:
+            self._raw = np.asarray(_HostView(self.ptr, self.nbytes, self))
+        return self._raw
 
     def close(self) -> None:
         """Free the pinned memory (its NumPy views must not be used afterwards)."""
