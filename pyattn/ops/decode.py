@@ -118,14 +118,15 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     fetch = fetch_values  # a device table's values, after every metadata check (see validate.paged)
     if block_table is not None:
         table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
-        host_tables = (table, None, lens, longest_first(lens))
+        host_tables = (table, None, lens)
         dev_tables = (a["block_table"], None, a["seq_lens"], None)
-        max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
     else:
-        ip, ix, kv_len = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
-        host_tables = (ix, ip, kv_len, longest_first(kv_len))
-        dev_tables = (a["indices"], a["indptr"], None, None)  # kv_len (and the order) derived on the host: uploaded
-        max_len, total_len = int(kv_len.max(initial=0)), int(kv_len.sum(dtype=np.int64))
+        ip, ix, lens = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
+        host_tables = (ix, ip, lens)
+        dev_tables = (a["indices"], a["indptr"], None, None)  # the lengths are derived on the host: uploaded
+    # The batch order (longest first) and the lengths the split choice reads, from the host lengths.
+    host_tables += (longest_first(lens),)
+    max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
 
     def launch_fn(device, s, dq, alibi_ptr):
         on_dev = [t if t is not None and t.on_device else None for t in dev_tables]
