@@ -1,11 +1,13 @@
 """Dev probe (no GPU): registers, spills and shared memory of kernel variants as ptxas reports them.
 
-Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods]
+Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods] [--backward] [--log]
 
 Compiles the library's own rendered units (``pyattn.jit.source.render``) with NVRTC plus
 ``--ptxas-options=-v`` and prints ptxas's one-line summary per variant, with the compile time:
 a quick check that a kernel change did not push a tile over 255 registers (spills) before
-spending GPU time on it. ``--mods`` adds the score-modifier variants of every attention family.
+spending GPU time on it. ``--mods`` adds the score-modifier variants of every attention family;
+``--backward`` takes the backward's main kernels instead; ``--log`` prints ptxas's whole log
+(its warnings, e.g. wgmma serialisation).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from pyattn.jit.headers import check_headers_match_nvrtc
 from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render
-from pyattn.kernels.specs import select_attention_spec
+from pyattn.kernels.specs import select_attention_spec, select_backward_specs
 
 _MODS = ({}, {"softcap": True}, {"alibi": True}, {"mask": "bool"}, {"mask": "bf16"},
          {"mask": "f32", "softcap": True, "alibi": True})
@@ -28,13 +30,19 @@ def main() -> None:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--mods", action="store_true")
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--log", action="store_true")
     args = ap.parse_args()
     include = str(check_headers_match_nvrtc())
     headers = kernel_headers()
     specs = []
     for d in args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
-            specs.append(select_attention_spec("bfloat16", d, args.arch, **mods))
+            if args.backward:
+                if "mask" not in mods:
+                    specs.append(select_backward_specs("bfloat16", d, args.arch, **mods)[1])
+            else:
+                specs.append(select_attention_spec("bfloat16", d, args.arch, **mods))
     for spec in dict.fromkeys(specs):
         opts = list(spec.compile_options((include,))) + ["--ptxas-options=-v"]
         t0 = time.perf_counter()
@@ -44,6 +52,8 @@ def main() -> None:
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         print(f"{spec.describe():60} {dt:5.2f} s  regs {regs.group(1) if regs else '?':>3}  "
               f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+        if args.log:
+            print(log)
 
 
 if __name__ == "__main__":

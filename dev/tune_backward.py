@@ -1,12 +1,13 @@
-"""Dev probe (GPU): time attn_bwd_mma tile variants against torch's FA2 backward, and warm the kernel cache.
+"""Dev probe (GPU): time the backward's main-kernel tile variants, and warm the kernel cache.
 
 Usage:
   PYTHONPATH=. python dev/tune_backward.py --warm            # compile every backward variant (modifiers
                                                              # included) and the forward ones the GPU tests
                                                              # use, on all CPU cores
-  PYTHONPATH=. python dev/tune_backward.py [--dims 64 128] [--seqlen 4096] [--rows 'BM,BN,W,SPLIT,DQM,ST' ...]
+  PYTHONPATH=. python dev/tune_backward.py [--dims 64 128] [--seqlen 4096] [--rows ROW ...]
 
-Each variant replaces the d row of the arch's table (``override_tiles``) and is timed through the
+ROW is 'BM,BN,W,SPLIT,DQM,ST' for attn_bwd_mma and 'BM,WG,ST' for attn_bwd_wgmma (the family the
+arch selects for the head dim). Each variant replaces the d row of the arch's table (``override_tiles``) and is timed through the
 public ``attention_backward`` (bf16, B = 16384 // S, H = 2048 // d, causal and not, harness.Bench),
 with its gradients compared to the table's own row (max relative difference), so a variant that is
 fast because it is wrong shows. Rows given with --rows are tried for every --dims.
@@ -24,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import harness  # noqa: E402
 import pyattn  # noqa: E402
 from pyattn import jit  # noqa: E402
-from pyattn.kernels.families import BwdTile, override_tiles, tile_table  # noqa: E402
+from pyattn.kernels.families import BwdTile, BwdWgmmaTile, override_tiles, tile_table  # noqa: E402
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, select_attention_spec, select_backward_specs  # noqa: E402
 
-DEFAULT_ROWS = {64: ["64,128,8,1,4,2", "128,128,8,1,4,2", "128,128,16,2,4,2"],
-                128: ["64,128,8,1,2,2", "64,128,8,2,2,2", "64,128,16,2,4,2"]}
+DEFAULT_ROWS = {("attn_bwd_mma", 64): ["64,128,8,1,4,2", "128,128,8,1,4,2", "128,128,16,2,4,2"],
+                ("attn_bwd_mma", 128): ["64,128,8,1,2,2", "64,128,8,2,2,2", "64,128,16,2,4,2"],
+                ("attn_bwd_wgmma", 64): ["64,1,2"], ("attn_bwd_wgmma", 128): ["64,1,2"]}
+ROW_TYPES = {"attn_bwd_mma": BwdTile, "attn_bwd_wgmma": BwdWgmmaTile}
 
 
 def warm(arch: str) -> None:
@@ -65,20 +68,20 @@ def main() -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (harness.to_pyattn(torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, generator=g),
                                          bench.stream) for _ in range(4))
-        table = tile_table("attn_bwd_mma", arch)
+        family = select_backward_specs("bfloat16", d, arch)[1].family
+        table = tile_table(family, arch)
         i = next(j for j, r in enumerate(table) if r.max_head_dim >= d)
-        variants = [None] + [BwdTile(table[i].max_head_dim, *map(int, r.split(",")), "tuning")
-                             for r in (args.rows or DEFAULT_ROWS.get(d, []))]
+        variants = [None] + [ROW_TYPES[family](table[i].max_head_dim, *map(int, r.split(",")), "tuning")
+                             for r in (args.rows or DEFAULT_ROWS.get((family, d), []))]
         for causal in (False, True):
             flops = 2.5 * 4 * B * H * S * S * d / (2 if causal else 1)
             out, lse = pyattn.attention(q, k, v, causal=causal, return_lse=True, stream=bench.stream)
             base = None
             for row in variants:
                 rows = table if row is None else table[:i] + (row,) + table[i + 1:]
-                label = "table" if row is None else ",".join(map(str, (row.block_m, row.block_n, row.warps, row.split,
-                                                                        row.dq_warps_m, row.stages)))
+                label = "table" if row is None else ",".join(map(str, row[1:-1]))
                 try:
-                    with override_tiles("attn_bwd_mma", arch, rows):
+                    with override_tiles(family, arch, rows):
                         fn = lambda: pyattn.attention_backward(do, q, k, v, out, lse, causal=causal,  # noqa: E731
                                                                stream=bench.stream)
                         grads = [harness.to_torch(x).float() for x in fn()]

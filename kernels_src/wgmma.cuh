@@ -82,7 +82,8 @@ __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, 
 }
 
 // -- D (f32, m64 x N) (+)= A (m64 x k16) * B (k16 x N); T = __half or __nv_bfloat16.
-//   ss: A and B from shared memory (descriptors), A K-major; TRANS_B = 1: B is MN-major.
+//   ss: A and B from shared memory (descriptors); TRANS_B = 1: B is MN-major; ss<1>: A is
+//       M-major (the backward's dS read from its transposed copy), else K-major.
 //   rs: A from registers (4 x b32 per thread), B from shared memory.
 // scale_d == 0 overwrites D instead of accumulating.
 template <typename T, int N, int TRANS_B> struct Mma;
@@ -90,6 +91,7 @@ template <typename T, int N, int TRANS_B> struct Mma;
 // Generated for N = 64, 128, 192, 256 (instantiating another N fails to compile).
 
 template <int TRANS_B> struct Mma<__half, 64, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -97,12 +99,12 @@ template <int TRANS_B> struct Mma<__half, 64, TRANS_B> {
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+        "}, %32, %33, p, 1, 1, %36, %35;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -121,6 +123,7 @@ template <int TRANS_B> struct Mma<__half, 64, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__half, 128, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -130,7 +133,7 @@ template <int TRANS_B> struct Mma<__half, 128, TRANS_B> {
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        "}, %64, %65, p, 1, 1, %68, %67;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -139,7 +142,7 @@ template <int TRANS_B> struct Mma<__half, 128, TRANS_B> {
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -164,6 +167,7 @@ template <int TRANS_B> struct Mma<__half, 128, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__half, 192, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[96], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -175,7 +179,7 @@ template <int TRANS_B> struct Mma<__half, 192, TRANS_B> {
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
         "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-        "}, %96, %97, p, 1, 1, 0, %99;\n}\n"
+        "}, %96, %97, p, 1, 1, %100, %99;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -188,7 +192,7 @@ template <int TRANS_B> struct Mma<__half, 192, TRANS_B> {
           "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
           "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
           "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[96], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -219,6 +223,7 @@ template <int TRANS_B> struct Mma<__half, 192, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__half, 256, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -232,7 +237,7 @@ template <int TRANS_B> struct Mma<__half, 256, TRANS_B> {
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        "}, %128, %129, p, 1, 1, %132, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -249,7 +254,7 @@ template <int TRANS_B> struct Mma<__half, 256, TRANS_B> {
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[128], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -286,6 +291,7 @@ template <int TRANS_B> struct Mma<__half, 256, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__nv_bfloat16, 64, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -293,12 +299,12 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 64, TRANS_B> {
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+        "}, %32, %33, p, 1, 1, %36, %35;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -317,6 +323,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 64, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__nv_bfloat16, 128, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -326,7 +333,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 128, TRANS_B> {
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        "}, %64, %65, p, 1, 1, %68, %67;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -335,7 +342,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 128, TRANS_B> {
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -360,6 +367,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 128, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__nv_bfloat16, 192, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[96], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -371,7 +379,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 192, TRANS_B> {
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
         "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-        "}, %96, %97, p, 1, 1, 0, %99;\n}\n"
+        "}, %96, %97, p, 1, 1, %100, %99;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -384,7 +392,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 192, TRANS_B> {
           "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
           "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
           "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[96], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(
@@ -415,6 +423,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 192, TRANS_B> {
 };
 
 template <int TRANS_B> struct Mma<__nv_bfloat16, 256, TRANS_B> {
+  template <int TRANS_A = 0>
   static __device__ __forceinline__ void ss(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -428,7 +437,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 256, TRANS_B> {
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        "}, %128, %129, p, 1, 1, %132, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -445,7 +454,7 @@ template <int TRANS_B> struct Mma<__nv_bfloat16, 256, TRANS_B> {
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
   }
   static __device__ __forceinline__ void rs(float (&d)[128], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
     asm volatile(

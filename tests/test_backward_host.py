@@ -36,7 +36,8 @@ def test_three_launches_on_one_stream_with_the_callers_pointers(gpu):
     fake_driver.LAUNCHES.clear()
     dq, dk, dv = pyattn.attention_backward(dout, q, k, v, out, lse, causal=True)
     names = [name for name, *_ in fake_driver.LAUNCHES]
-    assert _kinds(names) == ["attn_bwd_pre_f16_d32", "attn_bwd_mma_f16_d128", "attn_bwd_convert_f16_d32"]
+    # (the fake GPU is an sm_90a: the wgmma main kernel)
+    assert _kinds(names) == ["attn_bwd_pre_f16_d32", "attn_bwd_wgmma_f16_d128", "attn_bwd_convert_f16_d32"]
     grids = [grid for _, grid, *_ in fake_driver.LAUNCHES]
     # pre: 100 rows padded to whole 64-row query tiles (128) / 8 rows per block; main: 128-key blocks
     assert grids == [(128 // 8, 8, 2), (300 // 128 + 1, 2, 2), (100 // 8 + 1, 8, 2)]
@@ -75,7 +76,7 @@ def test_empty_sides_launch_only_what_has_work(gpu):
     dout, q, k, v, out, lse = _arrays(Sq=0)
     fake_driver.LAUNCHES.clear()
     dq, dk, dv = pyattn.attention_backward(dout, q, k, v, out, lse)
-    assert _kinds(n for n, *_ in fake_driver.LAUNCHES) == ["attn_bwd_mma_f16_d128"]  # dk = dv = 0 still written
+    assert _kinds(n for n, *_ in fake_driver.LAUNCHES) == ["attn_bwd_wgmma_f16_d128"]  # dk = dv = 0 still written
     dout, q, k, v, out, lse = _arrays(Sk=0)
     fake_driver.LAUNCHES.clear()
     pyattn.attention_backward(dout, q, k, v, out, lse)
@@ -95,7 +96,7 @@ def test_varlen_passes_the_offsets(gpu, monkeypatch):
     fake_driver.LAUNCHES.clear()
     dq, dk, dv = pyattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
     # pre: the longest sequence (30) padded to one query tile; main: keys of the longest (60) in one key block
-    bm = KernelSpec("attn_bwd_mma", "f16", 64, "sm_90a").tiles.block_m  # (the fake GPU is an sm_90a)
+    bm = KernelSpec("attn_bwd_wgmma", "f16", 64, "sm_90a").tiles.block_m  # (the fake GPU is an sm_90a)
     assert [grid for _, grid, *_ in fake_driver.LAUNCHES] == [(bm // 8, 4, 2), (1, 2, 2), (30 // 8 + 1, 4, 2)]
     assert (dq.shape, dk.shape) == ((50, 4, 64), (70, 2, 64))
     params = fake_driver.LAUNCHES[0][3]

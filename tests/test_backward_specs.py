@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pyattn.jit.source import kernel_headers, render
-from pyattn.kernels.families import BwdTile, override_tiles, tile_table
+from pyattn.kernels.families import BwdTile, BwdWgmmaTile, override_tiles, tile_table
 from pyattn.kernels.families.backward import bwd_row
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, backward_specs, select_backward_specs
 from pyattn.ops import _bwd
@@ -23,9 +23,12 @@ OPTIN = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448, "s
 def test_selection_per_dtype_bucket_and_modifiers(arch):
     for d in range(8, 257, 8):
         bucket = min(b for b in HEAD_DIM_BUCKETS if b >= d)
-        for name, family in (("float16", "attn_bwd_mma"), ("bfloat16", "attn_bwd_mma"), ("float32", "attn_bwd_simt")):
+        # 16-bit: warpgroup MMA on sm_90a up to d=128 (buckets of 64), mma.sync otherwise
+        wgmma = arch == "sm_90a" and d <= 128
+        tc = ("attn_bwd_wgmma", -(-d // 64) * 64) if wgmma else ("attn_bwd_mma", bucket)
+        for name, want in (("float16", tc), ("bfloat16", tc), ("float32", ("attn_bwd_simt", bucket))):
             pre, main, conv = select_backward_specs(name, d, arch, softcap=d % 16 == 0, alibi=d % 24 == 0)
-            assert (main.family, main.head_dim, main.arch) == (family, bucket, arch)
+            assert (main.family, main.head_dim, main.arch) == (*want, arch)
             assert (main.softcap, main.alibi) == (d % 16 == 0, d % 24 == 0)
             # the row kernels read the head dim at run time: one variant per dtype
             assert (pre.family, conv.family) == ("attn_bwd_pre", "attn_bwd_convert")
@@ -42,7 +45,9 @@ def test_selection_per_dtype_bucket_and_modifiers(arch):
 def test_backward_specs_count_and_unique_entry_names():
     for arch in SUPPORTED_ARCHS:
         specs = backward_specs(arch)
-        assert len(specs) == 2 * 8 + 8 + 3 + 3  # mma f16/bf16 x 8 buckets, simt f32 x 8, pre and convert x 3 dtypes
+        # f16/bf16 x 8 buckets (sm_90a: wgmma at 64 and 128, mma.sync at the 4 above), simt f32 x 8,
+        # pre and convert x 3 dtypes
+        assert len(specs) == 2 * (6 if arch == "sm_90a" else 8) + 8 + 3 + 3
         names = [s.entry_name for s in specs]
         assert len(set(names)) == len(names)
         assert all(re.fullmatch(r"pyattn_attn_bwd_\w+", n) for n in names)
@@ -99,6 +104,19 @@ def test_override_tiles_reaches_the_template_and_shared_memory():
     assert spec.template_id == before
 
 
+def test_wgmma_rows_fit_and_split_dq_one_way():
+    for d in (64, 128):
+        spec = KernelSpec("attn_bwd_wgmma", "bf16", d, "sm_90a")
+        r = tile_table("attn_bwd_wgmma", "sm_90a")[0 if d == 64 else 1]
+        assert isinstance(r, BwdWgmmaTile) and spec.tiles.block_n == 64 * r.warpgroups == spec.threads // 2
+        # dQ by rows (block_m = block_n) or by 64-wide head-dim blocks (block_m = 64)
+        assert r.block_m == 64 * r.warpgroups or (r.block_m == 64 and (d // r.warpgroups) % 64 == 0)
+        assert spec.shared_bytes <= OPTIN["sm_90a"] and r.block_m <= _bwd.VARLEN_ROW_PAD
+    for d, arch in ((64, "sm_80"), (96, "sm_90a"), (256, "sm_90a")):
+        with pytest.raises(ValueError, match="^family: attn_bwd_wgmma takes"):
+            KernelSpec("attn_bwd_wgmma", "bf16", d, arch)
+
+
 def _problem(layout="bshd", B=2, Sq=100, Sk=70, Hq=4, Hkv=2, D=64, deterministic=False, total_q=0):
     strides = (0, 1, 1) if layout == "thd" else (1, 1, 1)
     base = AttentionProblem(B, Hq, Hkv, Sq, Sk, D, "bfloat16", layout, 1, 0.125, True, strides, strides, strides,
@@ -131,7 +149,7 @@ def test_plan_grids_and_static_fields(monkeypatch):
     bm = main.kernel.tiles.block_m
     assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-100 // bm) * bm // 8, 4, 2)
     # deterministic: key blocks slowest (kv heads, batch, key blocks)
-    assert main.kernel.family == "attn_bwd_mma" and main.grid == (2, 2, 1)
+    assert main.kernel.family == "attn_bwd_wgmma" and main.grid == (2, 2, 1)
     assert main.block == (main.kernel.threads, 1, 1)
     assert main.shared_bytes == main.kernel.shared_bytes and conv.grid == (-(-100 // 8), 4, 2)
     assert plan.grads[0][0] == (2, 100, 4, 64) and plan.grads[1][0] == plan.grads[2][0] == (2, 70, 2, 64)

@@ -147,13 +147,14 @@ def test_sparse_and_quantized_decode_variants_compile_for_every_arch(arch, sessi
 
 def _backward_specs(arch):
     """The backward's kernels of ``arch``: both row kernels of a 16-bit and the fp32 dtype, and the main
-    kernel of each path (tensor cores with P in registers at d=128 with both modifiers, the split
-    path at d=256; CUDA cores at d=64 with both modifiers).
+    kernel of each path (tensor cores at d=128 with both modifiers and at d=64: mma.sync with P in
+    registers, or wgmma on sm_90a; mma.sync's split path at d=256; CUDA cores at d=64 with both
+    modifiers).
     ``backward_specs(arch)`` lists all 30 per arch; compiling them all for every arch is a dev
     check (about a minute here), not CI's."""
     from pyattn.kernels.specs import select_backward_specs
 
-    specs = [s for dt, d, mods in (("float16", 128, {"softcap": True, "alibi": True}),
+    specs = [s for dt, d, mods in (("float16", 128, {"softcap": True, "alibi": True}), ("bfloat16", 64, {}),
                                    ("bfloat16", 256, {}), ("float32", 64, {"softcap": True, "alibi": True}))
              for s in select_backward_specs(dt, d, arch, **mods)]
     return list(dict.fromkeys(specs))
@@ -162,7 +163,9 @@ def _backward_specs(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
     specs = _backward_specs(arch)
-    assert {s.family for s in specs} == {"attn_bwd_pre", "attn_bwd_mma", "attn_bwd_simt", "attn_bwd_convert"}
+    # sm_90a: the warpgroup-MMA main kernel up to d=128, mma.sync's at d=256
+    wgmma = {"attn_bwd_wgmma"} if arch == "sm_90a" else set()
+    assert {s.family for s in specs} == {"attn_bwd_pre", "attn_bwd_mma", "attn_bwd_simt", "attn_bwd_convert"} | wgmma
     _cubins(specs, session_cache_dir, monkeypatch)
 
 

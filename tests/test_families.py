@@ -10,14 +10,15 @@ import pytest
 from pyattn import CompileError
 from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels import registry
-from pyattn.kernels.families import (FAMILIES, BwdTile, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family,
+from pyattn.kernels.families import (FAMILIES, BwdTile, BwdWgmmaTile, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family,
                                      override_tiles, tile_config, tile_table)
-from pyattn.kernels.families.base import HEAD_DIM_BUCKETS, MAX_HEAD_DIM, Alignment, FixedTile, TileConfig
+from pyattn.kernels.families.base import (HEAD_DIM_BUCKETS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM, Alignment, FixedTile,
+                                          TileConfig)
 from pyattn.kernels.specs import FAMILIES as FAMILY_NAMES
 from pyattn.kernels.specs import KernelSpec
 from pyattn.runtime.device import SUPPORTED_ARCHS
 
-ROW_TYPES = (FixedTile, MmaTile, WgmmaTile, DecodeTile, BwdTile)
+ROW_TYPES = (FixedTile, MmaTile, WgmmaTile, DecodeTile, BwdTile, BwdWgmmaTile)
 
 
 def test_registry_is_the_family_names_in_order():
@@ -39,7 +40,10 @@ def test_record_names_real_headers_and_consistent_tables(name):
         for arch, rows in by_arch.items():
             assert rows and len({type(r) for r in rows}) == 1 and type(rows[0]) in ROW_TYPES, (name, table, arch)
             bounds = [r.max_head_dim for r in rows]
-            assert bounds == sorted(set(bounds)) and bounds[-1] == MAX_HEAD_DIM, (name, table, arch)
+            # every family covers every head dim, but the wgmma backward (dK + dV in registers: <= 128;
+            # select_backward_specs sends larger ones to attn_bwd_mma)
+            top = WGMMA_BWD_MAX_HEAD_DIM if name == "attn_bwd_wgmma" else MAX_HEAD_DIM
+            assert bounds == sorted(set(bounds)) and bounds[-1] == top, (name, table, arch)
             assert all(r.reason.strip() and isinstance(r.config(), TileConfig) for r in rows), (name, table, arch)
     if record.traits is not None:  # the traits struct the static_assert names is in the header
         spec = next(s for s in _some_specs() if s.family == name)
@@ -72,6 +76,8 @@ def _some_specs():
                 yield KernelSpec("attn_fwd_wgmma", "f16", d, arch, sparse=d // 64 % 3)
                 yield KernelSpec("attn_prefill_wgmma", "bf16", d, arch, softcap=d == 128)
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
+                if d <= 128:
+                    yield KernelSpec("attn_bwd_wgmma", "bf16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_prefill_mma", "f16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_tree_mma", "bf16", d, arch)
             yield KernelSpec("attn_bwd_mma", "bf16", d, arch, softcap=d % 64 == 0)

@@ -100,6 +100,44 @@ def test_long_causal_sequence_gqa():
     _check(_fwd_bwd(dout, q, k, v, causal=True), dout, q, k, v, causal=True)
 
 
+@pytest.fixture
+def mma_sync_main(monkeypatch):
+    """The mma.sync main kernel where the GPU would run the wgmma one (sm_90a, d <= 128), so the
+    other archs' path stays tested on a Hopper test machine too."""
+    from pyattn.kernels.registry import forget_kernels
+    from pyattn.kernels.specs import KernelSpec
+    from pyattn.ops import _bwd
+
+    chosen = _bwd.select_backward_specs
+
+    def select(dtype, head_dim, arch, **kw):
+        pre, main, conv = chosen(dtype, head_dim, arch, **kw)
+        if main.family == "attn_bwd_wgmma":
+            bucket = -(-head_dim // 32) * 32
+            main = KernelSpec("attn_bwd_mma", main.dtype, bucket, arch, main.ptx, softcap=main.softcap,
+                              alibi=main.alibi)
+        return pre, main, conv
+
+    monkeypatch.setattr(_bwd, "select_backward_specs", select)
+    forget_kernels()  # plans key on the kernel generation: none built with the other kernel is reused
+    yield
+    forget_kernels()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(Sq=LENGTHS, Sk=LENGTHS, group=st.sampled_from([1, 4]), D=st.sampled_from([32, 64, 96, 128]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.sampled_from([False, True]),
+       softcap=st.sampled_from([None, 20.0]), seed=st.integers(0, 2**31 - 1))
+def test_mma_sync_backward_on_hopper_too(mma_sync_main, Sq, Sk, group, D, dtype, causal, softcap, seed):
+    from pyattn.kernels.registry import loaded_kernels
+
+    rng = np.random.default_rng(seed)
+    dout, q, k, v = _inputs(rng, 1, Sq, Sk, 2 * group, 2, D, dtype)
+    _check(_fwd_bwd(dout, q, k, v, causal=causal, softcap=softcap), dout, q, k, v, causal=causal, softcap=softcap)
+    assert "attn_bwd_wgmma" not in {spec.family for _, spec in loaded_kernels()}
+
+
 @pytest.mark.parametrize("dtype, D", [("bfloat16", 128), ("float16", 64), ("float32", 64), ("bfloat16", 256)])
 def test_deterministic_mode_is_bit_identical(dtype, D):
     rng = np.random.default_rng(3)

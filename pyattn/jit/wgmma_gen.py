@@ -104,7 +104,8 @@ __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, 
 }
 
 // -- D (f32, m64 x N) (+)= A (m64 x k16) * B (k16 x N); T = __half or __nv_bfloat16.
-//   ss: A and B from shared memory (descriptors), A K-major; TRANS_B = 1: B is MN-major.
+//   ss: A and B from shared memory (descriptors); TRANS_B = 1: B is MN-major; ss<1>: A is
+//       M-major (the backward's dS read from its transposed copy), else K-major.
 //   rs: A from registers (4 x b32 per thread), B from shared memory.
 // scale_d == 0 overwrites D instead of accumulating.
 template <typename T, int N, int TRANS_B> struct Mma;
@@ -116,8 +117,8 @@ def _gen_fn(ptx_type: str, n: int, form: str) -> str:
     nd = n // 2  # f32 accumulator registers per thread
     if form == "ss":
         sig = f"float (&d)[{nd}], unsigned long long desc_a, unsigned long long desc_b, int scale_d"
-        ops, pred, tail = f"%{nd}, %{nd + 1}", nd + 2, f"p, 1, 1, 0, %{nd + 3}"
-        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)'
+        ops, pred, tail = f"%{nd}, %{nd + 1}", nd + 2, f"p, 1, 1, %{nd + 4}, %{nd + 3}"
+        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A)'
     else:
         sig = f"float (&d)[{nd}], const unsigned (&a)[4], unsigned long long desc_b, int scale_d"
         ops = "{%%%d, %%%d, %%%d, %%%d}, %%%d" % (nd, nd + 1, nd + 2, nd + 3, nd + 4)
@@ -125,7 +126,8 @@ def _gen_fn(ptx_type: str, n: int, form: str) -> str:
         ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)'
     regs = [f"%{i}" for i in range(nd)]
     outs = [f'"+f"(d[{i}])' for i in range(nd)]
-    lines = [f"  static __device__ __forceinline__ void {form}({sig}) {{",
+    head = "  template <int TRANS_A = 0>\n" if form == "ss" else ""
+    lines = [f"{head}  static __device__ __forceinline__ void {form}({sig}) {{",
              "    asm volatile(",
              '        "{\\n.reg .pred p;\\n"',
              f'        "setp.ne.b32 p, %{pred}, 0;\\n"',

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
-from .families.base import DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, TileConfig
+from .families.base import DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM, TileConfig
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
            "MASK_KINDS", "KV_KINDS", "FAMILIES", "WGMMA_ARCHS", "select_attention_spec", "standard_specs",
@@ -271,12 +271,18 @@ def select_backward_specs(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
                           alibi: bool = False) -> tuple:
     """The three kernels of a backward call: ``(attn_bwd_pre, main, attn_bwd_convert)``.
 
-    The main kernel is ``attn_bwd_mma`` (mma.sync tensor cores, every arch including sm_90a) for
-    float16/bfloat16 and ``attn_bwd_simt`` (exact fp32 FMA) for float32, at the smallest head-dim
-    bucket >= ``head_dim``; the row kernels read the head dim at run time (one variant per dtype).
+    The main kernel is, for float16/bfloat16, ``attn_bwd_wgmma`` (warpgroup MMA) on sm_90a up to head
+    dim 128 (its buckets are multiples of 64) and ``attn_bwd_mma`` (mma.sync tensor cores) otherwise;
+    ``attn_bwd_simt`` (exact fp32 FMA) for float32; at the smallest head-dim bucket >= ``head_dim``.
+    The row kernels read the head dim at run time (one variant per dtype).
     """
     tag, bucket = _tag_and_bucket(dtype_name, head_dim)
-    main = "attn_bwd_simt" if tag == "f32" else "attn_bwd_mma"
+    if tag == "f32":
+        main = "attn_bwd_simt"
+    elif arch in WGMMA_ARCHS and head_dim <= WGMMA_BWD_MAX_HEAD_DIM:
+        main, bucket = "attn_bwd_wgmma", -(-head_dim // 64) * 64
+    else:
+        main = "attn_bwd_mma"
     return (KernelSpec("attn_bwd_pre", tag, HEAD_DIM_BUCKETS[0], arch, ptx),
             KernelSpec(main, tag, bucket, arch, ptx, softcap=bool(softcap), alibi=bool(alibi)),
             KernelSpec("attn_bwd_convert", tag, HEAD_DIM_BUCKETS[0], arch, ptx))

@@ -19,7 +19,8 @@ from ...runtime.device import SUPPORTED_ARCHS
 from . import tables
 from .base import CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, WGMMA_ARCHS, Family, TileConfig
 
-__all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "KV_HEAD_DIM_BUCKETS",
+__all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "BwdWgmmaTile",
+           "KV_HEAD_DIM_BUCKETS",
            "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
            "decode_row", "wgmma_shapes"]
 
@@ -42,6 +43,7 @@ _WHERE = {
     "attn_tree_wgmma": ("prefill", "ATTN_TREE_WGMMA"),
     "attn_bwd_pre": ("backward", "ATTN_BWD_PRE"),
     "attn_bwd_mma": ("backward", "ATTN_BWD_MMA"),
+    "attn_bwd_wgmma": ("backward", "ATTN_BWD_WGMMA"),
     "attn_bwd_simt": ("backward", "ATTN_BWD_SIMT"),
     "attn_bwd_convert": ("backward", "ATTN_BWD_CONVERT"),
     "kv_key_pages": ("paged", "KV_KEY_PAGES"),
@@ -50,7 +52,8 @@ _WHERE = {
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
-         "wgmma_shapes": "wgmma", "BwdTile": "backward"}
+         "wgmma_shapes": "wgmma", "BwdTile": "backward",
+         "BwdWgmmaTile": "backward"}
 
 
 class _Registry(Mapping):

@@ -1,25 +1,29 @@
-"""The backward pass's kernel families (issue 14): attn_bwd_pre, attn_bwd_mma, attn_bwd_simt, attn_bwd_convert.
+"""The backward pass's kernel families (issue 14): attn_bwd_pre, attn_bwd_mma, attn_bwd_wgmma, attn_bwd_simt,
+attn_bwd_convert.
 
 A backward call is three launches (``pyattn.ops._bwd``): ``attn_bwd_pre`` (per query row:
-rowsum(dO * O), the LSE in log2 units, dq_acc zeroed), the main kernel (``attn_bwd_mma`` on tensor
-cores for fp16/bf16, ``attn_bwd_simt`` on CUDA cores for float32: dK/dV in registers, dQ added to
-the fp32 dq_acc), and ``attn_bwd_convert`` (dq_acc * scale -> dq). One parameter struct serves all
-three (``pyattn.kernels.params.ATTN_BWD_PARAMS``).
+rowsum(dO * O), the LSE in log2 units, dq_acc zeroed), the main kernel (``attn_bwd_wgmma`` on
+sm_90a's warpgroup tensor cores for fp16/bf16 up to head dim 128, ``attn_bwd_mma`` on mma.sync
+tensor cores for the other 16-bit cases, ``attn_bwd_simt`` on CUDA cores for float32: dK/dV in
+registers, dQ added to the fp32 dq_acc), and ``attn_bwd_convert`` (dq_acc * scale -> dq). One
+parameter struct serves all of them (``pyattn.kernels.params.ATTN_BWD_PARAMS``).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: typing.NamedTuple would compile every string
+# annotation of its fields into a ForwardRef at import (issue 16).
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..params import ATTN_BWD_PARAMS
-from .base import CTYPES, MAX_HEAD_DIM, TENSOR_CORE_ALIGNMENT, Family, FixedTile, TileConfig, every_arch
+from .base import (CTYPES, MAX_HEAD_DIM, TENSOR_CORE_ALIGNMENT, WGMMA_ARCHS, WGMMA_BWD_MAX_HEAD_DIM, Family, FixedTile,
+                   TileConfig, every_arch)
 from .tables import row as _table_row
 
-__all__ = ["BwdTile", "ATTN_BWD_PRE", "ATTN_BWD_MMA", "ATTN_BWD_SIMT", "ATTN_BWD_CONVERT", "bwd_row"]
+__all__ = ["BwdTile", "BwdWgmmaTile", "ATTN_BWD_PRE", "ATTN_BWD_MMA", "ATTN_BWD_WGMMA", "ATTN_BWD_SIMT",
+           "ATTN_BWD_CONVERT", "bwd_row", "bwd_wgmma_shapes"]
 
 
-@dataclass(frozen=True)
-class BwdTile:
+class BwdTile(NamedTuple):
     """A tile-table row of attn_bwd_mma (see ``FixedTile`` for the common fields).
 
     ``block_n`` keys per block (resident K, V, dK, dV), ``block_m`` query rows per step; ``split``
@@ -70,6 +74,34 @@ _SMALL = (  # sm_86 / sm_89 (99 KiB per block)
 )
 _MMA_TABLE = {"sm_80": _BIG, "sm_86": _SMALL, "sm_89": _SMALL, "sm_90a": _HOPPER, "sm_100a": _HOPPER}
 
+class BwdWgmmaTile(NamedTuple):
+    """A tile-table row of attn_bwd_wgmma (see ``FixedTile`` for the common fields).
+
+    ``warpgroups`` of 64 keys each (block_n = 64 * warpgroups: resident K, V, and dK, dV in
+    registers), ``block_m`` query rows per step (64 or 128; with block_m = block_n the warpgroups
+    split dQ by rows, with 64 by head-dim blocks), ``stages`` Q/dO buffers.
+    """
+
+    max_head_dim: int
+    block_m: int
+    warpgroups: int
+    stages: int
+    reason: str
+
+    def config(self) -> TileConfig:
+        return TileConfig(self.block_m, 64 * self.warpgroups, 4 * self.warpgroups, self.reason, 1, 1, self.stages)
+
+
+# dK + dV of 64 keys x head_dim sit in one warpgroup's registers (head_dim / 2 each per thread):
+# up to WGMMA_BWD_MAX_HEAD_DIM = 128; larger head dims keep attn_bwd_mma (its d=256 row splits them
+# over two warps).
+_WGMMA = (
+    BwdWgmmaTile(64, 128, 2, 2, "128 keys x 128 queries per step, dQ split by rows; 130 KiB; unmeasured"),
+    BwdWgmmaTile(128, 64, 2, 2, "128 keys x 64 queries per step (FA3's d=128 shape), dQ split by head-dim "
+                                "halves; 146 KiB; unmeasured"),
+)
+
+
 # One key per lane (block_n = 32), 4 warps; block_m query rows per step: 16 up to d=128, 8 above, so
 # that K and V (fp32, padded) plus the Q/dO tiles fit 99 KiB (82 KiB at d=256).
 _SIMT = every_arch((
@@ -103,6 +135,41 @@ def _mma_smem_bytes(spec, t) -> int:
         + 8 * r.stages * r.block_m
 
 
+def _wgmma_row(spec) -> BwdWgmmaTile:
+    return _table_row(ATTN_BWD_WGMMA, "dense", spec.arch, spec.head_dim)
+
+
+def _wgmma_traits(spec, t) -> str:
+    r = _wgmma_row(spec)
+    return (f"pyattn::AttnBwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {r.block_m}, {r.warpgroups}, "
+            f"{r.stages}>")
+
+
+def _wgmma_smem_bytes(spec, t) -> int:
+    """K and V (block_n rows), the Q/dO stages, dS^T (block_n x block_m), 128-byte swizzled and
+    unpadded; the stages' LSE and dsum in fp32; +1024 to align the swizzle atoms."""
+    r, d = _wgmma_row(spec), spec.head_dim
+    bn = 64 * r.warpgroups
+    return 2 * (2 * bn * d + 2 * r.stages * r.block_m * d + bn * r.block_m) + 8 * r.stages * r.block_m + 1024
+
+
+def _wgmma_check(spec) -> None:
+    if spec.arch not in WGMMA_ARCHS or spec.head_dim % 64 or spec.head_dim > WGMMA_BWD_MAX_HEAD_DIM:
+        raise ValueError(f"family: attn_bwd_wgmma takes f16/bf16, head dim 64 or 128 and arch in {WGMMA_ARCHS}; "
+                         f"got {spec}")
+
+
+def bwd_wgmma_shapes() -> set:
+    """The N of the ``m64nNk16`` wgmmas attn_bwd_wgmma instantiates: block_m (S^T, dP^T), the head
+    dim (dK, dV) and dQ's width (the head dim, or 64 when split by head-dim blocks)."""
+    shapes = set()
+    for rows in ATTN_BWD_WGMMA.tables["dense"].values():
+        for r in rows:
+            d = r.max_head_dim
+            shapes |= {r.block_m, d, d if r.block_m == 64 * r.warpgroups else d // r.warpgroups}
+    return shapes
+
+
 def _mods(spec) -> str:
     return f"pyattn::BwdMods<{str(spec.softcap).lower()}, {str(spec.alibi).lower()}>"
 
@@ -130,6 +197,14 @@ ATTN_BWD_MMA = Family(
     template_id=lambda spec, t: f"pyattn::attn_bwd_mma<{_mma_traits(spec, t)}, {_mods(spec)}>",
     dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT,
     traits=_mma_traits, smem_bytes=_mma_smem_bytes,
+)
+
+ATTN_BWD_WGMMA = Family(
+    name="attn_bwd_wgmma", label="the wgmma backward", header="attention_bwd_wgmma.cuh", params=ATTN_BWD_PARAMS,
+    tables={"dense": {arch: _WGMMA for arch in WGMMA_ARCHS}},
+    template_id=lambda spec, t: f"pyattn::attn_bwd_wgmma<{_wgmma_traits(spec, t)}, {_mods(spec)}>",
+    dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT,
+    traits=_wgmma_traits, smem_bytes=_wgmma_smem_bytes, check=_wgmma_check,
 )
 
 ATTN_BWD_SIMT = Family(

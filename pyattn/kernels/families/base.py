@@ -16,7 +16,7 @@ from ...runtime.device import SUPPORTED_ARCHS
 from ..params import ParamStruct
 
 __all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "KV_KINDS", "KV_HEAD_DIM_BUCKETS",
-           "WGMMA_ARCHS", "TileConfig", "FixedTile", "Alignment", "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
+           "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment", "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
 
 # The records and tile rows below are NamedTuples or plain classes, not frozen dataclasses: a
@@ -37,6 +37,8 @@ MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
 KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
 KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
 WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
+# attn_bwd_wgmma holds a warpgroup's dK + dV (64 keys x head_dim each) in registers: head dims up to 128.
+WGMMA_BWD_MAX_HEAD_DIM = 128
 
 
 class TileConfig(NamedTuple):

@@ -126,13 +126,16 @@ ATTN_FWD_WGMMA = Family(
 def wgmma_shapes(tables=None) -> tuple:
     """The N of every ``m64nNk16`` instruction the wgmma kernel instantiates, ascending.
 
-    Q K^T runs at N = block_n, P V at N = head_dim (each bucket the family takes).
+    Q K^T runs at N = block_n, P V at N = head_dim (each bucket the family takes); the wgmma
+    backward's shapes (``backward.bwd_wgmma_shapes``) are added.
 
     Parameters
     ----------
     tables : mapping, optional
         Tile tables as :attr:`Family.tables` (default: the family's own).
     """
+    from .backward import bwd_wgmma_shapes  # the backward's wgmmas share the header
+
     tables = ATTN_FWD_WGMMA.tables if tables is None else tables
     block_ns = {row.block_n for by_arch in tables.values() for rows in by_arch.values() for row in rows}
-    return tuple(sorted(block_ns | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0}))
+    return tuple(sorted(block_ns | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0} | bwd_wgmma_shapes()))
