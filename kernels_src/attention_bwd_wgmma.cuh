@@ -124,106 +124,12 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   for (int i = 0; i < GR; ++i) dk[i] = dv[i] = 0.f;
   const int diag = sk - sq;
 
-  int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
-  for (int it = 0; it < iters; ++it) {
-    const int m0 = m * BM, stage = it & 1;
-    const bool last_m = m + 1 == m_end;
-    const int hq_next = last_m ? hq + 1 : hq, m_next = last_m ? m_begin : m + 1;
-    // Tile `it` landed for everyone and is visible to the async proxy; every warpgroup finished
-    // tile it - 1 (its wgmmas, its reads of dS^T), so its stage and dS^T may be overwritten.
-    wg::cp_async_wait<0>();
-    wg::fence_proxy_async_smem();
-    __syncthreads();
-    if (it + 1 < iters) load_tile(hq_next, m_next, stage ^ 1);
-    wg::cp_async_commit();
-    const unsigned qoff = stage * Tr::kQBytes;
-    const float* lse_s = stats + stage * 2 * BM;
-    const float* dsum_s = lse_s + BM;
-
-    // -- S^T = K Q^T and dP^T = V dO^T (fp32)
-    float s[SR], dp[SR];
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned off = (kk % 4) * 32;
-      wg::Mma<T, BM, 0>::ss(s, wg::desc_add(k_a, (kk / 4) * (BN * 128) + off),
-                            wg::desc_add(q_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned off = (kk % 4) * 32;
-      wg::Mma<T, BM, 0>::ss(dp, wg::desc_add(v_a, (kk / 4) * (BN * 128) + off),
-                            wg::desc_add(do_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
-    }
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_operands(s);
-    wg::fence_operands(dp);
-
-    // -- P^T and dS^T, packed to T as the A fragments of dV and dK (k16 step kk = query columns
-    // [16 kk, 16 kk + 16): n8 blocks 2 kk and 2 kk + 1). Masked scores -> exp2(-inf) = 0,
-    // branch-free (as in the mma.sync kernel).
-    const bool full = band_pair_full<BM, BN>(band, m0, n0, sq, sk);
-    float slope = 0.f;
-    if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + hq];
-    unsigned pf[KQ][4], df[KQ][4];
-#pragma unroll
-    for (int i = 0; i < BM / 8; ++i) {
-      const int qc = i * 8 + 2 * t;  // this thread's two query columns qc, qc + 1
-      const float2 lse = *reinterpret_cast<const float2*>(lse_s + qc);
-      const float2 dsum = *reinterpret_cast<const float2*>(dsum_s + qc);
-      float pv[4], ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float l = (e & 1) ? lse.y : lse.x;
-        const int key = n0 + key_row + 8 * (e >> 1), row = m0 + qc + (e & 1);
-        float x, dcap = 1.f;
-        if constexpr (Mods::kAny)
-          x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, dcap) - l;
-        else
-          x = fmaf(s[4 * i + e], p.scale_log2, -l);
-        if (!full) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
-        pv[e] = fast_exp2(x);
-        ds[e] = pv[e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
-        if constexpr (Mods::kSoftcap) ds[e] *= dcap;
-      }
-      // n8 block i is half (i & 1) of k16 step i / 2: registers {0, 1} or {2, 3} (rows g, g + 8)
-      pf[i / 2][2 * (i & 1)] = pack2<T>(pv[0], pv[1]);
-      pf[i / 2][2 * (i & 1) + 1] = pack2<T>(pv[2], pv[3]);
-      df[i / 2][2 * (i & 1)] = pack2<T>(ds[0], ds[1]);
-      df[i / 2][2 * (i & 1) + 1] = pack2<T>(ds[2], ds[3]);
-      // dS^T to shared memory for dQ: (key, queries qc, qc + 1) in 64-query block i / 8, chunk i % 8
-      // swizzled by the row (key_row % 8 = g)
-      const unsigned at = sDS + (i / 8) * (BN * 128) + key_row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(df[i / 2][2 * (i & 1)]) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * 128), "r"(df[i / 2][2 * (i & 1) + 1]) : "memory");
-    }
-
-    // -- dV += P^T dO and dK += dS^T Q over the tile's queries (asynchronous)
-    wg::fence_operands(dv);
-    wg::fence_operands(dk);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dv, pf[kk], wg::desc_add(do_bt, qoff + kk * 2048), 1);
-#pragma unroll
-    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dk, df[kk], wg::desc_add(q_bt, qoff + kk * 2048), 1);
-    wg::commit();
-
-    // -- dQ = dS K over the block's keys, once every warpgroup's dS^T is in shared memory
-    wg::fence_proxy_async_smem();
-    pipe::bar_sync(1, NT);
-    float dq[QR];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wg::Mma<T, Tr::kDqN, 1>::template ss<1>(dq, wg::desc_add(ds_at, kk * 2048), wg::desc_add(k_bt, kk * 2048),
-                                              kk > 0);
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_operands(dq);
-    wg::fence_operands(dv);
-    wg::fence_operands(dk);
-
-    // -- add this block's share of dQ to dq_acc (unscaled; the convert kernel scales)
+  // Add a finished tile's dQ (query tile m of head hq) to dq_acc, unscaled (attn_bwd_convert scales).
+  // After the tile's last wait: code that reads registers while wgmmas are in flight must be
+  // branch-free and leave registers to spare, or ptxas serialises every wgmma (C7518 / C7512).
+  float dq[QR];
+  auto flush_dq = [&](int hq, int m) {
+    const int m0 = m * BM;
     int* sem = nullptr;
     if (p.deterministic) {
       sem = p.sem + (static_cast<long long>(batch) * p.heads_q + hq) * p.m_blocks + m;
@@ -243,6 +149,140 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
       }
     }
     if (p.deterministic) sem_arrive(sem);
+  };
+
+  int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
+  for (int it = 0; it < iters; ++it) {
+    const int m0 = m * BM, stage = it & 1;
+    const bool last_m = m + 1 == m_end;
+    const int hq_next = last_m ? hq + 1 : hq, m_next = last_m ? m_begin : m + 1;
+    // Tile `it` landed for everyone and is visible to the async proxy; every warpgroup finished
+    // tile it - 1 (its wgmmas, its reads of dS^T), so its stage and dS^T may be overwritten.
+    wg::cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    __syncthreads();
+    if (it + 1 < iters) load_tile(hq_next, m_next, stage ^ 1);
+    wg::cp_async_commit();
+    const unsigned qoff = stage * Tr::kQBytes;
+    const float* lse_s = stats + stage * 2 * BM;
+    const float* dsum_s = lse_s + BM;
+
+    // -- S^T = K Q^T and dP^T = V dO^T (fp32), one commit group each
+    float s[SR], dp[SR];
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned off = (kk % 4) * 32;
+      wg::Mma<T, BM, 0>::ss(s, wg::desc_add(k_a, (kk / 4) * (BN * 128) + off),
+                            wg::desc_add(q_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
+    }
+    wg::commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned off = (kk % 4) * 32;
+      wg::Mma<T, BM, 0>::ss(dp, wg::desc_add(v_a, (kk / 4) * (BN * 128) + off),
+                            wg::desc_add(do_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
+    }
+    wg::commit();
+    // With a soft-cap, dS needs each score's 1 - tanh^2: it is made with P, in dP^T's registers
+    // (keeping the factors for a second pass would take another accumulator's worth of registers).
+    if constexpr (Mods::kSoftcap) {
+      wg::wait<0>();
+      wg::fence_operands(dp);
+    } else {
+      wg::wait<1>();
+    }
+    wg::fence_operands(s);
+
+    // -- P^T = exp2(S^T * scale_log2 - LSE) (kept in s), packed to T as the A fragments of dV
+    // (k16 step kk = query columns [16 kk, 16 kk + 16): n8 blocks 2 kk and 2 kk + 1). Masked scores
+    // -> exp2(-inf) = 0, branch-free (as in the mma.sync kernel).
+    const bool full = band_pair_full<BM, BN>(band, m0, n0, sq, sk);
+    float slope = 0.f;
+    if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + hq];
+    unsigned pf[KQ][4], df[KQ][4];
+#pragma unroll
+    for (int i = 0; i < BM / 8; ++i) {
+      const int qc = i * 8 + 2 * t;  // this thread's two query columns qc, qc + 1
+      const float2 lse = *reinterpret_cast<const float2*>(lse_s + qc);
+      float2 dsum;
+      if constexpr (Mods::kSoftcap) dsum = *reinterpret_cast<const float2*>(dsum_s + qc);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float l = (e & 1) ? lse.y : lse.x;
+        const int key = n0 + key_row + 8 * (e >> 1), row = m0 + qc + (e & 1);
+        float x;
+        if constexpr (Mods::kAny) {
+          float cap;
+          x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, cap) - l;
+          if (!full) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
+          s[4 * i + e] = fast_exp2(x);
+          if constexpr (Mods::kSoftcap)  // dS^T, in place of dP^T
+            dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x)) * cap;
+        } else {
+          x = fmaf(s[4 * i + e], p.scale_log2, -l);
+          if (!full) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
+          s[4 * i + e] = fast_exp2(x);
+        }
+      }
+      // n8 block i is half (i & 1) of k16 step i / 2: registers {0, 1} or {2, 3} (rows g, g + 8)
+      pf[i / 2][2 * (i & 1)] = pack2<T>(s[4 * i], s[4 * i + 1]);
+      pf[i / 2][2 * (i & 1) + 1] = pack2<T>(s[4 * i + 2], s[4 * i + 3]);
+    }
+
+    // -- dV += P^T dO over the tile's queries, while dP^T finishes and dS is computed
+    wg::fence_operands(dv);
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dv, pf[kk], wg::desc_add(do_bt, qoff + kk * 2048), 1);
+    wg::commit();
+    if constexpr (!Mods::kSoftcap) {
+      wg::wait<1>();  // dP^T done (dV may still run)
+      wg::fence_operands(dp);
+    }
+
+    // -- dS^T = P^T (dP^T - dsum) (with a soft-cap: made above): the A fragments of dK, and shared
+    // memory for dQ
+#pragma unroll
+    for (int i = 0; i < BM / 8; ++i) {
+      const int qc = i * 8 + 2 * t;
+      float ds[4];
+      if constexpr (Mods::kSoftcap) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[e] = dp[4 * i + e];
+      } else {
+        const float2 dsum = *reinterpret_cast<const float2*>(dsum_s + qc);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
+      }
+      df[i / 2][2 * (i & 1)] = pack2<T>(ds[0], ds[1]);
+      df[i / 2][2 * (i & 1) + 1] = pack2<T>(ds[2], ds[3]);
+      // (key, queries qc, qc + 1) in 64-query block i / 8, chunk i % 8 swizzled by the row (key_row % 8 = g)
+      const unsigned at = sDS + (i / 8) * (BN * 128) + key_row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(df[i / 2][2 * (i & 1)]) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * 128), "r"(df[i / 2][2 * (i & 1) + 1]) : "memory");
+    }
+
+    // -- dK += dS^T Q over the tile's queries (asynchronous)
+    wg::fence_operands(dk);
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dk, df[kk], wg::desc_add(q_bt, qoff + kk * 2048), 1);
+    wg::commit();
+
+    // -- dQ = dS K over the block's keys, once every warpgroup's dS^T is in shared memory
+    wg::fence_proxy_async_smem();
+    pipe::bar_sync(1, NT);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wg::Mma<T, Tr::kDqN, 1>::template ss<1>(dq, wg::desc_add(ds_at, kk * 2048), wg::desc_add(k_bt, kk * 2048),
+                                              kk > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(dq);
+    wg::fence_operands(dv);
+    wg::fence_operands(dk);
+    flush_dq(hq, m);
     hq = hq_next, m = m_next;
   }
 
