@@ -109,6 +109,14 @@ __device__ __forceinline__ void red_add_pair(float* at, float a, float b) {
 #endif
 }
 
+// red_add_pair when `pred` holds, as one predicated instruction (no branch: attn_bwd_wgmma issues
+// these while a wgmma is in flight, where ptxas serialises the wgmmas around any divergent path).
+__device__ __forceinline__ void red_add_pair_if(bool pred, float* at, float a, float b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(at),
+               "f"(a), "f"(b), "r"(static_cast<int>(pred))
+               : "memory");
+}
+
 // Key block n of (kv head, batch): the default grid has n fastest (blockIdx.x), so the key blocks of
 // one head run together and share its Q/dO tiles in L2. With `deterministic` n is slowest
 // (blockIdx.z): blocks that take turns on a query tile's dQ are then mostly in different waves, so

@@ -128,27 +128,27 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   // After the tile's last wait: code that reads registers while wgmmas are in flight must be
   // branch-free and leave registers to spare, or ptxas serialises every wgmma (C7518 / C7512).
   float dq[QR];
+  // Branch-free (predicated reductions): it runs while the dK wgmma is in flight, where a divergent
+  // path makes ptxas serialise every wgmma (C7518).
   auto flush_dq = [&](int hq, int m) {
     const int m0 = m * BM;
-    int* sem = nullptr;
-    if (p.deterministic) {
-      sem = p.sem + (static_cast<long long>(batch) * p.heads_q + hq) * p.m_blocks + m;
-      sem_wait(sem, n_block - band_first_key_tile<BN>(band, m0));
-    }
     float* acc = p.dq_acc + (acc_row(p, seq, batch, hq) + m0) * p.head_dim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = dq_row0 + 16 * ((threadIdx.x % 128) / 32) + g + 8 * h;
-      if (m0 + row < sq) {
 #pragma unroll
-        for (int i = 0; i < Tr::kDqN / 8; ++i) {
-          const int d = dq_col0 + i * 8 + 2 * t;
-          if (d < p.head_dim)  // head_dim is a multiple of 8: d + 1 is in range too
-            red_add_pair(acc + row * p.head_dim + d, dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
-        }
+      for (int i = 0; i < Tr::kDqN / 8; ++i) {
+        const int d = dq_col0 + i * 8 + 2 * t;  // head_dim is a multiple of 8: d + 1 is in range too
+        red_add_pair_if(m0 + row < sq && d < p.head_dim, acc + row * p.head_dim + d, dq[4 * i + 2 * h],
+                        dq[4 * i + 2 * h + 1]);
       }
     }
-    if (p.deterministic) sem_arrive(sem);
+  };
+  auto flush_dq_ordered = [&](int hq, int m) {
+    int* sem = p.sem + (static_cast<long long>(batch) * p.heads_q + hq) * p.m_blocks + m;
+    sem_wait(sem, n_block - band_first_key_tile<BN>(band, m * BM));
+    flush_dq(hq, m);
+    sem_arrive(sem);
   };
 
   int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
@@ -263,26 +263,32 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * 128), "r"(df[i / 2][2 * (i & 1) + 1]) : "memory");
     }
 
-    // -- dK += dS^T Q over the tile's queries (asynchronous)
-    wg::fence_operands(dk);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dk, df[kk], wg::desc_add(q_bt, qoff + kk * 2048), 1);
-    wg::commit();
-
-    // -- dQ = dS K over the block's keys, once every warpgroup's dS^T is in shared memory
+    // -- dQ = dS K over the block's keys, once every warpgroup's dS^T is in shared memory; then
+    // dK += dS^T Q, which runs while this tile's dQ is added to dq_acc
     wg::fence_proxy_async_smem();
     pipe::bar_sync(1, NT);
+    wg::fence_operands(dk);
+    wg::fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       wg::Mma<T, Tr::kDqN, 1>::template ss<1>(dq, wg::desc_add(ds_at, kk * 2048), wg::desc_add(k_bt, kk * 2048),
                                               kk > 0);
     wg::commit();
-    wg::wait<0>();
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) wg::Mma<T, D, 1>::rs(dk, df[kk], wg::desc_add(q_bt, qoff + kk * 2048), 1);
+    wg::commit();
+    wg::wait<1>();  // dV and dQ done; dK may still run
     wg::fence_operands(dq);
     wg::fence_operands(dv);
-    wg::fence_operands(dk);
-    flush_dq(hq, m);
+    if (p.deterministic) {
+      wg::wait<0>();
+      wg::fence_operands(dk);
+      flush_dq_ordered(hq, m);
+    } else {
+      flush_dq(hq, m);
+      wg::wait<0>();
+      wg::fence_operands(dk);
+    }
     hq = hq_next, m = m_next;
   }
 
