@@ -1,7 +1,7 @@
 """Dev probe (GPU): backward calls to run under Nsight Compute, and the stall metrics to read.
 
 Usage (the third call of the main kernel is the profiled one; the first two compile and warm up):
-  /opt/nvidia/nsight-compute/2025.3.1/ncu -k regex:attn_bwd_mma --launch-skip 2 --launch-count 1 \\
+  /opt/nvidia/nsight-compute/2025.3.1/ncu -k regex:'attn_bwd_(w?g?mma)' --launch-skip 2 --launch-count 1 \\
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \\
       --section MemoryWorkloadAnalysis --page raw python dev/profile_backward.py [--d 128] [--seqlen 4096] \\
       | grep -E "$(python dev/profile_backward.py --metrics)"
@@ -24,6 +24,7 @@ METRICS = [f"smsp__average_warps_issue_stalled_{r}_per_issue_active" for r in (
     "barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "math_pipe_throttle", "wait", "not_selected",
     "lg_throttle", "dispatch_stall", "membar", "selected", "no_instruction", "drain", "branch_resolving")] + [
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",  # wgmma (attn_bwd_wgmma)
     "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
     "lts__t_sectors_op_red.sum", "lts__t_sectors_op_atom.sum", "dram__bytes.sum", "gpu__time_duration.sum",

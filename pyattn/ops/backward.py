@@ -71,7 +71,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
 
     Notes
     -----
-    float16/bfloat16 run on tensor cores (mma.sync), float32 stays exact on CUDA cores. Scores are
+    float16/bfloat16 run on tensor cores (warpgroup MMA on sm_90a up to head dim 128, mma.sync
+    otherwise), float32 stays exact on CUDA cores. Scores are
     recomputed in the order of ``pyattn.reference.attention_ref``; accumulation is fp32, dq goes
     through an fp32 buffer and is rounded once. A query row that saw no key (``lse`` -inf) gets a
     dq row of 0 and adds nothing to dk, dv: never NaN. All validation happens before any GPU work.
