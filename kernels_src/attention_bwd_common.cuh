@@ -60,6 +60,18 @@ __device__ __forceinline__ void band_query_tiles(const Band& b, int n0, int n1, 
   m_end = static_cast<int>(min(static_cast<long long>(tiles), last_row / BM + 1));
 }
 
+// What a key block [n0, n0 + BN) of the main kernels walks: the band, its query tiles [m_begin,
+// m_end) of BM rows, and `iters` = tiles x the GQA group (query head, query tile), head-major.
+template <int BM, int BN>
+struct BwdWalk {
+  Band band;
+  int m_begin, m_end, iters;
+  __device__ __forceinline__ BwdWalk(const AttnBwdParams& p, int sq, int sk, int n0) : band(make_band(p, sq, sk)) {
+    band_query_tiles<BM>(band, n0, min(n0 + BN, sk) - 1, sq, m_begin, m_end);
+    iters = (m_end - m_begin) * p.group;
+  }
+};
+
 // The first key tile of BN keys that visits query tile m (rows from m0): the base of the ranks.
 template <int BN>
 __device__ __forceinline__ int band_first_key_tile(const Band& b, int m0) {

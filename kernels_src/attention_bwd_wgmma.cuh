@@ -81,10 +81,9 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
 
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
   const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
-  const Band band = make_band(p, sq, sk);
-  int m_begin, m_end;
-  band_query_tiles<BM>(band, n0, min(n0 + BN, sk) - 1, sq, m_begin, m_end);
-  const int iters = (m_end - m_begin) * p.group;
+  const BwdWalk<BM, BN> walk(p, sq, sk, n0);
+  const Band band = walk.band;
+  const int m_begin = walk.m_begin, m_end = walk.m_end, iters = walk.iters;
 
   // One query tile's operands: Q and dO rows (zero past the sequence), LSE and dsum (the pre
   // kernel padded them to whole tiles: +inf and 0, so padded rows give P = dS = 0).
