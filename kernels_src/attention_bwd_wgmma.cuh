@@ -18,8 +18,9 @@
 //                      read M-major (the A transpose bit), B = K read MN-major. The warpgroups split
 //                      dQ by query rows when BLOCK_M = BLOCK_N (each 64 rows x HEAD_DIM), else by
 //                      64-wide head-dim blocks (BLOCK_M = 64); either way one wgmma row block each.
-//                      dQ is added to the fp32 dq_acc (red.global.add.v2, or in key-block order under
-//                      `deterministic`, see attention_bwd_common.cuh), scaled by attn_bwd_convert.
+//                      dQ is added to the fp32 dq_acc (red.global.add.v2, while dK's wgmma runs, or
+//                      in key-block order under `deterministic`, see attention_bwd_common.cuh),
+//                      scaled by attn_bwd_convert.
 // Why not the mma.sync kernel's layout on Hopper: there 8 warps of m16 tiles reload their B
 // fragments from shared memory for every product and the kernel is latency-bound at 8 warps and
 // shared-memory-bound at 16 (BENCHMARKS.md, issue 14); a wgmma reads each operand tile once per
@@ -124,11 +125,12 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   const int diag = sk - sq;
 
   // Add a finished tile's dQ (query tile m of head hq) to dq_acc, unscaled (attn_bwd_convert scales).
-  // After the tile's last wait: code that reads registers while wgmmas are in flight must be
-  // branch-free and leave registers to spare, or ptxas serialises every wgmma (C7518 / C7512).
+  // It runs while the tile's dK wgmma is in flight, so it is branch-free (predicated reductions):
+  // code that reads registers while wgmmas are in flight must have no divergent path and leave
+  // registers to spare, or ptxas serialises every wgmma of the kernel (C7518 / C7512; holding dQ
+  // for a tile longer, beside dK + dV, ran out of registers). `deterministic`: after the tile's
+  // wgmmas, in key-block order.
   float dq[QR];
-  // Branch-free (predicated reductions): it runs while the dK wgmma is in flight, where a divergent
-  // path makes ptxas serialise every wgmma (C7518).
   auto flush_dq = [&](int hq, int m) {
     const int m0 = m * BM;
     float* acc = p.dq_acc + (acc_row(p, seq, batch, hq) + m0) * p.head_dim;
