@@ -24,7 +24,11 @@ METRICS = [f"smsp__average_warps_issue_stalled_{r}_per_issue_active" for r in (
     "barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "math_pipe_throttle", "wait", "not_selected",
     "lg_throttle", "dispatch_stall", "membar", "selected", "no_instruction", "drain", "branch_resolving")] + [
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",  # wgmma (attn_bwd_wgmma)
+    # wgmma (attn_bwd_wgmma): instructions issued to the gmma pipe, and the tensor pipe's busy cycles
+    # counted over every tensor instruction kind (the hmma metric above counted them too on ncu 2025.3)
+    "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_type_hmma_hgmma_qgmma_imma_igmma_bmma_bgmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "smsp__average_warps_issue_stalled_gmma_per_issue_active",
     "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
     "lts__t_sectors_op_red.sum", "lts__t_sectors_op_atom.sum", "dram__bytes.sum", "gpu__time_duration.sum",
