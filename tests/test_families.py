@@ -10,8 +10,8 @@ import pytest
 from pyattn import CompileError
 from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels import registry
-from pyattn.kernels.families import (FAMILIES, BwdTile, BwdWgmmaTile, DecodeTile, MmaTile, WgmmaTile, check_spec, get_family,
-                                     override_tiles, tile_config, tile_table)
+from pyattn.kernels.families import (FAMILIES, BwdTile, BwdWgmmaTile, DecodeTile, MmaTile, WgmmaTile, check_spec,
+                                     get_family, override_tiles, tile_config, tile_table)
 from pyattn.kernels.families.base import (HEAD_DIM_BUCKETS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM, Alignment, FixedTile,
                                           TileConfig)
 from pyattn.kernels.specs import FAMILIES as FAMILY_NAMES
