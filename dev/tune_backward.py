@@ -8,9 +8,9 @@ Usage:
 
 ROW is 'BM,BN,W,SPLIT,DQM,ST' for attn_bwd_mma and 'BM,WG,ST' for attn_bwd_wgmma (the family the
 arch selects for the head dim). Each variant replaces the d row of the arch's table
-(``override_tiles``) and is timed through the public ``attention_backward`` (bf16, B = 16384 // S, H = 2048 // d, causal and not, harness.Bench),
-with its gradients compared to the table's own row (max relative difference), so a variant that is
-fast because it is wrong shows. Rows given with --rows are tried for every --dims.
+(``override_tiles``) and is timed through the public ``attention_backward`` (bf16, B = 16384 // S,
+H = 2048 // d, causal and not, harness.Bench), with its gradients compared to the table's own row
+(max relative difference), so a variant that is fast because it is wrong shows. Rows given with --rows are tried for every --dims.
 """
 
 from __future__ import annotations
