@@ -76,3 +76,12 @@ def deviceless_cache(monkeypatch):
     monkeypatch.setattr(cache_mod, "get_device", lambda ordinal=None: dev)
     monkeypatch.setattr(cache_mod, "empty", empty)
     return pyattn.PagedKVCache
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Every pyattn allocation poisoned (``memory.POISON_ALLOC``: NaN bytes) for the test, so an output
+    element no kernel writes fails its check. The GPU test modules use it through ``pytestmark``."""
+    from pyattn.runtime import memory
+
+    monkeypatch.setattr(memory, "POISON_ALLOC", True)

@@ -15,7 +15,6 @@ from pyattn.reference import attention_ref, error_bound
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from pyattn.runtime import memory
 from pyattn.runtime.stream import LEGACY_STREAM
 
 
@@ -26,14 +25,10 @@ def _has_gpu() -> bool:
         return False
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _inputs(rng, B, Sq, Sk, Hq, Hkv, D, dtype, layout="bshd"):

@@ -18,9 +18,9 @@ from test_gpu_attention import _has_gpu
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from pyattn.runtime import memory  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -29,11 +29,6 @@ try:  # torch is an interop partner here, never a dependency
 except ImportError:
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _inputs(rng, B, Sq, Sk, Hq, Hkv, D, dtype, layout="bshd"):

@@ -22,16 +22,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import _has_gpu  # noqa: E402
-from pyattn.runtime import memory
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 CACHE_DTYPES = {"int8": "int8", "fp8_e4m3": "fp8e4m3"}  # constructor dtype -> cache.kv
 SRC = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _rows(rng, n, H, D, src, outliers=True):

@@ -24,17 +24,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _has_gpu  # noqa: E402
-from pyattn.runtime import memory
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 KINDS = {"int8": "int8", "fp8_e4m3": "fp8e4m3"}
 # Documented bound (README): max |out - exact| <= QUANT_BOUND[kind] * max |V| (per-token scales).
 QUANT_BOUND = {"int8": 0.02, "fp8_e4m3": 0.08}
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _fill(cache, seqs, dtype):

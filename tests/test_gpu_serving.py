@@ -21,18 +21,13 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _check, _has_gpu  # noqa: E402
-from pyattn.runtime import memory  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 # PYATTN_TEST_NO_SHRINK=1: report the first failing example as drawn (a GPU session's minutes are few).
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     phases=[p for p in Phase if p != Phase.shrink or not os.environ.get("PYATTN_TEST_NO_SHRINK")])
 DT16 = ["float16", "bfloat16"]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _rand(rng, shape, dtype):

@@ -22,15 +22,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import DTYPES, _has_gpu  # noqa: E402
-from pyattn.runtime import memory
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 FLOOR = {"float16": 1e-3, "bfloat16": 8e-3}
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 def _structured(rng, n, Hkv, D, q_group):

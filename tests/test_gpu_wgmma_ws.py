@@ -22,14 +22,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import _check, _has_gpu, _inputs  # noqa: E402
-from pyattn.runtime import memory
 
 
 def _is_sm90a() -> bool:
     return _has_gpu() and pyattn.get_device().arch == "sm_90a"
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LENGTHS = st.sampled_from([1, 63, 64, 65, 129, 300]) | st.integers(1, 400)
 
@@ -44,11 +44,6 @@ def _ws_tables():
             override_tiles("attn_fwd_wgmma", "sm_90a", _WS_MASK1 + tile_table("attn_fwd_wgmma", "sm_90a", "mask1")[2:],
                            table="mask1"):
         yield
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
 @SETTINGS
