@@ -39,8 +39,9 @@ def test_three_launches_on_one_stream_with_the_callers_pointers(gpu):
     # (the fake GPU is an sm_90a: the wgmma main kernel)
     assert _kinds(names) == ["attn_bwd_pre_f16_d32", "attn_bwd_wgmma_f16_d128", "attn_bwd_convert_f16_d32"]
     grids = [grid for _, grid, *_ in fake_driver.LAUNCHES]
-    # pre: 100 rows padded to whole 64-row query tiles (128) / 8 rows per block; main: 128-key blocks
-    assert grids == [(128 // 8, 8, 2), (300 // 128 + 1, 2, 2), (100 // 8 + 1, 8, 2)]
+    # pre: 100 rows padded to whole 64-row query tiles (128) / 16 rows per block (d=128: 16 chunks of
+    # 16 bytes per row, 2 rows per warp, 8 warps); main: 128-key blocks
+    assert grids == [(128 // 16, 8, 2), (300 // 128 + 1, 2, 2), (100 // 16 + 1, 8, 2)]
     assert len({s for _, _, s, _ in fake_driver.LAUNCHES}) == 1
     ptrs = fake_driver.LAUNCHES[1][3]  # q, k, v, o, dout, lse, dq, dk: the struct's leading pointers
     assert ptrs[:6] == (q.ptr, k.ptr, v.ptr, out.ptr, dout.ptr, lse.ptr)
@@ -95,9 +96,10 @@ def test_varlen_passes_the_offsets(gpu, monkeypatch):
     monkeypatch.setattr(bwd, "fetch_values", lambda a: host[a.ptr])  # (the fake device holds no values)
     fake_driver.LAUNCHES.clear()
     dq, dk, dv = pyattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
-    # pre: the longest sequence (30) padded to one query tile; main: keys of the longest (60) in one key block
+    # pre: the longest sequence (30) padded to one query tile, 32 rows per block (d=64); main: keys of
+    # the longest (60) in one key block
     bm = KernelSpec("attn_bwd_wgmma", "f16", 64, "sm_90a").tiles.block_m  # (the fake GPU is an sm_90a)
-    assert [grid for _, grid, *_ in fake_driver.LAUNCHES] == [(bm // 8, 4, 2), (1, 2, 2), (30 // 8 + 1, 4, 2)]
+    assert [grid for _, grid, *_ in fake_driver.LAUNCHES] == [(-(-bm // 32), 4, 2), (1, 2, 2), (1, 4, 2)]
     assert (dq.shape, dk.shape) == ((50, 4, 64), (70, 2, 64))
     params = fake_driver.LAUNCHES[0][3]
     assert params[:6] == (q.ptr, k.ptr, v.ptr, out.ptr, dout.ptr, lse.ptr)

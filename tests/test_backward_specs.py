@@ -10,7 +10,8 @@ import pytest
 from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels.families import BwdTile, BwdWgmmaTile, override_tiles, tile_table
 from pyattn.kernels.families.backward import bwd_row
-from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, backward_specs, select_backward_specs
+from pyattn.kernels.specs import (HEAD_DIM_BUCKETS, KernelSpec, backward_specs, row_pass_rows_per_warp,
+                                  select_backward_specs)
 from pyattn.ops import _bwd
 from pyattn.runtime.device import SUPPORTED_ARCHS
 from pyattn.validate.attention import AttentionProblem
@@ -141,17 +142,26 @@ def test_scratch_layout_dense_and_varlen():
     assert _bwd._scratch(_problem(Sq=0).base, 64, True)[3][4] == 64
 
 
+@pytest.mark.parametrize("head_dim, itemsize, rows", [(8, 2, 32), (40, 2, 4), (64, 2, 4), (128, 2, 2), (256, 2, 1),
+                                                      (8, 4, 16), (64, 4, 2), (256, 4, 1)])
+def test_row_pass_rows_per_warp(head_dim, itemsize, rows):
+    """A row's 16-byte chunks on the next power of two of lanes (at most 32); the rest of the warp
+    takes further rows."""
+    assert row_pass_rows_per_warp(head_dim, itemsize) == rows
+
+
 def test_plan_grids_and_static_fields(monkeypatch):
     monkeypatch.setattr(_bwd, "get_kernel", lambda spec, device: spec)
     dev = types.SimpleNamespace(arch="sm_90a", ordinal=0)
     plan = _bwd.build_bwd_plan(_problem(deterministic=True), dev)
     pre, main, conv = plan.launches
     bm = main.kernel.tiles.block_m
-    assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-100 // bm) * bm // 8, 4, 2)
+    # d=64 in 16 bits: 8 chunks of 16 bytes per row on 8 lanes, 4 rows per warp, 32 per block of 8 warps
+    assert pre.kernel.family == "attn_bwd_pre" and pre.grid == (-(-(-(-100 // bm) * bm) // 32), 4, 2)
     # deterministic: key blocks slowest (kv heads, batch, key blocks)
     assert main.kernel.family == "attn_bwd_wgmma" and main.grid == (2, 2, 1)
     assert main.block == (main.kernel.threads, 1, 1)
-    assert main.shared_bytes == main.kernel.shared_bytes and conv.grid == (-(-100 // 8), 4, 2)
+    assert main.shared_bytes == main.kernel.shared_bytes and conv.grid == (-(-100 // 32), 4, 2)
     assert plan.grads[0][0] == (2, 100, 4, 64) and plan.grads[1][0] == plan.grads[2][0] == (2, 70, 2, 64)
     params = plan.packer.pack(*range(1, 17))
     assert len(params) == main.kernel.params.size

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
+from .families.backward import row_pass_rows_per_warp
 from .families.base import (DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM,
                             TileConfig)
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
            "MASK_KINDS", "KV_KINDS", "FAMILIES", "WGMMA_ARCHS", "select_attention_spec", "standard_specs",
            "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config", "select_backward_specs",
-           "backward_specs"]
+           "row_pass_rows_per_warp", "backward_specs"]
 
 FAMILIES = tuple(_REGISTRY)  # the family names; the records are pyattn.kernels.families.FAMILIES
 

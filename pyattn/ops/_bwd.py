@@ -15,7 +15,7 @@ import numpy as np
 from ..array import c_strides
 from ..interop.inputs import numpy_dtype
 from ..kernels.registry import get_kernel
-from ..kernels.specs import select_backward_specs
+from ..kernels.specs import row_pass_rows_per_warp, select_backward_specs
 from ..pipeline.device import layout, output
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
@@ -107,12 +107,13 @@ def build_bwd_plan(problem, device) -> BwdPlan:
         "scale_log2": P.scale * _LOG2E, "softcap": P.softcap,
     })
     rows_launch = B > 0 and Sq > 0
+    row_block = pre.tiles.warps * row_pass_rows_per_warp(P.head_dim, dtype.itemsize)  # rows per block
     launches = (
-        _Launch(get_kernel(pre, device), (-(-_up(Sq, bm) // pre.tiles.warps), Hq, B), (pre.threads, 1, 1), 0)
+        _Launch(get_kernel(pre, device), (-(-_up(Sq, bm) // row_block), Hq, B), (pre.threads, 1, 1), 0)
         if rows_launch else None,
         _Launch(get_kernel(main, device), _main_grid(-(-Sk // bn), P.heads_kv, B, problem.deterministic),
                 (main.threads, 1, 1), main.shared_bytes) if B > 0 and Sk > 0 else None,
-        _Launch(get_kernel(conv, device), (-(-Sq // conv.tiles.warps), Hq, B), (conv.threads, 1, 1), 0)
+        _Launch(get_kernel(conv, device), (-(-Sq // row_block), Hq, B), (conv.threads, 1, 1), 0)
         if rows_launch else None,
     )
     grads = (layout(q_shape, dtype), layout(k_shape, dtype), layout(k_shape, dtype))
