@@ -89,6 +89,19 @@ def test_fully_masked_rows_and_empty_sides(dtype):
     assert dq.shape == (1, 0, 4, 64) and np.all(dk == 0) and np.all(dv == 0)
 
 
+@pytest.mark.parametrize("D", [8, 64, 200])
+def test_fp32_one_key_gives_exactly_zero_dk(D):
+    """With one key, out = v and dS = P (dP - dsum) is 0 in exact arithmetic, so the reference dk is
+    exactly 0. On the fp32 path dsum is summed in dP's order, so dk must be exactly 0 too (the 2x
+    rule against an exact 0 leaves no room for a rounding difference between the two sums)."""
+    rng = np.random.default_rng(D)
+    dout, q, k, v = _inputs(rng, 2, 37, 1, 4, 2, D, "float32")
+    for opts in ({}, {"softcap": 20.0}, {"alibi_slopes": np.full(4, 0.2, np.float32)}):
+        dq, dk, dv = _fwd_bwd(dout, q, k, v, **opts)
+        assert np.all(dk == 0) and np.all(dq == 0), opts
+        _check((dq, dk, dv), dout, q, k, v, **opts)
+
+
 def test_long_causal_sequence_gqa():
     rng = np.random.default_rng(2)
     dout, q, k, v = _inputs(rng, 1, 2048, 2048, 8, 2, 128, "bfloat16")
