@@ -25,6 +25,9 @@
 // fragments from shared memory for every product and the kernel is latency-bound at 8 warps and
 // shared-memory-bound at 16 (BENCHMARKS.md, issue 14); a wgmma reads each operand tile once per
 // warpgroup, asynchronously.
+// A block per key block, not a persistent grid: blocks that walked key blocks from a counter,
+// loading the next one's K/V and first tile under the current one, measured up to 8% slower at
+// causal shapes and no faster elsewhere (BENCHMARKS.md, issue 14, fifth session).
 // Requires pyattn::AttnBwdParams, common.cuh, mma.cuh; wgmma.cuh and wgmma_pipe.cuh (tile loads).
 #pragma once
 #include "attention_bwd_common.cuh"
@@ -72,40 +75,66 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   const unsigned sDS = sdO + Tr::kStages * Tr::kQBytes;   // dS^T: [BM / 64][BN keys][64 queries]
   float* stats = reinterpret_cast<float*>(smem_raw + (sDS + Tr::kDSBytes - raw));  // [stage][lse | dsum][BM]
 
-  int n_block, kv_head, batch;
-  bwd_block(p, n_block, kv_head, batch);
-  const BwdSeq seq = bwd_seq(p, batch);
-  const int sq = seq.sq, sk = seq.sk, n0 = n_block * BN;
-  if (n0 >= sk) return;  // varlen: this sequence has fewer keys than the longest
   const int wgi = threadIdx.x / 128, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int key_row = 64 * wgi + 16 * ((threadIdx.x % 128) / 32) + g;  // (+ 8) in the block: this thread's keys
 
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
-  const BwdWalk<BM, BN> walk(p, sq, sk, n0);
-  const Band band = walk.band;
-  const int m_begin = walk.m_begin, m_end = walk.m_end, iters = walk.iters;
-
-  // One query tile's operands: Q and dO rows (zero past the sequence), LSE and dsum (the pre
-  // kernel padded them to whole tiles: +inf and 0, so padded rows give P = dS = 0).
-  auto load_tile = [&](int hq, int m, int stage) {
+  // The block's K and V, and one query tile's operands: Q and dO rows (zero past the
+  // sequence), LSE and dsum (the pre kernel padded them to whole tiles: +inf and 0, so padded
+  // rows give P = dS = 0).
+  auto load_kv = [&](const BwdItem<BM, BN>& w) {
+    const T* k = static_cast<const T*>(p.k) + w.batch * p.k_stride_b + w.kv_head * p.k_stride_h + w.seq.k_row0 * p.k_stride_s;
+    const T* v = static_cast<const T*>(p.v) + w.batch * p.v_stride_b + w.kv_head * p.v_stride_h + w.seq.k_row0 * p.v_stride_s;
+    wgmma_load_tile<Tr, BN, NT>(sK, k, p.k_stride_s, w.n0, w.seq.sk, p.head_dim, threadIdx.x);
+    wgmma_load_tile<Tr, BN, NT>(sV, v, p.v_stride_s, w.n0, w.seq.sk, p.head_dim, threadIdx.x);
+  };
+  auto load_tile = [&](const BwdItem<BM, BN>& w, int hq, int m, int stage) {
     const int m0 = m * BM;
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
-                    seq.q_row0 * p.dout_stride_s;
-    wgmma_load_tile<Tr, BM, NT>(sQ + stage * Tr::kQBytes, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
-    wgmma_load_tile<Tr, BM, NT>(sdO + stage * Tr::kQBytes, dout, p.dout_stride_s, m0, sq, p.head_dim, threadIdx.x);
-    const long long r = acc_row(p, seq, batch, hq) + m0;
+    const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride_b + hq * p.q_stride_h + w.seq.q_row0 * p.q_stride_s;
+    const T* dout = static_cast<const T*>(p.dout) + w.batch * p.dout_stride_b + hq * p.dout_stride_h +
+                    w.seq.q_row0 * p.dout_stride_s;
+    wgmma_load_tile<Tr, BM, NT>(sQ + stage * Tr::kQBytes, q, p.q_stride_s, m0, w.seq.sq, p.head_dim, threadIdx.x);
+    wgmma_load_tile<Tr, BM, NT>(sdO + stage * Tr::kQBytes, dout, p.dout_stride_s, m0, w.seq.sq, p.head_dim, threadIdx.x);
+    const long long r = acc_row(p, w.seq, w.batch, hq) + m0;
     for (int i = threadIdx.x; i < 2 * BM; i += NT)
       cp_async_4(stats + (stage * 2 + i / BM) * BM + i % BM, (i < BM ? p.lse_log2 : p.dsum) + r + i % BM);
   };
+  // The block's dK and dV rows, this thread's pairs (dK scaled), rounded to T.
+  auto store_dkdv = [&](const BwdItem<BM, BN>& w, const float* dk, const float* dv) {
+    T* dkp = static_cast<T*>(p.dk) + w.batch * p.dk_stride_b + w.kv_head * p.dk_stride_h + w.seq.k_row0 * p.dk_stride_s;
+    T* dvp = static_cast<T*>(p.dv) + w.batch * p.dv_stride_b + w.kv_head * p.dv_stride_h + w.seq.k_row0 * p.dv_stride_s;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = w.n0 + key_row + 8 * h;
+      if (key >= w.seq.sk) continue;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const int d = i * 8 + 2 * t;
+        if (d < p.head_dim) {
+          *reinterpret_cast<unsigned*>(dkp + key * p.dk_stride_s + d) =
+              pack2<T>(dk[4 * i + 2 * h] * p.scale, dk[4 * i + 2 * h + 1] * p.scale);
+          *reinterpret_cast<unsigned*>(dvp + key * p.dv_stride_s + d) = pack2<T>(dv[4 * i + 2 * h], dv[4 * i + 2 * h + 1]);
+        }
+      }
+    }
+  };
 
-  // -- prologue: K, V and the first query tile in flight (one cp.async group)
-  wgmma_load_tile<Tr, BN, NT>(sK, k, p.k_stride_s, n0, sk, p.head_dim, threadIdx.x);
-  wgmma_load_tile<Tr, BN, NT>(sV, v, p.v_stride_s, n0, sk, p.head_dim, threadIdx.x);
-  if (iters > 0) load_tile(kv_head * p.group, m_begin, 0);
+  float dk[GR], dv[GR];
+  int n_block, kv_head, batch;
+  bwd_block(p, n_block, kv_head, batch);
+  const BwdItem<BM, BN> w(p, n_block, kv_head, batch);
+  const int n0 = w.n0, sq = w.seq.sq, sk = w.seq.sk, iters = w.walk.iters;
+  const Band band = w.walk.band;
+  const int m_begin = w.walk.m_begin, m_end = w.walk.m_end;
+#pragma unroll
+  for (int i = 0; i < GR; ++i) dk[i] = dv[i] = 0.f;
+  if (!w.has_work()) {  // no query tile sees these keys (or, varlen, there are none): dK = dV = 0
+    store_dkdv(w, dk, dv);
+    return;
+  }
+  load_kv(w);
+  load_tile(w, w.hq0(p), m_begin, 0);
   wg::cp_async_commit();
-
+  int stage = 0;
   // Descriptors (wgmma.cuh): K-major operands step 32 B per k16 inside a 64-column block, then
   // jump a block; MN-major ones step 16 rows (2048 B) per k16, LBO = the distance of 64-wide blocks.
   const unsigned long long k_a = wg::make_desc_sw128(sK + wgi * 64 * 128, 16, 1024);
@@ -118,10 +147,6 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   const unsigned long long ds_at = wg::make_desc_sw128(sDS + (Tr::kDqByRows ? wgi * BN * 128 : 0), BN * 128, 1024);
   const unsigned long long k_bt = wg::make_desc_sw128(sK + (Tr::kDqByRows ? 0 : wgi * BN * 128), BN * 128, 1024);
   const int dq_row0 = Tr::kDqByRows ? 64 * wgi : 0, dq_col0 = Tr::kDqByRows ? 0 : wgi * Tr::kDqN;
-
-  float dk[GR], dv[GR];
-#pragma unroll
-  for (int i = 0; i < GR; ++i) dk[i] = dv[i] = 0.f;
   const int diag = sk - sq;
 
   // Add a finished tile's dQ (query tile m of head hq) to dq_acc, unscaled (attn_bwd_convert scales).
@@ -133,7 +158,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   float dq[QR];
   auto flush_dq = [&](int hq, int m) {
     const int m0 = m * BM;
-    float* acc = p.dq_acc + (acc_row(p, seq, batch, hq) + m0) * p.head_dim;
+    float* acc = p.dq_acc + (acc_row(p, w.seq, w.batch, hq) + m0) * p.head_dim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = dq_row0 + 16 * ((threadIdx.x % 128) / 32) + g + 8 * h;
@@ -146,15 +171,14 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     }
   };
   auto flush_dq_ordered = [&](int hq, int m) {
-    int* sem = p.sem + (static_cast<long long>(batch) * p.heads_q + hq) * p.m_blocks + m;
-    sem_wait(sem, n_block - band_first_key_tile<BN>(band, m * BM));
+    int* sem = p.sem + (static_cast<long long>(w.batch) * p.heads_q + hq) * p.m_blocks + m;
+    sem_wait(sem, w.n_block - band_first_key_tile<BN>(band, m * BM));
     flush_dq(hq, m);
     sem_arrive(sem);
   };
-
-  int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
+  int hq = w.hq0(p), m = m_begin;  // this iteration's query head and tile
   for (int it = 0; it < iters; ++it) {
-    const int m0 = m * BM, stage = it & 1;
+    const int m0 = m * BM;
     const bool last_m = m + 1 == m_end;
     const int hq_next = last_m ? hq + 1 : hq, m_next = last_m ? m_begin : m + 1;
     // Tile `it` landed for everyone and is visible to the async proxy; every warpgroup finished
@@ -162,7 +186,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     wg::cp_async_wait<0>();
     wg::fence_proxy_async_smem();
     __syncthreads();
-    if (it + 1 < iters) load_tile(hq_next, m_next, stage ^ 1);
+    if (it + 1 < iters) load_tile(w, hq_next, m_next, stage ^ 1);
     wg::cp_async_commit();
     const unsigned qoff = stage * Tr::kQBytes;
     const float* lse_s = stats + stage * 2 * BM;
@@ -196,40 +220,44 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     wg::fence_operands(s);
 
     // -- P^T = exp2(S^T * scale_log2 - LSE) (kept in s), packed to T as the A fragments of dV
-    // (k16 step kk = query columns [16 kk, 16 kk + 16): n8 blocks 2 kk and 2 kk + 1). Masked scores
-    // -> exp2(-inf) = 0, branch-free (as in the mma.sync kernel).
-    const bool full = band_pair_full<BM, BN>(band, m0, n0, sq, sk);
+    // (k16 step kk = query columns [16 kk, 16 kk + 16): n8 blocks 2 kk and 2 kk + 1). Two copies
+    // of the pass, one of them masked (masked scores -> exp2(-inf) = 0, branch-free): a tile
+    // wholly inside the sequence and the band, most of them, tests nothing per score. With one
+    // copy and the test behind a `full` flag, ptxas re-derived part of the flag for each of the
+    // 64 scores (12% of the d=64 kernel's instructions: BENCHMARKS.md, issue 14, fifth session).
     float slope = 0.f;
-    if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + hq];
+    if constexpr (Mods::kAlibi) slope = p.alibi[w.batch * p.alibi_stride_b + hq];
     unsigned pf[KQ][4], df[KQ][4];
+    auto p_pass = [&](const bool masked) {  // called with a constant: inlined, `masked` folds away
 #pragma unroll
-    for (int i = 0; i < BM / 8; ++i) {
-      const int qc = i * 8 + 2 * t;  // this thread's two query columns qc, qc + 1
-      const float2 lse = *reinterpret_cast<const float2*>(lse_s + qc);
-      float2 dsum;
-      if constexpr (Mods::kSoftcap) dsum = *reinterpret_cast<const float2*>(dsum_s + qc);
+      for (int i = 0; i < BM / 8; ++i) {
+        const int qc = i * 8 + 2 * t;  // this thread's two query columns qc, qc + 1
+        const float2 lse = *reinterpret_cast<const float2*>(lse_s + qc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float l = (e & 1) ? lse.y : lse.x;
-        const int key = n0 + key_row + 8 * (e >> 1), row = m0 + qc + (e & 1);
-        float x;
-        if constexpr (Mods::kAny) {
-          float cap;
-          x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, cap) - l;
-          if (!full) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
-          s[4 * i + e] = fast_exp2(x);
-          if constexpr (Mods::kSoftcap)  // dS^T, in place of dP^T
-            dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x)) * cap;
-        } else {
-          x = fmaf(s[4 * i + e], p.scale_log2, -l);
-          if (!full) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
-          s[4 * i + e] = fast_exp2(x);
+        for (int e = 0; e < 4; ++e) {
+          const float l = (e & 1) ? lse.y : lse.x;
+          const int key = n0 + key_row + 8 * (e >> 1), row = m0 + qc + (e & 1);
+          float x;
+          if constexpr (Mods::kAny) {
+            float cap;
+            x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, cap) - l;
+            if (masked) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
+            s[4 * i + e] = fast_exp2(x);
+            if constexpr (Mods::kSoftcap)  // dS^T, in place of dP^T
+              dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum_s[qc + (e & 1)]) * cap;
+          } else {
+            x = fmaf(s[4 * i + e], p.scale_log2, -l);
+            if (masked) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
+            s[4 * i + e] = fast_exp2(x);
+          }
         }
+        // n8 block i is half (i & 1) of k16 step i / 2: registers {0, 1} or {2, 3} (rows g, g + 8)
+        pf[i / 2][2 * (i & 1)] = pack2<T>(s[4 * i], s[4 * i + 1]);
+        pf[i / 2][2 * (i & 1) + 1] = pack2<T>(s[4 * i + 2], s[4 * i + 3]);
       }
-      // n8 block i is half (i & 1) of k16 step i / 2: registers {0, 1} or {2, 3} (rows g, g + 8)
-      pf[i / 2][2 * (i & 1)] = pack2<T>(s[4 * i], s[4 * i + 1]);
-      pf[i / 2][2 * (i & 1) + 1] = pack2<T>(s[4 * i + 2], s[4 * i + 3]);
-    }
+    };
+    if (band_pair_full<BM, BN>(band, m0, n0, sq, sk)) p_pass(false);
+    else p_pass(true);
 
     // -- dV += P^T dO over the tile's queries, while dP^T finishes and dS is computed
     wg::fence_operands(dv);
@@ -290,26 +318,9 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
       wg::wait<0>();
       wg::fence_operands(dk);
     }
-    hq = hq_next, m = m_next;
+    hq = hq_next, m = m_next, stage ^= 1;
   }
-
-  // -- epilogue: dK (scaled) and dV of this warpgroup's keys, rounded to T, pairs of elements
-  T* dkp = static_cast<T*>(p.dk) + batch * p.dk_stride_b + kv_head * p.dk_stride_h + seq.k_row0 * p.dk_stride_s;
-  T* dvp = static_cast<T*>(p.dv) + batch * p.dv_stride_b + kv_head * p.dv_stride_h + seq.k_row0 * p.dv_stride_s;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = n0 + key_row + 8 * h;
-    if (key >= sk) continue;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int d = i * 8 + 2 * t;
-      if (d < p.head_dim) {
-        *reinterpret_cast<unsigned*>(dkp + key * p.dk_stride_s + d) =
-            pack2<T>(dk[4 * i + 2 * h] * p.scale, dk[4 * i + 2 * h + 1] * p.scale);
-        *reinterpret_cast<unsigned*>(dvp + key * p.dv_stride_s + d) = pack2<T>(dv[4 * i + 2 * h], dv[4 * i + 2 * h + 1]);
-      }
-    }
-  }
+  store_dkdv(w, dk, dv);
 }
 
 }  // namespace pyattn

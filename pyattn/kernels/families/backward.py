@@ -96,11 +96,12 @@ class BwdWgmmaTile(NamedTuple):
 # up to WGMMA_BWD_MAX_HEAD_DIM = 128; larger head dims keep attn_bwd_mma (its d=256 row splits them
 # over two warps).
 _WGMMA = (
-    # H200, bf16 (4, 4096, 32 or 16 heads), ms non-causal / causal (BENCHMARKS.md, issue 14, fourth session)
-    BwdWgmmaTile(64, 128, 2, 2, "128 keys x 128 queries per step, dQ split by rows; 130 KiB: 5.06 / 2.90 ms "
-                                "(0.97 / 0.96x FA2); one warpgroup of 64 keys x 64 queries 6.69 / 3.63"),
+    # H200, bf16 (4, 4096, 32 or 16 heads), ms non-causal / causal (BENCHMARKS.md, issue 14, fifth
+    # session; the one-warpgroup alternatives from the fourth session's kernel)
+    BwdWgmmaTile(64, 128, 2, 2, "128 keys x 128 queries per step, dQ split by rows; 130 KiB: 4.26 / 2.37 ms "
+                                "(1.16 / 1.18x FA2); one warpgroup of 64 keys x 64 queries 6.69 / 3.63"),
     BwdWgmmaTile(128, 64, 2, 2, "128 keys x 64 queries per step (FA3's d=128 shape), dQ split by head-dim "
-                                "halves; 146 KiB: 3.99 / 2.34 ms (1.14 / 1.07x FA2); one warpgroup 5.88 / 3.17"),
+                                "halves; 146 KiB: 3.75 / 2.16 ms (1.21 / 1.16x FA2); one warpgroup 5.88 / 3.17"),
 )
 
 
