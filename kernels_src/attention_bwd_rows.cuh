@@ -11,10 +11,10 @@
 // Both are bound by memory bandwidth (at B * S = 16k rows of 2048 elements: 256 MB moved by the
 // pre pass, 192 MB by convert), so they move 16-byte chunks: a row's chunks lie on W lanes (W the
 // power of two >= the row's chunks, at most 32) and a warp takes 32 / W rows. One warp per row with
-// 2-byte loads ran at 0.9 TB/s (BENCHMARKS.md, "The backward's row passes"): a d=64 row left 24 of
-// 32 lanes idle and each lane moved 2 bytes per load. Arrays that are not 16-byte aligned (`out`
-// is read with plain loads by contract, fp32 dq may have any stride) take the same lanes element by
-// element: the alignment is checked once per block, the same answer for the whole grid.
+// 2-byte loads ran at 0.9 TB/s (BENCHMARKS.md, issue 14, fifth session): a d=64 row's 128 bytes
+// were 2 bytes per lane per load. Arrays that are not 16-byte aligned (`out` is read with plain
+// loads by contract, fp32 dq may have any stride) take the same lanes element by element; the
+// alignment test reads only launch parameters, so every thread takes the same path.
 // Grid: (row tiles of WARPS * 32 / W rows, heads_q, batch); row_pass_rows_per_warp in
 // pyattn/kernels/families/backward.py computes 32 / W for the host. Requires AttnBwdParams,
 // common.cuh and attention_bwd_common.cuh.
