@@ -64,7 +64,11 @@ _HOPPER = (
     BwdTile(128, 64, 128, 8, 2, 2, 2, "2 warps per 32-key slice (P, dS via shared memory, 16% fewer shared bytes): "
                                       "5.53 / 3.11 ms; 1 per 16-key slice 6.31 / 3.53; 16 warps 6.46 / 3.61 "
                                       "(latency-bound at 8 warps, shared-memory-bound at 16); 173 KiB"),
-    BwdTile(256, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages (217 KiB); unmeasured"),
+    BwdTile(224, 64, 64, 8, 2, 4, 2, "as sm_80 with two Q/dO stages; dQ as 4 x 2 warps (224 / 4 is no multiple "
+                                     "of 16); unmeasured"),
+    BwdTile(256, 64, 64, 8, 2, 2, 2, "as sm_80 with two Q/dO stages (217 KiB), dQ as 2 x 4 warps: 7.69 / 4.09 "
+                                     "ms; 4 x 2 warps 7.81 / 4.20, one stage 8.30 / 4.29, 16 warps (4 per key "
+                                     "slice) 8.36 / 4.44, 64 keys x 32 queries 11.75 / 5.94 (fifth session)"),
 )
 _SMALL = (  # sm_86 / sm_89 (99 KiB per block)
     BwdTile(64, 64, 128, 8, 1, 4, 2, "91 KiB at d=64, as on sm_80; unmeasured"),
