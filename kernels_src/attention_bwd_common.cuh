@@ -72,21 +72,6 @@ struct BwdWalk {
   }
 };
 
-// A key block's work (attn_bwd_wgmma): which block (bwd_block), where its sequence lives, and
-// its walk over query tiles.
-template <int BM, int BN>
-struct BwdItem {
-  int n_block, kv_head, batch, n0;
-  BwdSeq seq;
-  BwdWalk<BM, BN> walk;
-  __device__ __forceinline__ BwdItem(const AttnBwdParams& p, int n_block_, int kv_head_, int batch_)
-      : n_block(n_block_), kv_head(kv_head_), batch(batch_), n0(n_block_ * BN), seq(bwd_seq(p, batch_)),
-        walk(p, seq.sq, seq.sk, n0) {}
-  // Some query tile sees some of its keys (varlen: a shorter sequence may have none of them).
-  __device__ __forceinline__ bool has_work() const { return n0 < seq.sk && walk.iters > 0; }
-  __device__ __forceinline__ int hq0(const AttnBwdParams& p) const { return kv_head * p.group; }  // first query head
-};
-
 // The first key tile of BN keys that visits query tile m (rows from m0): the base of the ranks.
 template <int BN>
 __device__ __forceinline__ int band_first_key_tile(const Band& b, int m0) {

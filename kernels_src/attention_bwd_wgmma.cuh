@@ -78,34 +78,38 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   const int wgi = threadIdx.x / 128, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int key_row = 64 * wgi + 16 * ((threadIdx.x % 128) / 32) + g;  // (+ 8) in the block: this thread's keys
 
-  // The block's K and V, and one query tile's operands: Q and dO rows (zero past the
-  // sequence), LSE and dsum (the pre kernel padded them to whole tiles: +inf and 0, so padded
-  // rows give P = dS = 0).
-  auto load_kv = [&](const BwdItem<BM, BN>& w) {
-    const T* k = static_cast<const T*>(p.k) + w.batch * p.k_stride_b + w.kv_head * p.k_stride_h + w.seq.k_row0 * p.k_stride_s;
-    const T* v = static_cast<const T*>(p.v) + w.batch * p.v_stride_b + w.kv_head * p.v_stride_h + w.seq.k_row0 * p.v_stride_s;
-    wgmma_load_tile<Tr, BN, NT>(sK, k, p.k_stride_s, w.n0, w.seq.sk, p.head_dim, threadIdx.x);
-    wgmma_load_tile<Tr, BN, NT>(sV, v, p.v_stride_s, w.n0, w.seq.sk, p.head_dim, threadIdx.x);
-  };
-  auto load_tile = [&](const BwdItem<BM, BN>& w, int hq, int m, int stage) {
+  int n_block, kv_head, batch;
+  bwd_block(p, n_block, kv_head, batch);
+  const BwdSeq seq = bwd_seq(p, batch);
+  const int sq = seq.sq, sk = seq.sk, n0 = n_block * BN;
+  const BwdWalk<BM, BN> walk(p, sq, sk, n0);
+  const Band band = walk.band;
+  const int m_begin = walk.m_begin, m_end = walk.m_end, iters = walk.iters;
+
+  // One query tile's operands: Q and dO rows (zero past the sequence), LSE and dsum (the pre
+  // kernel padded them to whole tiles: +inf and 0, so padded rows give P = dS = 0).
+  auto load_tile = [&](int hq, int m, int stage) {
     const int m0 = m * BM;
-    const T* q = static_cast<const T*>(p.q) + w.batch * p.q_stride_b + hq * p.q_stride_h + w.seq.q_row0 * p.q_stride_s;
-    const T* dout = static_cast<const T*>(p.dout) + w.batch * p.dout_stride_b + hq * p.dout_stride_h +
-                    w.seq.q_row0 * p.dout_stride_s;
-    wgmma_load_tile<Tr, BM, NT>(sQ + stage * Tr::kQBytes, q, p.q_stride_s, m0, w.seq.sq, p.head_dim, threadIdx.x);
-    wgmma_load_tile<Tr, BM, NT>(sdO + stage * Tr::kQBytes, dout, p.dout_stride_s, m0, w.seq.sq, p.head_dim, threadIdx.x);
-    const long long r = acc_row(p, w.seq, w.batch, hq) + m0;
+    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
+                    seq.q_row0 * p.dout_stride_s;
+    wgmma_load_tile<Tr, BM, NT>(sQ + stage * Tr::kQBytes, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
+    wgmma_load_tile<Tr, BM, NT>(sdO + stage * Tr::kQBytes, dout, p.dout_stride_s, m0, sq, p.head_dim, threadIdx.x);
+    const long long r = acc_row(p, seq, batch, hq) + m0;
     for (int i = threadIdx.x; i < 2 * BM; i += NT)
       cp_async_4(stats + (stage * 2 + i / BM) * BM + i % BM, (i < BM ? p.lse_log2 : p.dsum) + r + i % BM);
   };
+  float dk[GR], dv[GR];
+#pragma unroll
+  for (int i = 0; i < GR; ++i) dk[i] = dv[i] = 0.f;
   // The block's dK and dV rows, this thread's pairs (dK scaled), rounded to T.
-  auto store_dkdv = [&](const BwdItem<BM, BN>& w, const float* dk, const float* dv) {
-    T* dkp = static_cast<T*>(p.dk) + w.batch * p.dk_stride_b + w.kv_head * p.dk_stride_h + w.seq.k_row0 * p.dk_stride_s;
-    T* dvp = static_cast<T*>(p.dv) + w.batch * p.dv_stride_b + w.kv_head * p.dv_stride_h + w.seq.k_row0 * p.dv_stride_s;
+  auto store_dkdv = [&]() {
+    T* dkp = static_cast<T*>(p.dk) + batch * p.dk_stride_b + kv_head * p.dk_stride_h + seq.k_row0 * p.dk_stride_s;
+    T* dvp = static_cast<T*>(p.dv) + batch * p.dv_stride_b + kv_head * p.dv_stride_h + seq.k_row0 * p.dv_stride_s;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int key = w.n0 + key_row + 8 * h;
-      if (key >= w.seq.sk) continue;
+      const int key = n0 + key_row + 8 * h;
+      if (key >= sk) continue;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
         const int d = i * 8 + 2 * t;
@@ -117,23 +121,20 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
       }
     }
   };
-
-  float dk[GR], dv[GR];
-  int n_block, kv_head, batch;
-  bwd_block(p, n_block, kv_head, batch);
-  const BwdItem<BM, BN> w(p, n_block, kv_head, batch);
-  const int n0 = w.n0, sq = w.seq.sq, sk = w.seq.sk, iters = w.walk.iters;
-  const Band band = w.walk.band;
-  const int m_begin = w.walk.m_begin, m_end = w.walk.m_end;
-#pragma unroll
-  for (int i = 0; i < GR; ++i) dk[i] = dv[i] = 0.f;
-  if (!w.has_work()) {  // no query tile sees these keys (or, varlen, there are none): dK = dV = 0
-    store_dkdv(w, dk, dv);
+  if (n0 >= sk || iters == 0) {  // no keys here (varlen) or no query tile sees them: dK = dV = 0
+    store_dkdv();
     return;
   }
-  load_kv(w);
-  load_tile(w, w.hq0(p), m_begin, 0);
+
+  // -- prologue: K, V and the first query tile in flight (one cp.async group)
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
+  wgmma_load_tile<Tr, BN, NT>(sK, k, p.k_stride_s, n0, sk, p.head_dim, threadIdx.x);
+  wgmma_load_tile<Tr, BN, NT>(sV, v, p.v_stride_s, n0, sk, p.head_dim, threadIdx.x);
+  load_tile(kv_head * p.group, m_begin, 0);
   wg::cp_async_commit();
+  // The ring stage, toggled per tile. (`it & 1` is the same value, but ptxas then emits 144 more
+  // instructions at d=64 than for the kernel measured in BENCHMARKS.md: checked on the SASS.)
   int stage = 0;
   // Descriptors (wgmma.cuh): K-major operands step 32 B per k16 inside a 64-column block, then
   // jump a block; MN-major ones step 16 rows (2048 B) per k16, LBO = the distance of 64-wide blocks.
@@ -158,7 +159,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   float dq[QR];
   auto flush_dq = [&](int hq, int m) {
     const int m0 = m * BM;
-    float* acc = p.dq_acc + (acc_row(p, w.seq, w.batch, hq) + m0) * p.head_dim;
+    float* acc = p.dq_acc + (acc_row(p, seq, batch, hq) + m0) * p.head_dim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = dq_row0 + 16 * ((threadIdx.x % 128) / 32) + g + 8 * h;
@@ -171,12 +172,12 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     }
   };
   auto flush_dq_ordered = [&](int hq, int m) {
-    int* sem = p.sem + (static_cast<long long>(w.batch) * p.heads_q + hq) * p.m_blocks + m;
-    sem_wait(sem, w.n_block - band_first_key_tile<BN>(band, m * BM));
+    int* sem = p.sem + (static_cast<long long>(batch) * p.heads_q + hq) * p.m_blocks + m;
+    sem_wait(sem, n_block - band_first_key_tile<BN>(band, m * BM));
     flush_dq(hq, m);
     sem_arrive(sem);
   };
-  int hq = w.hq0(p), m = m_begin;  // this iteration's query head and tile
+  int hq = kv_head * p.group, m = m_begin;  // this iteration's query head and tile
   for (int it = 0; it < iters; ++it) {
     const int m0 = m * BM;
     const bool last_m = m + 1 == m_end;
@@ -186,29 +187,27 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     wg::cp_async_wait<0>();
     wg::fence_proxy_async_smem();
     __syncthreads();
-    if (it + 1 < iters) load_tile(w, hq_next, m_next, stage ^ 1);
+    if (it + 1 < iters) load_tile(hq_next, m_next, stage ^ 1);
     wg::cp_async_commit();
     const unsigned qoff = stage * Tr::kQBytes;
     const float* lse_s = stats + stage * 2 * BM;
     const float* dsum_s = lse_s + BM;
 
-    // -- S^T = K Q^T and dP^T = V dO^T (fp32), one commit group each
+    // -- S^T = K Q^T and dP^T = V dO^T (fp32), one commit group each: A (keys) and B (queries) both
+    // K-major over the head dim
     float s[SR], dp[SR];
+    auto keys_x_queries = [&](float (&acc)[SR], unsigned long long a, unsigned long long b) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned off = (kk % 4) * 32;
+        wg::Mma<T, BM, 0>::ss(acc, wg::desc_add(a, (kk / 4) * (BN * 128) + off),
+                              wg::desc_add(b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
+      }
+      wg::commit();
+    };
     wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned off = (kk % 4) * 32;
-      wg::Mma<T, BM, 0>::ss(s, wg::desc_add(k_a, (kk / 4) * (BN * 128) + off),
-                            wg::desc_add(q_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
-    }
-    wg::commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned off = (kk % 4) * 32;
-      wg::Mma<T, BM, 0>::ss(dp, wg::desc_add(v_a, (kk / 4) * (BN * 128) + off),
-                            wg::desc_add(do_b, qoff + (kk / 4) * (BM * 128) + off), kk > 0);
-    }
-    wg::commit();
+    keys_x_queries(s, k_a, q_b);
+    keys_x_queries(dp, v_a, do_b);
     // With a soft-cap, dS needs each score's 1 - tanh^2: it is made with P, in dP^T's registers
     // (keeping the factors for a second pass would take another accumulator's worth of registers).
     if constexpr (Mods::kSoftcap) {
@@ -226,7 +225,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     // copy and the test behind a `full` flag, ptxas re-derived part of the flag for each of the
     // 64 scores (12% of the d=64 kernel's instructions: BENCHMARKS.md, issue 14, fifth session).
     float slope = 0.f;
-    if constexpr (Mods::kAlibi) slope = p.alibi[w.batch * p.alibi_stride_b + hq];
+    if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + hq];
     unsigned pf[KQ][4], df[KQ][4];
     auto p_pass = [&](const bool masked) {  // called with a constant: inlined, `masked` folds away
 #pragma unroll
@@ -237,19 +236,13 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
         for (int e = 0; e < 4; ++e) {
           const float l = (e & 1) ? lse.y : lse.x;
           const int key = n0 + key_row + 8 * (e >> 1), row = m0 + qc + (e & 1);
-          float x;
-          if constexpr (Mods::kAny) {
-            float cap;
-            x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, cap) - l;
-            if (masked) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
-            s[4 * i + e] = fast_exp2(x);
-            if constexpr (Mods::kSoftcap)  // dS^T, in place of dP^T
-              dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum_s[qc + (e & 1)]) * cap;
-          } else {
-            x = fmaf(s[4 * i + e], p.scale_log2, -l);
-            if (masked) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
-            s[4 * i + e] = fast_exp2(x);
-          }
+          float x, cap;
+          if constexpr (Mods::kAny) x = bwd_score<Mods>(p, s[4 * i + e], slope, row, key, diag, cap) - l;
+          else x = fmaf(s[4 * i + e], p.scale_log2, -l);
+          if (masked) x = key < sk && row < sq && band.allows(row, key) ? x : -inf();
+          s[4 * i + e] = fast_exp2(x);
+          if constexpr (Mods::kSoftcap)  // dS^T, in place of dP^T
+            dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum_s[qc + (e & 1)]) * cap;
         }
         // n8 block i is half (i & 1) of k16 step i / 2: registers {0, 1} or {2, 3} (rows g, g + 8)
         pf[i / 2][2 * (i & 1)] = pack2<T>(s[4 * i], s[4 * i + 1]);
@@ -320,7 +313,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
     }
     hq = hq_next, m = m_next, stage ^= 1;
   }
-  store_dkdv(w, dk, dv);
+  store_dkdv();
 }
 
 }  // namespace pyattn
