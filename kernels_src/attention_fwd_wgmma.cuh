@@ -38,7 +38,7 @@
 namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
-          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false>
+          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   static constexpr int kHeadDim = HEAD_DIM_;  // compiled bucket; params.head_dim <= kHeadDim
@@ -51,8 +51,12 @@ struct AttnFwdWgmmaTraits {
   // WS register split (setmaxnreg): 128 * 56 + 256 * 224 = 64512, the file at 1 block/SM. The
   // cp.async producer needs addresses and bounds, not just a TMA issue: at 24 / 240 it spilled 232
   // bytes, at 40 / 232 48; the consumers, who issue no copies, fit in 224 (d = 128, ptxas -v).
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  // TMA (attn_fwd_tma): one producer thread issues a few bulk tensor copies per tile and computes
+  // no addresses, so the producer gives up all but 24 registers (128 * 24 + 256 * 240 = 64512).
+  static constexpr bool kTma = TMA_;
+  static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = TMA_ ? 240 : 224;
   static_assert(!WS_ || WARPGROUPS_ == 2, "WS: the register split is for two consumer warpgroups");
+  static_assert(!TMA_ || (WS_ && MASK_BYTES_ == 0), "TMA: a producer warpgroup, and no mask tiles to copy");
   // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
   // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
   static constexpr bool kPingPong = WS_ && OVERLAP_;
@@ -111,7 +115,7 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     ml.bar_empty = ml.bar_full + 8 * STAGES;
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) {
-        pipe::init(ml.bar_full + 8 * st, 128);
+        pipe::init(ml.bar_full + 8 * st, Tr::kTma ? 1 : 128);  // TMA: one arrival, then the bytes
         pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
       }
       pipe::init_fence();
@@ -119,7 +123,11 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     __syncthreads();
     if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
       pipe::regs_dec<Tr::kProducerRegs>();
-      if (ml.n_tiles > 0) ml.produce(sQ, q, q_stride_s, threadIdx.x - Tr::kConsumerThreads);
+      if constexpr (Tr::kTma) {
+        if (threadIdx.x == Tr::kConsumerThreads && ml.n_tiles > 0) ml.produce_tma(sQ);
+      } else if (ml.n_tiles > 0) {
+        ml.produce(sQ, q, q_stride_s, threadIdx.x - Tr::kConsumerThreads);
+      }
       return false;
     }
     pipe::regs_inc<Tr::kConsumerRegs>();
@@ -155,8 +163,9 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
   return true;
 }
 
+// `maps`: with Tr::kTma, the tensor maps of q, k and v (TmaMaps: attention_fwd_tma.cuh).
 template <class Tr, class Mods, bool SPARSE = false>
-__device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
+__device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
   using T = typename Tr::T;
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
@@ -200,6 +209,14 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p) {
                 reinterpret_cast<unsigned long long>(ml.mods.mask) % 16 == 0;
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
+  if constexpr (Tr::kTma) {
+    // Box coordinates (column, row, head, batch) of the maps (pyattn.runtime.tensormap): a
+    // zero stride (varlen's batch axis, a broadcast) is a map axis of size 1.
+    ml.maps = maps;
+    ml.tma_q = {m0 + seq.q_row0, p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
+    ml.tma_k = {seq.k_row0, p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
+    ml.tma_v = {seq.k_row0, p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
+  }
 
   const int wgi = threadIdx.x / 128;  // warpgroup
   ml.wgi = wgi;

@@ -12,6 +12,7 @@
 #include "wgmma.cuh"
 #include "wgmma_paged_load.cuh"
 #include "wgmma_pipe.cuh"
+#include "tma.cuh"
 
 namespace pyattn {
 
@@ -61,6 +62,13 @@ struct AttnFwdWgmmaMainloop {
   int wg_tok0, wg_tok1;            // tokens of the warpgroup's first and last rows
   int tree_k0;                     // TREE: the first key of the tree (sk - sq tokens)
   unsigned long long tree_bits[2]; // TREE: ancestor bits of rows row_a, row_a + 8 (0 past the end)
+  // -- Tr::kTma: the tensor maps of q, k, v (consecutive) and the box coordinates of the block's
+  // query tile and of key row 0 (row, head, batch; the column is the 64-wide block's first)
+  struct TmaAt {
+    int row, head, batch;
+  };
+  const TmaMap* maps;
+  TmaAt tma_q, tma_k, tma_v;
 
   // The token (band position) of this thread's row half h.
   __device__ __forceinline__ int token(int h) const {
@@ -142,6 +150,34 @@ struct AttnFwdWgmmaMainloop {
     wg::cp_async_wait<0>();
     wg::fence_proxy_async_smem();
     pipe::arrive(bar_full + 8 * (st == 0 ? STAGES - 1 : st - 1));
+  }
+
+  // WS producer with TMA, one thread: per tile, wait until the stage is free, announce its bytes
+  // on its "full" barrier (tile 0's also carry the query tile) and issue one copy per 64-wide
+  // column block of K and of V. The copies' arrival completes the phase; no thread waits for them
+  // here, and the async proxy that wgmma reads through is the one TMA writes through.
+  __device__ __forceinline__ void produce_tma(unsigned sQ) {
+    constexpr int kBlocks = D / 64;
+    tma::prefetch(maps + 1);
+    tma::prefetch(maps + 2);
+    int st = 0;
+    unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
+    for (int i = 0; i < n_tiles; ++i) {
+      const unsigned full = bar_full + 8 * st, kv = sKV + st * Tr::kStageBytes;
+      pipe::wait(bar_empty + 8 * st, empty_parity);
+      tma::arrive_expect(full, Tr::kStageBytes + (i == 0 ? Tr::kQBytes : 0));
+      if (i == 0)
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c) tma::load_4d(sQ + c * (BM * 128), maps, full, 64 * c, tma_q.row, tma_q.head, tma_q.batch);
+      const int n0 = tiles.n0(i);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c) {
+        tma::load_4d(kv + c * (BN * 128), maps + 1, full, 64 * c, tma_k.row + n0, tma_k.head, tma_k.batch);
+        tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, full, 64 * c, tma_v.row + n0, tma_v.head,
+                     tma_v.batch);
+      }
+      if (++st == STAGES) st = 0, empty_parity ^= 1;
+    }
   }
 
   // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it.

@@ -8,6 +8,11 @@ namespace pyattn {
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): scores are kept in base 2 so exp2f is one MUFU op
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts the base-2 log-sum-exp back to natural log
 constexpr unsigned kFullMask = 0xffffffffu;
+// A TMA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), as the host's
+// cuTensorMapEncodeTiled made it; kernels take it inside their __grid_constant__ parameter struct.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
 // +inf without <cmath> (NVRTC has no INFINITY macro without the host headers).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 

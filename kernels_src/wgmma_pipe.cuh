@@ -2,9 +2,10 @@
 // 128-byte-swizzled K/V/Q tiles and of mask tiles, and the mbarriers through which a producer
 // warpgroup hands ring stages to the consumer warpgroups (AttnFwdWgmmaTraits WS).
 //
-// Why cp.async and not TMA: a tensor map per call is a host-side driver call per array (and
-// tensor maps in the parameter struct); cp.async needs neither, and a producer warpgroup that
-// does nothing else hides its latency the same way. The producer makes its copies visible to the
+// Dense calls now run attn_fwd_tma (attention_fwd_tma.cuh), whose ring TMA fills: 1.05-1.6x faster
+// than this producer on the H200 (BENCHMARKS.md). cp.async stays for what TMA maps do not carry
+// here: mask tiles, paged K/V rows, block-sparse calls and short d = 64 calls (two blocks per SM).
+// The producer makes its copies visible to the
 // async proxy (wgmma reads shared memory through it) itself: it waits for its own copies, fences
 // (fence.proxy.async) and only then arrives on the stage's "full" barrier, the documented order
 // for generic-proxy writes that async-proxy reads consume.

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import pyattn.jit as jit
 from pyattn import CompileError, PyattnError
 from pyattn.jit.cache import KernelCache
-from pyattn.jit.headers import cuda_include_dir, header_version, nvrtc_version
+from pyattn.jit.headers import check_headers_match_nvrtc, cuda_include_dir, header_version, nvrtc_version
 from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render, sources_digest
 from pyattn.kernels.params import ParamStruct
@@ -68,7 +68,7 @@ def built(session_cache_dir):
 
 def test_build_many_returns_one_result_per_spec_in_order(built):
     specs = _all_specs()
-    assert len(specs) == 192  # 152 attention variants + 8 paged-cache kernels per arch
+    assert len(specs) == 194  # 154 attention variants (sm_90a: 26) + 8 paged-cache kernels per arch
     assert [s for s, *_ in built] == specs
 
 
@@ -90,8 +90,8 @@ def test_every_variant_is_a_cubin_for_its_arch(built):
 def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatch):
     monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     again = jit.build_many(_all_specs(), workers=2)
-    assert len(again) == 192
-    assert [b for _, _, b in again] == [False] * 192
+    assert len(again) == 194
+    assert [b for _, _, b in again] == [False] * 194
     assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
 
 
@@ -116,6 +116,38 @@ def _modifier_specs(arch):
                     for d, mt in ((32, 2), (256, 1))]
 
 
+def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
+    """attn_fwd_tma (sm_90a only): every bucket its table has, fp16 and bf16, with soft-cap + ALiBi."""
+    from pyattn.kernels.families import tile_table
+
+    specs = [KernelSpec("attn_fwd_tma", tag, r.max_head_dim, "sm_90a", softcap=True, alibi=True)
+             for r in tile_table("attn_fwd_tma", "sm_90a") for tag in ("f16", "bf16")]
+    assert {s.head_dim for s in specs} == {64, 128, 192, 256}
+    for spec in _cubins(specs, session_cache_dir, monkeypatch):
+        assert spec.entry_name.startswith("pyattn_attn_fwd_tma_") and spec.entry_name.endswith("_softcap_alibi")
+
+
+def test_tma_params_layout_matches_c():
+    """The maps start at the next multiple of 64 bytes after AttnFwdParams, in Python and in C++."""
+    from pyattn.kernels.params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
+
+    first = -(-ATTN_FWD_PARAMS.size // 64) * 64
+    assert ATTN_FWD_TMA_PARAMS.size == first + 3 * 128
+    raw = ATTN_FWD_TMA_PARAMS.pack({**{n: 0 for n, k in ATTN_FWD_TMA_PARAMS.fields if k != "tmap"},
+                                    "tm_q": b"\x01" * 128, "tm_k": b"\x02" * 128, "tm_v": b"\x03" * 128})
+    assert raw[first:first + 128] == b"\x01" * 128 and raw[-128:] == b"\x03" * 128
+    source = ATTN_FWD_TMA_PARAMS.c_declaration() + "".join(
+        f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {first + 128 * i}, "{n}");\n'
+        for i, n in enumerate(("tm_q", "tm_k", "tm_v")))
+    try:
+        compile_source('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
+                       ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"), name="tma_layout")
+    except CompileError as exc:
+        if '"__builtin_offsetof" is undefined' in exc.log:
+            pytest.skip("this NVRTC has no __builtin_offsetof")
+        raise
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
     specs = _modifier_specs(arch)
@@ -130,7 +162,7 @@ def _sparse_and_quant_specs(arch):
     8-bit-cache decode kernels of ``arch``, at the head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
-    specs = [select_attention_spec(dt, d, arch, softcap=cap).replace(sparse=sp)
+    specs = [select_attention_spec(dt, d, arch, softcap=cap, sparse=sp)
              for dt, d, cap, sp in (("float16", 64, False, 1), ("bfloat16", 256, False, 1), ("bfloat16", 128, True, 1),
                                     ("bfloat16", 128, False, 2), ("float16", 256, True, 2))]
     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)

@@ -74,6 +74,7 @@ def _some_specs():
                 yield KernelSpec("attn_decode", "bf16", d, arch, q_tiles=1, kv="int8")
             if d % 64 == 0 and arch == "sm_90a":
                 yield KernelSpec("attn_fwd_wgmma", "f16", d, arch, sparse=d // 64 % 3)
+                yield KernelSpec("attn_fwd_tma", "bf16", d, arch, alibi=d == 192)
                 yield KernelSpec("attn_prefill_wgmma", "bf16", d, arch, softcap=d == 128)
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
                 if d <= 128:

@@ -33,7 +33,8 @@ from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS
 from pyattn.runtime.device import SUPPORTED_ARCHS
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "spec_snapshot.json"
-FAMILY_NAMES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "merge_states", "attn_decode",
+FAMILY_NAMES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmma", "attn_fwd_tma", "merge_states",
+                "attn_decode",
                 "kv_append", "attn_sparse")
 # The rendered-unit lines the families refactor added: C++ traits vs Python shared-memory bytes.
 _SMEM_ASSERT = re.compile(r"^static_assert\(.*::kSmemBytes == \d+, .*\);\n", re.M)
@@ -69,8 +70,8 @@ def _curated(arch: str) -> list:
             specs += [KernelSpec("merge_states", tag, d, arch), KernelSpec("attn_sparse", tag, d, arch)]
             if tag != "f32":
                 for sp in (1, 2):  # block-sparse: the tensor-core kernel attention picks, then mma.sync with mods
-                    specs.append(select_attention_spec(name, d, arch).replace(sparse=sp))
-                    specs.append(select_attention_spec(name, d, arch, softcap=True).replace(sparse=sp))
+                    specs.append(select_attention_spec(name, d, arch, sparse=sp))
+                    specs.append(select_attention_spec(name, d, arch, softcap=True, sparse=sp))
                 for mt in range(1, decode_max_q_tiles(arch, d) + 1):
                     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=mt, softcap=sc, alibi=al)
                               for sc, al in ((True, False), (False, True), (True, True))]

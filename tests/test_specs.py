@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pyattn import PyattnError
 from pyattn.jit.source import kernel_headers, render
-from pyattn.kernels.families import MmaTile, override_tiles
+from pyattn.kernels.families import MmaTile, override_tiles, tile_table
 from pyattn.kernels.families.base import FixedTile
 from pyattn.kernels.params import ATTN_FWD_PARAMS, ParamStruct
 from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, KernelSpec, TileConfig,
@@ -28,15 +28,18 @@ MAX_THREADS_PER_SM = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90a": 204
 # Which family serves which dtype: fp32 stays on CUDA cores, 16-bit inputs go to the tensor cores.
 FAMILY_FOR = {"float32": "attn_fwd_simt", "float16": "attn_fwd_mma", "bfloat16": "attn_fwd_mma"}
 HEADER_FOR = {"attn_fwd_simt": "attention_fwd.cuh", "attn_fwd_mma": "attention_fwd_mma.cuh",
-              "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh"}
+              "attn_fwd_tf32": "attention_fwd_tf32.cuh", "attn_fwd_wgmma": "attention_fwd_wgmma.cuh",
+              "attn_fwd_tma": "attention_fwd_tma.cuh"}
 TRAITS_FOR = {"attn_fwd_simt": "AttnFwdSimtTraits", "attn_fwd_mma": "AttnFwdMmaTraits",
-              "attn_fwd_tf32": "AttnFwdTf32Traits", "attn_fwd_wgmma": "AttnFwdWgmmaTraits"}
+              "attn_fwd_tf32": "AttnFwdTf32Traits", "attn_fwd_wgmma": "AttnFwdWgmmaTraits",
+              "attn_fwd_tma": "AttnFwdWgmmaTraits"}
 
 
 def _expected(dtype_name, arch, d):
-    """(family, bucket) that a plain call selects: on sm_90a 16-bit inputs go to wgmma (64-wide buckets)."""
+    """(family, bucket) that a plain (long) call selects: on sm_90a 16-bit inputs go to the TMA-fed
+    wgmma kernel (64-wide buckets; every bucket has a TMA row)."""
     if arch == "sm_90a" and dtype_name != "float32":
-        return "attn_fwd_wgmma", -(-d // 64) * 64
+        return "attn_fwd_tma", -(-d // 64) * 64
     return FAMILY_FOR[dtype_name], min(b for b in HEAD_DIM_BUCKETS if b >= d)
 TOOLCHAIN = "nvrtc=13.0;headers=13.0@/x;src=abc;pyattn=0.0"
 
@@ -61,12 +64,15 @@ def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
         spec = select_attention_spec(dtype_name, d, arch)
         family, bucket = _expected(dtype_name, arch, d)
         assert spec.head_dim == bucket, d
-        assert spec.head_dim >= d and spec.head_dim - d < (64 if family == "attn_fwd_wgmma" else 32)
+        assert spec.head_dim >= d and spec.head_dim - d < (64 if arch == "sm_90a" and family != FAMILY_FOR[
+            dtype_name] else 32)
         assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, family)
-        # score modifiers take the same family and bucket (wgmma on sm_90a compiles them in)
+        # score modifiers take the same family and bucket (wgmma on sm_90a compiles them in), except
+        # a mask tensor's tiles, which only the cp.async wgmma kernel copies
         for mods in (dict(softcap=True), dict(alibi=True), dict(mask="bool"), dict(mask="f32", softcap=True)):
             m = select_attention_spec(dtype_name, d, arch, **mods)
-            assert (m.family, m.head_dim) == (spec.family, spec.head_dim), mods
+            same = family.replace("attn_fwd_tma", "attn_fwd_wgmma") if "mask" in mods else family
+            assert (m.family, m.head_dim) == (same, spec.head_dim), mods
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
 
 
@@ -75,7 +81,7 @@ def test_allow_tf32_selects_the_tf32_family_for_float32_only():
     assert spec == KernelSpec("attn_fwd_tf32", "f32", 128, "sm_80") and spec in standard_specs("sm_80")
     assert spec.template_id == ("pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<128, 32, 4, 1>, "
                                 "pyattn::ScoreMods<0, false, false>>")
-    assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_wgmma"
+    assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_tma"
     assert select_attention_spec("float16", 64, "sm_80", allow_tf32=True).family == "attn_fwd_mma"
     with pytest.raises(ValueError, match="^dtype: the TF32 family takes f32"):
         KernelSpec("attn_fwd_tf32", "f16", 64, "sm_80")
@@ -91,15 +97,15 @@ def test_select_spot_values_and_ptx_flag():
     assert select_attention_spec("float32", 136, "sm_89").head_dim == 160
     assert select_attention_spec("bfloat16", 256, "sm_100a").head_dim == 256
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
-    assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", ptx=True)
+    assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", ptx=True)
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")
     assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", mask="bool")
     spec = select_attention_spec("float16", 100, "sm_90a", mask="f32", softcap=True, alibi=True)
     assert spec.template_id.endswith("pyattn::ScoreMods<4, true, true>, false>")
     assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
-    assert spec.template_id == ("pyattn::attn_fwd_wgmma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
-                                "true, 0, true>, pyattn::ScoreMods<0, false, false>, false>")
+    assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
+                                "true, 0, true, true>, pyattn::ScoreMods<0, false, false>>")
     assert spec.tiles.warps == 12 and spec.entry_name.endswith("_m128n128w12")  # 2 consumer + 1 producer warpgroups
     assert spec.threads == 384 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 16 * 3 + 1024  # + mbarriers
     assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
@@ -180,17 +186,24 @@ def test_spec_is_frozen_and_hashable():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
-    assert len(specs) == len(set(specs)) == (24 if arch == "sm_90a" else 32)
+    # sm_90a: the TMA kernel's 4 buckets, and attn_fwd_wgmma where a short call (under a TMA row's
+    # min_keys: d = 64) runs
+    short = {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.min_keys > 1}
+    assert short == {64}
+    assert len(specs) == len(set(specs)) == (26 if arch == "sm_90a" else 32)
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
         (*_expected(name, arch, d)[:1], DTYPES[name][0], _expected(name, arch, d)[1])
         for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
-        ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS}  # allow_tf32=True
+        ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS} | {  # allow_tf32=True
+        ("attn_fwd_wgmma", tag, d) for tag in ("f16", "bf16") for d in short if arch == "sm_90a"}
     by_kind = {}
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
-    tc = "attn_fwd_wgmma" if arch == "sm_90a" else "attn_fwd_mma"
+    tc = "attn_fwd_tma" if arch == "sm_90a" else "attn_fwd_mma"
     n = 4 if arch == "sm_90a" else 8
-    assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8}
+    more = {("attn_fwd_wgmma", "f16"): 1, ("attn_fwd_wgmma", "bf16"): 1} if arch == "sm_90a" else {}
+    assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8,
+                       **more}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
 
@@ -201,7 +214,7 @@ def test_entry_names_are_unique_c_identifiers(arch):
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
     everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
-    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 8
+    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 6  # sm_90a: 26 variants
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -212,7 +225,7 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
         assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
-        elif s.family == "attn_fwd_wgmma":  # one m64 row block per warpgroup; 64-wide head-dim buckets
+        elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):  # one m64 row block per warpgroup; 64-wide buckets
             assert t.block_m == 64 * (t.warps // 4 - t.ws) and t.warps % 4 == 0 and s.head_dim % 64 == 0, s.describe()
             assert t.block_n % 16 == 0 and (t.stages >= 3 or not t.overlap), s.describe()
         else:  # AttnFwdMmaTraits/Tf32Traits: the kernel derives BLOCK_M itself, so the grid must agree
@@ -260,7 +273,7 @@ def test_shared_bytes_fit_every_supported_arch():
                 assert s.shared_bytes == 4 * (t.block_m * d + t.block_n * (d + 1) + t.block_n * d)
                 # the SIMT tiles are the same everywhere, so they must fit the smallest arch too
                 assert s.shared_bytes <= smallest, s.describe()
-            elif s.family == "attn_fwd_wgmma":
+            elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):
                 # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles, a full and an empty mbarrier
                 # per stage when warp-specialized, + 1024 for atom alignment
                 assert s.shared_bytes == (t.block_m + 2 * t.stages * t.block_n) * d * 2 + 16 * t.stages * t.ws + 1024
@@ -568,3 +581,38 @@ def test_template_id_matches_the_header_signature(family):
     args = spec.template_id[spec.template_id.index(f"{TRAITS_FOR[family]}<") + len(TRAITS_FOR[family]) + 1:]
     args = args[:args.index(">")]
     assert len(args.split(",")) == n_params
+
+
+def test_tma_kernel_selection():
+    """attn_fwd_tma takes dense 16-bit sm_90a calls whose bucket its table has, from the row's
+    min_keys on; mask tensors, block-sparse lists and layouts TMA cannot map go to attn_fwd_wgmma."""
+    from pyattn.kernels.families import tile_table
+
+    rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a")}
+    for d, row in rows.items():
+        assert select_attention_spec("bfloat16", d, "sm_90a", keys=max(row.min_keys, 1)).family == "attn_fwd_tma"
+        if row.min_keys > 1:
+            assert select_attention_spec("bfloat16", d, "sm_90a", keys=row.min_keys - 1).family == "attn_fwd_wgmma"
+        for kw in (dict(mask="bool"), dict(sparse=1), dict(sparse=2), dict(tma=False)):
+            assert select_attention_spec("float16", d, "sm_90a", **kw).family == "attn_fwd_wgmma", kw
+        assert select_attention_spec("float16", d, "sm_90a", softcap=True, alibi=True).family == "attn_fwd_tma"
+    for arch in ("sm_80", "sm_89", "sm_100a"):
+        assert select_attention_spec("bfloat16", 128, arch).family == "attn_fwd_mma"
+    with pytest.raises(ValueError, match="attn_fwd_tma"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
+    with pytest.raises(ValueError, match="attn_fwd_tma"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_80")
+
+
+def test_tma_map_layouts():
+    """rank4: zero strides and size-1 axes become size-1 axes stepped by 16 bytes; a broadcast row
+    axis or a stepped stride off 16 bytes cannot be mapped (None)."""
+    from pyattn.runtime.tensormap import rank4
+
+    assert rank4(128, 4096, 16, 2, (4096 * 16 * 128, 16 * 128, 128), 2) == (
+        (128, 4096, 16, 2), (16 * 128 * 2, 128 * 2, 4096 * 16 * 128 * 2))
+    assert rank4(64, 300, 4, 3, (0, 4 * 64, 64), 2) == ((64, 300, 4, 1), (512, 128, 16))  # varlen / broadcast b
+    assert rank4(64, 1, 1, 1, (7, 3, 5), 2) == ((64, 1, 1, 1), (16, 16, 16))  # size-1 axes are never stepped
+    assert rank4(64, 0, 2, 1, (0, 128, 64), 2) == ((64, 1, 2, 1), (16, 128, 16))  # no keys: nothing is read
+    assert rank4(64, 90, 2, 1, (0, 0, 64), 2) is None  # keys broadcast along the sequence
+    assert rank4(72, 10, 2, 1, (0, 2 * 76, 76), 2) is None  # 152-byte head stride: not whole 16 bytes

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
            "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS",
-           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS"]
+           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS", "ATTN_FWD_TMA_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -27,7 +27,10 @@ _KINDS = {
     "i64": ("q", "long long"),
     "i32": ("i", "int"),
     "f32": ("f", "float"),
+    "tmap": ("128s", "pyattn::TmaMap"),  # a TMA tensor map (CUtensorMap), 64-byte aligned
 }
+# Kinds whose alignment the native '@' packing does not know ('s' aligns to 1): padded explicitly.
+_ALIGN = {"tmap": 64}
 
 
 class ParamStruct:
@@ -42,15 +45,20 @@ class ParamStruct:
         The C++ struct name (inside ``namespace pyattn``).
     fields : tuple of (str, str)
         Field names and kinds (``ptr``, ``mut_ptr``, ``f32_ptr``, ``f32_cptr``, ``i32_cptr``, ``i32_ptr``,
-        ``u64_cptr``, ``i64``, ``i32``, ``f32``).
+        ``u64_cptr``, ``i64``, ``i32``, ``f32``, ``tmap``: a 128-byte TMA tensor map, 64-byte
+        aligned, packed from ``bytes``).
     """
 
     __slots__ = ("name", "fields", "format", "size")
 
     def __init__(self, name: str, fields: tuple):
-        fmt = "@" + "".join(_KINDS[kind][0] for _, kind in fields)
+        fmt = "@"
+        for _, kind in fields:
+            if kind in _ALIGN:  # pad to the member's alignment, as C++ alignas does
+                fmt += f"{-struct.calcsize(fmt) % _ALIGN[kind]}x"
+            fmt += _KINDS[kind][0]
         # Trailing padding: C rounds the struct up to its largest member's alignment.
-        align = max(struct.calcsize("@" + _KINDS[kind][0]) for _, kind in fields)
+        align = max(_ALIGN.get(kind) or struct.calcsize("@" + _KINDS[kind][0]) for _, kind in fields)
         for attr, value in (("name", name), ("fields", tuple(fields)), ("format", fmt),
                             ("size", -(-struct.calcsize(fmt) // align) * align)):
             object.__setattr__(self, attr, value)
@@ -250,9 +258,10 @@ class NestedParamStruct(ParamStruct):
                  member: str = "fwd"):
         if base is None or own is None:
             raise TypeError("NestedParamStruct: base and own are required")
-        if base.size % 8 or struct.calcsize("@" + _KINDS[own.fields[0][1]][0]) != 8:
+        first = own.fields[0][1]
+        if base.size % 8 or (first not in _ALIGN and struct.calcsize("@" + _KINDS[first][0]) != 8):
             raise ValueError("NestedParamStruct: the base's size must be a multiple of 8 and own's first field "
-                             "8 bytes wide (else the flat and nested layouts differ)")
+                             "8 bytes wide or explicitly aligned (else the flat and nested layouts differ)")
         super().__init__(name, base.fields + own.fields)
         for attr, value in (("base", base), ("own", own), ("member", member)):
             object.__setattr__(self, attr, value)
@@ -294,6 +303,12 @@ PAGED_FWD_EXTRA = ParamStruct(
     + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32")),
 )
 PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)
+
+# attn_fwd_tma (attention_fwd_tma.cuh): AttnFwdParams ``fwd``, then the TMA tensor maps of q, k
+# and v (pyattn.runtime.tensormap), encoded per call because they hold the arrays' addresses.
+ATTN_FWD_TMA_PARAMS = NestedParamStruct(
+    "AttnFwdTmaParams", (), base=ATTN_FWD_PARAMS,
+    own=ParamStruct("AttnFwdTmaMaps", (("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap"))))
 
 
 # The backward pass (attention_bwd_*.cuh), one struct for its three kernels (pre, main, convert).

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
 from .families.backward import row_pass_rows_per_warp
+from .families.wgmma import tma_serves
 from .families.base import (DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM,
                             TileConfig)
 
@@ -211,7 +212,8 @@ def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
 
 
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
-                          softcap: bool = False, alibi: bool = False, allow_tf32: bool = False) -> KernelSpec:
+                          softcap: bool = False, alibi: bool = False, allow_tf32: bool = False,
+                          sparse: int = 0, tma: bool = True, keys: int = 1 << 20) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -228,6 +230,14 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         Whether the call uses a soft-cap / ALiBi slopes.
     allow_tf32 : bool
         float32 inputs may run on TF32 tensor cores (10-bit mantissa products) instead of exact FMA.
+    sparse : int
+        The block-sparse mode (``KernelSpec.sparse``), 0 for a dense call.
+    tma : bool
+        Whether TMA tensor maps can describe the call's q, k and v (``runtime.tensormap.rank4``):
+        a broadcast sequence axis cannot be.
+    keys : int
+        The call's seqlen_k (varlen: the longest): the TMA kernel's rows say from how many keys
+        on they serve (default: a long call).
     """
     tag, bucket = _tag_and_bucket(dtype_name, head_dim)
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
@@ -235,10 +245,14 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     if tag == "f32":
         family = "attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt"
     elif arch in WGMMA_ARCHS:
-        family, bucket = "attn_fwd_wgmma", -(-head_dim // 64) * 64
+        # Dense calls go to the TMA-fed kernel where its table has the bucket (measured faster);
+        # mask tiles and block-sparse lists are copied by the cp.async kernel.
+        bucket = -(-head_dim // 64) * 64
+        tma = tma and mask == "none" and not sparse and tma_serves(arch, bucket, keys)
+        family = "attn_fwd_tma" if tma else "attn_fwd_wgmma"
     else:
         family = "attn_fwd_mma"
-    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi))
+    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), sparse=sparse)
 
 
 # Decode variants warmed by default: the common head dims, one row tile (a GQA group of up to 16
@@ -258,8 +272,10 @@ def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool
 
 
 def standard_specs(arch: str) -> list:
-    """Every variant ``attention`` can select on ``arch`` without score modifiers."""
-    plain = [select_attention_spec(name, d, arch) for name in DTYPES for d in HEAD_DIM_BUCKETS]
+    """Every variant ``attention`` can select on ``arch`` without score modifiers (for short calls and
+    long ones: the TMA kernel's rows serve from a number of keys on)."""
+    plain = [select_attention_spec(name, d, arch, keys=keys) for name in DTYPES for d in HEAD_DIM_BUCKETS
+             for keys in (1, 1 << 20)]
     plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
     return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones
 

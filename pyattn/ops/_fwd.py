@@ -20,8 +20,9 @@ from ..kernels.specs import select_attention_spec
 from ..pipeline.device import layout
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
+from ..runtime.tensormap import encode_tiled, rank4
 
-__all__ = ["FwdPlan", "SparseFwd", "build_fwd_plan", "run_fwd", "device_extras"]
+__all__ = ["FwdPlan", "TmaMaps", "SparseFwd", "build_fwd_plan", "run_fwd", "device_extras"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -49,6 +50,24 @@ class FwdPlan(NamedTuple):
     out_layout: tuple  # pipeline.device.layout of the output and of the LSE
     lse_layout: tuple
     empty: bool  # nothing to launch (a zero-size dimension)
+    tma: object = None  # TmaMaps for a TMA kernel, else None
+
+
+class TmaMaps(NamedTuple):
+    """How a call's TMA tensor maps are made (attn_fwd_tma): the dtype, the rank-4 layouts of q, k
+    and v (``runtime.tensormap.rank4``), the boxes' rows, and the padding between the packed
+    AttnFwdParams and the first (64-byte aligned) map."""
+
+    dtype: str
+    layouts: tuple
+    box_rows: tuple
+    pad: bytes
+
+    def pack(self, q: int, k: int, v: int) -> bytes:
+        """The maps' bytes, padding first, for the arrays at ``q, k, v``."""
+        (lq, lk, lv), (bq, bk) = self.layouts, self.box_rows
+        return (self.pad + encode_tiled(self.dtype, q, lq, bq) + encode_tiled(self.dtype, k, lk, bk)
+                + encode_tiled(self.dtype, v, lv, bk))
 
 
 def _bsh(elem_strides: tuple, layout: str) -> tuple:
@@ -63,11 +82,11 @@ def build_fwd_plan(problem, device) -> FwdPlan:
     """The plan of an ``AttentionProblem`` (or a :class:`SparseFwd`) on ``device``."""
     P, sparse, per_head = (problem.base, problem.sparse, problem.per_head) if isinstance(problem, SparseFwd) \
         else (problem, 0, False)
+    maps = _tma_layouts(P)
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
-                                 alibi=P.alibi is not None, allow_tf32=P.allow_tf32)
-    if sparse:
-        spec = spec.replace(sparse=sparse)
+                                 alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
+                                 tma=maps is not None, keys=P.seqlen_k)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
@@ -78,7 +97,9 @@ def build_fwd_plan(problem, device) -> FwdPlan:
         lse_b, lse_h = P.heads_q * P.seqlen_q, P.seqlen_q
     mask_strides = P.mask.strides if P.mask is not None else (0, 0, 0, 0)
     tiles = spec.tiles
-    packer = spec.params.partial({
+    tma = spec.family == "attn_fwd_tma"
+    # attn_fwd_tma: AttnFwdParams packed here; the maps after it per call (TmaMaps.pack).
+    packer = (spec.params.base if tma else spec.params).partial({
         "q_stride_b": qs[0], "q_stride_s": qs[1], "q_stride_h": qs[2],
         "k_stride_b": ks[0], "k_stride_s": ks[1], "k_stride_h": ks[2],
         "v_stride_b": vs[0], "v_stride_s": vs[1], "v_stride_h": vs[2],
@@ -95,7 +116,23 @@ def build_fwd_plan(problem, device) -> FwdPlan:
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
-                   packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty)
+                   packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty,
+                   TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64))
+                   if tma and not empty else None)  # the maps follow AttnFwdParams at a multiple of 64 bytes
+
+
+def _tma_layouts(P):
+    """The rank-4 layouts of q, k, v for TMA maps (varlen: rows are the packed tokens), or None
+    when one of them cannot be mapped (``runtime.tensormap.rank4``) or the dtype is not 16-bit."""
+    if P.dtype not in ("float16", "bfloat16"):
+        return None
+    thd = P.layout == "thd"
+    rows_q, rows_k = (P.total_q, P.total_k) if thd else (P.seqlen_q, P.seqlen_k)
+    batch = 1 if thd else P.batch
+    layouts = (rank4(P.head_dim, rows_q, P.heads_q, batch, P.q_strides, 2),
+               rank4(P.head_dim, rows_k, P.heads_kv, batch, P.k_strides, 2),
+               rank4(P.head_dim, rows_k, P.heads_kv, batch, P.v_strides, 2))
+    return None if None in layouts else layouts
 
 
 def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, return_lse=False, extras=()):
@@ -111,6 +148,8 @@ def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, retur
     if not plan.empty:
         ptrs = extras + _ZEROS[len(extras):] if extras else _ZEROS
         params = plan.packer.pack(q, k, v, o.ptr if out is None else out, lse.ptr if lse is not None else 0, *ptrs)
+        if plan.tma is not None:
+            params += plan.tma.pack(q, k, v)
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
     return o, lse
 

@@ -44,7 +44,8 @@ _lists: dict = {}
 def sparse_mode(dtype: str, head_dim: int, arch: str, softcap: bool, alibi: bool, block_size: tuple) -> int:
     """The kernel's sparse mode: blocks the standard tiles cover whole keep them (1); smaller blocks
     take 64 x 64 tiles (2): a random 10% layout of 64 x 64 blocks touches 34% of the 128 x 128 tiles."""
-    t = select_attention_spec(dtype, head_dim, arch, ptx=ptx_requested(), softcap=softcap, alibi=alibi).tiles
+    t = select_attention_spec(dtype, head_dim, arch, ptx=ptx_requested(), softcap=softcap, alibi=alibi,
+                              sparse=1).tiles
     R, C = block_size
     return 1 if R % t.block_m == 0 and C % t.block_n == 0 else 2
 

@@ -63,6 +63,7 @@ class AttentionProblem(NamedTuple):
     total_q: int = 0  # varlen: packed query rows
     allow_tf32: bool = False
     align: int = 1
+    total_k: int = 0  # varlen: packed key rows
 
     @property
     def group(self) -> int:
@@ -243,7 +244,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
     strides = tuple((0, a.strides[0], a.strides[1]) for a in ins)
     problem = AttentionProblem(n, Hq, Hk, 0, 0, D, q.dtype.name, "thd", causal, scale, q.on_device, *strides,
                                window, softcap, None, alibi_info, total_q=Tq, allow_tf32=bool(allow_tf32),
-                               align=align)
+                               align=align, total_k=Tk)
     problem = _with_out(problem, out, q.dtype)
     cu_q = _cu_values(cu_seqlens_q, fetch(cu_seqlens_q), Tq)
     cu_k = _cu_values(cu_seqlens_k, fetch(cu_seqlens_k), Tk)

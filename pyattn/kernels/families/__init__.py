@@ -32,6 +32,7 @@ _WHERE = {
     "attn_fwd_simt": ("simt", "ATTN_FWD_SIMT"),
     "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
+    "attn_fwd_tma": ("wgmma", "ATTN_FWD_TMA"),
     "merge_states": ("fixed", "MERGE_STATES"),
     "split_combine": ("fixed", "SPLIT_COMBINE"),
     "attn_decode": ("decode", "ATTN_DECODE"),

@@ -1,6 +1,7 @@
-"""attn_fwd_wgmma: the sm_90a warpgroup-MMA attention kernel (16-bit inputs, every score modifier).
+"""attn_fwd_wgmma: the sm_90a warpgroup-MMA attention kernel (16-bit inputs, every score modifier),
+and attn_fwd_tma: the same kernel with its ring filled by TMA (dense calls).
 
-64 query rows per warpgroup, K/V in a ``stages``-deep cp.async ring of 128-byte swizzled tiles.
+64 query rows per warpgroup, K/V in a ``stages``-deep ring of 128-byte swizzled tiles.
 :func:`wgmma_shapes` lists the instruction shapes its tiles use, from which
 ``pyattn.jit.wgmma_gen`` generates ``kernels_src/wgmma.cuh``.
 """
@@ -10,10 +11,11 @@
 
 from typing import NamedTuple
 
-from ..params import ATTN_FWD_PARAMS
+from ..params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
 from .base import CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, score_mods
+from .tables import rows as table_rows
 
-__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "wgmma_shapes"]
+__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes", "tma_serves"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -29,6 +31,7 @@ class WgmmaTile(NamedTuple):
     min_blocks: int
     reason: str
     ws: bool = False  # warp-specialized: a producer warpgroup (the last) fills the ring
+    min_keys: int = 0  # attn_fwd_tma: the row serves calls of at least this many keys (seqlen_k)
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
@@ -85,8 +88,11 @@ _MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4}
 
 
 def _traits(spec, t) -> str:
-    # Trailing defaults (MASK_BYTES 0, WS false) left out: the units of older rows stay as they were.
-    tail = f", {_MASK_BYTES[spec.mask]}, true" if t.ws else f", {_MASK_BYTES[spec.mask]}" if spec.mask != "none" else ""
+    # Trailing defaults (MASK_BYTES 0, WS false, TMA false) left out: the units of older rows stay as
+    # they were.
+    tma = spec.family == "attn_fwd_tma"
+    tail = f", 0, true, true" if tma else f", {_MASK_BYTES[spec.mask]}, true" if t.ws else \
+        f", {_MASK_BYTES[spec.mask]}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps // 4 - t.ws}, {t.stages}, {str(t.overlap).lower()}{tail}>")
 
@@ -121,6 +127,47 @@ ATTN_FWD_WGMMA = Family(
     smem_bytes=_smem_bytes,
     table_for=_table, takes=_TAKES, check=_check, sparse=True,
 )
+
+
+# attn_fwd_tma: the same kernel, warp-specialized, its ring filled by TMA (one producer thread,
+# tensor maps encoded per call). Dense calls only (no mask tensor, no block-sparse lists). Unlike
+# the other tables, a row serves exactly the bucket it names, from ``min_keys`` keys on
+# (``tma_serves``); other calls run attn_fwd_wgmma. Measured on H200 against attn_fwd_wgmma's row
+# of the same bucket (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
+_SM90_TMA = (
+    WgmmaTile(64, 128, 2, 3, True, 1, "S 2k/4k/16k 1.05/1.11/1.13x (causal 1.01/1.07/1.14x) the 2-blocks/SM "
+                                      "cp.async row; at S 1k 0.99x (causal 0.92x): from 2048 keys", ws=True,
+              min_keys=2048),
+    WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
+                                       "WS row: 632 TFLOP/s at 16k", ws=True),
+    WgmmaTile(192, 64, 2, 2, False, 1, "S 1k-16k 1.27-1.61x (causal 1.31-1.48x) the all-threads-load row",
+              ws=True),
+    WgmmaTile(256, 64, 2, 2, False, 1, "S 1k-16k 1.05-1.25x (causal 1.12-1.19x) the all-threads-load row: "
+                                       "622 TFLOP/s at 16k", ws=True),
+)
+
+
+def _check_tma(spec) -> None:
+    _check(spec)
+    if not any(r.max_head_dim == spec.head_dim for r in table_rows(ATTN_FWD_TMA, "dense", spec.arch)):
+        raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}")
+
+
+ATTN_FWD_TMA = Family(
+    name="attn_fwd_tma", label="the TMA-fed wgmma family", header="attention_fwd_tma.cuh",
+    params=ATTN_FWD_TMA_PARAMS, tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS}},
+    template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
+    dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
+    smem_bytes=_smem_bytes, takes=_TAKES, check=_check_tma,
+)
+
+
+def tma_serves(arch: str, head_dim: int, keys: int) -> bool:
+    """Whether attn_fwd_tma runs a call of ``keys`` keys (seqlen_k; varlen: the longest) at
+    head-dim bucket ``head_dim`` (a multiple of 64) on ``arch``: a row of its table (an
+    override's, inside one) names exactly that bucket, and ``keys`` reaches its ``min_keys``."""
+    return arch in WGMMA_ARCHS and any(r.max_head_dim == head_dim and keys >= r.min_keys
+                                       for r in table_rows(ATTN_FWD_TMA, "dense", arch))
 
 
 def wgmma_shapes(tables=None) -> tuple:

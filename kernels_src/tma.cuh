@@ -1,0 +1,34 @@
+// TMA (the Tensor Memory Accelerator, sm_90a): one thread copies a whole 2-D box of a tensor
+// (cp.async.bulk.tensor) into shared memory, 128-byte swizzled on the way, and the bytes' arrival
+// completes a transaction count on an mbarrier. The tensor maps are encoded on the host
+// (pyattn.runtime.tensormap) and live in the kernel's __grid_constant__ parameter struct, so
+// their generic addresses point into parameter space, where the copy instruction may read them.
+// Requires common.cuh (TmaMap).
+#pragma once
+
+namespace pyattn {
+namespace tma {
+
+// Fetch a tensor map into the descriptor cache before its first copy.
+__device__ __forceinline__ void prefetch(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// Arrive on the barrier at shared address `bar` and add `bytes` to the transaction count its
+// current phase waits for (the copies issued against it complete them).
+__device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Copy the box at coordinates (c0 innermost, c1, c2, c3) of a rank-4 map to shared address
+// `dst`, completing its bytes on `bar`. Elements outside the tensor arrive as zeros (and count).
+__device__ __forceinline__ void load_4d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+}  // namespace tma
+}  // namespace pyattn

@@ -1,0 +1,116 @@
+"""TMA tensor maps (``CUtensorMap``) for the kernels that load through the Tensor Memory Accelerator.
+
+A tensor map describes a strided tensor in global memory and the box one copy instruction moves
+(here: 64 elements of the contiguous head dim, i.e. one 128-byte swizzle row, times a tile of
+rows). The driver encodes it on the host (``cuTensorMapEncodeTiled``, no device work, no
+context needed); the kernel receives its 128 bytes inside the parameter struct. It holds the
+array's address, so a call with new arrays needs new maps: :func:`encode_tiled` keeps the last
+maps it made (most calls repeat the addresses of their buffers: a framework's allocator hands the
+same blocks back, serving loops reuse theirs), and a miss costs one driver call per map.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+from .errors import check
+
+__all__ = ["MAX_MEMO", "rank4", "encode_tiled"]
+
+MAX_MEMO = 256  # maps kept; each is 128 bytes (the key a few more): a bounded, small cache
+
+_memo: dict = {}
+_args: dict = {}  # (dtype, layout, box rows) -> the encode call's arguments but the address
+_lock = threading.Lock()
+_enums = None
+_OPAQUE = struct.Struct("16Q")
+
+
+def rank4(head_dim: int, rows: int, heads: int, batch: int, strides: tuple, itemsize: int):
+    """``(dims, byte_strides)`` of the rank-4 map (head dim, rows, heads, batch) of a (batch, rows,
+    heads, head_dim) tensor with element ``strides`` (batch, rows, heads) and a contiguous head
+    dim; None when TMA cannot read it.
+
+    An axis whose stride is 0 (varlen's batch axis, a broadcast) becomes an axis of size 1 and the
+    kernel reads index 0 on it; an axis of size 1 is never stepped, so it gets 16 bytes (TMA wants
+    strides that are positive multiples of 16). None when the rows axis is broadcast (stride 0
+    over several rows: the kernel steps rows by coordinates) or a stepped stride is not a multiple
+    of 16 bytes.
+    """
+    dims, out = [head_dim], []
+    for axis, (size, stride) in enumerate(((rows, strides[1]), (heads, strides[2]), (batch, strides[0]))):
+        if stride == 0 and size > 1:
+            if axis == 0:
+                return None
+            size = 1
+        step = stride * itemsize if size > 1 else 16
+        if step % 16 or step <= 0:
+            return None
+        dims.append(max(size, 1))  # TMA wants sizes >= 1; an empty axis is never read (no tiles)
+        out.append(step)
+    return tuple(dims), tuple(out)
+
+
+def _driver_enums():
+    global _enums
+    if _enums is None:
+        from cuda.bindings import driver as d
+
+        types = {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
+        _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                  d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return _enums
+
+
+def encode_tiled(dtype: str, ptr: int, layout: tuple, box_rows: int) -> bytes:
+    """The 128 bytes of a tensor map over ``layout`` at address ``ptr``, box 64 x ``box_rows``.
+
+    The box is 64 head-dim elements (128 bytes of a 16-bit type: one row of the 128-byte
+    swizzle, which the copy applies) by ``box_rows`` rows of one head of one batch entry.
+    Elements outside the tensor arrive as zeros.
+
+    Parameters
+    ----------
+    dtype : str
+        ``"f16"`` or ``"bf16"``.
+    ptr : int
+        The tensor's device address (16-byte aligned).
+    layout : tuple
+        ``(dims, byte_strides)`` from :func:`rank4`.
+    box_rows : int
+        Rows per copy, at most 256.
+
+    Raises
+    ------
+    CudaError
+        When the driver refuses the map (its error name says why).
+    """
+    key = (dtype, ptr, layout, box_rows)
+    found = _memo.get(key)
+    if found is not None:
+        return found
+    d = _driver_enums()[0]
+    args = _args.get((dtype, layout, box_rows))
+    if args is None:  # the binding takes its own integer wrappers, not ints: made once per layout
+        _, types, interleave, swizzle, l2, fill = _driver_enums()
+        u64, u32 = d.cuuint64_t, d.cuuint32_t
+        dims, strides = layout
+        args = _args[(dtype, layout, box_rows)] = (
+            (types[dtype], u32(4)),
+            ([u64(x) for x in dims], [u64(x) for x in strides], [u32(64), u32(box_rows), u32(1), u32(1)],
+             [u32(1)] * 4, interleave, swizzle, l2, fill))
+        if len(_args) > MAX_MEMO:
+            _args.clear()
+    head, tail = args
+    tmap = check(d.cuTensorMapEncodeTiled(*head, ptr, *tail),
+                 f"cuTensorMapEncodeTiled(layout={layout}, box=(64, {box_rows}))")
+    raw = _OPAQUE.pack(*[int(x) for x in tmap.opaque])
+    with _lock:
+        if len(_memo) >= MAX_MEMO:
+            _memo.clear()  # a bounded cache; refilling it costs one driver call per map
+        _memo[key] = raw
+    return raw
