@@ -20,12 +20,8 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from test_gpu_attention import DTYPES, _check, _has_gpu, _inputs  # noqa: E402
-
-
-def _is_sm90a() -> bool:
-    return _has_gpu() and pyattn.get_device().arch == "sm_90a"
-
+from test_gpu_attention import DTYPES, _check, _inputs  # noqa: E402
+from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
               pytest.mark.usefixtures("poison_allocations")]
