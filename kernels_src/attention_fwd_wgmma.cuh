@@ -163,7 +163,7 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
   return true;
 }
 
-// `maps`: with Tr::kTma, the tensor maps of q, k and v (TmaMaps: attention_fwd_tma.cuh).
+// `maps`: with Tr::kTma, the tensor maps of q, k and v, consecutive (AttnFwdTmaParams::tm_q ...).
 template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
   using T = typename Tr::T;

@@ -139,13 +139,8 @@ def test_tma_params_layout_matches_c():
     source = ATTN_FWD_TMA_PARAMS.c_declaration() + "".join(
         f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {first + 128 * i}, "{n}");\n'
         for i, n in enumerate(("tm_q", "tm_k", "tm_v")))
-    try:
-        compile_source('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
-                       ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"), name="tma_layout")
-    except CompileError as exc:
-        if '"__builtin_offsetof" is undefined' in exc.log:
-            pytest.skip("this NVRTC has no __builtin_offsetof")
-        raise
+    _compile_offset_checks('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
+                           ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -370,8 +365,13 @@ def _layout_check_source(p: ParamStruct) -> str:
 
 
 def _compile_layout(p: ParamStruct):
+    _compile_offset_checks(_layout_check_source(p))
+
+
+def _compile_offset_checks(source: str, headers=(), options=("-arch=sm_80", "-std=c++17")):
+    """Compile ``source`` (its ``__builtin_offsetof`` static_asserts); skip where NVRTC lacks the builtin."""
     try:
-        compile_source(_layout_check_source(p), (), ("-arch=sm_80", "-std=c++17"), name="layout")
+        compile_source(source, headers, options, name="layout")
     except CompileError as exc:
         if '"__builtin_offsetof" is undefined' in exc.log:
             # NVRTC 13.0 lacks the builtin (13.5, CI's, has it); the size static_assert in every

@@ -13,7 +13,6 @@ from __future__ import annotations
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
 from .families.backward import row_pass_rows_per_warp
-from .families.wgmma import tma_serves
 from .families.base import (DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM,
                             TileConfig)
 
@@ -247,6 +246,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     elif arch in WGMMA_ARCHS:
         # Dense calls go to the TMA-fed kernel where its table has the bucket (measured faster);
         # mask tiles and block-sparse lists are copied by the cp.async kernel.
+        from .families.wgmma import tma_serves  # the wgmma records: built on sm_90a only (issue 16)
+
         bucket = -(-head_dim // 64) * 64
         tma = tma and mask == "none" and not sparse and tma_serves(arch, bucket, keys)
         family = "attn_fwd_tma" if tma else "attn_fwd_wgmma"

@@ -99,12 +99,13 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box_rows: int) -> bytes:
         _, types, interleave, swizzle, l2, fill = _driver_enums()
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         dims, strides = layout
-        args = _args[(dtype, layout, box_rows)] = (
-            (types[dtype], u32(4)),
-            ([u64(x) for x in dims], [u64(x) for x in strides], [u32(64), u32(box_rows), u32(1), u32(1)],
-             [u32(1)] * 4, interleave, swizzle, l2, fill))
-        if len(_args) > MAX_MEMO:
-            _args.clear()
+        args = ((types[dtype], u32(4)),
+                ([u64(x) for x in dims], [u64(x) for x in strides], [u32(64), u32(box_rows), u32(1), u32(1)],
+                 [u32(1)] * 4, interleave, swizzle, l2, fill))
+        with _lock:
+            if len(_args) >= MAX_MEMO:
+                _args.clear()
+            _args[(dtype, layout, box_rows)] = args
     head, tail = args
     tmap = check(d.cuTensorMapEncodeTiled(*head, ptr, *tail),
                  f"cuTensorMapEncodeTiled(layout={layout}, box=(64, {box_rows}))")

@@ -113,7 +113,7 @@ def _table(kv: str, sparse: int, mask: str = "none") -> str:
 
 def _check(spec) -> None:
     if spec.head_dim % 64 or spec.arch not in WGMMA_ARCHS:
-        raise ValueError(f"family: attn_fwd_wgmma takes {_TAKES}; got {spec}")
+        raise ValueError(f"family: {spec.family} takes {_TAKES}; got {spec}")
 
 
 ATTN_FWD_WGMMA = Family(
@@ -149,7 +149,7 @@ _SM90_TMA = (
 
 def _check_tma(spec) -> None:
     _check(spec)
-    if not any(r.max_head_dim == spec.head_dim for r in table_rows(ATTN_FWD_TMA, "dense", spec.arch)):
+    if not tma_serves(spec.arch, spec.head_dim, keys=1 << 62):  # a row for the bucket, whatever its min_keys
         raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}")
 
 
