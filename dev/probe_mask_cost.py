@@ -1,16 +1,18 @@
-"""Dev probe: where the wgmma kernel's time goes with a mask tensor, (1, 16k, 16, 128) bf16.
+"""Dev probe: what a mask tensor costs the sm_90a prefill, (1, 16k, 2048 / D, D) bf16.
 
-Usage: PYTHONPATH=. python dev/probe_mask_cost.py
+Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] [--kinds bool bf16 f32]
 
-Times (scripts/harness.py) the dense call against bool masks that differ in one thing each: a
-full (S, S) mask (tiles staged through shared memory), a key-padding mask (1, 1, 1, S) (staged,
-a few KiB: L1/L2-resident), the full mask read in place (an odd-stride view, not staged), and
-the mask and dense tables with other tiles, warp-specialized or not (``override_tiles``), to
-separate DRAM traffic, the per-element work and the tile shape.
+Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
+visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
+(1, 1, 1, S)) the mask call on attn_fwd_tma (its mask table as it is) and on attn_fwd_wgmma (the
+bucket's row taken out of attn_fwd_tma's mask table with ``override_tiles``, so the cp.async kernel
+copies the tiles), each against the dense time; and the dense call on the bool mask row's tile
+to separate the tile shape from the mask's own cost.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -20,38 +22,59 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
-from pyattn.kernels.families import WgmmaTile, override_tiles, tile_table  # noqa: E402
+from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--dims", type=int, nargs="*", default=[128])
+    ap.add_argument("--kinds", nargs="*", default=["bool", "bf16", "f32"])
+    args = ap.parse_args()
     bench = harness.open_bench()
-    S, H, D = 16384, 16, 128
+    for D in args.dims:
+        probe(bench, args.seqlen, D, args.kinds)
+
+
+def probe(bench, S: int, D: int, kinds) -> None:
+    H = 2048 // D
     rng = np.random.default_rng(0)
     import ml_dtypes
 
     q = pyattn.asarray(rng.standard_normal((1, S, H, D), np.float32).astype(ml_dtypes.bfloat16), stream=bench.stream)
-    full = pyattn.asarray(np.ones((S, S), bool), stream=bench.stream)
-    pad = pyattn.asarray(np.ones((1, 1, 1, S), bool), stream=bench.stream)
-    torch = bench.torch  # a strided view: row stride S + 1, so rows are not 16-byte aligned (read in place)
-    odd = torch.ones((S, S + 1), dtype=torch.bool, device="cuda")[:, :S] if torch is not None else full
-    cases = [("dense", {}), ("softcap 30", {"softcap": 30.0}), ("bool (S, S) staged", {"mask": full}),
-             ("bool (1,1,1,S) staged", {"mask": pad}), ("bool (S, S) in place", {"mask": odd})]
-    base = None
-    for name, opts in cases:
-        t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts), loop=5, reps=3, label=name)
-        base = base or t.ms
-        print(f"{name:28} {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
-    for rows in ((WgmmaTile(128, 128, 2, 2, False, 1, "probe"),), (WgmmaTile(128, 64, 2, 4, True, 1, "probe"),),
-                 (WgmmaTile(128, 64, 2, 4, True, 1, "probe", True),), (WgmmaTile(128, 128, 2, 2, False, 1, "probe", True),)):
-        r = rows[0]
-        with override_tiles("attn_fwd_wgmma", "sm_90a", rows + tile_table("attn_fwd_wgmma", "sm_90a", "mask1")[2:],
-                            table="mask1"):
-            t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, mask=full), loop=5, reps=3)
-        print(f"bool (S,S) n{r.block_n} s{r.stages} ovl={r.overlap} ws={r.ws}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
-        with override_tiles("attn_fwd_wgmma", "sm_90a", rows + tile_table("attn_fwd_wgmma", "sm_90a", "dense")[2:],
-                            table="dense"):
-            t = bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream), loop=5, reps=3)
-        print(f"dense      n{r.block_n} s{r.stages} ovl={r.overlap} ws={r.ws}  {t.ms:8.3f} ms {t.ms / base:5.2f}x", flush=True)
+
+    def run(opts):
+        return bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts), loop=5, reps=3).ms
+
+    dense = run({})
+    print(f"{f'd={D} dense':40} {dense:8.3f} ms", flush=True)
+    row = next(r for r in tile_table("attn_fwd_tma", "sm_90a", "mask1") if r.max_head_dim == D)
+    others = tuple(r for r in tile_table("attn_fwd_tma", "sm_90a", "dense") if r.max_head_dim != D)
+    with override_tiles("attn_fwd_tma", "sm_90a", tuple(sorted(others + (row,), key=lambda r: r.max_head_dim)),
+                        table="dense"):
+        t = run({})
+    print(f"{f'dense on the bool mask row n{row.block_n} s{row.stages}':40} {t:8.3f} ms {t / dense:5.2f}x", flush=True)
+    random = rng.random((S, S), dtype=np.float32)
+    for kind, dtype in (("bool", bool), ("bf16", ml_dtypes.bfloat16), ("f32", np.float32)):
+        if kind not in kinds or (kind == "f32" and D > 192):
+            continue
+        table = {"bool": "mask1", "bf16": "mask2", "f32": "mask4"}[kind]
+        no_d = tuple(r for r in tile_table("attn_fwd_tma", "sm_90a", table) if r.max_head_dim != D)
+        if kind == "bool":
+            masks = {"all True": np.ones((S, S), bool), "random 50%": random < 0.5,
+                     "key padding (1,1,1,S) 90%": (np.arange(S) < 0.9 * S)[None, None, None, :]}
+        else:
+            masks = {"zeros": np.zeros((S, S), dtype), "random normal": (random * 4 - 2).astype(dtype),
+                     "key padding (1,1,1,S) 90%": np.where(np.arange(S) < 0.9 * S, 0, -np.inf)[None, None, None, :]
+                     .astype(dtype)}
+        for name, host in masks.items():
+            m = pyattn.asarray(host, stream=bench.stream)
+            tma = run({"mask": m})
+            with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
+                cp = run({"mask": m})
+            print(f"{kind + ' ' + name:40} tma {tma:8.3f} ms {tma / dense:5.2f}x | cp.async {cp:8.3f} ms "
+                  f"{cp / dense:5.2f}x", flush=True)
+            del m
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ struct AttnFwdWgmmaTraits {
   static constexpr bool kTma = TMA_;
   static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = TMA_ ? 240 : 224;
   static_assert(!WS_ || WARPGROUPS_ == 2, "WS: the register split is for two consumer warpgroups");
-  static_assert(!TMA_ || (WS_ && MASK_BYTES_ == 0), "TMA: a producer warpgroup, and no mask tiles to copy");
+  static_assert(!TMA_ || WS_, "TMA: a producer warpgroup issues the copies");
   // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
   // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
   static constexpr bool kPingPong = WS_ && OVERLAP_;
@@ -76,12 +76,18 @@ struct AttnFwdWgmmaTraits {
   static constexpr int kStageBytes = 2 * kKVBytes;
   // A mask tensor's tile (BLOCK_M x BLOCK_N elements of MASK_BYTES each; 0 = no mask tensor) rides
   // in the ring with its K/V tile when the mask's rows are 16-byte aligned (else it is read from
-  // global memory in place). Rows are padded by 16 bytes: the 8 rows a warp reads at once then
-  // start in different banks.
+  // global memory in place). cp.async pads rows by 16 bytes: the 8 rows a warp reads at once then
+  // start in different banks. TMA cannot pad; it swizzles instead, as for K and V: the tile is
+  // [BLOCK_N * MASK_BYTES / kMaskSwz][BLOCK_M][kMaskSwz bytes], each kMaskSwz-byte row's 16-byte
+  // chunks permuted by its row (the 32/64/128-byte swizzle, whichever spans a row of the box),
+  // so those 8 rows again read 8 different chunks.
   static constexpr int kMaskBytes = MASK_BYTES_;
-  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + 16 : 0;
+  static constexpr int kMaskSwz = BLOCK_N_ * MASK_BYTES_ < 128 ? BLOCK_N_ * MASK_BYTES_ : 128;
+  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : 0;
   static constexpr int kMaskTileBytes = BLOCK_M_ * kMaskRow;
   static_assert(MASK_BYTES_ == 0 || (BLOCK_N_ * MASK_BYTES_) % 16 == 0, "mask tile rows: whole 16-byte chunks");
+  static_assert(MASK_BYTES_ == 0 || !TMA_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
+                "TMA mask tiles: a 32/64/128-byte swizzle, whole 1024-byte atoms");
   // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles.
   static constexpr int kBarrierBytes = WS_ ? 16 * STAGES_ : 0;
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.
@@ -163,7 +169,7 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
   return true;
 }
 
-// `maps`: with Tr::kTma, the tensor maps of q, k and v, consecutive (AttnFwdTmaParams::tm_q ...).
+// `maps`: with Tr::kTma, the tensor maps of q, k, v and the mask, consecutive (AttnFwdTmaParams::tm_q ...).
 template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
   using T = typename Tr::T;
@@ -205,17 +211,22 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   ml.mask_smem = smem_raw + (sMask - wg::smem_u32(smem_raw));
   ml.staged = false;
   if constexpr (Tr::kMaskBytes > 0)  // 16-byte aligned rows of consecutive keys: copy tiles by cp.async
-    ml.staged = ml.mods.m_sk == 1 && (ml.mods.m_sq * Tr::kMaskBytes) % 16 == 0 &&
-                reinterpret_cast<unsigned long long>(ml.mods.mask) % 16 == 0;
+    ml.staged = Tr::kTma || (ml.mods.m_sk == 1 && (ml.mods.m_sq * Tr::kMaskBytes) % 16 == 0 &&
+                             reinterpret_cast<unsigned long long>(ml.mods.mask) % 16 == 0);  // TMA: the host mapped it
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
   if constexpr (Tr::kTma) {
     // Box coordinates (column, row, head, batch) of the maps (pyattn.runtime.tensormap): a
     // zero stride (varlen's batch axis, a broadcast) is a map axis of size 1.
     ml.maps = maps;
-    ml.tma_q = {m0 + seq.q_row0, p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
-    ml.tma_k = {seq.k_row0, p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
-    ml.tma_v = {seq.k_row0, p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
+    // (Packed rows fit an int: the host maps tensors of < 2^31 rows.)
+    ml.tma_q = {m0 + static_cast<int>(seq.q_row0), p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
+    ml.tma_k = {static_cast<int>(seq.k_row0), p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
+    ml.tma_v = {static_cast<int>(seq.k_row0), p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
+    // The mask's map (keys, query rows, heads, batch): a key-padding mask (query stride 0) is one
+    // row, copied once per tile and read by every row.
+    ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
+    ml.mask_rows_bcast = p.mask_stride_q == 0;
   }
 
   const int wgi = threadIdx.x / 128;  // warpgroup

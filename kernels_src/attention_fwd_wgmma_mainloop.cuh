@@ -67,8 +67,9 @@ struct AttnFwdWgmmaMainloop {
   struct TmaAt {
     int row, head, batch;
   };
-  const TmaMap* maps;
-  TmaAt tma_q, tma_k, tma_v;
+  const TmaMap* maps;              // tm_q, tm_k, tm_v and (with a mask tensor) tm_mask
+  TmaAt tma_q, tma_k, tma_v, tma_m;  // tma_m: (query row, head, batch) of the mask's box
+  bool mask_rows_bcast;            // the mask's box is one row (query stride 0) that every row reads
 
   // The token (band position) of this thread's row half h.
   __device__ __forceinline__ int token(int h) const {
@@ -156,16 +157,21 @@ struct AttnFwdWgmmaMainloop {
   // on its "full" barrier (tile 0's also carry the query tile) and issue one copy per 64-wide
   // column block of K and of V. The copies' arrival completes the phase; no thread waits for them
   // here, and the async proxy that wgmma reads through is the one TMA writes through.
+  // A mask tensor's tile comes with its K/V tile: one copy per kMaskSwz-byte column block.
   __device__ __forceinline__ void produce_tma(unsigned sQ) {
     constexpr int kBlocks = D / 64;
+    constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
     tma::prefetch(maps + 1);
     tma::prefetch(maps + 2);
+    if constexpr (MB > 0) tma::prefetch(maps + 3);
+    // Bytes a stage's copies complete: a one-row mask box is SWZ bytes a block.
+    const unsigned stage_bytes = Tr::kStageBytes + (mask_rows_bcast ? kMaskBlocks * SWZ : Tr::kMaskTileBytes);
     int st = 0;
     unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
     for (int i = 0; i < n_tiles; ++i) {
       const unsigned full = bar_full + 8 * st, kv = sKV + st * Tr::kStageBytes;
       pipe::wait(bar_empty + 8 * st, empty_parity);
-      tma::arrive_expect(full, Tr::kStageBytes + (i == 0 ? Tr::kQBytes : 0));
+      tma::arrive_expect(full, stage_bytes + (i == 0 ? Tr::kQBytes : 0));
       if (i == 0)
 #pragma unroll
         for (int c = 0; c < kBlocks; ++c) tma::load_4d(sQ + c * (BM * 128), maps, full, 64 * c, tma_q.row, tma_q.head, tma_q.batch);
@@ -176,6 +182,11 @@ struct AttnFwdWgmmaMainloop {
         tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, full, 64 * c, tma_v.row + n0, tma_v.head,
                      tma_v.batch);
       }
+      if constexpr (MB > 0)
+#pragma unroll
+        for (int c = 0; c < kMaskBlocks; ++c)
+          tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * mask_block_stride(), maps + 3, full, n0 + c * (SWZ / MB),
+                       tma_m.row, tma_m.head, tma_m.batch);
       if (++st == STAGES) st = 0, empty_parity ^= 1;
     }
   }
@@ -188,10 +199,34 @@ struct AttnFwdWgmmaMainloop {
     }
   }
 
-  // The mask tensor on key tile n0 in S's register layout: a float mask's log2-unit terms in
-  // mt, a bool mask's pair words in mw (index 2 i + h); nothing past the ends is read.
+  // TMA: the distance between a mask tile's column blocks. A one-row box still starts each block
+  // on a 1024-byte swizzle atom, so that its row reads unpermuted (row 0 of the atom).
+  __device__ __forceinline__ int mask_block_stride() const { return mask_rows_bcast ? 1024 : BM * Tr::kMaskSwz; }
+
+  // The mask tensor on key tile n0 in S's register layout, raw (FastMods::pair_at): an f32 mask's
+  // values in mt, a bool or 16-bit mask's pair words in mw (index 2 i + h); nothing past the ends
+  // is read.
   __device__ __forceinline__ void gather_mask(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const {
-    if (Tr::kMaskBytes > 0 && staged) {
+    if constexpr (Tr::kTma && Tr::kMaskBytes > 0) {
+      // The swizzled tile (AttnFwdWgmmaTraits): byte w of row r's column block sits in 16-byte
+      // chunk (w / 16) ^ ((r * SWZ / 128) % (SWZ / 16)) of the row; a one-row box is row 0.
+      constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz;
+      const char* tile = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes;
+      const int blk = mask_block_stride();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mask_rows_bcast ? 0 : row_a - m0 + 8 * h;
+        const int x = (r * SWZ >> 7) & (SWZ / 16 - 1);
+        const char* row = tile + r * SWZ;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          const int w = (i * 8 + 2 * t) * MB;  // the pair's byte in the tile row
+          const int wb = w % SWZ;
+          mods.pair_at(row + (w / SWZ) * blk + (((wb >> 4) ^ x) << 4) + (wb & 15), mt[4 * i + 2 * h],
+                       mt[4 * i + 2 * h + 1], mw[2 * i + h]);
+        }
+      }
+    } else if (Tr::kMaskBytes > 0 && staged) {
       const char* at = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes +
                        (row_a - m0) * Tr::kMaskRow + 2 * t * Tr::kMaskBytes;
 #pragma unroll
@@ -268,7 +303,22 @@ struct AttnFwdWgmmaMainloop {
     // one batch (one per element pair, interleaved with the scores, they cost 2x the dense time)
     float mt[S_REGS];
     unsigned mw[BN / 4];
-    if constexpr (Mods::kMask != kMaskNone) gather_mask(mt, mw, n0);
+    // plain: the mask is absent from this warp's 16 rows of the tile (a bool mask all visible, a
+    // float mask all +0), so its per-score work is skipped: padding masks, document masks and
+    // the like are mostly such tiles.
+    // Tested on the raw bytes, so such a tile converts nothing either.
+    bool plain = false;
+    if constexpr (Mods::kMask != kMaskNone) {
+      constexpr bool kF32 = Mods::kMask == kMaskF32;
+      gather_mask(mt, mw, n0);
+      unsigned all = FastMods<Mods>::kBool ? 0x0101u : 0u;
+#pragma unroll
+      for (int i = 0; i < (kF32 ? S_REGS : BN / 4); ++i) {
+        if constexpr (FastMods<Mods>::kBool) all &= mw[i];
+        else all |= kF32 ? __float_as_uint(mt[i]) : mw[i];
+      }
+      plain = __all_sync(kFullMask, all == (FastMods<Mods>::kBool ? 0x0101u : 0u));
+    }
     if constexpr (WITH_PV) {
       wg::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
     } else {
@@ -286,7 +336,19 @@ struct AttnFwdWgmmaMainloop {
       // that the softmax's sl2 scales); masked -> -inf. Rows past the end get -inf and never read
       // the mask tensor.
       const bool rows_in = wg_row0 + 63 < sq;
-      if (full && rows_in) {  // every position visible: no per-element band or bounds tests
+      if constexpr (FastMods<Mods>::kFloatMask)  // the raw pairs as terms, where they are added
+        if (!(full && rows_in && plain))
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) mods.terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1]);
+      if (full && rows_in && plain) {  // as without the mask: raw scores, or the other modifiers'
+        if constexpr (!FastMods<Mods>::kMaskOnly)
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[4 * i + e] = mods.score(s[4 * i + e], token(e >> 1), n0 + i * 8 + 2 * t + (e & 1), 0.f);
+      } else if (full && rows_in) {  // every position visible: no per-element band or bounds tests
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll

@@ -93,11 +93,16 @@ __device__ __forceinline__ float score_mod(const AttnFwdParams& p, const ModStat
 // A bool mask is a visibility predicate, not a term: its key pairs are gathered as 16-bit words
 // (byte e nonzero = key 2u + e visible) and folded into the band test, so with a bool mask alone
 // the scores stay raw and the softmax scales them as without modifiers (kScoresFinal false).
+// A float mask alone keeps them raw too: its terms are gathered divided by the scale (`mscale`)
+// and added to the raw dot products, one add a score, and a tile whose terms are all 0 needs no
+// work at all. (A term whose quotient exceeds float32, |m| > 3.4e38 * scale, becomes -inf; so did
+// the log2 form's |m| > 2.4e38, such as finfo(float32).min.)
 template <class Mods>
 struct FastMods {
   static constexpr bool kBool = Mods::kMask == kMaskBool;
   static constexpr bool kFloatMask = Mods::kMask != kMaskNone && !kBool;
-  static constexpr bool kScoresFinal = Mods::kSoftcap || Mods::kAlibi || kFloatMask;  // else raw scores
+  static constexpr bool kScoresFinal = Mods::kSoftcap || Mods::kAlibi;  // else raw scores (+ mask terms)
+  static constexpr bool kMaskOnly = Mods::kMask != kMaskNone && !kScoresFinal;
   // A soft-cap with nothing added after it: score() returns tanh(raw * pre) and the softmax's
   // scale (post = softcap * log2 e) finishes it, one multiply per score fewer.
   static constexpr bool kCapScale = Mods::kSoftcap && !Mods::kAlibi && !kFloatMask;
@@ -106,6 +111,7 @@ struct FastMods {
   long long m_sq, m_sk;     // mask strides (elements)
   bool pairs;               // keys (2u, 2u + 1) of a row are one aligned pair load
   float pre, post;          // y = raw * pre, or tanh(raw * pre) * post with the soft-cap
+  float mscale;             // a float mask's terms: m * log2(e) in final scores, m / scale in raw ones
   float slope;              // ALiBi slope in log2 units
   int diag;                 // sk - sq
 
@@ -126,6 +132,7 @@ struct FastMods {
       pre = p.scale * kLog2e;
       post = 1.f;
     }
+    mscale = kScoresFinal ? kLog2e : 1.f / p.scale;
     slope = 0.f;
     if constexpr (Mods::kAlibi) slope = p.alibi[batch * p.alibi_stride_b + head] * kLog2e;
     diag = sk - sq;
@@ -137,9 +144,8 @@ struct FastMods {
     return y;
   }
 
-  // The mask at keys (key, key + 1) of `row`, read in place: a float mask's log2-unit terms in
-  // a / b, or a bool mask's pair word in `word`. `in0` / `in1` say which keys lie inside the
-  // sequence; the others are never read (terms 0, bytes 0).
+  // The mask at keys (key, key + 1) of `row`, read in place, raw as pair_at gives it. `in0` /
+  // `in1` say which keys lie inside the sequence; the others are never read (bytes 0).
   __device__ __forceinline__ void pair_in_place(int row, int key, bool in0, bool in1, float& a, float& b,
                                                 unsigned& word) const {
     a = b = 0.f;
@@ -151,33 +157,49 @@ struct FastMods {
       } else if constexpr (kBool) {
         const unsigned char* m = reinterpret_cast<const unsigned char*>(mask);
         word = (in0 && __ldg(m + idx) ? 0x01u : 0u) | (in1 && __ldg(m + idx + m_sk) ? 0x100u : 0u);
+      } else if constexpr (kSize == 2) {
+        const unsigned short* m = reinterpret_cast<const unsigned short*>(mask);
+        word = (in0 ? __ldg(m + idx) : 0u) | (in1 ? static_cast<unsigned>(__ldg(m + idx + m_sk)) << 16 : 0u);
       } else {
-        if (in0) a = mask_value<Mods::kMask>(mask, idx) * kLog2e;
-        if (in1) b = mask_value<Mods::kMask>(mask, idx + m_sk) * kLog2e;
+        const float* m = reinterpret_cast<const float*>(mask);
+        if (in0) a = __ldg(m + idx);
+        if (in1) b = __ldg(m + idx + m_sk);
       }
     }
   }
 
-  // The pair at `at` (global or shared memory, aligned to two elements).
+  // The raw pair at `at` (global or shared memory, aligned to two elements): a bool mask's bytes
+  // or a 16-bit mask's two elements in `word`, an f32 mask's in a / b. Raw, so that a tile with
+  // nothing to add (all bytes 1, all bits 0) is found before any conversion; terms() converts.
   __device__ __forceinline__ static void pair_at(const char* at, float& a, float& b, unsigned& word) {
     if constexpr (kBool) {
       word = *reinterpret_cast<const unsigned short*>(at);
-    } else if constexpr (Mods::kMask == kMaskF16) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(at));
-      a = f.x * kLog2e, b = f.y * kLog2e;
-    } else if constexpr (Mods::kMask == kMaskBF16) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(at));
-      a = f.x * kLog2e, b = f.y * kLog2e;
+    } else if constexpr (kSize == 2) {
+      word = *reinterpret_cast<const unsigned*>(at);
     } else if constexpr (Mods::kMask == kMaskF32) {
       const float2 f = *reinterpret_cast<const float2*>(at);
-      a = f.x * kLog2e, b = f.y * kLog2e;
+      a = f.x, b = f.y;
     }
   }
 
-  // The final log2-unit score of a visible (row, key) from its raw dot product and a float
-  // mask's term `m` (raw when !kScoresFinal, tanh(raw * pre) when kCapScale: the softmax scales it).
+  // A float mask's raw pair as the terms score() adds (times mscale).
+  __device__ __forceinline__ void terms(unsigned word, float& a, float& b) const {
+    if constexpr (Mods::kMask == kMaskF16) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
+      a = f.x * mscale, b = f.y * mscale;
+    } else if constexpr (Mods::kMask == kMaskBF16) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+      a = f.x * mscale, b = f.y * mscale;
+    } else if constexpr (Mods::kMask == kMaskF32) {
+      a *= mscale, b *= mscale;
+    }
+  }
+
+  // The score of a visible (row, key) from its raw dot product and a float mask's term `m`: final
+  // (log2 units), or, when !kScoresFinal, raw plus the term (the softmax scales it), or
+  // tanh(raw * pre) when kCapScale (the softmax scales that too).
   __device__ __forceinline__ float score(float raw, int row, int key, float m) const {
-    if constexpr (!kScoresFinal) return raw;
+    if constexpr (!kScoresFinal) return kFloatMask ? raw + m : raw;
     if constexpr (kCapScale) return tanh_approx(raw * pre);
     float y = Mods::kSoftcap ? tanh_approx(raw * pre) * post : raw * pre;
     if constexpr (Mods::kAlibi) y -= slope * fabsf(static_cast<float>(row + diag - key));

@@ -107,7 +107,10 @@ def bench_skipping(bench) -> dict:
     """Tile skipping, (B=1, S=16384, H=16, D=128, bf16): dense, causal and sliding windows, each
     against the fraction of (query, key) pairs it keeps; and what the score-modifier path costs
     (the score modifiers, each against the dense time: a bool mask of all True, a bf16 additive
-    mask, a soft-cap, ALiBi, and soft-cap with causal against causal)."""
+    mask of zeros, the same two with random values, a key-padding mask (1, 1, 1, S) hiding the last
+    10% of the keys, a soft-cap, ALiBi, and soft-cap or a bool mask with causal against causal).
+    Masks that hide nothing on a tile skip their per-score work there; the random ones show the
+    cost where every tile does it."""
     S, H, D = 16384, 16, 128
     q = make_qkv(bench, (1, S, H, D), "bfloat16", 1)[0][0][0]
     ones = pyattn.asarray(np.ones((S, S), bool), stream=bench.stream)
@@ -116,10 +119,18 @@ def bench_skipping(bench) -> dict:
     import ml_dtypes
 
     zeros = pyattn.asarray(np.zeros((S, S), ml_dtypes.bfloat16), stream=bench.stream)
+    uniform = np.random.default_rng(2).random((S, S), dtype=np.float32)
+    coin = pyattn.asarray(uniform < 0.5, stream=bench.stream)
+    bias = pyattn.asarray((uniform * 4 - 2).astype(ml_dtypes.bfloat16), stream=bench.stream)
+    del uniform
+    padding = pyattn.asarray((np.arange(S) < S - S // 10)[None, None, None, :], stream=bench.stream)
     slopes = pyattn.asarray((2.0 ** -np.arange(1, H + 1)).astype(np.float32), stream=bench.stream)
     # (name, options, kept fraction, the case its x_dense compares against)
     cases += [("bool mask (all True)", {"mask": ones}, 1.0, "dense"),
               ("bf16 additive mask (zeros)", {"mask": zeros}, 1.0, "dense"),
+              ("bool mask (random 50%)", {"mask": coin}, 0.5, "dense"),
+              ("bf16 additive mask (random)", {"mask": bias}, 1.0, "dense"),
+              ("key-padding bool mask (1,1,1,S)", {"mask": padding}, 0.9, "dense"),
               ("softcap 30", {"softcap": 30.0}, 1.0, "dense"), ("alibi", {"alibi_slopes": slopes}, 1.0, "dense"),
               ("causal + softcap 30", {"causal": True, "softcap": 30.0}, 0.5, "causal"),
               ("causal + bool mask", {"causal": True, "mask": ones}, 0.5, "causal")]
@@ -188,7 +199,7 @@ def print_report(result: dict) -> None:
         for r in sk["rows"]:
             base = r.get("base")
             verdict = "" if base is None else f"  vs {base}: {'PASS' if r['x_dense'] <= 1.25 else 'MISS'}"
-            print(f"  {r['case']:<26} {r['ms']:8.3f} ms  {r['x_dense']:5.2f}x  {r['kept']:.3f}{verdict}")
+            print(f"  {r['case']:<34} {r['ms']:8.3f} ms  {r['x_dense']:5.2f}x  {r['kept']:.3f}{verdict}")
     e = result.get("numpy_e2e") or {}
     if e.get("errors"):
         print(f"NumPy end to end FAILED: {e['errors']}")

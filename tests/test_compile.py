@@ -117,14 +117,22 @@ def _modifier_specs(arch):
 
 
 def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
-    """attn_fwd_tma (sm_90a only): every bucket its table has, fp16 and bf16, with soft-cap + ALiBi."""
+    """attn_fwd_tma (sm_90a only): every bucket its table has, fp16 and bf16, with soft-cap + ALiBi;
+    every row of its mask tables."""
     from pyattn.kernels.families import tile_table
 
     specs = [KernelSpec("attn_fwd_tma", tag, r.max_head_dim, "sm_90a", softcap=True, alibi=True)
              for r in tile_table("attn_fwd_tma", "sm_90a") for tag in ("f16", "bf16")]
+    # Mask tensors: every mask table's rows, alone (the fast path that skips the mask-free tiles)
+    # and with the other modifiers.
+    specs += [KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask=mask, **mods)
+              for mask, table in (("bool", "mask1"), ("f16", "mask2"), ("f32", "mask4"))
+              for r in tile_table("attn_fwd_tma", "sm_90a", table=table)
+              for mods in ({}, {"softcap": True, "alibi": True})]
     assert {s.head_dim for s in specs} == {64, 128, 192, 256}
     for spec in _cubins(specs, session_cache_dir, monkeypatch):
-        assert spec.entry_name.startswith("pyattn_attn_fwd_tma_") and spec.entry_name.endswith("_softcap_alibi")
+        assert spec.entry_name.startswith("pyattn_attn_fwd_tma_")
+        assert spec.entry_name.endswith("_softcap_alibi") or spec.mask != "none"
 
 
 def test_tma_params_layout_matches_c():
@@ -132,13 +140,14 @@ def test_tma_params_layout_matches_c():
     from pyattn.kernels.params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
 
     first = -(-ATTN_FWD_PARAMS.size // 64) * 64
-    assert ATTN_FWD_TMA_PARAMS.size == first + 3 * 128
+    names = ("tm_q", "tm_k", "tm_v", "tm_mask")
+    assert ATTN_FWD_TMA_PARAMS.size == first + 4 * 128
     raw = ATTN_FWD_TMA_PARAMS.pack({**{n: 0 for n, k in ATTN_FWD_TMA_PARAMS.fields if k != "tmap"},
-                                    "tm_q": b"\x01" * 128, "tm_k": b"\x02" * 128, "tm_v": b"\x03" * 128})
-    assert raw[first:first + 128] == b"\x01" * 128 and raw[-128:] == b"\x03" * 128
+                                    **{n: bytes([i + 1]) * 128 for i, n in enumerate(names)}})
+    assert raw[first:first + 128] == b"\x01" * 128 and raw[-128:] == b"\x04" * 128
     source = ATTN_FWD_TMA_PARAMS.c_declaration() + "".join(
         f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {first + 128 * i}, "{n}");\n'
-        for i, n in enumerate(("tm_q", "tm_k", "tm_v")))
+        for i, n in enumerate(names))
     _compile_offset_checks('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
                            ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"))
 

@@ -1,10 +1,12 @@
 """GPU tests of the TMA-fed sm_90a kernel (attn_fwd_tma) against the fp64 reference; marked ``gpu``,
 skipped without an sm_90a GPU.
 
-The other GPU modules reach it too (every dense 16-bit call on sm_90a whose bucket its table
-has); these aim at what is new on its path: tensor maps over strided views, broadcast (stride 0)
-axes, head dims below and between the 64-wide boxes, GQA, varlen rows read past a sequence's end,
-and maps re-encoded when the same layout comes with other arrays.
+The other GPU modules reach it too (every 16-bit call on sm_90a whose bucket its table has);
+these aim at what is new on its path: tensor maps over strided views, broadcast (stride 0) axes,
+head dims below and between the 64-wide boxes, GQA, varlen rows read past a sequence's end, maps
+re-encoded when the same layout comes with other arrays, and mask tensors: their swizzled tiles,
+key-padding masks (one row for all), tiles the mask leaves untouched (skipped work) next to
+mixed and fully masked ones, and mask views TMA cannot read.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _view(base: DeviceArray, offset_elems: int, shape: tuple, strides: tuple) ->
 
 def test_the_dense_path_is_the_tma_kernel():
     assert TMA_DIMS, "attn_fwd_tma serves no head dim"
-    assert select_attention_spec("bfloat16", 128, "sm_90a", mask="bool").family == "attn_fwd_wgmma"
+    assert select_attention_spec("bfloat16", 128, "sm_90a", mask="bool").family == "attn_fwd_tma"
 
 
 @SETTINGS
@@ -108,3 +110,92 @@ def test_new_arrays_with_the_same_layout_get_their_own_maps():
     dev = [[pyattn.asarray(x) for x in s] for s in sets]
     for s, d in zip(sets * 2, dev * 2):
         _check(pyattn.attention(*d, causal=True).numpy(), None, *s, causal=True)
+
+
+MASK_DTYPES = {"bool": np.bool_, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "f32": np.float32}
+
+
+def _block_mask(rng, shape: tuple, kind: str, block: int) -> np.ndarray:
+    """A mask of ``shape`` made of ``block`` x ``block`` tiles, each all visible (True / 0), all
+    masked (False / -inf) or mixed (random), so that a call meets every kind of tile."""
+    *lead, sq, sk = shape
+    out = np.empty(shape, np.float64)
+    for i in range(0, sq, block):
+        for j in range(0, sk, block):
+            part = out[..., i:i + block, j:j + block]
+            how = rng.integers(4)  # twice as many visible tiles as either other kind
+            if how <= 1:
+                part[...] = 0.0
+            elif how == 2:
+                part[...] = -np.inf
+            else:
+                part[...] = rng.standard_normal(part.shape) * 2
+                part[rng.random(part.shape) < 0.3] = -np.inf
+    if kind == "bool":
+        return out > -np.inf
+    return out.astype(MASK_DTYPES[kind])
+
+
+@SETTINGS
+@given(B=st.integers(1, 2), Sq=LENGTHS, Sk16=st.sampled_from([1, 3, 4, 8, 13, 20, 128, 131]),
+       Hkv=st.integers(1, 2), group=st.sampled_from([1, 2]), D=st.sampled_from(TMA_DIMS or [128]),
+       kind=st.sampled_from(sorted(MASK_DTYPES)), keep=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       block=st.sampled_from([16, 64, 128]), causal=st.booleans(), softcap=st.sampled_from([None, 15.0]),
+       alibi=st.booleans(), on_device=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, block, causal, softcap, alibi,
+                                       on_device, seed):
+    """Every mask kind through the TMA kernel's swizzled tiles (keys a multiple of 16: rows of whole
+    16 bytes), with broadcast batch / head / query axes and the other modifiers."""
+    Sk = 16 * Sk16
+    spec = select_attention_spec("bfloat16", D, "sm_90a", mask=kind, keys=Sk)
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * group
+    q, k, v = _inputs(rng, B, Sq, Sk, Hq, Hkv, D, "bfloat16")
+    shape = tuple(n if kp else 1 for n, kp in zip((B, Hq, Sq), keep)) + (Sk,)
+    mask = _block_mask(rng, shape, kind, block)
+    opts = dict(causal=causal, softcap=softcap)
+    if alibi:
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.5, Hq).astype(np.float32)
+    args = [pyattn.asarray(x) for x in (q, k, v, mask)] if on_device else [q, k, v, mask]
+    out, lse = pyattn.attention(*args[:3], mask=args[3], return_lse=True, **opts)
+    if on_device:
+        out, lse = out.numpy(), lse.numpy()
+    _check(out, lse, q, k, v, mask=mask, **opts)
+    # What ran (the same selection as the call's): TMA unless its table lacks the bucket (d=256
+    # with an f32 mask) or the call is shorter than the row's min_keys (d=64).
+    from pyattn.kernels.families import tile_table
+
+    rows = tile_table("attn_fwd_tma", "sm_90a", table={"bool": "mask1", "f32": "mask4"}.get(kind, "mask2"))
+    row = next((r for r in rows if r.max_head_dim == spec.head_dim), None)
+    assert spec.family == ("attn_fwd_tma" if row is not None and Sk >= row.min_keys else "attn_fwd_wgmma")
+
+
+@pytest.mark.parametrize("kind", sorted(MASK_DTYPES))
+def test_key_padding_masks(kind):
+    """(B, 1, 1, Sk) masks hiding each sequence's padded tail, the common serving mask: one row
+    that every query row reads. A batch entry whose keys are all padding gets 0 / LSE -inf."""
+    rng = np.random.default_rng(11)
+    B, Sq, Sk, H, D = 3, 200, 2048 + 64, 2, 128
+    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
+    keep = np.arange(Sk)[None, :] < np.array([Sk, 1000, 0])[:, None]
+    mask = keep[:, None, None, :] if kind == "bool" else \
+        np.where(keep, 0.0, -np.inf)[:, None, None, :].astype(MASK_DTYPES[kind])
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), return_lse=True)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask)
+    assert np.isneginf(lse.numpy()[2]).all()
+
+
+def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
+    """A bool mask view one byte into its buffer (rows still 16-byte strided): TMA cannot read it,
+    so that call runs attn_fwd_wgmma, which reads such a mask in place; the same problem with an
+    aligned mask runs attn_fwd_tma. Both are correct."""
+    rng = np.random.default_rng(4)
+    Sq, Sk = 150, 512
+    q, k, v = _inputs(rng, 1, Sq, Sk, 2, 2, 128, "bfloat16")
+    dq, dk, dv = (pyattn.asarray(x) for x in (q, k, v))
+    buf = rng.random((Sq, Sk + 16)) < 0.7
+    base = pyattn.asarray(buf)
+    for off in (1, 0):
+        m = _view(base, off, (Sq, Sk), (Sk + 16, 1))
+        out = pyattn.attention(dq, dk, dv, mask=m)
+        _check(out.numpy(), None, q, k, v, mask=np.ascontiguousarray(buf[:, off:off + Sk]))

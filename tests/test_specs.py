@@ -67,11 +67,12 @@ def test_select_picks_the_smallest_bucket_not_below_head_dim(dtype_name, arch):
         assert spec.head_dim >= d and spec.head_dim - d < (64 if arch == "sm_90a" and family != FAMILY_FOR[
             dtype_name] else 32)
         assert (spec.dtype, spec.arch, spec.ptx, spec.family) == (DTYPES[dtype_name][0], arch, False, family)
-        # score modifiers take the same family and bucket (wgmma on sm_90a compiles them in), except
-        # a mask tensor's tiles, which only the cp.async wgmma kernel copies
+        # score modifiers take the same family and bucket (wgmma on sm_90a compiles them in), except an
+        # f32 mask at d=256, whose tiles do not fit the TMA kernel's ring (the cp.async one copies them)
         for mods in (dict(softcap=True), dict(alibi=True), dict(mask="bool"), dict(mask="f32", softcap=True)):
             m = select_attention_spec(dtype_name, d, arch, **mods)
-            same = family.replace("attn_fwd_tma", "attn_fwd_wgmma") if "mask" in mods else family
+            same = family.replace("attn_fwd_tma", "attn_fwd_wgmma") \
+                if mods.get("mask") == "f32" and spec.head_dim == 256 else family
             assert (m.family, m.head_dim) == (same, spec.head_dim), mods
         assert spec in standard_specs(arch)  # warmup precompiles everything attention can select
 
@@ -99,8 +100,12 @@ def test_select_spot_values_and_ptx_flag():
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
     assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", ptx=True)
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")
+    assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
+    assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__nv_bfloat16, 128, 128, 128, 2, 2, "
+                                "false, 1, true, true>, pyattn::ScoreMods<1, false, false>>")
+    spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool", tma=False)
     assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", mask="bool")
-    spec = select_attention_spec("float16", 100, "sm_90a", mask="f32", softcap=True, alibi=True)
+    spec = select_attention_spec("float16", 200, "sm_90a", mask="f32", softcap=True, alibi=True)
     assert spec.template_id.endswith("pyattn::ScoreMods<4, true, true>, false>")
     assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
@@ -584,24 +589,54 @@ def test_template_id_matches_the_header_signature(family):
 
 
 def test_tma_kernel_selection():
-    """attn_fwd_tma takes dense 16-bit sm_90a calls whose bucket its table has, from the row's
-    min_keys on; mask tensors, block-sparse lists and layouts TMA cannot map go to attn_fwd_wgmma."""
+    """attn_fwd_tma takes 16-bit sm_90a calls whose bucket its table for the mask kind has, from the
+    row's min_keys on; block-sparse lists and layouts TMA cannot map go to attn_fwd_wgmma."""
     from pyattn.kernels.families import tile_table
 
-    rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a")}
-    for d, row in rows.items():
-        assert select_attention_spec("bfloat16", d, "sm_90a", keys=max(row.min_keys, 1)).family == "attn_fwd_tma"
-        if row.min_keys > 1:
-            assert select_attention_spec("bfloat16", d, "sm_90a", keys=row.min_keys - 1).family == "attn_fwd_wgmma"
-        for kw in (dict(mask="bool"), dict(sparse=1), dict(sparse=2), dict(tma=False)):
-            assert select_attention_spec("float16", d, "sm_90a", **kw).family == "attn_fwd_wgmma", kw
-        assert select_attention_spec("float16", d, "sm_90a", softcap=True, alibi=True).family == "attn_fwd_tma"
+    for table, mask in (("dense", "none"), ("mask1", "bool"), ("mask2", "bf16"), ("mask2", "f16"), ("mask4", "f32")):
+        rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table=table)}
+        for d in (64, 128, 192, 256):
+            row = rows.get(d)
+            spec = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=max(row.min_keys, 1) if row else 1 << 20)
+            assert spec.family == ("attn_fwd_tma" if row else "attn_fwd_wgmma"), (mask, d)
+            if row is None:
+                continue
+            assert spec.tiles.block_n == row.block_n and spec.tiles.stages == row.stages
+            if row.min_keys > 1:
+                assert select_attention_spec("bfloat16", d, "sm_90a", mask=mask,
+                                             keys=row.min_keys - 1).family == "attn_fwd_wgmma"
+            for kw in (dict(sparse=1), dict(sparse=2), dict(tma=False)):
+                assert select_attention_spec("float16", d, "sm_90a", mask=mask, **kw).family == "attn_fwd_wgmma", kw
+            assert select_attention_spec("float16", d, "sm_90a", mask=mask, softcap=True,
+                                         alibi=True).family == "attn_fwd_tma"
+    assert 256 not in {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="mask4")}  # 256 KiB
     for arch in ("sm_80", "sm_89", "sm_100a"):
         assert select_attention_spec("bfloat16", 128, arch).family == "attn_fwd_mma"
-    with pytest.raises(ValueError, match="attn_fwd_tma"):
-        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
+    with pytest.raises(ValueError, match="attn_fwd_tma has no row for bucket 256 on sm_90a with a f32 mask"):
+        KernelSpec("attn_fwd_tma", "bf16", 256, "sm_90a", mask="f32")
     with pytest.raises(ValueError, match="attn_fwd_tma"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_80")
+    with pytest.raises(ValueError, match="attn_fwd_tma"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", sparse=1)
+
+
+@pytest.mark.parametrize("mask", ["bool", "f16", "bf16", "f32"])
+def test_tma_shared_memory_fits(mask):
+    """Every attn_fwd_tma row's shared memory (mask tiles included) fits the 227 KiB opt-in limit,
+    and the mask tile is unpadded (swizzled), unlike attn_fwd_wgmma's padded rows."""
+    from pyattn.kernels.families import tile_table
+
+    sizes = {"bool": 1, "f16": 2, "bf16": 2, "f32": 4}
+    for r in tile_table("attn_fwd_tma", "sm_90a", table=f"mask{sizes[mask]}"):
+        spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask=mask)
+        t = spec.tiles
+        kv = (t.block_m + 2 * t.stages * t.block_n) * r.max_head_dim * 2
+        assert spec.shared_bytes == kv + t.stages * t.block_m * t.block_n * sizes[mask] + 16 * t.stages + 1024
+        assert spec.shared_bytes <= 227 * 1024
+        wg = KernelSpec("attn_fwd_wgmma", "bf16", r.max_head_dim, "sm_90a", mask=mask)
+        assert wg.shared_bytes - (wg.tiles.block_m + 2 * wg.tiles.stages * wg.tiles.block_n) * r.max_head_dim * 2 \
+            == wg.tiles.stages * wg.tiles.block_m * (wg.tiles.block_n * sizes[mask] + 16) + \
+            (16 * wg.tiles.stages if wg.tiles.ws else 0) + 1024
 
 
 def test_tma_map_layouts():
@@ -616,3 +651,32 @@ def test_tma_map_layouts():
     assert rank4(64, 0, 2, 1, (0, 128, 64), 2) == ((64, 1, 2, 1), (16, 128, 16))  # no keys: nothing is read
     assert rank4(64, 90, 2, 1, (0, 0, 64), 2) is None  # keys broadcast along the sequence
     assert rank4(72, 10, 2, 1, (0, 2 * 76, 76), 2) is None  # 152-byte head stride: not whole 16 bytes
+
+
+def test_tma_mask_maps():
+    """A mask's map: keys innermost, broadcast axes of size 1, a key-padding mask (query stride 0)
+    one row; masks TMA cannot read (keys broadcast or strided, rows off 16 bytes) get none, so the
+    call keeps attn_fwd_wgmma."""
+    import numpy as np
+
+    from pyattn.array import DeviceArray  # noqa: F401  (the Arg type only: no device work)
+    from pyattn.ops._fwd import _mask_layout
+    from pyattn.validate.options import MaskInfo
+
+    class P:  # the fields _mask_layout reads
+        batch, heads_q, seqlen_q, seqlen_k = 2, 8, 300, 4096
+
+    def layout(kind, strides):
+        P.mask = MaskInfo(kind, strides, True)
+        return _mask_layout(P)
+
+    full = (8 * 300 * 4096, 300 * 4096, 4096, 1)
+    assert layout("bool", full) == ((4096, 300, 8, 2), (4096, 300 * 4096, 8 * 300 * 4096))
+    assert layout("bf16", (0, 0, 4096, 1)) == ((4096, 300, 1, 1), (8192, 16, 16))  # (Sq, Sk) broadcast
+    assert layout("f32", (4096, 0, 0, 1)) == ((4096, 1, 1, 2), (16, 16, 4 * 4096))  # key padding (B, 1, 1, Sk)
+    assert layout("bool", (0, 0, 4096, 0)) is None  # broadcast over keys
+    assert layout("bool", (0, 0, 8192, 2)) is None  # strided keys
+    assert layout("bool", (0, 0, 4100, 1)) is None  # rows of 4100 bytes: not whole 16 bytes
+    P.mask = None
+    assert _mask_layout(P) is None
+    assert np.dtype(bool).itemsize == 1  # the u8 map reads numpy/torch bools as bytes

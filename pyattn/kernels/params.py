@@ -304,11 +304,12 @@ PAGED_FWD_EXTRA = ParamStruct(
 )
 PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)
 
-# attn_fwd_tma (attention_fwd_tma.cuh): AttnFwdParams ``fwd``, then the TMA tensor maps of q, k
-# and v (pyattn.runtime.tensormap), encoded per call because they hold the arrays' addresses.
+# attn_fwd_tma (attention_fwd_tma.cuh): AttnFwdParams ``fwd``, then the TMA tensor maps of q, k,
+# v and the mask tensor (pyattn.runtime.tensormap; zeros without a mask), encoded per call
+# because they hold the arrays' addresses.
 ATTN_FWD_TMA_PARAMS = NestedParamStruct(
     "AttnFwdTmaParams", (), base=ATTN_FWD_PARAMS,
-    own=ParamStruct("AttnFwdTmaMaps", (("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap"))))
+    own=ParamStruct("AttnFwdTmaMaps", (("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap"), ("tm_mask", "tmap"))))
 
 
 # The backward pass (attention_bwd_*.cuh), one struct for its three kernels (pre, main, convert).

@@ -232,8 +232,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     sparse : int
         The block-sparse mode (``KernelSpec.sparse``), 0 for a dense call.
     tma : bool
-        Whether TMA tensor maps can describe the call's q, k and v (``runtime.tensormap.rank4``):
-        a broadcast sequence axis cannot be.
+        Whether TMA tensor maps can describe the call's q, k, v and mask tensor
+        (``runtime.tensormap.rank4``): a broadcast sequence or key axis cannot be.
     keys : int
         The call's seqlen_k (varlen: the longest): the TMA kernel's rows say from how many keys
         on they serve (default: a long call).
@@ -244,12 +244,12 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     if tag == "f32":
         family = "attn_fwd_tf32" if allow_tf32 else "attn_fwd_simt"
     elif arch in WGMMA_ARCHS:
-        # Dense calls go to the TMA-fed kernel where its table has the bucket (measured faster);
-        # mask tiles and block-sparse lists are copied by the cp.async kernel.
+        # Calls go to the TMA-fed kernel where its table has the bucket (measured faster); block-
+        # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
         from .families.wgmma import tma_serves  # the wgmma records: built on sm_90a only (issue 16)
 
         bucket = -(-head_dim // 64) * 64
-        tma = tma and mask == "none" and not sparse and tma_serves(arch, bucket, keys)
+        tma = tma and not sparse and tma_serves(arch, bucket, keys, mask)
         family = "attn_fwd_tma" if tma else "attn_fwd_wgmma"
     else:
         family = "attn_fwd_mma"

@@ -18,7 +18,7 @@ from ..interop.inputs import numpy_dtype
 from ..kernels.registry import get_kernel
 from ..kernels.specs import select_attention_spec
 from ..pipeline.device import layout
-from ..pipeline.plans import ptx_requested
+from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 
@@ -27,6 +27,8 @@ __all__ = ["FwdPlan", "TmaMaps", "SparseFwd", "build_fwd_plan", "run_fwd", "devi
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
+_NO_MAP = bytes(128)  # attn_fwd_tma's mask map without a mask (never read)
+_MASK_MAP_DTYPES = {"bool": ("u8", 1), "f16": ("f16", 2), "bf16": ("bf16", 2), "f32": ("f32", 4)}
 
 
 class SparseFwd(NamedTuple):
@@ -51,23 +53,36 @@ class FwdPlan(NamedTuple):
     lse_layout: tuple
     empty: bool  # nothing to launch (a zero-size dimension)
     tma: object = None  # TmaMaps for a TMA kernel, else None
+    problem: object = None  # what the plan was built for (a mask TMA cannot read needs another plan)
+
+
+class MaskMap(NamedTuple):
+    """The TMA map of a mask tensor: its map dtype, rank-4 layout (keys, query rows, heads,
+    batch; ``runtime.tensormap.rank4``), box (keys, rows) and swizzle span in bytes."""
+
+    dtype: str
+    layout: tuple
+    box: tuple
+    swizzle: int
 
 
 class TmaMaps(NamedTuple):
     """How a call's TMA tensor maps are made (attn_fwd_tma): the dtype, the rank-4 layouts of q, k
-    and v (``runtime.tensormap.rank4``), the boxes' rows, and the padding between the packed
-    AttnFwdParams and the first (64-byte aligned) map."""
+    and v (``runtime.tensormap.rank4``), the boxes' rows, the padding between the packed
+    AttnFwdParams and the first (64-byte aligned) map, and the mask's map (None without)."""
 
     dtype: str
     layouts: tuple
     box_rows: tuple
     pad: bytes
+    mask: object = None
 
-    def pack(self, q: int, k: int, v: int) -> bytes:
-        """The maps' bytes, padding first, for the arrays at ``q, k, v``."""
-        (lq, lk, lv), (bq, bk) = self.layouts, self.box_rows
-        return (self.pad + encode_tiled(self.dtype, q, lq, bq) + encode_tiled(self.dtype, k, lk, bk)
-                + encode_tiled(self.dtype, v, lv, bk))
+    def pack(self, q: int, k: int, v: int, mask: int = 0) -> bytes:
+        """The maps' bytes, padding first, for the arrays at ``q, k, v`` (and ``mask``)."""
+        (lq, lk, lv), (bq, bk), m = self.layouts, self.box_rows, self.mask
+        return (self.pad + encode_tiled(self.dtype, q, lq, (64, bq)) + encode_tiled(self.dtype, k, lk, (64, bk))
+                + encode_tiled(self.dtype, v, lv, (64, bk))
+                + (encode_tiled(m.dtype, mask, m.layout, m.box, m.swizzle) if m is not None else _NO_MAP))
 
 
 def _bsh(elem_strides: tuple, layout: str) -> tuple:
@@ -78,15 +93,18 @@ def _bsh(elem_strides: tuple, layout: str) -> tuple:
     return (sb, s1, s2) if layout == "bshd" else (sb, s2, s1)
 
 
-def build_fwd_plan(problem, device) -> FwdPlan:
-    """The plan of an ``AttentionProblem`` (or a :class:`SparseFwd`) on ``device``."""
+def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
+    """The plan of an ``AttentionProblem`` (or a :class:`SparseFwd`) on ``device``; ``tma=False``:
+    one that does not load through TMA (for a mask whose address TMA cannot read)."""
     P, sparse, per_head = (problem.base, problem.sparse, problem.per_head) if isinstance(problem, SparseFwd) \
         else (problem, 0, False)
-    maps = _tma_layouts(P)
+    maps = _tma_layouts(P) if tma else None
+    mask_layout = _mask_layout(P)
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
-                                 tma=maps is not None, keys=P.seqlen_k)
+                                 tma=maps is not None and (P.mask is None or mask_layout is not None),
+                                 keys=P.seqlen_k)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
@@ -115,10 +133,35 @@ def build_fwd_plan(problem, device) -> FwdPlan:
         "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0,
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
+    mask_map = None
+    if tma and P.mask is not None:
+        kind, size = _MASK_MAP_DTYPES[P.mask.kind]
+        swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
+        rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all
+        mask_map = MaskMap(kind, mask_layout, (swizzle // size, rows), swizzle)
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty,
-                   TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64))
-                   if tma and not empty else None)  # the maps follow AttnFwdParams at a multiple of 64 bytes
+                   TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64),
+                           mask_map)
+                   if tma and not empty else None,  # the maps follow AttnFwdParams at a multiple of 64 bytes
+                   problem)
+
+
+def _build_without_tma(problem, device) -> FwdPlan:
+    """``build_fwd_plan(problem, device, tma=False)`` (a build function of its own for ``get_plan``)."""
+    return build_fwd_plan(problem, device, tma=False)
+
+
+def _mask_layout(P):
+    """The rank-4 layout (keys, query rows, heads, batch) of P's mask tensor for a TMA map, or None
+    without a mask or when TMA cannot read it: its keys must be consecutive (a mask broadcast over
+    keys is not) and its other strides whole 16 bytes. A mask broadcast over the query rows (a
+    key-padding mask) is a map of one row."""
+    if P.mask is None or P.mask.strides[3] != 1:
+        return None
+    sb, sh, sq, _ = P.mask.strides
+    rows = P.seqlen_q if sq else 1
+    return rank4(P.seqlen_k, rows, P.heads_q, P.batch, (sb, sq, sh), _MASK_MAP_DTYPES[P.mask.kind][1])
 
 
 def _tma_layouts(P):
@@ -147,9 +190,13 @@ def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, retur
     lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     if not plan.empty:
         ptrs = extras + _ZEROS[len(extras):] if extras else _ZEROS
+        if plan.tma is not None and plan.tma.mask is not None and ptrs[0] % 16:
+            # TMA reads 16-byte aligned tensors only: a mask view off that alignment runs the
+            # cp.async kernel, which reads such a mask in place (documented: slower).
+            plan = get_plan(_build_without_tma, plan.problem, device)
         params = plan.packer.pack(q, k, v, o.ptr if out is None else out, lse.ptr if lse is not None else 0, *ptrs)
         if plan.tma is not None:
-            params += plan.tma.pack(q, k, v)
+            params += plan.tma.pack(q, k, v, ptrs[0])
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
     return o, lse
 

@@ -1,8 +1,8 @@
 """TMA tensor maps (``CUtensorMap``) for the kernels that load through the Tensor Memory Accelerator.
 
 A tensor map describes a strided tensor in global memory and the box one copy instruction moves
-(here: 64 elements of the contiguous head dim, i.e. one 128-byte swizzle row, times a tile of
-rows). The driver encodes it on the host (``cuTensorMapEncodeTiled``, no device work, no
+(for q, k and v: 64 elements of the contiguous head dim, i.e. one 128-byte swizzle row, times a
+tile of rows; for a mask tensor: a 32- to 128-byte run of keys times the tile's query rows). The driver encodes it on the host (``cuTensorMapEncodeTiled``, no device work, no
 context needed); the kernel receives its 128 bytes inside the parameter struct. It holds the
 array's address, so a call with new arrays needs new maps: :func:`encode_tiled` keeps the last
 maps it made (most calls repeat the addresses of their buffers: a framework's allocator hands the
@@ -21,7 +21,7 @@ __all__ = ["MAX_MEMO", "rank4", "encode_tiled"]
 MAX_MEMO = 256  # maps kept; each is 128 bytes (the key a few more): a bounded, small cache
 
 _memo: dict = {}
-_args: dict = {}  # (dtype, layout, box rows) -> the encode call's arguments but the address
+_args: dict = {}  # (dtype, layout, box, swizzle) -> the encode call's arguments but the address
 _lock = threading.Lock()
 _enums = None
 _OPAQUE = struct.Struct("16Q")
@@ -57,58 +57,62 @@ def _driver_enums():
     if _enums is None:
         from cuda.bindings import driver as d
 
-        types = {"f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                 "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
-        _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        t, sw = d.CUtensorMapDataType, d.CUtensorMapSwizzle
+        types = {"f16": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bf16": t.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                 "f32": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "u8": t.CU_TENSOR_MAP_DATA_TYPE_UINT8}
+        swizzles = {32: sw.CU_TENSOR_MAP_SWIZZLE_32B, 64: sw.CU_TENSOR_MAP_SWIZZLE_64B,
+                    128: sw.CU_TENSOR_MAP_SWIZZLE_128B}
+        _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles,
                   d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     return _enums
 
 
-def encode_tiled(dtype: str, ptr: int, layout: tuple, box_rows: int) -> bytes:
-    """The 128 bytes of a tensor map over ``layout`` at address ``ptr``, box 64 x ``box_rows``.
+def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int = 128) -> bytes:
+    """The 128 bytes of a tensor map over ``layout`` at address ``ptr``.
 
-    The box is 64 head-dim elements (128 bytes of a 16-bit type: one row of the 128-byte
-    swizzle, which the copy applies) by ``box_rows`` rows of one head of one batch entry.
-    Elements outside the tensor arrive as zeros.
+    One copy moves ``box = (inner, rows)``: ``inner`` elements of the contiguous axis (``swizzle``
+    bytes: one row of that swizzle, which the copy applies) by ``rows`` rows of one index of the
+    two outer axes. Elements outside the tensor arrive as zeros.
 
     Parameters
     ----------
     dtype : str
-        ``"f16"`` or ``"bf16"``.
+        ``"f16"``, ``"bf16"``, ``"f32"`` or ``"u8"`` (a bool mask's bytes).
     ptr : int
         The tensor's device address (16-byte aligned).
     layout : tuple
         ``(dims, byte_strides)`` from :func:`rank4`.
-    box_rows : int
-        Rows per copy, at most 256.
+    box : tuple
+        ``(inner, rows)``: elements and rows per copy, each at most 256.
+    swizzle : int
+        32, 64 or 128: the swizzle span in bytes (``inner`` elements fill it).
 
     Raises
     ------
     CudaError
         When the driver refuses the map (its error name says why).
     """
-    key = (dtype, ptr, layout, box_rows)
+    key = (dtype, ptr, layout, box, swizzle)
     found = _memo.get(key)
     if found is not None:
         return found
     d = _driver_enums()[0]
-    args = _args.get((dtype, layout, box_rows))
+    args = _args.get(key[:1] + key[2:])
     if args is None:  # the binding takes its own integer wrappers, not ints: made once per layout
-        _, types, interleave, swizzle, l2, fill = _driver_enums()
+        _, types, interleave, swizzles, l2, fill = _driver_enums()
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         dims, strides = layout
         args = ((types[dtype], u32(4)),
-                ([u64(x) for x in dims], [u64(x) for x in strides], [u32(64), u32(box_rows), u32(1), u32(1)],
-                 [u32(1)] * 4, interleave, swizzle, l2, fill))
+                ([u64(x) for x in dims], [u64(x) for x in strides], [u32(box[0]), u32(box[1]), u32(1), u32(1)],
+                 [u32(1)] * 4, interleave, swizzles[swizzle], l2, fill))
         with _lock:
             if len(_args) >= MAX_MEMO:
                 _args.clear()
-            _args[(dtype, layout, box_rows)] = args
+            _args[key[:1] + key[2:]] = args
     head, tail = args
     tmap = check(d.cuTensorMapEncodeTiled(*head, ptr, *tail),
-                 f"cuTensorMapEncodeTiled(layout={layout}, box=(64, {box_rows}))")
+                 f"cuTensorMapEncodeTiled(dtype={dtype}, layout={layout}, box={box}, swizzle={swizzle})")
     raw = _OPAQUE.pack(*[int(x) for x in tmap.opaque])
     with _lock:
         if len(_memo) >= MAX_MEMO:

@@ -91,17 +91,19 @@ def _traits(spec, t) -> str:
     # Trailing defaults (MASK_BYTES 0, WS false, TMA false) left out: the units of older rows stay as
     # they were.
     tma = spec.family == "attn_fwd_tma"
-    tail = f", 0, true, true" if tma else f", {_MASK_BYTES[spec.mask]}, true" if t.ws else \
+    tail = f", {_MASK_BYTES[spec.mask]}, true, true" if tma else f", {_MASK_BYTES[spec.mask]}, true" if t.ws else \
         f", {_MASK_BYTES[spec.mask]}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps // 4 - t.ws}, {t.stages}, {str(t.overlap).lower()}{tail}>")
 
 
 def _smem_bytes(spec, t) -> int:
-    """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes, two 8-byte mbarriers per
-    stage when warp-specialized; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
+    """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
+    copies them), two 8-byte mbarriers per stage when warp-specialized; +1024 to align the swizzle
+    atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
-    mask_tile = t.block_m * (t.block_n * mb + 16) if mb else 0
+    pad = 0 if spec.family == "attn_fwd_tma" else 16
+    mask_tile = t.block_m * (t.block_n * mb + pad) if mb else 0
     barriers = 16 * t.stages if t.ws else 0
     return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + t.stages * mask_tile + barriers + 1024
 
@@ -130,10 +132,10 @@ ATTN_FWD_WGMMA = Family(
 
 
 # attn_fwd_tma: the same kernel, warp-specialized, its ring filled by TMA (one producer thread,
-# tensor maps encoded per call). Dense calls only (no mask tensor, no block-sparse lists). Unlike
-# the other tables, a row serves exactly the bucket it names, from ``min_keys`` keys on
-# (``tma_serves``); other calls run attn_fwd_wgmma. Measured on H200 against attn_fwd_wgmma's row
-# of the same bucket (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
+# tensor maps encoded per call), mask tiles included; no block-sparse lists. Unlike the other
+# tables, a row serves exactly the bucket it names, from ``min_keys`` keys on (``tma_serves``);
+# other calls run attn_fwd_wgmma. Measured on H200 against attn_fwd_wgmma's row of the same bucket
+# (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
 _SM90_TMA = (
     WgmmaTile(64, 128, 2, 3, True, 1, "S 2k/4k/16k 1.05/1.11/1.13x (causal 1.01/1.07/1.14x) the 2-blocks/SM "
                                       "cp.async row; at S 1k 0.99x (causal 0.92x): from 2048 keys", ws=True,
@@ -147,27 +149,58 @@ _SM90_TMA = (
 )
 
 
+# With a mask tensor, a stage also holds its BLOCK_M x BLOCK_N mask tile (unpadded, swizzled), so
+# the rows are those that fit 227 KiB per mask element size; d = 256 with an f32 mask does not
+# (256 KiB) and keeps attn_fwd_wgmma. Tables "mask1" (bool), "mask2" (f16 / bf16), "mask4" (f32).
+_SM90_TMA_MASK1 = (
+    WgmmaTile(64, 128, 2, 3, True, 1, "bool mask: 161 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
+    WgmmaTile(128, 128, 2, 2, False, 1, "bool mask: 193 KiB (3 stages: 241 KiB); (1, 16k, 16) all True / random "
+                                        "3.98 / 4.31 ms against 4.39 / 4.49 with 64-key tiles, 4 stages, overlap "
+                                        "(dense 3.07)", ws=True),
+    WgmmaTile(192, 64, 2, 2, False, 1, "bool mask: 161 KiB", ws=True),
+    WgmmaTile(256, 64, 2, 2, False, 1, "bool mask: 209 KiB", ws=True),
+)
+_SM90_TMA_MASK2 = (
+    WgmmaTile(64, 128, 2, 3, True, 1, "16-bit mask: 209 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
+    WgmmaTile(128, 128, 2, 2, False, 1, "16-bit mask: 225 KiB; bf16 zeros / random 4.41 / 4.94 ms against "
+                                        "4.76 / 5.30 with 64-key tiles, 4 stages, overlap", ws=True),
+    WgmmaTile(192, 64, 2, 2, False, 1, "16-bit mask: 177 KiB", ws=True),
+    WgmmaTile(256, 64, 2, 2, False, 1, "16-bit mask: 225 KiB", ws=True),
+)
+_SM90_TMA_MASK4 = (
+    WgmmaTile(64, 64, 2, 4, True, 1, "f32 mask: 209 KiB (128-key tiles: 305 KiB); from 2048 keys as dense",
+              ws=True, min_keys=2048),
+    WgmmaTile(128, 64, 2, 3, True, 1, "f32 mask: 225 KiB", ws=True),
+    WgmmaTile(192, 64, 2, 2, False, 1, "f32 mask: 209 KiB", ws=True),
+)
+
+
 def _check_tma(spec) -> None:
     _check(spec)
-    if not tma_serves(spec.arch, spec.head_dim, keys=1 << 62):  # a row for the bucket, whatever its min_keys
-        raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}")
+    if not tma_serves(spec.arch, spec.head_dim, keys=1 << 62, mask=spec.mask):  # whatever its min_keys
+        raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}"
+                         + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
 
 
 ATTN_FWD_TMA = Family(
     name="attn_fwd_tma", label="the TMA-fed wgmma family", header="attention_fwd_tma.cuh",
-    params=ATTN_FWD_TMA_PARAMS, tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS}},
+    params=ATTN_FWD_TMA_PARAMS,
+    tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS},
+            **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
+               for n, rows in ((1, _SM90_TMA_MASK1), (2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
-    dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
-    smem_bytes=_smem_bytes, takes=_TAKES, check=_check_tma,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
+    smem_bytes=_smem_bytes, table_for=_table, takes=_TAKES, check=_check_tma,
 )
 
 
-def tma_serves(arch: str, head_dim: int, keys: int) -> bool:
+def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
     """Whether attn_fwd_tma runs a call of ``keys`` keys (seqlen_k; varlen: the longest) at
-    head-dim bucket ``head_dim`` (a multiple of 64) on ``arch``: a row of its table (an
-    override's, inside one) names exactly that bucket, and ``keys`` reaches its ``min_keys``."""
+    head-dim bucket ``head_dim`` (a multiple of 64) on ``arch`` with a ``mask`` tensor (its kind,
+    ``"none"`` without): a row of its table for that mask (an override's, inside one) names
+    exactly that bucket, and ``keys`` reaches its ``min_keys``."""
     return arch in WGMMA_ARCHS and any(r.max_head_dim == head_dim and keys >= r.min_keys
-                                       for r in table_rows(ATTN_FWD_TMA, "dense", arch))
+                                       for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
 
 
 def wgmma_shapes(tables=None) -> tuple:
