@@ -659,16 +659,15 @@ def test_tma_mask_maps():
     call keeps attn_fwd_wgmma."""
     import numpy as np
 
-    from pyattn.array import DeviceArray  # noqa: F401  (the Arg type only: no device work)
-    from pyattn.ops._fwd import _mask_layout
+    from pyattn.ops._fwd import mask_layout
     from pyattn.validate.options import MaskInfo
 
-    class P:  # the fields _mask_layout reads
+    class P:  # the fields mask_layout reads
         batch, heads_q, seqlen_q, seqlen_k = 2, 8, 300, 4096
 
     def layout(kind, strides):
         P.mask = MaskInfo(kind, strides, True)
-        return _mask_layout(P)
+        return mask_layout(P)
 
     full = (8 * 300 * 4096, 300 * 4096, 4096, 1)
     assert layout("bool", full) == ((4096, 300, 8, 2), (4096, 300 * 4096, 8 * 300 * 4096))
@@ -678,5 +677,5 @@ def test_tma_mask_maps():
     assert layout("bool", (0, 0, 8192, 2)) is None  # strided keys
     assert layout("bool", (0, 0, 4100, 1)) is None  # rows of 4100 bytes: not whole 16 bytes
     P.mask = None
-    assert _mask_layout(P) is None
+    assert mask_layout(P) is None
     assert np.dtype(bool).itemsize == 1  # the u8 map reads numpy/torch bools as bytes

@@ -22,7 +22,7 @@ from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 
-__all__ = ["FwdPlan", "TmaMaps", "SparseFwd", "build_fwd_plan", "run_fwd", "device_extras"]
+__all__ = ["FwdPlan", "MaskMap", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout", "run_fwd", "device_extras"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -99,7 +99,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     P, sparse, per_head = (problem.base, problem.sparse, problem.per_head) if isinstance(problem, SparseFwd) \
         else (problem, 0, False)
     maps = _tma_layouts(P) if tma else None
-    mask_layout = _mask_layout(P)
+    mask_layout = mask_layout(P)
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
@@ -152,7 +152,7 @@ def _build_without_tma(problem, device) -> FwdPlan:
     return build_fwd_plan(problem, device, tma=False)
 
 
-def _mask_layout(P):
+def mask_layout(P):
     """The rank-4 layout (keys, query rows, heads, batch) of P's mask tensor for a TMA map, or None
     without a mask or when TMA cannot read it: its keys must be consecutive (a mask broadcast over
     keys is not) and its other strides whole 16 bytes. A mask broadcast over the query rows (a
