@@ -99,11 +99,11 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     P, sparse, per_head = (problem.base, problem.sparse, problem.per_head) if isinstance(problem, SparseFwd) \
         else (problem, 0, False)
     maps = _tma_layouts(P) if tma else None
-    mask_layout = mask_layout(P)
+    mask_map_layout = mask_layout(P)
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
-                                 tma=maps is not None and (P.mask is None or mask_layout is not None),
+                                 tma=maps is not None and (P.mask is None or mask_map_layout is not None),
                                  keys=P.seqlen_k)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
@@ -138,7 +138,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         kind, size = _MASK_MAP_DTYPES[P.mask.kind]
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all
-        mask_map = MaskMap(kind, mask_layout, (swizzle // size, rows), swizzle)
+        mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, rows), swizzle)
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty,
                    TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64),
