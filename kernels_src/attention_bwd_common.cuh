@@ -43,6 +43,14 @@ __device__ __forceinline__ long long acc_row(const AttnBwdParams& p, const BwdSe
   return b * p.acc_stride_b + h * p.acc_stride_h + s.acc_row0;
 }
 
+// Query 0 of (batch b, query head h) in q and in dout; rows step by q_stride_s / dout_stride_s.
+template <typename T>
+__device__ __forceinline__ void bwd_query_rows(const AttnBwdParams& p, const BwdSeq& s, int b, int h, const T*& q,
+                                               const T*& dout) {
+  q = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + s.q_row0 * p.q_stride_s;
+  dout = static_cast<const T*>(p.dout) + b * p.dout_stride_b + h * p.dout_stride_h + s.q_row0 * p.dout_stride_s;
+}
+
 __device__ __forceinline__ long long floor_div(long long a, long long b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }

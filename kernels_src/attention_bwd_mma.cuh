@@ -105,9 +105,8 @@ __device__ __forceinline__ void attn_bwd_mma(const AttnBwdParams& p) {
   // head-major: all tiles of the group's first head, then the next.
   auto load_tile = [&](int hq, int m, int stage) {
     const int m0 = m * BM;
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
-                    seq.q_row0 * p.dout_stride_s;
+    const T *q, *dout;
+    bwd_query_rows(p, seq, batch, hq, q, dout);
     bwd_load_rows<Tr, BM>(sQ + stage * BM * LD, q, p.q_stride_s, m0, sq, p.head_dim);
     bwd_load_rows<Tr, BM>(sdO + stage * BM * LD, dout, p.dout_stride_s, m0, sq, p.head_dim);
     const long long r = acc_row(p, seq, batch, hq) + m0;  // padded rows exist up to the tile's end

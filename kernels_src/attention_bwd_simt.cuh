@@ -71,9 +71,8 @@ __device__ __forceinline__ void attn_bwd_simt(const AttnBwdParams& p) {
     const int hq = kv_head * p.group + it / n_m, m = m_begin + it % n_m, m0 = m * BM;
     // -- 1. the query tile (zero past the sequence and the head dim)
     __syncthreads();  // every thread is done with the previous tile (and sK/sV are written)
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
-                    seq.q_row0 * p.dout_stride_s;
+    const T *q, *dout;
+    bwd_query_rows(p, seq, batch, hq, q, dout);
     for (int i = threadIdx.x; i < BM * D; i += Tr::kThreads) {
       const int r = i / D, d = i % D;
       const bool ok = m0 + r < sq && d < p.head_dim;

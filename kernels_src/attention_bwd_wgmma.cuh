@@ -90,9 +90,8 @@ __device__ __forceinline__ void attn_bwd_wgmma(const AttnBwdParams& p) {
   // kernel padded them to whole tiles: +inf and 0, so padded rows give P = dS = 0).
   auto load_tile = [&](int hq, int m, int stage) {
     const int m0 = m * BM;
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + hq * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride_b + hq * p.dout_stride_h +
-                    seq.q_row0 * p.dout_stride_s;
+    const T *q, *dout;
+    bwd_query_rows(p, seq, batch, hq, q, dout);
     wgmma_load_tile<Tr, BM, NT>(sQ + stage * Tr::kQBytes, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
     wgmma_load_tile<Tr, BM, NT>(sdO + stage * Tr::kQBytes, dout, p.dout_stride_s, m0, sq, p.head_dim, threadIdx.x);
     const long long r = acc_row(p, seq, batch, hq) + m0;
