@@ -98,7 +98,8 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
     if found is not None:
         return found
     d = _driver_enums()[0]
-    args = _args.get(key[:1] + key[2:])
+    shape_key = (dtype, layout, box, swizzle)  # everything but the address
+    args = _args.get(shape_key)
     if args is None:  # the binding takes its own integer wrappers, not ints: made once per layout
         _, types, interleave, swizzles, l2, fill = _driver_enums()
         u64, u32 = d.cuuint64_t, d.cuuint32_t
@@ -109,7 +110,7 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
         with _lock:
             if len(_args) >= MAX_MEMO:
                 _args.clear()
-            _args[key[:1] + key[2:]] = args
+            _args[shape_key] = args
     head, tail = args
     tmap = check(d.cuTensorMapEncodeTiled(*head, ptr, *tail),
                  f"cuTensorMapEncodeTiled(dtype={dtype}, layout={layout}, box={box}, swizzle={swizzle})")
