@@ -1,12 +1,12 @@
 """Dev probe (no GPU): registers, spills and shared memory of kernel variants as ptxas reports them.
 
-Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods] [--backward] [--log]
+Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods] [--backward] [--decode] [--log]
 
 Compiles the library's own rendered units (``pyattn.jit.source.render``) with NVRTC plus
 ``--ptxas-options=-v`` and prints ptxas's one-line summary per variant, with the compile time:
 a quick check that a kernel change did not push a tile over 255 registers (spills) before
 spending GPU time on it. ``--mods`` adds the score-modifier variants of every attention family;
-``--backward`` takes the backward's main kernels instead; ``--log`` prints ptxas's whole log
+``--backward`` takes the backward's main kernels instead, ``--decode`` the paged decode's; ``--log`` prints ptxas's whole log
 (its warnings, e.g. wgmma serialisation).
 """
 
@@ -31,12 +31,17 @@ def main() -> None:
     ap.add_argument("--mods", action="store_true")
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="the 16-bit paged decode variants instead")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args()
     include = str(check_headers_match_nvrtc())
     headers = kernel_headers()
     specs = []
-    for d in args.dims:
+    if args.decode:
+        from pyattn.kernels.specs import decode_specs
+        specs = [sp for sp in decode_specs(args.arch, head_dims=tuple(args.dims), q_tiles=(1, 2))
+                 if sp.family.startswith("attn_decode")]
+    for d in () if args.decode else args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
             if args.backward:
                 if "mask" not in mods:

@@ -7,7 +7,8 @@
 
 namespace pyattn {
 
-template <typename T_, int HEAD_DIM_, int KEYS_PER_WARP_, int WARPS_, int M_TILES_, int STAGES_, int KV_ = 0>
+template <typename T_, int HEAD_DIM_, int KEYS_PER_WARP_, int WARPS_, int M_TILES_, int STAGES_, int KV_ = 0,
+          int PRODUCER_ = 0>
 struct AttnDecodeTraits {
   using T = T_;
   // cache elements: 0 = T, 1 = int8, 2 = fp8 e4m3 (attention_decode_q8.cuh); 3 / 4 = int8 / fp8 e4m3 whose
@@ -15,6 +16,9 @@ struct AttnDecodeTraits {
   static constexpr int kKv = KV_;
   static constexpr int kCode = KV_ > 2 ? KV_ - 2 : KV_;
   static constexpr int kKeyChannel = KV_ > 2 ? 1 : 0;
+  // 1: a producer warp (the last, past kThreads) fills the 16-bit ring by TMA
+  // (attention_decode_tma.cuh, sm_90a); kWarps / kThreads count the consumer warps only.
+  static constexpr int kProducer = PRODUCER_;
   static constexpr int kHeadDim = HEAD_DIM_;
   static constexpr int kKeysPerWarp = KEYS_PER_WARP_;
   static constexpr int kWarps = WARPS_;
@@ -30,13 +34,19 @@ struct AttnDecodeTraits {
   // swizzled rows) and their fp32 scales; per-channel keys add per stage each 16-key segment's page
   // record (attention_decode_q8.cuh SegRec: 16 bytes, fp16 r[HEAD_DIM_], 16 x 4 fp16 kept values).
   static constexpr int kSegBytes = kKeyChannel ? STAGES_ * (kBlockN / 16) * (HEAD_DIM_ * 2 + 144) : 0;
-  static constexpr int kPipeBytes = KV_ == 0 ? (kRows + 2 * STAGES_ * kBlockN) * kStride * 2
-                                             : kRows * kStride * 2 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
+  // TMA ring (kProducer): Q, up to 1024 bytes to the swizzle's alignment, unpadded K and V boxes.
+  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kRing16 = (kRows + 2 * STAGES_ * kBlockN) * kStride * 2;
+  static constexpr int kRingTma = kQBytes + 1024 + 2 * STAGES_ * kBlockN * HEAD_DIM_ * 2;
+  static constexpr int kRing8 = kQBytes + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
+  static constexpr int kRing16Any = PRODUCER_ ? kRingTma : kRing16;
+  static constexpr int kPipeBytes = KV_ == 0 ? kRing16Any : kRing8;
   static constexpr int kMergeBytes = WARPS_ * kRows * (kAccStride + 2) * 4;
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(sizeof(T_) == 2, "tensor-core decode takes fp16/bf16");
   static_assert(HEAD_DIM_ % 32 == 0 && KEYS_PER_WARP_ % 16 == 0 && STAGES_ >= 2, "tile shape");
   static_assert(KV_ == 0 || HEAD_DIM_ % 64 == 0, "8-bit caches: head-dim buckets of 64 (64-byte fragment groups)");
+  static_assert(PRODUCER_ == 0 || KV_ == 0, "the producer warp fills 16-bit rings only");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
   // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
   static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;
@@ -56,6 +66,17 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   unsigned n;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
   return n;
+}
+
+// A barrier of the warps that compute (all of the block's, or all but the producer warp, which has
+// left by the epilogue: named barrier 1 over kThreads).
+template <class Tr>
+__device__ __forceinline__ void decode_sync() {
+  if constexpr (Tr::kProducer) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kThreads) : "memory");
+  } else {
+    __syncthreads();
+  }
 }
 
 // The pool page of key `key` of a sequence whose page list is `pages`, and its slot in that page.
@@ -191,10 +212,10 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
   static_assert(kCap >= 1, "combine: no room for split weights");
   __shared__ int s_last;
   __threadfence();  // this block's partial stores are visible device-wide before it is counted
-  __syncthreads();
+  decode_sync<Tr>();
   unsigned* counter = static_cast<unsigned*>(p.split_counters) + blockIdx.z * gridDim.y + blockIdx.y;
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == static_cast<unsigned>(p.num_splits - 1);
-  __syncthreads();
+  decode_sync<Tr>();
   if (!s_last) return;
   __threadfence();  // every other split's stores (fenced before their counts) are read after this
   if (threadIdx.x == 0) *counter = 0u;
@@ -227,7 +248,7 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
       if (p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
     }
   }
-  __syncthreads();
+  decode_sync<Tr>();
   // -- out = sum_s w_s o_s / l: a thread per (row, 4 columns); each loads U splits' partials before
   // using them, so the merge waits on L2 about S / U times per item instead of S times (with 33
   // splits and 2 warps a latency-bound loop cost the B=1 x 32k decode ~17 us on an H200).
@@ -291,7 +312,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // -- merge the warps' states: each warp leaves (max, sum, unnormalised O) in shared memory
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free to reuse
+  decode_sync<Tr>();  // the ring is free to reuse
   float* sAcc = reinterpret_cast<float*>(smem_raw);  // [W][ROWS][AS]
   float* sM = sAcc + W * ROWS * AS;                   // [W][ROWS] max (log2 units), then weights
   float* sL = sM + W * ROWS;                          // [W][ROWS] row sums
@@ -318,7 +339,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
         }
       }
     }
-  __syncthreads();
+  decode_sync<Tr>();
   if (threadIdx.x < ROWS) {
     const int r = threadIdx.x, gr = r0 + r;
     float m = -inf(), l = 0.f;
@@ -344,7 +365,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
       }
     }
   }
-  __syncthreads();
+  decode_sync<Tr>();
   for (int e = threadIdx.x; e < ROWS * (D / 2); e += Tr::kThreads) {
     const int r = e / (D / 2), d = 2 * (e % (D / 2)), gr = r0 + r;
     if (gr >= n_rows || d >= p.head_dim) continue;

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
+from pyattn.kernels.families import WGMMA_ARCHS, DecodeTile, override_tiles, tile_table
+from pyattn.kernels.families.decode import decode_row, tma_decode_serves
 from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
 from pyattn.interop.inputs import read, read_optional
@@ -395,7 +396,7 @@ def test_num_splits_of_the_ragged_benchmark_batch():
     (dict(q_tiles=3), r"^q_tiles: .* got 3"),
     (dict(head_dim=256, q_tiles=2), r"^q_tiles: attn_decode at head_dim 256 on sm_90a takes 1 to 1"),
     (dict(mask="bool", q_tiles=1), r"^mask/softcap/alibi:"),
-    (dict(family="merge_states", q_tiles=1), r"^q_tiles: only attn_decode takes q_tiles"),
+    (dict(family="merge_states", q_tiles=1), r"^q_tiles: only attn_decode / attn_decode_tma takes q_tiles"),
     (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_decode"),
     (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_decode"),
     (dict(family="merge_states", softcap=True), r"^mask/softcap/alibi:"),
@@ -407,10 +408,11 @@ def test_decode_spec_rejected(kw, match):
         KernelSpec(**args)
 
 
-def _cuh_smem(d, kpw, warps, mt, stages, kv=0):
+def _cuh_smem(d, kpw, warps, mt, stages, kv=0, producer=0):
     """kPipeBytes / kMergeBytes evaluated from AttnDecodeTraits' own constexpr lines."""
     body = CUH.read_text().split("struct AttnDecodeTraits {")[1].split("};")[0]
-    env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages, "KV_": kv}
+    env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages, "KV_": kv,
+           "PRODUCER_": producer}
     for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
         if name != "kSmemBytes":
             # plain integer arithmetic on the names above; `c ? a : b` read as Python's `a if c else b`
@@ -439,7 +441,7 @@ def test_decode_specs_fit_and_match_traits(arch):
             assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt)
             assert spec.tiles.block_m == 16 * mt and spec.threads == 32 * t.warps
             assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<{ctype}, {d}, {kpw}, "
-                                        f"{t.warps}, {mt}, {t.stages}, 0>, true, true>")
+                                        f"{t.warps}, {mt}, {t.stages}, 0, 0>, true, true>")
             assert kpw % 16 == 0 and t.stages >= 2 and (t.block_n * d // 8) % (32 * t.warps) == 0  # static_asserts
     n_variants = sum(decode_max_q_tiles(arch, d) for d in HEAD_DIM_BUCKETS) * 2 * 4
     assert len(names) == n_variants
@@ -458,7 +460,7 @@ def test_quantized_decode_specs_fit_and_match_traits(arch):
                 assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages, num)
                 assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
                 assert spec.entry_name.endswith(f"_kv{kv}")
-                assert spec.template_id.endswith(f"{t.stages}, {num}>, false, false>")
+                assert spec.template_id.endswith(f"{t.stages}, {num}, 0>, false, false>")
     with pytest.raises(ValueError, match="head_dim"):
         KernelSpec("attn_decode", "bf16", 96, arch, q_tiles=1, kv="int8")
     with pytest.raises(ValueError, match="kv"):
@@ -480,7 +482,43 @@ def test_per_channel_key_decode_specs_fit_and_match_traits(arch):
                 assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, t.warps, mt, t.stages, num)
                 assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
                 assert spec.entry_name.endswith(f"_kv{kv}_kch") and kpw % 16 == 0
-                assert spec.template_id.endswith(f"{t.stages}, {num}>, false, false>")
+                assert spec.template_id.endswith(f"{t.stages}, {num}, 0>, false, false>")
+
+
+@pytest.mark.parametrize("arch", WGMMA_ARCHS)
+def test_tma_decode_specs_fit_and_match_traits(arch):
+    """attn_decode_tma: one more warp (the producer), the ring's K / V unpadded after Q and 1024
+    bytes of alignment slack; the traits' own formula gives the same bytes."""
+    for d in (64, 128, 192, 256):
+        t = tile_config("attn_decode_tma", arch, d)
+        consumers = t.warps - 1
+        assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256  # the kernel's static_assert
+        for mt in range(1, decode_row(arch, d, tma=True).max_q_tiles + 1):
+            spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt)
+            kpw = t.block_n // consumers
+            ring = 16 * mt * (d + 8) * 2 + 1024 + 2 * t.stages * t.block_n * d * 2
+            merge = consumers * 16 * mt * ((d + 8) + 2) * 4
+            assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, t.stages, 0, 1)
+            assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt)
+            assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma")
+            assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<__nv_bfloat16, {d}, {kpw}, "
+                                        f"{consumers}, {mt}, {t.stages}, 0, 1>, false, false>")
+    for bad in (dict(head_dim=96), dict(head_dim=128, kv="int8")):
+        with pytest.raises(ValueError, match="attn_decode_tma"):
+            KernelSpec("attn_decode_tma", "bf16", arch=arch, q_tiles=1, **bad)
+
+
+@pytest.mark.parametrize("arch, d, page, kv, tma", [
+    ("sm_90a", 128, 16, "", True), ("sm_90a", 64, 256, "", True), ("sm_90a", 256, 1024, "", True),
+    ("sm_90a", 128, 8, "", False),    # boxes of 8 slots: too small for TMA to pay
+    ("sm_90a", 128, 48, "", False),   # not a power of two: a box could straddle pages
+    ("sm_90a", 96, 16, "", False),    # not whole 64-column boxes
+    ("sm_90a", 128, 16, "int8", False), ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
+def test_tma_decode_selection(arch, d, page, kv, tma):
+    from pyattn.ops._decode import _spec
+    assert tma_decode_serves(arch, d, page, kv) is tma
+    spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, False, page)
+    assert spec.family == ("attn_decode_tma" if tma else "attn_decode")
 
 
 def test_decode_shared_bytes_when_the_warp_merge_dominates():
@@ -501,13 +539,15 @@ def test_append_templates():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_specs_list(arch):
+    """Both decode kernels of sm_90a are warmed (pages of 16 and more take the TMA one)."""
     specs = decode_specs(arch)
-    assert len(specs) == 8 and len(set(specs)) == 8
+    tma = 6 if arch in WGMMA_ARCHS else 0
+    assert len(specs) == 8 + tma and len(set(specs)) == 8 + tma
     fams = [s.family for s in specs]
-    assert (fams.count("attn_decode"), fams.count("kv_append")) == (6, 2)
-    assert all(s.arch == arch and s.q_tiles == (s.family == "attn_decode") for s in specs)
+    assert (fams.count("attn_decode"), fams.count("attn_decode_tma"), fams.count("kv_append")) == (6, tma, 2)
+    assert all(s.arch == arch and s.q_tiles == (s.family != "kv_append") for s in specs)
     both = decode_specs(arch, q_tiles=(1, 2))
-    assert len(both) == 12  # q_tiles 2 only where it fits: d=64 and d=128
+    assert len(both) == 12 + (10 if tma else 0)  # q_tiles 2 only where it fits: d=64 and d=128
 
 
 CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}

@@ -79,6 +79,7 @@ def _some_specs():
                 yield KernelSpec("attn_fwd_tma", "bf16", d, arch, alibi=d == 192)
                 yield KernelSpec("attn_prefill_wgmma", "bf16", d, arch, softcap=d == 128)
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
+                yield KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=1, alibi=d == 128)
                 if d <= 128:
                     yield KernelSpec("attn_bwd_wgmma", "bf16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_prefill_mma", "f16", d, arch, alibi=d == 64)
@@ -121,7 +122,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_decode", "f16", 64, "sm_80", False, "bool", False, False, 1), r"^mask/softcap/alibi: only attention"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", True, True, 3), r"^q_tiles: attn_decode at head_dim 64"),
     (("attn_decode", "f16", 96, "sm_80", False, "none", False, False, 1, 0, "int8"), r"^head_dim: 8-bit caches"),
-    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_decode takes"),
+    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_decode / attn_decode_tma takes"),
     (("attn_fwd_simt", "f16", 64, "sm_80", False, "none", False, False, 0, 1),
      r"^sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, got attn_fwd_simt"),
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),
@@ -164,7 +165,7 @@ def test_override_tiles_replaces_one_table_for_the_block_only():
     with override_tiles("attn_decode", "sm_90a", rows) as active:
         assert active == rows and tile_table("attn_decode", "sm_90a") == rows
         assert (spec.tiles.block_n, spec.tiles.warps, spec.tiles.min_blocks, spec.tiles.reason) == (64, 4, 3, "tuning")
-        assert spec.entry_name.endswith("_m16n64w4s2") and "16, 4, 1, 2, 0>" in spec.template_id
+        assert spec.entry_name.endswith("_m16n64w4s2") and "16, 4, 1, 2, 0, 0>" in spec.template_id
         assert other.tiles == before_other  # another arch keeps its table
         assert KernelSpec("attn_decode", "bf16", 128, "sm_90a", q_tiles=1, kv="int8").tiles.reason.startswith("H200")
         with override_tiles("attn_decode", "sm_90a", rows[:1] + (rows[1]._replace(warps=2),)):

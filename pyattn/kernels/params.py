@@ -181,7 +181,9 @@ MERGE_STATES_PARAMS = ParamStruct(
 # merges them); otherwise o and lse
 # (lse[b * lse_stride_b + hq * lse_stride_h + qi]). Quantized pools (int8 / fp8 e4m3) carry
 # one fp32 scale per (page, slot, kv head) in k_scale / v_scale (strides ks_* / vs_*): the value of
-# an element is its stored code times that scale. Null for 16-bit pools.
+# an element is its stored code times that scale. Null for 16-bit pools. tmaps: the TMA decode
+# (sm_90a, attention_decode_tma.cuh) only, two CUtensorMaps (K pool, V pool) in device memory
+# (pyattn.ops._decode.pool_maps); null for the other decode kernels.
 def _pool_strides(prefix: str):
     return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("page", "slot", "h"))
 
@@ -191,7 +193,7 @@ DECODE_PARAMS = ParamStruct(
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
      ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("batch_order", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"),
-     ("v_scale", "f32_cptr"), ("num_splits", "i32"),
+     ("v_scale", "f32_cptr"), ("tmaps", "ptr"), ("num_splits", "i32"),
      ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
     + _pool_strides("ks") + _pool_strides("vs")

@@ -17,11 +17,14 @@ import numpy as np
 
 from ..array import allocate, c_strides
 from ..kernels.registry import generation, get_kernel
-from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles
+from ..kernels.families.decode import decode_row, tma_decode_serves
+from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec
 from ..pipeline.device import layout, output
+from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.memory import get_pool
+from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.paged import MAX_SPLITS
 
 __all__ = ["DecodePlan", "run_decode", "choose_num_splits"]
@@ -35,15 +38,18 @@ _PART_IN_OUT = 256 << 10
 
 @functools.lru_cache(maxsize=256)
 def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: bool, alibi: bool,
-          kv: str = "", generation: int = 0, key_channel: bool = False) -> KernelSpec:
+          kv: str = "", generation: int = 0, key_channel: bool = False, page_size: int = 1) -> KernelSpec:
     """The decode spec for ``rows`` = group * q_len query rows per kv head; ``kv``: the cache's
     8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
-    replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales."""
+    replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales;
+    ``page_size``: the pool's, which decides between attn_decode_tma (sm_90a, pages of 16 slots
+    and more) and attn_decode (cp.async rows, any page)."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
-    q_tiles = min(-(-rows // 16), decode_max_q_tiles(arch, bucket, kv))
-    return KernelSpec("attn_decode", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
-                      key_channel=key_channel)
+    tma = tma_decode_serves(arch, bucket, page_size, kv)
+    q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
+    return KernelSpec("attn_decode_tma" if tma else "attn_decode", tag, bucket, arch, ptx, softcap=softcap,
+                      alibi=alibi, q_tiles=q_tiles, kv=kv, key_channel=key_channel)
 
 
 def _blocks_per_sm(spec, kernel) -> int:
@@ -74,6 +80,7 @@ class DecodePlan(NamedTuple):
     lse_layout: tuple
     n_rows: int  # batch x q_len x heads_q
     head_dim: int
+    tma_box: int  # attn_decode_tma: slots per page box (min(page size, block_n)); 0 for attn_decode
 
 
 def _build(P, device) -> DecodePlan:
@@ -82,7 +89,7 @@ def _build(P, device) -> DecodePlan:
     rows = P.group * P.q_len
     kv = pool.kv
     spec = _spec(P.dtype.name, P.head_dim, device.arch, ptx_requested(), rows, P.softcap > 0, P.alibi is not None,
-                 kv, generation(), pool.key_channel)
+                 kv, generation(), pool.key_channel, pool.page_size)
     kernel = get_kernel(spec, device)
     t = spec.tiles
     row_blocks = -(-rows // t.block_m)
@@ -117,12 +124,13 @@ def _build(P, device) -> DecodePlan:
     for name, st in (("o_a", (L * H * D, H * D, D)), ("o_b", (L * H * D, H * D, D)), ("out", os_[:3]),
                      ("lse_a", (L * H, H, 1)), ("lse_b", (L * H, H, 1)), ("out_lse", (H * L, 1, L))):
         cstatic.update({f"{name}_stride_{i}": v for i, v in enumerate(st)})
-    items = -(-min(t.block_m, rows) * (spec.head_dim // 4) // spec.threads)
+    items = -(-min(t.block_m, rows) * (spec.head_dim // 4) // (32 * (t.warps - t.ws)))  # consumer threads
     plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * _blocks_per_sm(spec, kernel), layout(out_shape, P.dtype),
-                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D)
+                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
+                      min(pool.page_size, t.block_n) if spec.family == "attn_decode_tma" else 0)
     return plan
 
 
@@ -191,9 +199,10 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len, order = tables
+    tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s) if plan.tma_box else 0
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, kv_len.ptr,
-                              order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], splits,
+                              order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
                               table_stride)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1 and not fused:
@@ -201,6 +210,39 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
                                     lse_ptr, splits - 1)
         launch(get_kernel(plan.cspec, device), plan.cgrid, plan.cblock, 0, s, cparams)
     return out, lse
+
+
+# (device, k, v, pool geometry, box) -> DeviceArray of the two maps: a serving loop decodes over one
+# pair of pools, so a map pair is encoded and uploaded once per pool pair (bounded: pools that come
+# and go, e.g. paged_decode over a framework's fresh buffers, push the oldest pair out).
+_maps: dict = {}
+_MAX_MAPS = 64
+
+
+def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
+    """The device address of the tensor maps (K pool, V pool) attn_decode_tma reads its page boxes
+    through: (head dim, slot, kv head, page), boxes of 64 columns x ``box`` slots, 128-byte swizzle.
+
+    Maps live in device memory, not in the parameter struct: DecodeParams stays one layout for every
+    decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered
+    on ``s`` before the launch that reads it.
+    """
+    key = (device.ordinal, k, v, pool.num_pages, pool.page_size, pool.heads_kv, pool.head_dim, pool.dtype.name,
+           pool.k_strides, pool.v_strides, box)
+    maps = _maps.get(key)
+    if maps is None:
+        tag, size = DTYPES[pool.dtype.name][0], pool.dtype.itemsize
+        raw = b"".join(
+            encode_tiled(tag, ptr, rank4(pool.head_dim, pool.page_size, pool.heads_kv, pool.num_pages,
+                                         strides, size), (64, box))
+            for ptr, strides in ((k, pool.k_strides), (v, pool.v_strides)))
+        # (rank4 reads every validated pool: its strides are whole 16-byte multiples.)
+        maps = upload([np.frombuffer(raw, np.uint8)], device, s)[0]
+        s.synchronize()  # once per pool pair: a later call on another stream then reads it safely
+        if len(_maps) >= _MAX_MAPS:
+            _maps.pop(next(iter(_maps)))
+        _maps[key] = maps
+    return maps.ptr
 
 
 def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0) -> int:

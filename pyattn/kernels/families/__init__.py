@@ -36,6 +36,7 @@ _WHERE = {
     "merge_states": ("fixed", "MERGE_STATES"),
     "split_combine": ("fixed", "SPLIT_COMBINE"),
     "attn_decode": ("decode", "ATTN_DECODE"),
+    "attn_decode_tma": ("decode", "ATTN_DECODE_TMA"),
     "kv_append": ("fixed", "KV_APPEND"),
     "attn_sparse": ("fixed", "ATTN_SPARSE"),
     "attn_prefill_mma": ("prefill", "ATTN_PREFILL_MMA"),

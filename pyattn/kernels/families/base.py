@@ -120,13 +120,14 @@ def score_mods(spec) -> str:
 def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     """The ``extern "C"`` symbol: readable in profilers, no name mangling to look up.
 
-    ``stages``: name the ring depth too (decode, whose tables differ in it at equal tiles).
+    ``stages``: name the ring depth too (decode, whose tables differ in it at equal tiles), and
+    a producer warp's bulk copies (``tma``).
     """
     mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("_softcap" if spec.softcap else "") \
         + ("_alibi" if spec.alibi else "")
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
     mods += "_kch" if spec.key_channel else ""
-    ring = f"s{t.stages}" if stages else ""
+    ring = f"s{t.stages}" + ("tma" if t.ws else "") if stages else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

@@ -10,9 +10,10 @@ from typing import NamedTuple
 
 from ..params import DECODE_PARAMS
 from . import tables
-from .base import CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, Family, TileConfig, entry_name
+from .base import CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, entry_name
 
-__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "decode_row", "PAGED_ALIGNMENT"]
+__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "decode_row", "tma_decode_serves",
+           "PAGED_ALIGNMENT"]
 
 
 class DecodeTile(NamedTuple):
@@ -25,11 +26,14 @@ class DecodeTile(NamedTuple):
     max_q_tiles: int  # the most m16 row tiles one block takes
     min_blocks: int
     reason: str
+    # 16-bit caches on sm_90a: one more warp, a producer filling the ring by TMA
+    # (attention_decode_tma.cuh); ``warps`` counts the consumers, the config's warps both.
+    producer: bool = False
 
     def config(self) -> TileConfig:
         """The tile at one row tile (``KernelSpec.tiles`` sets the spec's ``q_tiles``)."""
-        return TileConfig(16, self.keys_per_warp * self.warps, self.warps, self.reason, self.min_blocks, 1,
-                          self.stages)
+        return TileConfig(16, self.keys_per_warp * self.warps, self.warps + self.producer, self.reason,
+                          self.min_blocks, 1, self.stages, ws=self.producer)
 
 
 # 16-bit caches: smem = max(ring, warp merge) with ring = (16 q_tiles + 2 stages block_n) (d + 8) * 2
@@ -71,6 +75,20 @@ _Q8_99K = (  # sm_86 / sm_89
 )
 
 
+# attn_decode_tma (sm_90a, 16-bit caches): the same blocks plus a producer warp filling the ring by
+# TMA, page boxes of min(page size, block_n) slots; ring = 16 q_tiles (d + 8) * 2 + 1024 + 2 stages
+# block_n d * 2 (unpadded, swizzled).
+_TMA_227K = (
+    DecodeTile(128, 16, 4, 3, 2, 2, "H200, bf16 Hq32 Hkv8 page 16 (dev/probe_decode_bw.py): B64 x 32k 1974 us (4.35 "
+                                    "TB/s, 0.94x cuDNN), B8 x 32k 263, B8 x 4k 43.5, B1 x 32k 46.2, B1 x 4k 16.0; "
+                                    "32 keys x 2 warps 1978 / 266 / 46.6 / 51.1 / 19.3; 4 stages (1 block/SM) "
+                                    "1992 / 275 / 43.9 / 44.7 / 14.0; 8 warps x 16 keys, 2 stages 1971 / 273 / 46.0 "
+                                    "/ 44.8 / 17.3; the cp.async kernel 2213 / 277 / 48.4 / 54.0 (another machine)",
+               producer=True),
+    DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=True),
+)
+
+
 def _by_smem(k227: tuple, k163: tuple, k99: tuple) -> dict:
     """Per-arch table by shared memory per block: 227 KiB (sm_90a / sm_100a), 163 (sm_80), 99 (sm_86 / sm_89)."""
     return {"sm_80": k163, "sm_86": k99, "sm_89": k99, "sm_90a": k227, "sm_100a": k227}
@@ -80,9 +98,18 @@ def _kv_table(kv: str, sparse: int, mask: str = "none") -> str:
     return "kv8" if kv else "dense"
 
 
-def decode_row(arch: str, head_dim: int, kv: str = "") -> DecodeTile:
-    """The decode table row serving ``head_dim`` (a bucket) on ``arch``; ``kv``: the cache's kind."""
-    return tables.row(ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
+def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> DecodeTile:
+    """The decode table row serving ``head_dim`` (a bucket) on ``arch``; ``kv``: the cache's kind;
+    ``tma``: attn_decode_tma's."""
+    return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
+
+
+def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") -> bool:
+    """Whether attn_decode_tma takes a decode: sm_90a, a 16-bit cache, a head-dim bucket of whole
+    64-column boxes, and pages of a power of two from 16 slots (a box of min(page, block_n) slots
+    then never straddles a page; smaller pages would make boxes too small for TMA to pay)."""
+    return (arch in WGMMA_ARCHS and not kv and head_dim % 64 == 0 and page_size >= 16
+            and page_size & (page_size - 1) == 0)
 
 
 def _spec_tiles(spec, t: TileConfig) -> TileConfig:
@@ -91,26 +118,32 @@ def _spec_tiles(spec, t: TileConfig) -> TileConfig:
 
 def _traits(spec, t) -> str:
     kv = KV_KINDS[spec.kv] + (2 if spec.key_channel else 0)  # AttnDecodeTraits: 3 / 4 = per-channel key scales
-    return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // t.warps}, {t.warps}, "
-            f"{t.m_tiles}, {t.stages}, {kv}>")
+    consumers = t.warps - t.ws  # the producer warp (ws) computes nothing
+    return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // consumers}, {consumers}, "
+            f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}>")
 
 
 def _smem_bytes(spec, t) -> int:
     """max(K/V ring, warp merge) as AttnDecodeTraits::kSmemBytes (the kernel also traps on a mismatch)."""
     d = spec.head_dim
     ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
+    if t.ws:  # TMA ring: padded Q, 1024 bytes of alignment slack, unpadded swizzled K and V boxes
+        ring = t.block_m * (d + 8) * 2 + 1024 + 2 * t.stages * t.block_n * d * 2
     if spec.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
         ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
     if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
         ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
-    return max(ring, t.warps * t.block_m * (d + 10) * 4)
+    return max(ring, (t.warps - t.ws) * t.block_m * (d + 10) * 4)
 
 
 def _check(spec) -> None:
+    if spec.family == "attn_decode_tma" and (spec.kv or spec.head_dim % 64):
+        raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, got "
+                         f"kv={spec.kv!r}, head_dim {spec.head_dim}")
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
-    most = decode_row(spec.arch, spec.head_dim, spec.kv).max_q_tiles
+    most = decode_row(spec.arch, spec.head_dim, spec.kv, spec.family == "attn_decode_tma").max_q_tiles
     if not 1 <= spec.q_tiles <= most:
         raise ValueError(f"q_tiles: attn_decode at head_dim {spec.head_dim} on {spec.arch} takes 1 to {most}, "
                          f"got {spec.q_tiles}")
@@ -125,4 +158,13 @@ ATTN_DECODE = Family(
     smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
     key_channel=True,
+)
+
+
+ATTN_DECODE_TMA = Family(
+    name="attn_decode_tma", label="the TMA-fed decode", header="attention_decode.cuh", params=DECODE_PARAMS,
+    tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS}},
+    template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
+    traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
+    entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, q_tiles=True,
 )

@@ -1,0 +1,135 @@
+// Decode over a paged 16-bit cache with its ring filled by TMA (sm_90a, issue 12).
+//
+// The block of attn_decode16 (attention_decode.cuh) plus one producer warp, the last. The K and V
+// pools are described by two tensor maps (head dim, slot, kv head, page; any NHD / HND strides;
+// pyattn.ops._decode.pool_maps puts them in device memory, p.tmaps), and a stage of BLOCK_N keys
+// is copied as boxes of 64 head-dim columns (one 128-byte swizzle row) by box_rows slots of one
+// page: box_rows = min(page size, BLOCK_N), a power of two >= 16 (the host sends smaller or odd
+// pages to the cp.async kernel). Lane c of the producer looks up chunk c's page and copies its
+// boxes; the bytes complete on the stage's "full" mbarrier, and each consumer warp hands the stage
+// back on its "empty" one. Shared memory: Q padded as in attn_decode16, then per stage K and V as
+// [head_dim / 64][BLOCK_N][64] elements, 128-byte swizzled (16-byte chunk c of row r at c ^ r % 8),
+// so the consumers' ldmatrix reads are conflict-free.
+//
+// Why not one bulk copy per key row (cp.async.bulk, no map, 256 bytes a row at d = 128): measured
+// on an H200 at 1.8 TB/s, half the cp.async kernel's rate: TMA operations that small are paced by
+// the unit's per-operation cost, so the rows must be gathered into page boxes (2 KiB at page 16).
+//
+// Rows a box does not hold (keys past the block's range in its last tile, or slots of the last
+// page past the sequence) may be stale or never-written pool memory: the scores of those keys
+// become -inf, and each consumer warp zeroes its own V rows there before P V (0 x NaN is NaN).
+// Requires attention_decode.cuh (decode16_stage), tma.cuh and mbarrier.cuh.
+#pragma once
+#include "mbarrier.cuh"
+#include "tma.cuh"
+
+namespace pyattn {
+
+// The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
+// consumers. Lane c takes box chunk c (rows c * box_rows ..) of a stage: it looks its page up
+// before waiting for the stage to be free (the lookup's latency then overlaps the wait), arrives on
+// the full barrier with its chunk's bytes (the barrier counts 32 arrivals), then copies it.
+template <class Tr>
+__device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
+                                                   const DecodeBlock<Tr>& blk, unsigned full0, unsigned empty0) {
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 64;
+  const TmaMap* maps = static_cast<const TmaMap*>(p.tmaps);
+  const int lane = threadIdx.x % 32, box = min(p.page_size, KB), chunks = KB / box;
+  const unsigned chunk_bytes = 2u * H * 64 * box * sizeof(typename Tr::T);  // K and V, whole boxes
+  if (lane == 0) {
+    tma::prefetch(maps);
+    tma::prefetch(maps + 1);
+  }
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int st = j % S, n0 = blk.n_first + j * KB;
+    const bool mine = lane < chunks && n0 + lane * box < blk.end;  // never looks past the sequence's pages
+    int slot = 0;
+    int page = 0;
+    if (mine) page = static_cast<int>(key_page(p, blk.pages, n0 + lane * box, slot));
+    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
+    const unsigned full = full0 + 8 * st;
+    tma::arrive_expect(full, mine ? chunk_bytes : 0u);
+    if (mine) {
+      const int off = st * H * KB * 64 + lane * box * 64;
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        tma::load_4d(smem_addr(sK + off + h * KB * 64), maps, full, h * 64, slot, blk.kv_head, page);
+        tma::load_4d(smem_addr(sV + off + h * KB * 64), maps + 1, full, h * 64, slot, blk.kv_head, page);
+      }
+    }
+  }
+}
+
+template <class Tr, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles;
+  constexpr int S = Tr::kStages, W = Tr::kWarps, DT = D / 8, H = D / 64;
+  constexpr bool kMods = SOFTCAP || ALIBI, kQRegs = kDecodeQRegs<Tr>;
+  // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
+  // most 256 rows (a TMA box dimension's limit).
+  static_assert(Tr::kProducer == 1 && D % 64 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
+                "one producer warp, 64-column boxes, BLOCK_N a power of two in [16, 256]");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // the host's shared_bytes and this layout disagree
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [ROWS][kStride]
+  // The ring from the first 1024-byte boundary past Q (the 128-byte swizzle repeats every 1024
+  // bytes and TMA applies it by address; kSmemBytes holds the slack).
+  const unsigned q_end = smem_addr(smem_raw) + Tr::kQBytes;
+  T* sK = reinterpret_cast<T*>(smem_raw + Tr::kQBytes + ((1024 - q_end % 1024) % 1024));  // [S][H][KB][64]
+  T* sV = sK + S * H * KB * 64;                                                             // [S][H][KB][64]
+  const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
+
+  const DecodeBlock<Tr> blk(p);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      pipe::init(full0 + 8 * st, 32);  // the producer's lanes
+      pipe::init(empty0 + 8 * st, W);  // one arrival per consumer warp
+    }
+    pipe::init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
+  if (warp == W) {
+    decode_produce_tma<Tr>(sK, sV, p, blk, full0, empty0);
+    return;
+  }
+
+  load_q<Tr>(sQ, p, blk);
+  cp_async_commit();
+  const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
+  float acc[MT][DT][4];
+  float row_max[MT][2], row_sum[MT][2];
+  init_softmax_state<MT, DT>(acc, row_max, row_sum);
+  const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  cp_async_wait<0>();
+  decode_sync<Tr>();  // Q landed for every consumer warp
+  unsigned qf[kQRegs ? D / 16 : 1][4];
+  decode16_q_fragments<Tr>(sQ, qf);
+
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int st = j % S, n0 = blk.n_first + j * KB + warp * KW;  // this warp's first key
+    pipe::wait(full0 + 8 * st, (j / S) & 1);
+    T* tK = sK + st * H * KB * 64 + warp * KW * 64;
+    T* tV = sV + st * H * KB * 64 + warp * KW * 64;
+    const int valid = blk.end - n0;  // this warp's rows from `valid` on hold no key of the range
+    if (valid < KW) {  // the warp's 16-byte chunks of those rows, a lane each in turn
+      const int r0 = max(valid, 0);
+      for (int i = lane; i < (KW - r0) * H * 8; i += 32)
+        reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 64 + (r0 + i / (8 * H)) * 64)[i % 8] = make_uint4(0, 0, 0, 0);
+      tma::fence_shared();  // these generic writes before the stage's next TMA writes
+      __syncwarp();
+    }
+    decode16_stage<Tr, SOFTCAP, ALIBI, kQRegs, true>(sQ, qf, tK, tV, n0, p, rows, blk.band, blk.qi_lo, blk.qi_hi,
+                                                     blk.kv_len, sl2, acc, row_max, row_sum);
+    __syncwarp();
+    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+  }
+
+  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
+}
+
+}  // namespace pyattn
