@@ -26,7 +26,8 @@ from cuda.bindings import driver
 from pyattn import jit
 from pyattn.kernels import registry
 from pyattn.pipeline import plans
-from pyattn.runtime import device, memory, pinned, stream
+from pyattn.ops import _decode
+from pyattn.runtime import device, memory, pinned, stream, tensormap
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
@@ -180,6 +181,11 @@ class _Fake:
     def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
         return OK, 2
 
+    def cuTensorMapEncodeTiled(self, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2,
+                               fill):
+        # A map's 128 bytes: here the address and a counter (a kernel never reads them).
+        return OK, types.SimpleNamespace(opaque=[int(ptr), next(self.ids)] + [0] * 14)
+
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
         if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
             struct = ctypes.c_uint64.from_address(int(argv)).value
@@ -223,6 +229,8 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(plans, "_plans", {})
     monkeypatch.setattr(plans, "_by_id", {})
+    monkeypatch.setattr(tensormap, "_memo", {})  # maps and the decode's uploaded map pairs name old addresses
+    monkeypatch.setattr(_decode, "_maps", {})
     for memo in plans._memos:  # what they hold names the devices replaced above
         monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()

@@ -255,16 +255,17 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
 
 
 def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache):
-    """16 query tokens x a GQA group of 4 at 17 splits: the fused combine's last block would read
-    8 items x 2 batches of splits per thread (over its budget), so the decode leaves the merge
-    (null counters) to split_combine, launched right after on the same stream."""
+    """16 query tokens x a GQA group of 4 at 33 splits: the fused combine's last block would read
+    4 items (4 consumer warps of attn_decode_tma) x 3 batches of splits per thread (over its
+    budget), so the decode leaves the merge (null counters) to split_combine, launched right after
+    on the same stream."""
     c, ids = cache
     gpu.record_launches = True
     q = _da((2, 16, 8, 64), ml_dtypes.bfloat16)
     fake_driver.LAUNCHES.clear()
-    out = pyattn.decode(q, c, ids, num_splits=17)
+    out = pyattn.decode(q, c, ids, num_splits=33)
     (name, grid, _, p), (cname, _, cstream, cp) = fake_driver.LAUNCHES
-    assert name.startswith("pyattn_attn_decode") and grid[0] == 17 and p[7] == 0
+    assert name.startswith("pyattn_attn_decode_tma") and grid[0] == 33 and p[7] == 0
     assert cname.startswith("pyattn_split_combine") and cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
     fake_driver.LAUNCHES.clear()
     pyattn.decode(q, c, ids, num_splits=2)  # 8 items x 1 batch: within the budget, fused
@@ -405,3 +406,21 @@ def test_pinned_empty_as_a_first_cuda_call_makes_a_context_current(gpu):
     fake_driver.CALLS.clear()
     pinned.PinnedBuffer(4096)  # a context is current now: no switch
     assert fake_driver.CALLS["cuCtxSetCurrent"] == 0
+
+
+def test_tma_decode_maps_describe_the_pools(gpu, cache):
+    """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) reads the pools through a
+    pair of tensor maps: (head dim, slot, kv head, page) with the pools' byte strides, boxes of 64
+    columns x min(page, block_n) slots, 128-byte swizzle; encoded and uploaded once per pool pair."""
+    from pyattn.runtime import tensormap
+
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
+    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr))
+    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
+        assert (dtype, dims, strides, box, swizzle) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128)
+    encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
+    pyattn.decode(q, c, ids)
+    assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
