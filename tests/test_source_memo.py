@@ -112,3 +112,20 @@ def test_memo_writes_are_silent_and_create_no_directory(templates, tmp_path, mon
         assert _src(_fresh_fingerprint()) == source.sources_digest()
     assert _memos(cache_dir) == []
     assert [r.levelno for r in caplog.records if "cannot write" in r.getMessage()] == [logging.DEBUG]
+
+
+def test_a_process_that_read_the_old_templates_does_not_poison_the_memo(templates, tmp_path):
+    """A long-lived process (a test run, a notebook) read the templates, then they were edited: its
+    next fingerprint may still carry the digest of the bytes it holds, but the memo it writes must
+    not file that old digest under the edited files' identity, where later processes would find it."""
+    (tmp_path / "cache").mkdir(mode=0o700)
+    old = _src(_fresh_fingerprint())  # this "process" has read and hashed the templates
+    path = templates / "common.cuh"
+    path.write_bytes(path.read_bytes() + b"\n// edited while the process ran\n")
+    jit.toolchain_fingerprint.cache_clear()  # the process's next fingerprint; its read headers stay
+    assert _src(jit.toolchain_fingerprint()) == old  # what it compiles is the text it read
+    fresh = _src(_fresh_fingerprint())  # a later process
+    assert fresh != old
+    for fn in (source._header_files, source.kernel_headers, source.sources_digest):
+        fn.cache_clear()
+    assert fresh == source.sources_digest()

@@ -43,15 +43,17 @@ def _memoised_sources_digest() -> str:
     """:func:`~.source.sources_digest`, memoised in the cache under the templates' file stats
     (:func:`~.source.sources_identity` says why that is safe and what it saves)."""
     from .digest import hexdigest
-    from .source import sources_digest, sources_identity
+    from .source import read_identity, sources_digest, sources_identity
+
+    def memo_key(identity: str) -> str:
+        return hexdigest(b"pyattn kernel-source digest|" + identity.encode())
 
     cache = get_cache()
-    key = hexdigest(b"pyattn kernel-source digest|" + sources_identity().encode())
-    hit = cache.get_memo(key)
+    hit = cache.get_memo(memo_key(sources_identity()))
     if hit is not None and len(hit) == 64:
         return hit.decode("ascii")
     value = sources_digest()
-    cache.put_memo(key, value.encode("ascii"))
+    cache.put_memo(memo_key(read_identity()), value.encode("ascii"))  # the identity of the bytes hashed
     return value
 
 

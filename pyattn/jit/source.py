@@ -13,7 +13,8 @@ from pathlib import Path
 
 from . import digest
 
-__all__ = ["kernel_source_dir", "kernel_headers", "sources_digest", "sources_identity", "render"]
+__all__ = ["kernel_source_dir", "kernel_headers", "sources_digest", "sources_identity", "read_identity",
+           "render"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,21 +29,36 @@ def kernel_source_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _header_files() -> tuple:
-    """Every template header as ``((name, bytes), ...)``, sorted by name, read once a process: the
-    digest and the compiles use these very bytes, so an edit while a process runs can never give
-    a kernel compiled from one text a key made from another."""
+    """``(identity, ((name, bytes), ...))``: every template header, sorted by name, read once a
+    process, and :func:`sources_identity` as it was just before the read. The digest and the
+    compiles use these very bytes, so an edit while a process runs can never give a kernel compiled
+    from one text a key made from another; and the memoised digest is stored under the identity of
+    the bytes it hashed (:func:`read_identity` says why)."""
+    identity = sources_identity()
     d = kernel_source_dir()
     files = []
     for name in sorted(n for n in os.listdir(d) if n.endswith(".cuh")):  # not Path.glob: ~0.1 ms slower
         with open(os.path.join(d, name), "rb") as f:
             files.append((name, f.read()))
-    return tuple(files)
+    return identity, tuple(files)
+
+
+def read_identity() -> str:
+    """The :func:`sources_identity` under which this process's :func:`sources_digest` may be memoised.
+
+    Taken before the read, not when the memo is written: a process that read the templates, then
+    saw them edited, would otherwise store its old digest under the new files' identity, and every
+    later process would key its kernels by a digest of text it does not compile (seen: a test run
+    left across a template edit poisoned the memo of the default cache). An edit between the stat
+    and the read only files the new digest under the old identity, which no later stat matches.
+    """
+    return _header_files()[0]
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_headers() -> tuple:
     """All template headers as ``((name, text), ...)``, sorted by name (UTF-8, as read)."""
-    return tuple((name, data.decode("utf-8")) for name, data in _header_files())
+    return tuple((name, data.decode("utf-8")) for name, data in _header_files()[1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +70,7 @@ def sources_digest() -> str:
     for the 16 templates).
     """
     h = digest.new()
-    for name, data in _header_files():
+    for name, data in _header_files()[1]:
         h.update(name.encode() + b"\0")
         h.update(data)
         h.update(b"\0")
