@@ -3,6 +3,7 @@
 # each PART fits one 10-minute device call. Usage (repository root, on the GPU machine):
 #   PARTS=warm,tests bash dev/gpu_decode.sh         compile the decode / serving variants, decode GPU tests
 #   PARTS=bench bash dev/gpu_decode.sh              bench_decode (GQA grid, MHA), bench_ragged
+#   PARTS=q8 bash dev/gpu_decode.sh                 the 8-bit kernel's GPU tests and tile rows (tune_decode.py --kv)
 #   PARTS=quant,boundary,probe,ncu bash dev/gpu_decode.sh
 #       bench_quant speed, bench_boundary, probe_decode_bw (cp.async row vs the TMA row, same run),
 #       Nsight Compute of the table's kernel at B 64 / 8 x 32k (DRAM throughput, warp stall reasons)
@@ -56,6 +57,15 @@ if has probe; then
   stamp probe_decode_bw
   timeout 150 python dev/probe_decode_bw.py --points 64x32768,8x32768,8x4096,1x32768,1x4096 --tiles cp \
     2>&1 | tee "$OUT/probe.log"
+fi
+if has q8; then  # the 8-bit kernel: its GPU tests, its tile rows, the benchmark
+  stamp "q8 tests"
+  timeout 200 python -m pytest -q -p no:cacheprovider -x tests/test_gpu_quant_decode.py tests/test_gpu_quant_cache.py \
+    2>&1 | tee "$OUT/q8_tests.log" | tail -3
+  for kv in int8 fp8e4m3; do
+    stamp "tune_decode --kv $kv"
+    timeout 150 python dev/tune_decode.py --kv $kv 2>&1 | tee "$OUT/tune_$kv.log" | tail -9
+  done
 fi
 if has ncu; then
   for pt in 64x32768 8x32768; do

@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--decode", action="store_true", help="the 16-bit paged decode variants instead")
+    ap.add_argument("--kv", default="", help="with --decode: an 8-bit cache kind (int8, fp8e4m3), per-token "
+                    "and per-channel keys")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args()
     include = str(check_headers_match_nvrtc())
@@ -41,6 +43,10 @@ def main() -> None:
         from pyattn.kernels.specs import decode_specs
         specs = [sp for sp in decode_specs(args.arch, head_dims=tuple(args.dims), q_tiles=(1, 2))
                  if sp.family.startswith("attn_decode")]
+        if args.kv:
+            from pyattn.kernels.specs import KernelSpec
+            specs = [KernelSpec("attn_decode", "bf16", d, args.arch, q_tiles=1, kv=args.kv, key_channel=kc)
+                     for d in args.dims for kc in (False, True)]
     for d in () if args.decode else args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
             if args.backward:

@@ -8,6 +8,9 @@ bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
 
     PYTHONPATH=. python3 dev/tune_decode.py [--kv int8|fp8e4m3]
 
+On sm_90a, 16-bit pages of 16+ slots go to attn_decode_tma, whose rows `dev/probe_decode_bw.py --tiles`
+times; without ``--kv`` this tool's rows serve the contiguous and page-1..8 layouts only there.
+
 With ``--kv`` the 8-bit-cache table (``"kv8"``) is overridden instead and the pools hold random
 codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
 """
@@ -29,8 +32,8 @@ from pyattn.runtime.stream import Event, default_stream
 
 # DecodeTile fields after max_head_dim: (keys per warp, warps, stages, max q_tiles, min blocks)
 CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
-CANDIDATES_Q8 = [(32, 4, 2, 1, 2), (32, 4, 2, 1, 3), (48, 4, 2, 1, 2), (64, 2, 2, 1, 2), (16, 4, 2, 1, 3),
-                 (32, 8, 2, 1, 1), (64, 4, 2, 1, 1)]
+CANDIDATES_Q8 = [(32, 4, 2, 1, 2), (32, 4, 2, 1, 3), (32, 4, 3, 1, 2), (64, 2, 2, 1, 2), (16, 4, 2, 1, 3),
+                 (16, 8, 2, 1, 2), (32, 8, 2, 1, 1)]
 POINTS = [(1, 32768), (8, 4096), (8, 32768), (64, 4096)]
 Hq, Hkv, D, PS = 32, 8, 128, 16
 
@@ -69,7 +72,7 @@ def main():
     s = default_stream(dev)
     base = tile_table("attn_decode", "sm_90a", tiles)
     data = {}
-    for B, L in POINTS:  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
+    for B, L in POINTS + ([(64, 32768)] if kv else []):  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
         q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
         for layout, ps in (("nhd", PS),) if kv else (("nhd", PS), ("hnd", PS), ("nhd", L), ("hnd", L)):
             npages = B * L // ps
@@ -86,8 +89,8 @@ def main():
     for splits in (1, 8):
         P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
                         num_splits=splits)
-        fn = lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, table.shape[1], tiny), 16, 0, s,  # noqa: E731
-                                    False)
+        fn = lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, table.shape[1], tiny, None), 16,  # noqa: E731
+                                    0, s, False)
         fn()
         s.synchronize()
         t0 = time.perf_counter()
@@ -113,8 +116,8 @@ def main():
                         scales = tuple(x.ptr for x in scale_pools)
                     P = check_query(read("q", dq), pool, causal=True, window=None, softcap=None, alibi_slopes=None,
                                     scale=None, num_splits=None)
-                    us = time_us(lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, L // ps, dl), L,
-                                                        0, s, False, scales), s, dev)
+                    us = time_us(lambda: dec.run_decode(P, dev, dq.ptr, dk.ptr, dv.ptr, (dt, None, L // ps, dl, None),
+                                                        L, 0, s, False, scales, total_len=B * L), s, dev)
                     nbytes = B * L * Hkv * (2 * D + 8 if kv else 4 * D)  # K + V (8-bit: codes + fp32 scales)
                     cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
                 except Exception as e:  # keep going: one bad candidate must not end the run
