@@ -133,6 +133,30 @@ def test_speculative_rows_with_splits_merged_fused_or_by_a_second_launch(splits)
     _check_decode(out, lse, q, ks, vs, causal=True)
 
 
+@pytest.mark.parametrize("group, q_len, D, page, mods", [
+    (16, 16, 128, 16, "softcap"), (16, 1, 256, 64, "alibi"), (1, 16, 64, 128, "window"), (8, 9, 256, 16, ""),
+    (4, 16, 128, 256, "alibi"), (16, 3, 64, 32, "window")])
+def test_groups_to_16_and_query_tokens_to_16(group, q_len, D, page, mods):
+    """The decode issue's corners that the fuzz above leaves out: GQA groups of 16 and up to 16
+    query tokens (up to 256 rows: several row blocks), on pages of 16..256 (on sm_90a the TMA
+    kernel's page boxes), ragged lengths ending mid-page, with soft-cap, ALiBi or a window."""
+    rng = np.random.default_rng(group * 100 + q_len)
+    lengths = [1500, 37, 700]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page, 2, D, "bfloat16", "nhd", extra=2)
+    q = _rand(rng, (len(lengths), q_len, 2 * group, D), "bfloat16")
+    opts = dict(causal=True, window=(100, 0) if mods == "window" else None)
+    if mods == "softcap":
+        opts["softcap"] = 2.5
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(lengths), 2 * group)).astype(np.float32)
+    table = np.zeros((len(lengths), max(len(p) for p in pages)), np.int32)
+    for b, pg in enumerate(pages):
+        table[b, :len(pg)] = pg
+    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=table,
+                                   seq_lens=np.array(lengths, np.int32), return_lse=True, **opts)
+    _check_decode(out, lse, q, ks, vs, **opts)
+
+
 def test_fused_combine_beyond_its_shared_weights():
     """A decode tile whose shared memory holds fewer split weights than the splits (the combine
     recomputes the rest from their LSEs), many splits empty, rows of two row tiles (GQA 8 x

@@ -1,0 +1,37 @@
+"""Dev probe (GPU): the sm_90a prefill with and without a soft-cap, to run under Nsight Compute
+(issue 15: soft-cap costs 1.31x the dense time at (1, 16k, 16, 128) bf16; is it the MUFU pipe?).
+
+    /opt/nvidia/nsight-compute/2025.3.1/ncu --clock-control none -k regex:attn_fwd_tma --launch-skip 1 \\
+        --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal]
+
+Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+
+import pyattn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seqlen", type=int, default=16384)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    q, k, v = (pyattn.asarray(rng.standard_normal((1, a.seqlen, 16, 128), np.float32).astype(ml_dtypes.bfloat16))
+               for _ in range(3))
+    for _ in range(2):
+        out = pyattn.attention(q, k, v, causal=a.causal, softcap=a.softcap)
+    pyattn.get_device().synchronize()
+    print("done", out.shape)
+
+
+if __name__ == "__main__":
+    main()
