@@ -3,7 +3,8 @@
 # each PART fits one 10-minute device call. Usage (repository root, on the GPU machine):
 #   PARTS=warm,tests bash dev/gpu_decode.sh         compile the decode / serving variants, decode GPU tests
 #   PARTS=bench bash dev/gpu_decode.sh              bench_decode (GQA grid, MHA), bench_ragged
-#   PARTS=q8 bash dev/gpu_decode.sh                 the 8-bit kernel's GPU tests and tile rows (tune_decode.py --kv)
+#   PARTS=warm8,q8 bash dev/gpu_decode.sh           the 8-bit kernels' GPU tests and tile rows (tune_decode.py --kv:
+#                                                   the TMA-fed kernel's rows and the cp.async kernel's, same run)
 #   PARTS=quant,boundary,probe,ncu bash dev/gpu_decode.sh
 #       bench_quant speed, bench_boundary, probe_decode_bw (cp.async row vs the TMA row, same run),
 #       Nsight Compute of the table's kernel at B 64 / 8 x 32k (DRAM throughput, warp stall reasons)
@@ -25,6 +26,11 @@ if has warm; then
   python dev/warm_serving.py >> "$OUT/warm.log" 2>&1 &
   wait
   tail -2 "$OUT/warm.log"
+fi
+if has warm8; then  # only the 8-bit / serving kernels of dev/warm_issue13.py (for the q8 and quant parts)
+  stamp warm8
+  python dev/warm_issue13.py > "$OUT/warm8.log" 2>&1
+  tail -2 "$OUT/warm8.log"
 fi
 if has tests; then
   stamp tests
@@ -64,7 +70,7 @@ if has q8; then  # the 8-bit kernel: its GPU tests, its tile rows, the benchmark
     2>&1 | tee "$OUT/q8_tests.log" | tail -3
   for kv in int8 fp8e4m3; do
     stamp "tune_decode --kv $kv"
-    timeout 150 python dev/tune_decode.py --kv $kv 2>&1 | tee "$OUT/tune_$kv.log" | tail -9
+    timeout 150 python dev/tune_decode.py --kv $kv 2>&1 | tee "$OUT/tune_$kv.log" | tail -10
   done
 fi
 if has ncu; then

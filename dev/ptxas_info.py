@@ -45,8 +45,12 @@ def main() -> None:
                  if sp.family.startswith("attn_decode")]
         if args.kv:
             from pyattn.kernels.specs import KernelSpec
+            from pyattn.kernels.families.decode import tma_decode_serves
             specs = [KernelSpec("attn_decode", "bf16", d, args.arch, q_tiles=1, kv=args.kv, key_channel=kc)
                      for d in args.dims for kc in (False, True)]
+            specs += [KernelSpec("attn_decode_tma", "bf16", d, args.arch, q_tiles=1, kv=args.kv, **mods)
+                      for d in args.dims if tma_decode_serves(args.arch, d, 16, args.kv)
+                      for mods in ({}, {"softcap": True, "alibi": True})]
     for d in () if args.decode else args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
             if args.backward:

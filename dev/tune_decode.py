@@ -11,8 +11,9 @@ bf16 KV, D=128, Hq=32, Hkv=8, page size 16, at the issue's batch/context points.
 On sm_90a, 16-bit pages of 16+ slots go to attn_decode_tma, whose rows `dev/probe_decode_bw.py --tiles`
 times; without ``--kv`` this tool's rows serve the contiguous and page-1..8 layouts only there.
 
-With ``--kv`` the 8-bit-cache table (``"kv8"``) is overridden instead and the pools hold random
-codes with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
+With ``--kv`` the 8-bit-cache tables (``"kv8"``) are overridden instead: attn_decode's with the
+TMA-fed kernel turned off, or attn_decode_tma's (rows marked ``tma``); the pools hold random codes
+with positive scales (timing only: fp8 codes may decode to NaN, which costs nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 import pyattn
 from pyattn.kernels.families import DecodeTile, override_tiles, tile_table
+from pyattn.ops import _decode
 from pyattn.ops import decode as dec
 from pyattn.interop.inputs import read
 from pyattn.validate.paged import check_pools, check_query
@@ -32,8 +34,10 @@ from pyattn.runtime.stream import Event, default_stream
 
 # DecodeTile fields after max_head_dim: (keys per warp, warps, stages, max q_tiles, min blocks)
 CANDIDATES = [(32, 2, 3, 2, 2), (16, 2, 6, 2, 2), (16, 4, 3, 2, 2)]
-CANDIDATES_Q8 = [(32, 4, 2, 1, 2), (32, 4, 2, 1, 3), (32, 4, 3, 1, 2), (64, 2, 2, 1, 2), (16, 4, 2, 1, 3),
-                 (16, 8, 2, 1, 2), (32, 8, 2, 1, 1)]
+# 8-bit rows: (kw, warps, stages, mt, minb, producer); producer rows go to attn_decode_tma's "kv8"
+# table (warps: its consumer warps), the others to attn_decode's with the TMA kernel turned off.
+CANDIDATES_Q8 = [(32, 4, 2, 1, 2, False), (32, 4, 2, 1, 2, True), (32, 4, 3, 1, 2, True), (16, 4, 4, 1, 2, True),
+                 (16, 4, 3, 1, 2, True), (32, 2, 4, 1, 2, True), (16, 8, 2, 1, 2, True), (32, 4, 2, 1, 3, True)]
 POINTS = [(1, 32768), (8, 4096), (8, 32768), (64, 4096)]
 Hq, Hkv, D, PS = 32, 8, 128, 16
 
@@ -70,7 +74,6 @@ def main():
     tiles = "kv8" if kv else "dense"  # which decode tile table
     dev = pyattn.get_device()
     s = default_stream(dev)
-    base = tile_table("attn_decode", "sm_90a", tiles)
     data = {}
     for B, L in POINTS + ([(64, 32768)] if kv else []):  # (B, L, layout, page size): NHD / HND pages of 16, and one page per sequence
         q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
@@ -101,9 +104,14 @@ def main():
         print(f"host time per run_decode call (num_splits={splits}): {host:.1f} us")
     print("candidate (kw, warps, stages, mt, minb) | " + " | ".join(f"B{B} L{L} {lay} p{ps}: us (TB/s)"
                                                                 for B, L, lay, ps in data))
-    for kw, w, st, mt, mb in CANDIDATES_Q8 if kv else CANDIDATES:
-        rows = (DecodeTile(128, kw, w, st, mt, mb, "tuning"),) + base[1:]
-        with override_tiles("attn_decode", "sm_90a", rows, table=tiles):
+    for kw, w, st, mt, mb, *producer in CANDIDATES_Q8 if kv else CANDIDATES:
+        tma = bool(producer and producer[0])
+        family = "attn_decode_tma" if tma else "attn_decode"
+        rows = (DecodeTile(128, kw, w, st, mt, mb, "tuning", tma),) + tile_table(family, "sm_90a", tiles)[1:]
+        serves = _decode.tma_decode_serves
+        if kv and not tma:
+            _decode.tma_decode_serves = lambda *a: False
+        with override_tiles(family, "sm_90a", rows, table=tiles):
             cells = []
             for (B, L, layout, ps), (k, v, table, q) in data.items():
                 try:
@@ -122,7 +130,8 @@ def main():
                     cells.append(f"{us:7.1f} ({nbytes / us / 1e6:.2f})")
                 except Exception as e:  # keep going: one bad candidate must not end the run
                     cells.append(f"error {type(e).__name__}: {str(e)[:60]}")
-            print(f"({kw}, {w}, {st}, {mt}, {mb}) | " + " | ".join(cells), flush=True)
+            print(f"({kw}, {w}, {st}, {mt}, {mb}{', tma' if tma else ''}) | " + " | ".join(cells), flush=True)
+        _decode.tma_decode_serves = serves
     return 0
 
 

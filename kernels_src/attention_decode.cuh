@@ -227,17 +227,20 @@ __device__ __forceinline__ void attn_decode16(const DecodeParams& p) {
 
 #include "attention_decode_q8.cuh"
 #include "attention_decode_tma.cuh"
+#include "attention_decode_q8_tma.cuh"
 
 namespace pyattn {
 
-// The entry point: 16-bit caches (cp.async, or bulk copies by a producer warp), or 8-bit codes
-// with fp32 scales.
+// The entry point: 16-bit caches or 8-bit codes with fp32 scales, each read by cp.async copies of
+// the compute warps or by TMA copies of a producer warp.
 template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode(const DecodeParams& p) {
   if constexpr (Tr::kKv == 0 && Tr::kProducer) {
     attn_decode16_tma<Tr, SOFTCAP, ALIBI>(p);
   } else if constexpr (Tr::kKv == 0) {
     attn_decode16<Tr, SOFTCAP, ALIBI>(p);
+  } else if constexpr (Tr::kProducer) {
+    attn_decode_q8_tma<Tr, SOFTCAP, ALIBI>(p);
   } else {
     attn_decode_q8<Tr, SOFTCAP, ALIBI>(p);
   }

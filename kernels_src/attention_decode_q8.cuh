@@ -30,26 +30,13 @@
 #include "q8_codes.cuh"
 
 #include "decode_common.cuh"
+#include "decode_q8_stage.cuh"
 
 namespace pyattn {
-
-// Where chunk c of ring row r is stored: c ^ q8_swizzle<CHUNKS>(r). Rows 2i and 2i+1 land in
-// opposite halves of the 128-byte bank window (K reads: 2 rows x 4 chunks per phase); rows 0, 2,
-// 4, 6 in four different chunk pairs (V reads: 4 rows x 2 chunks per phase).
-template <int CHUNKS>
-__device__ __forceinline__ int q8_swizzle(int r) {
-  const int x = (((r >> 1) & 3) << 1) ^ ((r & 1) << 2);
-  return CHUNKS >= 8 ? x : (x & (CHUNKS - 1));
-}
 
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 4 : 0));
-}
-
-// The smallest power of two >= x (x > 0 and finite; 0 stays 0).
-__device__ __forceinline__ float pow2_ceil(float x) {
-  return __uint_as_float((__float_as_uint(x) + 0x007fffffu) & 0xff800000u);
 }
 
 // Issue the copies of keys [n0, n0 + BLOCK_N) into one ring stage: codes (swizzled chunks) and
@@ -205,7 +192,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, KV = Tr::kCode;
   constexpr bool KC = Tr::kKeyChannel;
-  constexpr int ROWS = Tr::kRows, LD = Tr::kStride, S = Tr::kStages, NG = Tr::kVGroup, CH = D / 16;
+  constexpr int ROWS = Tr::kRows, LD = Tr::kStride, S = Tr::kStages;
   constexpr int NT = KW / 8, DT = D / 8, G64 = D / 64;
   constexpr bool kMods = SOFTCAP || ALIBI;
   static_assert(KV == 1 || KV == 2, "8-bit kinds: 1 = int8, 2 = fp8 e4m3");
@@ -244,50 +231,12 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   init_softmax_state<MT, DT>(acc, row_max, row_sum);
   const float sl2 = kMods ? 1.f : p.scale_log2;
 
-  // Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4G + kk, quad
-  // lane t reads columns p0 = 64G + 16t + 4kk (pair a0/a1) and p0 + 2 (a2/a3) of rows g, g + 8.
-  // S = Q K^T runs in fp16 whatever T is: int8 / e4m3 codes become fp16 in 1-2 instructions per
-  // pair (bf16 needs ~5). Each query row is first scaled by a power of two that puts its largest
-  // element in [2^14, 2^15) (exact, and inside fp16's range); the score undoes it (row_inv).
+  // Q's A fragments in the permuted head-dim order (decode_q8_stage.cuh), kept in registers
   unsigned qf[MT][D / 16][4];
   float row_inv[MT][2];
   cp_async_wait<S - 1>();  // group 0 (Q) landed
   __syncthreads();
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi) {
-    float amax[2] = {0.f, 0.f};
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) amax[h] = fmaxf(amax[h], fabsf(to_float(r[e])));
-      }
-    }
-    float row_scale[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 1));
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 2));
-      int ex = 0;
-      if (amax[h] > 0.f) frexpf(amax[h], &ex);  // amax = m * 2^ex, m in [0.5, 1)
-      const int e = min(max(15 - ex, -100), 100);
-      row_scale[h] = ldexpf(1.f, e);
-      row_inv[mi][h] = ldexpf(1.f, -e);
-    }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
-        qf[mi][ks][h] = pack2<__half>(to_float(r[0]) * row_scale[h], to_float(r[1]) * row_scale[h]);
-        qf[mi][ks][2 + h] = pack2<__half>(to_float(r[2]) * row_scale[h], to_float(r[3]) * row_scale[h]);
-      }
-    }
-  }
+  q8_query_fragments<Tr, false>(sQ, qf, row_inv);
   // Per-channel keys: the scaled fp16 query goes back into sQ (same size, same positions), where the
   // kept channels' correction gathers its columns; every warp has built its fragments first.
   __half* sQh = reinterpret_cast<__half*>(sQ);
@@ -298,7 +247,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
       for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-          const int p0 = (ks / 4) * 64 + 16 * t + 4 * (ks % 4);
+          const int p0 = 16 * q8_kchunk<false>(ks / 4, t) + 4 * (ks % 4);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             unsigned* r = reinterpret_cast<unsigned*>(sQh + (mi * 16 + g + 8 * h) * LD + p0);
@@ -338,8 +287,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 
     // -- S = Q K^T: one 16-byte read per key row and 64-column group feeds 4 k16 steps
     float s[MT][NT][4];
-    zero_tiles<MT, NT>(s);
     if constexpr (KC) {
+      zero_tiles<MT, NT>(s);
       // per 16-key segment (one page): Q fragments times the page's channel scales, then its 2 n8 tiles
 #pragma unroll
       for (int sg = 0; sg < KW / 16; ++sg) {
@@ -348,7 +297,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
         uint2 rr[D / 16];
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-          rr[ks] = *reinterpret_cast<const uint2*>(rseg + (ks / 4) * 64 + 16 * t + 4 * (ks % 4));
+          rr[ks] = *reinterpret_cast<const uint2*>(rseg + 16 * q8_kchunk<false>(ks / 4, t) + 4 * (ks % 4));
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
@@ -373,7 +322,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
 #pragma unroll
           for (int q2 = 0; q2 < 2; ++q2) {
             const int r = wrow + (2 * sg + q2) * 8 + g;
-            kw[q2] = *reinterpret_cast<const uint4*>(tK + r * D + (((4 * gi + t) ^ q8_swizzle<CH>(r)) << 4));
+            kw[q2] = *reinterpret_cast<const uint4*>(tK + q8_chunk_at<Tr, false>(r, q8_kchunk<false>(gi, t)));
           }
 #pragma unroll
           for (int q2 = 0; q2 < 2; ++q2) {
@@ -419,119 +368,17 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
           }
         }
       }
-    }
-#pragma unroll
-    for (int gi = 0; gi < (KC ? 0 : G64); ++gi) {
-      uint4 kw[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = wrow + nt * 8 + g;
-        kw[nt] = *reinterpret_cast<const uint4*>(tK + r * D + (((4 * gi + t) ^ q8_swizzle<CH>(r)) << 4));
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const unsigned words[4] = {kw[nt].x, kw[nt].y, kw[nt].z, kw[nt].w};
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          unsigned b0, b1;
-          codes_to_half2<KV>(words[kk], b0, b1);
-#pragma unroll
-          for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
-        }
-      }
-    }
-    // -- K scales (column c of the tile is key wrow + nt * 8 + 2t + (e & 1)) and the query rows' scales
-#pragma unroll
-    for (int nt = 0; nt < (KC ? 0 : NT); ++nt) {
-      const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi) {
-        s[mi][nt][0] *= ksc.x * row_inv[mi][0], s[mi][nt][1] *= ksc.y * row_inv[mi][0];
-        s[mi][nt][2] *= ksc.x * row_inv[mi][1], s[mi][nt][3] *= ksc.y * row_inv[mi][1];
-      }
+    } else {
+      q8_scores<Tr, false>(tK, tKs, wrow, qf, row_inv, s);
     }
 
     // -- modifiers and masking (as the 16-bit kernel), then the online softmax
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
       rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
-    online_softmax<MT, NT, DT, true>(s, acc, row_max, row_sum, sl2);
-    // -- P *= V scale / vref (after the row sums, which must not see it). The 4 lanes of a quad
-    // hold all 32 columns of the warp's keys, so their max is the warp's (warp-uniform vref).
-    float2 vsc[NT];
-    float vmax = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      vsc[nt] = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
-      vmax = fmaxf(vmax, fmaxf(vsc[nt].x, vsc[nt].y));
-    }
-    vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 1));
-    vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 2));
-    const float vref_new = fmaxf(vref, pow2_ceil(vmax));
-    if (vref_new != vref) {  // O was accumulated in units of the old vref (0 before any key: O is 0)
-      const float r = vref > 0.f ? vref / vref_new : 0.f;
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int i = 0; i < DT; ++i) acc[mi][i][0] *= r, acc[mi][i][1] *= r, acc[mi][i][2] *= r, acc[mi][i][3] *= r;
-      vref = vref_new;
-    }
-    const float vinv = vref > 0.f ? 1.f / vref : 0.f;  // exact: a power of two
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi) {
-        s[mi][nt][0] *= vsc[nt].x * vinv, s[mi][nt][1] *= vsc[nt].y * vinv;
-        s[mi][nt][2] *= vsc[nt].x * vinv, s[mi][nt][3] *= vsc[nt].y * vinv;
-      }
-
-    // -- O += P V: per k16 step, 4 key rows (2t, 2t+1, 2t+8, 2t+9) x NG bytes per lane
-#pragma unroll
-    for (int kk = 0; kk < KW / 16; ++kk) {
-      unsigned a[MT][4];
-      p_fragments<__half, MT, NT>(s, kk, a);
-      const int rk = wrow + kk * 16 + 2 * t;
-      const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
-#pragma unroll
-      for (int vg = 0; vg < D / (8 * NG); ++vg) {
-        unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int byte = vg * NG * 8 + NG * g;  // logical byte in the row
-          const unsigned char* src = tV + rr[i] * D + (((byte >> 4) ^ q8_swizzle<CH>(rr[i])) << 4) + (byte & 15);
-          if constexpr (NG == 16) {
-            const uint4 x = *reinterpret_cast<const uint4*>(src);
-            vw[i][0] = x.x, vw[i][1] = x.y, vw[i][2] = x.z, vw[i][3] = x.w;
-          } else {
-            const uint2 x = *reinterpret_cast<const uint2*>(src);
-            vw[i][0] = x.x, vw[i][1] = x.y;
-          }
-        }
-#pragma unroll
-        for (int w4 = 0; w4 < NG / 4; ++w4) {
-          // Interleave rows (2t, 2t+1) and (2t+8, 2t+9) byte by byte: one code pair per B register.
-          unsigned b0[4], b1[4];
-          codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x5140), b0[0], b0[1]);
-          codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), b0[2], b0[3]);
-          codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), b1[0], b1[1]);
-          codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), b1[2], b1[3]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int dt = vg * NG + w4 * 4 + e;
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(acc[mi][dt], a[mi], b0[e], b1[e]);
-          }
-        }
-      }
-    }
+    q8_softmax_pv<Tr, false>(s, tV, tVs, wrow, vref, acc, row_max, row_sum, sl2);
   }
 
-  // O back from units of vref (0 when the warp saw no key: its O is 0 then)
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int i = 0; i < DT; ++i)
-      acc[mi][i][0] *= vref, acc[mi][i][1] *= vref, acc[mi][i][2] *= vref, acc[mi][i][3] *= vref;
-
+  q8_unscale(acc, vref);
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }
 

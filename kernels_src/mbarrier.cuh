@@ -1,6 +1,6 @@
 // mbarriers and named barriers (sm_90a): how a producer hands ring stages to consumers. Shared by
 // the wgmma prefill's producer warpgroup (wgmma_pipe.cuh), the TMA prefill (attention_fwd_tma.cuh)
-// and the decode's producer warp (attention_decode_tma.cuh). No dependencies.
+// and the decode's producer warps (attention_decode_tma.cuh, attention_decode_q8_tma.cuh). No dependencies.
 #pragma once
 
 namespace pyattn {
@@ -15,6 +15,13 @@ __device__ __forceinline__ void init_fence() { asm volatile("fence.mbarrier_init
 
 __device__ __forceinline__ void arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival on the barrier, made when every cp.async copy this thread issued before has landed
+// (.noinc: the barrier's expected count includes it). For a producer whose stage mixes TMA boxes
+// and small cp.async copies (attention_decode_q8_tma.cuh's scales).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Wait until the barrier's phase of parity `parity` has completed.

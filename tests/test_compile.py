@@ -32,6 +32,7 @@ from pyattn.jit.cache import KernelCache
 from pyattn.jit.headers import check_headers_match_nvrtc, cuda_include_dir, header_version, nvrtc_version
 from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render, sources_digest
+from pyattn.kernels.families import WGMMA_ARCHS
 from pyattn.kernels.params import ParamStruct
 from pyattn.kernels.specs import KernelSpec, warmup_specs
 
@@ -163,7 +164,8 @@ def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monke
 
 def _sparse_and_quant_specs(arch):
     """The block-sparse prefill variants (plain and with soft-cap, which runs on mma.sync) and the
-    8-bit-cache decode kernels of ``arch``, at the head-dim extremes of each."""
+    8-bit-cache decode kernels of ``arch`` (cp.async, and on sm_90a the TMA-fed one), at the
+    head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
     specs = [select_attention_spec(dt, d, arch, softcap=cap, sparse=sp)
@@ -172,6 +174,10 @@ def _sparse_and_quant_specs(arch):
     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
               for tag, d, kv, mods in (("f16", 64, "int8", True), ("bf16", 128, "fp8e4m3", False),
                                        ("bf16", 256, "int8", False), ("f16", 128, "fp8e4m3", True))]
+    if arch in WGMMA_ARCHS:  # the TMA-fed 8-bit decode (per-token scales, 128-column boxes)
+        specs += [KernelSpec("attn_decode_tma", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
+                  for tag, d, kv, mods in (("bf16", 128, "int8", False), ("f16", 128, "fp8e4m3", True),
+                                           ("bf16", 256, "fp8e4m3", False), ("f16", 256, "int8", True))]
     return specs
 
 

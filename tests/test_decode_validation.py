@@ -503,9 +503,30 @@ def test_tma_decode_specs_fit_and_match_traits(arch):
             assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma")
             assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<__nv_bfloat16, {d}, {kpw}, "
                                         f"{consumers}, {mt}, {t.stages}, 0, 1>, false, false>")
-    for bad in (dict(head_dim=96), dict(head_dim=128, kv="int8")):
+    for bad in (dict(head_dim=96), dict(head_dim=64, kv="int8"), dict(head_dim=128, kv="int8", key_channel=True)):
         with pytest.raises(ValueError, match="attn_decode_tma"):
             KernelSpec("attn_decode_tma", "bf16", arch=arch, q_tiles=1, **bad)
+
+
+@pytest.mark.parametrize("arch", WGMMA_ARCHS)
+def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
+    """attn_decode_tma on 8-bit caches (per-token scales): the producer warp, Q, 1024 bytes of
+    slack, then per stage K and V codes in 128-column boxes and their fp32 scales; the traits'
+    formula gives the same bytes, and the kernel's static_assert holds (block_n a power of two)."""
+    for d in (128, 256):
+        for kv, num in (("int8", 1), ("fp8e4m3", 2)):
+            t = tile_config("attn_decode_tma", arch, d, kv)
+            consumers = t.warps - 1
+            assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256
+            for mt in range(1, decode_row(arch, d, kv, tma=True).max_q_tiles + 1):
+                spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt, kv=kv)
+                kpw = t.block_n // consumers
+                ring = 16 * mt * (d + 8) * 2 + 1024 + t.stages * t.block_n * 2 * (d + 4)
+                merge = consumers * 16 * mt * ((d + 8) + 2) * 4
+                assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, t.stages, num, 1)
+                assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
+                assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma_kv{kv}")
+                assert spec.template_id.endswith(f"{mt}, {t.stages}, {num}, 1>, false, false>")
 
 
 @pytest.mark.parametrize("arch, d, page, kv, tma", [
@@ -513,11 +534,18 @@ def test_tma_decode_specs_fit_and_match_traits(arch):
     ("sm_90a", 128, 8, "", False),    # boxes of 8 slots: too small for TMA to pay
     ("sm_90a", 128, 48, "", False),   # not a power of two: a box could straddle pages
     ("sm_90a", 96, 16, "", False),    # not whole 64-column boxes
-    ("sm_90a", 128, 16, "int8", False), ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
-def test_tma_decode_selection(arch, d, page, kv, tma):
+    ("sm_90a", 128, 16, "int8", True), ("sm_90a", 256, 64, "fp8e4m3", True),
+    ("sm_90a", 64, 16, "int8", False),   # 8-bit: boxes of 128 columns (the 64 bucket keeps cp.async)
+    ("sm_90a", 128, 8, "fp8e4m3", False), ("sm_80", 128, 16, "int8", False),
+    ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
+@pytest.mark.parametrize("key_channel", [False, True])
+def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
+    """Per-channel key scales keep the cp.async kernel (their page records are not TMA boxes)."""
     from pyattn.ops._decode import _spec
-    assert tma_decode_serves(arch, d, page, kv) is tma
-    spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, False, page)
+    tma = tma and not (kv and key_channel)
+    kc = key_channel and bool(kv)
+    assert tma_decode_serves(arch, d, page, kv, kc) is tma
+    spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, kc, page)
     assert spec.family == ("attn_decode_tma" if tma else "attn_decode")
 
 

@@ -126,7 +126,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_fwd_simt", "f16", 64, "sm_80", False, "none", False, False, 0, 1),
      r"^sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, got attn_fwd_simt"),
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),
-     r"^kv: only attn_decode / kv_append / kv_key_pages read quantized caches, got attn_sparse"),
+     r"^kv: only attn_decode / attn_decode_tma / kv_append / kv_key_pages read quantized caches, got attn_sparse"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", False, False, 1, 0, "", True),
      r"^key_channel: per-channel key scales are read by attn_decode over an 8-bit cache"),
     (("kv_append", "f16", 32, "sm_80", False, "none", False, False, 0, 0, "int8", True), r"^key_channel: "),

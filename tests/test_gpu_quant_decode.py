@@ -97,6 +97,65 @@ def test_quantized_decode_matches_dequantized_reference(lengths, page_size, Hkv,
         _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], dtype, causal=True, **opts)
 
 
+@pytest.fixture(params=["tma", "cp.async"])
+def q8_loader(request, monkeypatch):
+    """Which 8-bit decode kernel runs: on sm_90a pages of 16+ slots at head dims 96..256 take the
+    TMA-fed one (attention_decode_q8_tma.cuh); "cp.async" turns it off (the kernel every other arch
+    runs). Yields a list that collects the families of the decode kernels loaded."""
+    from pyattn.kernels.families import override_tiles, tile_table
+    from pyattn.ops import _decode
+
+    arch = pyattn.get_device().arch
+    if request.param == "tma" and not _decode.tma_decode_serves(arch, 128, 16, "int8"):
+        pytest.skip(f"no TMA-fed decode on {arch}")
+    if request.param == "cp.async":
+        monkeypatch.setattr(_decode, "tma_decode_serves", lambda *a: False)
+    families = []
+    real = _decode.get_kernel
+    monkeypatch.setattr(_decode, "get_kernel", lambda spec, dev: families.append(spec.family) or real(spec, dev))
+    # a new registry generation: decode specs chosen before (memoised by generation) are chosen again
+    with override_tiles("attn_decode", arch, tile_table("attn_decode", arch, "kv8"), table="kv8"):
+        yield request.param, families
+
+
+@pytest.mark.parametrize("kind, group, q_len, D, page, mods", [
+    ("int8", 16, 16, 128, 16, "softcap"), ("fp8_e4m3", 4, 1, 256, 64, "alibi"), ("int8", 8, 3, 128, 256, "window"),
+    ("fp8_e4m3", 1, 9, 96, 32, ""), ("int8", 4, 1, 256, 16, ""), ("fp8_e4m3", 16, 2, 128, 128, "softcap")])
+def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, kind, group, q_len, D, page, mods):
+    """The decode issue's corners on 8-bit caches, through the TMA-fed kernel and the cp.async one:
+    GQA groups to 16 and up to 16 query tokens, pages of 16..256 slots, ragged lengths ending
+    mid-page (the TMA boxes then hold slots past the sequence: stale codes, masked), a forked
+    sequence sharing its parent's pages, soft-cap / ALiBi / window, head dim 96 in the 128 bucket
+    (the map's columns past 96 arrive as zeros)."""
+    loader, families = q8_loader
+    rng = np.random.default_rng(group * 100 + q_len + D)
+    Hkv, lengths = 2, [1500, 37, 700]
+    cache = pyattn.PagedKVCache(sum(-(-n // page) for n in lengths) + 8, page, Hkv, D, kind)
+    seqs = [(rng.standard_normal((n, Hkv, D)).astype(np.float32), rng.standard_normal((n, Hkv, D)).astype(np.float32))
+            for n in lengths]
+    ids = _fill(cache, seqs, "bfloat16")
+    fork = cache.fork(ids[0], 1000)  # shares the parent's first pages, then its own tail
+    tail = (rng.standard_normal((q_len + 20, Hkv, D)).astype(np.float32),
+            rng.standard_normal((q_len + 20, Hkv, D)).astype(np.float32))
+    t = DTYPES["bfloat16"]
+    cache.append([fork], tail[0][None].astype(t), tail[1][None].astype(t))
+    seqs.append((np.concatenate([seqs[0][0][:1000], tail[0]]), np.concatenate([seqs[0][1][:1000], tail[1]])))
+    ids.append(fork)
+    q = rng.standard_normal((len(ids), q_len, Hkv * group, D)).astype(t)
+    opts = dict(window=(100, 0) if mods == "window" else None)
+    if mods == "softcap":
+        opts["softcap"] = 2.5
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(ids), Hkv * group)).astype(np.float32)
+    out, lse = pyattn.decode(q, cache, ids, return_lse=True, **opts)
+    assert {f for f in families if f.startswith("attn_decode")} == {"attn_decode_tma" if loader == "tma"
+                                                                     else "attn_decode"}
+    for b, (k, v) in enumerate(seqs):
+        kd, vd = _dequant(k.astype(t).astype(np.float32), kind), _dequant(v.astype(t).astype(np.float32), kind)
+        o = {**opts, "alibi_slopes": opts["alibi_slopes"][b:b + 1]} if mods == "alibi" else opts
+        _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True, **o)
+
+
 def _outlier_data(rng, n, Hkv, D):
     k = rng.standard_normal((n, Hkv, D))
     k[:, :, rng.choice(D, 4, replace=False)] *= 30.0  # a few large key channels, as in real LLM keys

@@ -424,3 +424,28 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
     pyattn.decode(q, c, ids)
     assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
+
+
+@pytest.mark.parametrize("kind, key_scales", [("int8", "token"), ("fp8_e4m3", "token"), ("int8", "channel")])
+def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales):
+    """An 8-bit cache with per-token scales takes attn_decode_tma too: its code pools as uint8 maps,
+    boxes of 128 codes (one 128-byte swizzle row) x min(page, block_n) slots. Per-channel keys keep
+    the cp.async kernel, whose launch encodes no map."""
+    from pyattn.runtime import tensormap
+
+    c = pyattn.PagedKVCache(64, 16, 2, 128, kind, key_scales=key_scales)
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 256, 2, 128), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    fake_driver.CALLS.clear()
+    gpu.record_launches = True
+    pyattn.decode(_da((2, 1, 8, 128), ml_dtypes.bfloat16), c, ids)
+    name = fake_driver.LAUNCHES[-1][0]
+    keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
+    if key_scales == "channel":
+        assert keys == [] and fake_driver.CALLS["cuTensorMapEncodeTiled"] == 0
+        assert name.startswith("pyattn_attn_decode_") and "tma" not in name
+        return
+    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_tma")
+    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
+        assert (dtype, dims, strides, box, swizzle) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128)

@@ -46,7 +46,7 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     and more) and attn_decode (cp.async rows, any page)."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
-    tma = tma_decode_serves(arch, bucket, page_size, kv)
+    tma = tma_decode_serves(arch, bucket, page_size, kv, key_channel)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
     return KernelSpec("attn_decode_tma" if tma else "attn_decode", tag, bucket, arch, ptx, softcap=softcap,
                       alibi=alibi, q_tiles=q_tiles, kv=kv, key_channel=key_channel)
@@ -221,7 +221,8 @@ _MAX_MAPS = 64
 
 def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
     """The device address of the tensor maps (K pool, V pool) attn_decode_tma reads its page boxes
-    through: (head dim, slot, kv head, page), boxes of 64 columns x ``box`` slots, 128-byte swizzle.
+    through: (head dim, slot, kv head, page), boxes of 128 bytes (64 16-bit columns, or 128 8-bit
+    codes) x ``box`` slots, 128-byte swizzle.
 
     Maps live in device memory, not in the parameter struct: DecodeParams stays one layout for every
     decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered
@@ -231,10 +232,10 @@ def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
            pool.k_strides, pool.v_strides, box)
     maps = _maps.get(key)
     if maps is None:
-        tag, size = DTYPES[pool.dtype.name][0], pool.dtype.itemsize
+        tag, size = ("u8", 1) if pool.kv else (DTYPES[pool.dtype.name][0], pool.dtype.itemsize)
         raw = b"".join(
             encode_tiled(tag, ptr, rank4(pool.head_dim, pool.page_size, pool.heads_kv, pool.num_pages,
-                                         strides, size), (64, box))
+                                         strides, size), (128 // size, box))
             for ptr, strides in ((k, pool.k_strides), (v, pool.v_strides)))
         # (rank4 reads every validated pool: its strides are whole 16-byte multiples.)
         maps = upload([np.frombuffer(raw, np.uint8)], device, s)[0]

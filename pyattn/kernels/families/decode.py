@@ -87,6 +87,13 @@ _TMA_227K = (
                producer=True),
     DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=True),
 )
+# attn_decode_tma on 8-bit caches with per-token scales: boxes of 128 columns (d = 128 / 256);
+# ring = 16 q_tiles (d + 8) * 2 + 1024 + stages block_n 2 (d + 4) (codes, then the fp32 scales).
+_Q8_TMA_227K = (
+    DecodeTile(128, 32, 4, 2, 1, 2, "the cp.async kernel's row (32 keys x 4 warps, 2 stages, 73 KiB); unmeasured",
+               producer=True),
+    DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=True),
+)
 
 
 def _by_smem(k227: tuple, k163: tuple, k99: tuple) -> dict:
@@ -104,11 +111,13 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
     return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
 
 
-def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") -> bool:
-    """Whether attn_decode_tma takes a decode: sm_90a, a 16-bit cache, a head-dim bucket of whole
-    64-column boxes, and pages of a power of two from 16 slots (a box of min(page, block_n) slots
-    then never straddles a page; smaller pages would make boxes too small for TMA to pay)."""
-    return (arch in WGMMA_ARCHS and not kv and head_dim % 64 == 0 and page_size >= 16
+def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False) -> bool:
+    """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
+    64-column boxes (128 bytes), or an 8-bit one with per-token scales at a bucket of whole
+    128-column boxes (the 64 bucket and per-channel keys keep the cp.async kernel); pages of a
+    power of two from 16 slots (a box of min(page, block_n) slots then never straddles a page;
+    smaller pages would make boxes too small for TMA to pay)."""
+    return (arch in WGMMA_ARCHS and not key_channel and head_dim % (128 if kv else 64) == 0 and page_size >= 16
             and page_size & (page_size - 1) == 0)
 
 
@@ -129,17 +138,18 @@ def _smem_bytes(spec, t) -> int:
     ring = (t.block_m + 2 * t.stages * t.block_n) * (d + 8) * 2
     if t.ws:  # TMA ring: padded Q, 1024 bytes of alignment slack, unpadded swizzled K and V boxes
         ring = t.block_m * (d + 8) * 2 + 1024 + 2 * t.stages * t.block_n * d * 2
-    if spec.kv:  # Q, then 8-bit K and V codes and their fp32 scales per stage
-        ring = t.block_m * (d + 8) * 2 + t.stages * t.block_n * 2 * (d + 4)
+    if spec.kv:  # Q, (with TMA the slack,) then 8-bit K and V codes and their fp32 scales per stage
+        ring = t.block_m * (d + 8) * 2 + 1024 * t.ws + t.stages * t.block_n * 2 * (d + 4)
     if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
         ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
     return max(ring, (t.warps - t.ws) * t.block_m * (d + 10) * 4)
 
 
 def _check(spec) -> None:
-    if spec.family == "attn_decode_tma" and (spec.kv or spec.head_dim % 64):
-        raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, got "
-                         f"kv={spec.kv!r}, head_dim {spec.head_dim}")
+    if spec.family == "attn_decode_tma" and (spec.key_channel or spec.head_dim % (128 if spec.kv else 64)):
+        raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
+                         f"with per-token scales at buckets of 128 columns, got kv={spec.kv!r}, key_channel="
+                         f"{spec.key_channel}, head_dim {spec.head_dim}")
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
@@ -163,8 +173,8 @@ ATTN_DECODE = Family(
 
 ATTN_DECODE_TMA = Family(
     name="attn_decode_tma", label="the TMA-fed decode", header="attention_decode.cuh", params=DECODE_PARAMS,
-    tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS}},
+    tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS}, "kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
-    entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, q_tiles=True,
+    entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
 )

@@ -1,0 +1,167 @@
+// Decode over a paged 8-bit cache (int8 / fp8 e4m3 codes, per-token fp32 scales) with its ring
+// filled by a producer warp (sm_90a, issue 12).
+//
+// attn_decode_q8's consumers (decode_q8_stage.cuh) plus one producer warp, the last, as
+// attn_decode16_tma does for 16-bit caches. The cp.async kernel's consumers issued their own
+// copies: page lookups, addresses and 16-byte copies for every row, then a block-wide barrier per
+// stage. That kept the 8-bit kernel at 57-62% of the copy rate, latency-bound with one chain of
+// conversions and MMAs per warp. Here the consumers only wait on a stage's mbarrier.
+//  * Codes: the K and V pools as tensor maps (head dim, slot, kv head, page; uint8), boxes of 128
+//    columns (one 128-byte swizzle row) x min(page size, BLOCK_N) slots of one page, written as
+//    [D / 128][BLOCK_N][128] per stage with the 128-byte swizzle. The consumers read that layout
+//    through q8_chunk_at<Tr, true>; K's head-dim order is chosen so that the two rows a phase reads
+//    hit 8 distinct bank groups (q8_kchunk<true>).
+//  * Scales: fp32 per (slot, kv head), with the kv heads innermost in the cache (a box of one
+//    head's slots would be 4 bytes wide, under TMA's 16). Each producer lane copies scales of
+//    keys lane, lane + 32, ... with 4-byte cp.async (the page from the lane that looked it up, by a
+//    shuffle) and has the stage's full barrier count one arrival when they land
+//    (cp.async.mbarrier.arrive.noinc): the barrier expects 32 such arrivals and the 32 lanes'
+//    expect-tx arrivals.
+// Keys a box does not hold (past the block's range in its last tile, or slots of the last page past
+// the sequence) may be stale pool memory: their scales are zero-filled, their scores masked to -inf,
+// and each consumer warp zeroes its own V code rows there before P V (0 x a NaN code is NaN).
+// Requires decode_q8_stage.cuh, tma.cuh and mbarrier.cuh.
+#pragma once
+#include "mbarrier.cuh"
+#include "tma.cuh"
+
+namespace pyattn {
+
+// The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
+// consumers. Lane c looks chunk c's page up (box_rows slots from key c * box_rows), copies the
+// scales of its keys, then issues its chunk's boxes of K and V codes.
+template <class Tr>
+__device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
+                                                  const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
+                                                  unsigned empty0) {
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 128;
+  const TmaMap* maps = static_cast<const TmaMap*>(p.tmaps);
+  const int lane = threadIdx.x % 32, box = min(p.page_size, KB), chunks = KB / box;
+  const int box_shift = __ffs(box) - 1;  // box is a power of two
+  const unsigned chunk_bytes = 2u * H * 128 * box;  // K and V codes, whole boxes
+  const long long head_k = static_cast<long long>(blk.kv_head) * p.ks_stride_h;
+  const long long head_v = static_cast<long long>(blk.kv_head) * p.vs_stride_h;
+  if (lane == 0) {
+    tma::prefetch(maps);
+    tma::prefetch(maps + 1);
+  }
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int st = j % S, n0 = blk.n_first + j * KB;
+    const bool mine = lane < chunks && n0 + lane * box < blk.end;  // never looks past the sequence's pages
+    int slot = 0;
+    long long page = 0;
+    if (mine) page = key_page(p, blk.pages, n0 + lane * box, slot);
+    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
+    const unsigned full = full0 + 8 * st;
+#pragma unroll
+    for (int m = 0; m < (KB + 31) / 32; ++m) {
+      const int i = lane + 32 * m;  // the stage's key
+      const int c = (i >> box_shift) & 31;
+      const long long pg = __shfl_sync(kFullMask, page, c);
+      const int sl = __shfl_sync(kFullMask, slot, c) + (i & (box - 1));
+      const bool ok = i < KB && n0 + i < blk.end;  // then chunk c is mine on lane c
+      const long long at = pg * p.ks_stride_page + sl * p.ks_stride_slot;
+      const long long av = pg * p.vs_stride_page + sl * p.vs_stride_slot;
+      if (i < KB) {
+        cp_async_4(sKs + st * KB + i, ok ? p.k_scale + at + head_k : p.k_scale, ok);
+        cp_async_4(sVs + st * KB + i, ok ? p.v_scale + av + head_v : p.v_scale, ok);
+      }
+    }
+    pipe::cp_async_arrive(full);  // one arrival when this lane's scales have landed
+    tma::arrive_expect(full, mine ? chunk_bytes : 0u);
+    if (mine) {
+      const int off = st * KB * D + lane * box * 128;
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        tma::load_4d(smem_addr(sK + off + h * KB * 128), maps, full, h * 128, slot, blk.kv_head, static_cast<int>(page));
+        tma::load_4d(smem_addr(sV + off + h * KB * 128), maps + 1, full, h * 128, slot, blk.kv_head,
+                     static_cast<int>(page));
+      }
+    }
+  }
+}
+
+template <class Tr, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles;
+  constexpr int S = Tr::kStages, W = Tr::kWarps, NT = KW / 8, H = D / 128;
+  constexpr bool kMods = SOFTCAP || ALIBI;
+  // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
+  // most 256 rows (a TMA box dimension's limit); 128-column boxes.
+  static_assert(Tr::kProducer == 1 && !Tr::kKeyChannel && D % 128 == 0 && KB >= 16 && KB <= 256 &&
+                    (KB & (KB - 1)) == 0,
+                "one producer warp, per-token scales, 128-column boxes, BLOCK_N a power of two in [16, 256]");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
+  if (dynamic_smem_bytes() < Tr::kSmemBytes) __trap();  // the host's shared_bytes and this layout disagree
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [ROWS][kStride]
+  // The ring from the first 1024-byte boundary past Q (the 128-byte swizzle repeats every 1024
+  // bytes and TMA applies it by address; kSmemBytes holds the slack).
+  const unsigned q_end = smem_addr(smem_raw) + Tr::kQBytes;
+  unsigned char* sK = smem_raw + Tr::kQBytes + ((1024 - q_end % 1024) % 1024);  // [S][H][KB][128]
+  unsigned char* sV = sK + S * KB * D;                                           // [S][H][KB][128]
+  float* sKs = reinterpret_cast<float*>(sV + S * KB * D);                        // [S][KB]
+  float* sVs = sKs + S * KB;                                                     // [S][KB]
+  const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
+
+  const DecodeBlock<Tr> blk(p);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      pipe::init(full0 + 8 * st, 64);  // the producer's lanes: expect-tx arrivals and scale arrivals
+      pipe::init(empty0 + 8 * st, W);  // one arrival per consumer warp
+    }
+    pipe::init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
+  if (warp == W) {
+    decode_produce_q8<Tr>(sK, sV, sKs, sVs, p, blk, full0, empty0);
+    return;
+  }
+
+  load_q<Tr>(sQ, p, blk);
+  cp_async_commit();
+  const DecodeRows<MT, ALIBI> rows(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
+  float acc[MT][D / 8][4];
+  float row_max[MT][2], row_sum[MT][2];
+  init_softmax_state<MT, D / 8>(acc, row_max, row_sum);
+  const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  cp_async_wait<0>();
+  decode_sync<Tr>();  // Q landed for every consumer warp
+  unsigned qf[MT][D / 16][4];
+  float row_inv[MT][2];
+  q8_query_fragments<Tr, true>(sQ, qf, row_inv);
+  float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
+
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int st = j % S, wrow = warp * KW;   // this warp's first ring row
+    const int n0 = blk.n_first + j * KB + wrow;  // this warp's first key
+    pipe::wait(full0 + 8 * st, (j / S) & 1);
+    const unsigned char* tK = sK + st * KB * D;
+    unsigned char* tV = sV + st * KB * D;
+    const int valid = blk.end - n0;  // this warp's rows from `valid` on hold no key of the range
+    if (valid < KW) {  // the warp's 16-byte chunks of those V rows, a lane each in turn
+      const int r0 = max(valid, 0);
+      for (int i = lane; i < (KW - r0) * H * 8; i += 32)
+        reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] =
+            make_uint4(0, 0, 0, 0);
+      tma::fence_shared();  // these generic writes before the stage's next TMA writes
+      __syncwarp();
+    }
+    float s[MT][NT][4];
+    q8_scores<Tr, true>(tK, sKs + st * KB, wrow, qf, row_inv, s);
+    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
+      rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
+    q8_softmax_pv<Tr, true>(s, tV, sVs + st * KB, wrow, vref, acc, row_max, row_sum, sl2);
+    __syncwarp();
+    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+  }
+
+  q8_unscale(acc, vref);
+  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
+}
+
+}  // namespace pyattn

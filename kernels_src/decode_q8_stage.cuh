@@ -1,0 +1,234 @@
+// The consumer side of the 8-bit decode kernels: where a ring stage keeps each 16-byte chunk of
+// codes, Q's fp16 fragments in the permuted head-dim order, S = Q K^T on the codes, and the
+// softmax plus O += P V with the V scales folded into P. Shared by the cp.async kernel
+// (attention_decode_q8.cuh, every arch) and the TMA-fed one (attention_decode_q8_tma.cuh, sm_90a);
+// the two differ in the ring's layout only (the TMA template argument below).
+// Requires decode_common.cuh, q8_codes.cuh, common.cuh and mma.cuh.
+#pragma once
+
+namespace pyattn {
+
+// The cp.async ring's swizzle: chunk c of row r (rows of D bytes) is stored at c ^ q8_swizzle(r).
+// Rows 2i and 2i+1 land in opposite halves of the 128-byte bank window (K reads: 2 rows x 4
+// chunks per phase); rows 0, 2, 4, 6 in four different chunk pairs (V reads: 4 rows x 2 chunks).
+template <int CHUNKS>
+__device__ __forceinline__ int q8_swizzle(int r) {
+  const int x = (((r >> 1) & 3) << 1) ^ ((r & 1) << 2);
+  return CHUNKS >= 8 ? x : (x & (CHUNKS - 1));
+}
+
+// Byte offset of 16-byte chunk c of ring row r in a stage. cp.async ring: rows of D bytes,
+// q8_swizzle. TMA ring: the boxes as the copy writes them, [D / 128][BLOCK_N][128 bytes] with the
+// 128-byte swizzle (chunk c % 8 of a 128-byte row at (c % 8) ^ (r % 8); the stage starts on a
+// 1024-byte boundary, where that pattern starts).
+template <class Tr, bool TMA>
+__device__ __forceinline__ int q8_chunk_at(int r, int c) {
+  if constexpr (TMA) {
+    return (c >> 3) * (Tr::kBlockN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  } else {
+    return r * Tr::kHeadDim + ((c ^ q8_swizzle<Tr::kHeadDim / 16>(r)) << 4);
+  }
+}
+
+// The chunk quad lane t reads for K fragment group gi (64 head-dim columns): a phase reads rows
+// r, r + 1 and the same t's. cp.async ring: chunks 4 gi + t (q8_swizzle separates the two rows).
+// TMA ring: rows r and r ^ 1 store chunk c at c ^ r and c ^ r ^ 1 -- for the same 4 consecutive
+// chunks that is the same 4 positions (a 2-way conflict) -- so a group takes every other chunk
+// of its 128-byte region (2t + gi % 2): one row's four land on even positions, the other's on odd.
+template <bool TMA>
+__device__ __forceinline__ int q8_kchunk(int gi, int t) {
+  return TMA ? 8 * (gi >> 1) + 2 * t + (gi & 1) : 4 * gi + t;
+}
+
+// The smallest power of two >= x (x > 0 and finite; 0 stays 0).
+__device__ __forceinline__ float pow2_ceil(float x) {
+  return __uint_as_float((__float_as_uint(x) + 0x007fffffu) & 0xff800000u);
+}
+
+// Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4 gi + kk, quad lane
+// t reads columns p0 = 16 q8_kchunk(gi, t) + 4 kk (pair a0/a1) and p0 + 2 (a2/a3) of rows g, g + 8.
+// S = Q K^T runs in fp16 whatever T is: int8 / e4m3 codes become fp16 in 1-2 instructions per
+// pair (bf16 needs ~5). Each query row is first scaled by a power of two that puts its largest
+// element in [2^14, 2^15) (exact, and inside fp16's range); the score undoes it (row_inv).
+template <class Tr, bool TMA>
+__device__ __forceinline__ void q8_query_fragments(const typename Tr::T* sQ, unsigned (&qf)[Tr::kMTiles][Tr::kHeadDim / 16][4],
+                                                   float (&row_inv)[Tr::kMTiles][2]) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, MT = Tr::kMTiles, LD = Tr::kStride;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int p0 = 16 * q8_kchunk<TMA>(ks / 4, t) + 4 * (ks % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax[h] = fmaxf(amax[h], fabsf(to_float(r[e])));
+      }
+    }
+    float row_scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 1));
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 2));
+      int ex = 0;
+      if (amax[h] > 0.f) frexpf(amax[h], &ex);  // amax = m * 2^ex, m in [0.5, 1)
+      const int e = min(max(15 - ex, -100), 100);
+      row_scale[h] = ldexpf(1.f, e);
+      row_inv[mi][h] = ldexpf(1.f, -e);
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int p0 = 16 * q8_kchunk<TMA>(ks / 4, t) + 4 * (ks % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+        qf[mi][ks][h] = pack2<__half>(to_float(r[0]) * row_scale[h], to_float(r[1]) * row_scale[h]);
+        qf[mi][ks][2 + h] = pack2<__half>(to_float(r[2]) * row_scale[h], to_float(r[3]) * row_scale[h]);
+      }
+    }
+  }
+}
+
+// S = Q K^T over the warp's keys (ring rows wrow ..) of a stage with per-token key scales: one
+// 16-byte read per key row and 64-column group feeds 4 k16 steps; then each score column times
+// its key's scale (tKs: the stage's, key wrow + nt * 8 + 2t + (e & 1)) and each row by row_inv.
+template <class Tr, bool TMA>
+__device__ __forceinline__ void q8_scores(const unsigned char* tK, const float* tKs, int wrow,
+                                          const unsigned (&qf)[Tr::kMTiles][Tr::kHeadDim / 16][4],
+                                          const float (&row_inv)[Tr::kMTiles][2],
+                                          float (&s)[Tr::kMTiles][Tr::kKeysPerWarp / 8][4]) {
+  constexpr int MT = Tr::kMTiles, NT = Tr::kKeysPerWarp / 8, G64 = Tr::kHeadDim / 64;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  zero_tiles<MT, NT>(s);
+#pragma unroll
+  for (int gi = 0; gi < G64; ++gi) {
+    uint4 kw[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = wrow + nt * 8 + g;
+      kw[nt] = *reinterpret_cast<const uint4*>(tK + q8_chunk_at<Tr, TMA>(r, q8_kchunk<TMA>(gi, t)));
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const unsigned words[4] = {kw[nt].x, kw[nt].y, kw[nt].z, kw[nt].w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned b0, b1;
+        codes_to_half2<Tr::kCode>(words[kk], b0, b1);
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][nt], qf[mi][4 * gi + kk], b0, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float2 ksc = *reinterpret_cast<const float2*>(tKs + wrow + nt * 8 + 2 * t);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+      s[mi][nt][0] *= ksc.x * row_inv[mi][0], s[mi][nt][1] *= ksc.y * row_inv[mi][0];
+      s[mi][nt][2] *= ksc.x * row_inv[mi][1], s[mi][nt][3] *= ksc.y * row_inv[mi][1];
+    }
+  }
+}
+
+// The online softmax of the stage's (masked) scores, then O += P V over the warp's keys. P is
+// multiplied by each key's V scale over vref, a per-warp running power of two (so that P * scale
+// / vref stays in [0, 1], fp16's range); O is kept in units of vref and rescaled when vref grows,
+// like the online softmax's max. The 4 lanes of a quad hold all the warp's columns, so their max
+// is the warp's (vref is warp-uniform).
+template <class Tr, bool TMA>
+__device__ __forceinline__ void q8_softmax_pv(float (&s)[Tr::kMTiles][Tr::kKeysPerWarp / 8][4], const unsigned char* tV,
+                                              const float* tVs, int wrow, float& vref,
+                                              float (&acc)[Tr::kMTiles][Tr::kHeadDim / 8][4],
+                                              float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                              float sl2) {
+  constexpr int D = Tr::kHeadDim, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, NT = KW / 8, DT = D / 8;
+  constexpr int NG = Tr::kVGroup, KV = Tr::kCode;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  online_softmax<MT, NT, DT, true>(s, acc, row_max, row_sum, sl2);
+  // -- P *= V scale / vref (after the row sums, which must not see it)
+  float2 vsc[NT];
+  float vmax = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    vsc[nt] = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
+    vmax = fmaxf(vmax, fmaxf(vsc[nt].x, vsc[nt].y));
+  }
+  vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 1));
+  vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 2));
+  const float vref_new = fmaxf(vref, pow2_ceil(vmax));
+  if (vref_new != vref) {  // O was accumulated in units of the old vref (0 before any key: O is 0)
+    const float r = vref > 0.f ? vref / vref_new : 0.f;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int i = 0; i < DT; ++i) acc[mi][i][0] *= r, acc[mi][i][1] *= r, acc[mi][i][2] *= r, acc[mi][i][3] *= r;
+    vref = vref_new;
+  }
+  const float vinv = vref > 0.f ? 1.f / vref : 0.f;  // exact: a power of two
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+      s[mi][nt][0] *= vsc[nt].x * vinv, s[mi][nt][1] *= vsc[nt].y * vinv;
+      s[mi][nt][2] *= vsc[nt].x * vinv, s[mi][nt][3] *= vsc[nt].y * vinv;
+    }
+
+  // -- O += P V: per k16 step, 4 key rows (2t, 2t+1, 2t+8, 2t+9) x NG bytes per lane. A lane reads
+  // NG consecutive bytes of a row and so owns output column g of NG n8 tiles: the output columns
+  // are permuted (Traits::acc_col maps them back in the merge).
+#pragma unroll
+  for (int kk = 0; kk < KW / 16; ++kk) {
+    unsigned a[MT][4];
+    p_fragments<__half, MT, NT>(s, kk, a);
+    const int rk = wrow + kk * 16 + 2 * t;
+    const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
+#pragma unroll
+    for (int vg = 0; vg < D / (8 * NG); ++vg) {
+      unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int byte = vg * NG * 8 + NG * g;  // logical byte in the row
+        const unsigned char* src = tV + q8_chunk_at<Tr, TMA>(rr[i], byte >> 4) + (byte & 15);
+        if constexpr (NG == 16) {
+          const uint4 x = *reinterpret_cast<const uint4*>(src);
+          vw[i][0] = x.x, vw[i][1] = x.y, vw[i][2] = x.z, vw[i][3] = x.w;
+        } else {
+          const uint2 x = *reinterpret_cast<const uint2*>(src);
+          vw[i][0] = x.x, vw[i][1] = x.y;
+        }
+      }
+#pragma unroll
+      for (int w4 = 0; w4 < NG / 4; ++w4) {
+        // Interleave rows (2t, 2t+1) and (2t+8, 2t+9) byte by byte: one code pair per B register.
+        unsigned b0[4], b1[4];
+        codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x5140), b0[0], b0[1]);
+        codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), b0[2], b0[3]);
+        codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), b1[0], b1[1]);
+        codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), b1[2], b1[3]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int dt = vg * NG + w4 * 4 + e;
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(acc[mi][dt], a[mi], b0[e], b1[e]);
+        }
+      }
+    }
+  }
+}
+
+// O back from units of vref (0 when the warp saw no key: its O is 0 then).
+template <int MT, int DT>
+__device__ __forceinline__ void q8_unscale(float (&acc)[MT][DT][4], float vref) {
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+      acc[mi][i][0] *= vref, acc[mi][i][1] *= vref, acc[mi][i][2] *= vref, acc[mi][i][3] *= vref;
+}
+
+}  // namespace pyattn
