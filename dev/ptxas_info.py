@@ -50,7 +50,7 @@ def main() -> None:
                      for d in args.dims for kc in (False, True)]
             specs += [KernelSpec("attn_decode_tma", "bf16", d, args.arch, q_tiles=1, kv=args.kv, **mods)
                       for d in args.dims if tma_decode_serves(args.arch, d, 16, args.kv)
-                      for mods in ({}, {"softcap": True, "alibi": True})]
+                      for mods in ({}, {"softcap": True, "alibi": True}, {"key_channel": True})]
     for d in () if args.decode else args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
             if args.backward:

@@ -41,14 +41,7 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
 
 // Issue the copies of keys [n0, n0 + BLOCK_N) into one ring stage: codes (swizzled chunks) and
 // scales; keys at or past n_end are zero-filled (codes 0, scale 0) without reading memory.
-// Per-channel keys: each 16-key segment's page record in the ring, kSegRecBytes: [S, idx, 0, 0]
-// (16 bytes), fp16 r[D], then the segment's 16 slots x kKeptChannels fp16 kept values.
-constexpr int kKeptChannels = 4;  // as kv_pages.cuh / pyattn.quant.KEPT_CHANNELS
-template <int D>
-struct SegRec {
-  static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
-};
-
+// Per-channel keys: each 16-key segment's page record in the ring (SegRec, decode_q8_stage.cuh).
 // Per-channel keys: a warp loads its own 16-key segments, one per kSegPasses passes (8 rows a pass:
 // 4 threads a row), so it looks each segment's page up once and copies the segment's record in the
 // same passes (lane l of pass h of the segment: chunk 32 h + l) -- every warp alike, no predicated
@@ -171,22 +164,6 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
   }
 }
 
-// D = A B + C on m16n8k8 (fp16 inputs, fp32 accumulate): the kept channels' rank-4 correction.
-__device__ __forceinline__ void mma_1688_f16(float (&d)[4], const unsigned (&a)[2], unsigned b) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(b));
-}
-
-__device__ __forceinline__ unsigned pack_half2_bits(__half lo, __half hi) {
-  return static_cast<unsigned>(__half_as_ushort(lo)) | (static_cast<unsigned>(__half_as_ushort(hi)) << 16);
-}
-
-__device__ __forceinline__ unsigned hmul2_bits(unsigned a, unsigned b) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const unsigned*>(&r);
-}
-
 template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   using T = typename Tr::T;
@@ -242,20 +219,7 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   __half* sQh = reinterpret_cast<__half*>(sQ);
   if constexpr (KC) {
     __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          const int p0 = 16 * q8_kchunk<false>(ks / 4, t) + 4 * (ks % 4);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            unsigned* r = reinterpret_cast<unsigned*>(sQh + (mi * 16 + g + 8 * h) * LD + p0);
-            r[0] = qf[mi][ks][h];
-            r[1] = qf[mi][ks][2 + h];
-          }
-        }
-    }
+    if (warp == 0) q8_query_to_shared<Tr, false>(sQh, qf);
   }
   float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
   bool hi_rows[MT];  // whether row tile mi has real rows 8..15 (per-channel keys skip rescaling padding)
@@ -288,86 +252,8 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
     // -- S = Q K^T: one 16-byte read per key row and 64-column group feeds 4 k16 steps
     float s[MT][NT][4];
     if constexpr (KC) {
-      zero_tiles<MT, NT>(s);
-      // per 16-key segment (one page): Q fragments times the page's channel scales, then its 2 n8 tiles
-#pragma unroll
-      for (int sg = 0; sg < KW / 16; ++sg) {
-        const unsigned char* seg = sSeg + (st * (KB / 16) + wrow / 16 + sg) * SEGB;
-        const __half* rseg = reinterpret_cast<const __half*>(seg + SegRec<D>::kR);
-        uint2 rr[D / 16];
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-          rr[ks] = *reinterpret_cast<const uint2*>(rseg + 16 * q8_kchunk<false>(ks / 4, t) + 4 * (ks % 4));
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks) {
-            qs[mi][ks][0] = hmul2_bits(qf[mi][ks][0], rr[ks].x);
-            qs[mi][ks][2] = hmul2_bits(qf[mi][ks][2], rr[ks].y);
-          }
-          // Rows 8..15 only where real (warp-uniform; else they stay 0, set before the key loop). At
-          // D = 256 that would keep 64 more registers live across segments: there they are always
-          // computed (padding rows are 0 in qf, so they come out 0).
-          if (D > 128 || hi_rows[mi]) {
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-              qs[mi][ks][1] = hmul2_bits(qf[mi][ks][1], rr[ks].x);
-              qs[mi][ks][3] = hmul2_bits(qf[mi][ks][3], rr[ks].y);
-            }
-          }
-        }
-#pragma unroll
-        for (int gi = 0; gi < G64; ++gi) {
-          uint4 kw[2];
-#pragma unroll
-          for (int q2 = 0; q2 < 2; ++q2) {
-            const int r = wrow + (2 * sg + q2) * 8 + g;
-            kw[q2] = *reinterpret_cast<const uint4*>(tK + q8_chunk_at<Tr, false>(r, q8_kchunk<false>(gi, t)));
-          }
-#pragma unroll
-          for (int q2 = 0; q2 < 2; ++q2) {
-            const unsigned words[4] = {kw[q2].x, kw[q2].y, kw[q2].z, kw[q2].w};
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-              unsigned b0, b1;
-              codes_to_half2<KV>(words[kk], b0, b1);
-#pragma unroll
-              for (int mi = 0; mi < MT; ++mi) mma_16816<__half>(s[mi][2 * sg + q2], qs[mi][4 * gi + kk], b0, b1);
-            }
-          }
-        }
-        // -- the kept channels: k step 2t, 2t + 1 of an m16n8k8 is kept channel (rank) 2t, 2t + 1 for
-        // quad lanes t = 0, 1; lanes t = 2, 3 feed zeros. A: the scaled query's kept columns (sQh), B:
-        // the keys' kept values over S (key g of each n8 tile: slot 8 q2 + g of the segment).
-        const uint2 hdr = *reinterpret_cast<const uint2*>(seg);  // S, the kept channels' indices
-        const unsigned idxw = hdr.y >> (16 * (t & 1));
-        const int c0 = idxw & 0xffu, c1 = (idxw >> 8) & 0xffu;
-        unsigned ka[MT][2];
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          const __half* q0 = sQh + (mi * 16 + g) * LD;
-          ka[mi][0] = t < 2 ? pack_half2_bits(q0[c0], q0[c1]) : 0u;
-          ka[mi][1] = t < 2 && hi_rows[mi] ? pack_half2_bits(q0[8 * LD + c0], q0[8 * LD + c1]) : 0u;
-        }
-        const unsigned* kept = reinterpret_cast<const unsigned*>(seg + SegRec<D>::kKept);
-#pragma unroll
-        for (int q2 = 0; q2 < 2; ++q2) {
-          // lanes t = 2, 3 repeat lanes 0, 1's values (finite): their A columns are 0
-          const unsigned kb = kept[(q2 * 8 + g) * (kKeptChannels / 2) + (t & 1)];
-#pragma unroll
-          for (int mi = 0; mi < MT; ++mi) mma_1688_f16(s[mi][2 * sg + q2], ka[mi], kb);
-        }
-        // -- the page's S and the query rows' scales (rows 8..15 that are padding score 0 already)
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          const float a0 = __uint_as_float(hdr.x) * row_inv[mi][0], a1 = __uint_as_float(hdr.x) * row_inv[mi][1];
-#pragma unroll
-          for (int q2 = 0; q2 < 2; ++q2) {
-            s[mi][2 * sg + q2][0] *= a0, s[mi][2 * sg + q2][1] *= a0;
-            if (hi_rows[mi]) s[mi][2 * sg + q2][2] *= a1, s[mi][2 * sg + q2][3] *= a1;
-          }
-        }
-      }
+      q8_scores_channel<Tr, false>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows, sQh,
+                                   qs, s);
     } else {
       q8_scores<Tr, false>(tK, tKs, wrow, qf, row_inv, s);
     }

@@ -1,5 +1,5 @@
-// Decode over a paged 8-bit cache (int8 / fp8 e4m3 codes, per-token fp32 scales) with its ring
-// filled by a producer warp (sm_90a, issue 12).
+// Decode over a paged 8-bit cache (int8 / fp8 e4m3 codes, fp32 scales per token, or per page and
+// channel for keys) with its ring filled by a producer warp (sm_90a, issue 12).
 //
 // attn_decode_q8's consumers (decode_q8_stage.cuh) plus one producer warp, the last, as
 // attn_decode16_tma does for 16-bit caches. The cp.async kernel's consumers issued their own
@@ -17,10 +17,13 @@
 //    shuffle) and has the stage's full barrier count one arrival when they land
 //    (cp.async.mbarrier.arrive.noinc): the barrier expects 32 such arrivals and the 32 lanes'
 //    expect-tx arrivals.
+//  * Per-channel keys (Traits::kKeyChannel): no per-token K scales; each 16-key segment's page record
+//    (SegRec: header, r[head_dim], the segment's kept values) comes by two bulk copies of lanes 2 sg
+//    and 2 sg + 1 (contiguous in the record pool, 16-byte multiples), on the same barrier.
 // Keys a box does not hold (past the block's range in its last tile, or slots of the last page past
 // the sequence) may be stale pool memory: their scales are zero-filled, their scores masked to -inf,
 // and each consumer warp zeroes its own V code rows there before P V (0 x a NaN code is NaN).
-// Requires decode_q8_stage.cuh, tma.cuh and mbarrier.cuh.
+// Requires decode_q8_stage.cuh, attention_decode_q8.cuh (cp_async_4), tma.cuh and mbarrier.cuh.
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
@@ -32,9 +35,10 @@ namespace pyattn {
 // scales of its keys, then issues its chunk's boxes of K and V codes.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
-                                                  const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
-                                                  unsigned empty0) {
-  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 128;
+                                                  unsigned char* sSeg, const DecodeParams& p, const DecodeBlock<Tr>& blk,
+                                                  unsigned full0, unsigned empty0) {
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 128, SEGS = KB / 16;
+  constexpr bool KC = Tr::kKeyChannel;
   const TmaMap* maps = static_cast<const TmaMap*>(p.tmaps);
   const int lane = threadIdx.x % 32, box = min(p.page_size, KB), chunks = KB / box;
   const int box_shift = __ffs(box) - 1;  // box is a power of two
@@ -63,12 +67,32 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
       const long long at = pg * p.ks_stride_page + sl * p.ks_stride_slot;
       const long long av = pg * p.vs_stride_page + sl * p.vs_stride_slot;
       if (i < KB) {
-        cp_async_4(sKs + st * KB + i, ok ? p.k_scale + at + head_k : p.k_scale, ok);
+        if (!KC) cp_async_4(sKs + st * KB + i, ok ? p.k_scale + at + head_k : p.k_scale, ok);
         cp_async_4(sVs + st * KB + i, ok ? p.v_scale + av + head_v : p.v_scale, ok);
       }
     }
     pipe::cp_async_arrive(full);  // one arrival when this lane's scales have landed
-    tma::arrive_expect(full, mine ? chunk_bytes : 0u);
+    // Per-channel keys: each 16-key segment's page record (attention_decode_q8.cuh SegRec) in two bulk
+    // copies, lanes 2 sg (header and r[head_dim]) and 2 sg + 1 (the segment's 16 slots of kept
+    // values); a segment without keys is not copied (its scores are masked).
+    unsigned seg_bytes = 0;
+    const unsigned char* seg_src = nullptr;
+    unsigned seg_dst = 0;
+    if constexpr (KC) {
+      const int sg = lane >> 1, key = 16 * sg, c = (key >> box_shift) & 31;
+      const long long pg = __shfl_sync(kFullMask, page, c);
+      const int sl0 = __shfl_sync(kFullMask, slot, c) + (key & (box - 1));
+      if (sg < SEGS && n0 + key < blk.end) {
+        const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.k_scale) +
+                                   (pg * p.ks_stride_page + blk.kv_head * p.ks_stride_h) * 4;
+        const bool kept = lane & 1;
+        seg_bytes = kept ? 16 * kKeptChannels * 2 : 16 + 2 * p.head_dim;
+        seg_src = rec + (kept ? 16 + 2 * p.head_dim + sl0 * kKeptChannels * 2 : 0);
+        seg_dst = smem_addr(sSeg + (st * SEGS + sg) * SegRec<D>::kBytes + (kept ? SegRec<D>::kKept : 0));
+      }
+    }
+    tma::arrive_expect(full, (mine ? chunk_bytes : 0u) + seg_bytes);
+    if (KC && seg_bytes) tma::load_bulk(seg_dst, seg_src, seg_bytes, full);
     if (mine) {
       const int off = st * KB * D + lane * box * 128;
 #pragma unroll
@@ -85,13 +109,13 @@ template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles;
-  constexpr int S = Tr::kStages, W = Tr::kWarps, NT = KW / 8, H = D / 128;
-  constexpr bool kMods = SOFTCAP || ALIBI;
+  constexpr int S = Tr::kStages, W = Tr::kWarps, NT = KW / 8, H = D / 128, SEGB = SegRec<D>::kBytes;
+  constexpr bool kMods = SOFTCAP || ALIBI, KC = Tr::kKeyChannel;
   // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
   // most 256 rows (a TMA box dimension's limit); 128-column boxes.
-  static_assert(Tr::kProducer == 1 && !Tr::kKeyChannel && D % 128 == 0 && KB >= 16 && KB <= 256 &&
-                    (KB & (KB - 1)) == 0,
-                "one producer warp, per-token scales, 128-column boxes, BLOCK_N a power of two in [16, 256]");
+  static_assert(Tr::kProducer == 1 && D % 128 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
+                "one producer warp, 128-column boxes, BLOCK_N a power of two in [16, 256]");
+  static_assert(!KC || (KW % 16 == 0 && KB / 16 <= 16), "per-channel keys: whole segments per warp, a lane pair each");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
@@ -104,6 +128,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   unsigned char* sV = sK + S * KB * D;                                           // [S][H][KB][128]
   float* sKs = reinterpret_cast<float*>(sV + S * KB * D);                        // [S][KB]
   float* sVs = sKs + S * KB;                                                     // [S][KB]
+  unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
   const DecodeBlock<Tr> blk(p);
@@ -118,7 +143,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   }
   __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
   if (warp == W) {
-    decode_produce_q8<Tr>(sK, sV, sKs, sVs, p, blk, full0, empty0);
+    decode_produce_q8<Tr>(sK, sV, sKs, sVs, sSeg, p, blk, full0, empty0);
     return;
   }
 
@@ -129,12 +154,31 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   float row_max[MT][2], row_sum[MT][2];
   init_softmax_state<MT, D / 8>(acc, row_max, row_sum);
   const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  if (KC && p.head_dim < D) {  // r past head_dim in every record: zeros (the copies bring head_dim entries)
+    for (int rec = warp; rec < S * (KB / 16); rec += W)
+      for (int i = 16 + 2 * p.head_dim + 2 * lane; i < SegRec<D>::kKept; i += 64)
+        *reinterpret_cast<__half*>(sSeg + rec * SEGB + i) = __ushort_as_half(0);
+  }
   cp_async_wait<0>();
   decode_sync<Tr>();  // Q landed for every consumer warp
   unsigned qf[MT][D / 16][4];
   float row_inv[MT][2];
   q8_query_fragments<Tr, true>(sQ, qf, row_inv);
   float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
+  __half* sQh = reinterpret_cast<__half*>(sQ);
+  bool hi_rows[MT];  // whether row tile mi has real rows 8..15 (per-channel keys skip rescaling padding)
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) hi_rows[mi] = blk.r0 + mi * 16 + 8 < blk.n_rows;
+  unsigned qs[KC ? MT : 1][KC ? D / 16 : 1][4];  // per-channel keys: Q fragments times a segment's r
+  if constexpr (KC) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) qs[mi][ks][0] = qs[mi][ks][1] = qs[mi][ks][2] = qs[mi][ks][3] = 0u;
+    decode_sync<Tr>();  // every warp has its fragments: the scaled query may replace Q
+    if (warp == 0) q8_query_to_shared<Tr, true>(sQh, qf);
+    decode_sync<Tr>();
+  }
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, wrow = warp * KW;   // this warp's first ring row
@@ -152,7 +196,12 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
       __syncwarp();
     }
     float s[MT][NT][4];
-    q8_scores<Tr, true>(tK, sKs + st * KB, wrow, qf, row_inv, s);
+    if constexpr (KC) {
+      q8_scores_channel<Tr, true>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows, sQh, qs,
+                                  s);
+    } else {
+      q8_scores<Tr, true>(tK, sKs + st * KB, wrow, qf, row_inv, s);
+    }
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
       rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
     q8_softmax_pv<Tr, true>(s, tV, sVs + st * KB, wrow, vref, acc, row_max, row_sum, sl2);

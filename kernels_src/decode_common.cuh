@@ -17,7 +17,7 @@ struct AttnDecodeTraits {
   static constexpr int kCode = KV_ > 2 ? KV_ - 2 : KV_;
   static constexpr int kKeyChannel = KV_ > 2 ? 1 : 0;
   // 1: a producer warp (the last, past kThreads) fills the ring by TMA (attention_decode_tma.cuh
-  // for 16-bit caches, attention_decode_q8_tma.cuh for 8-bit ones with per-token scales; sm_90a);
+  // for 16-bit caches, attention_decode_q8_tma.cuh for 8-bit ones; sm_90a);
   // kWarps / kThreads count the consumer warps only.
   static constexpr int kProducer = PRODUCER_;
   static constexpr int kHeadDim = HEAD_DIM_;
@@ -40,8 +40,8 @@ struct AttnDecodeTraits {
   static constexpr int kRing16 = (kRows + 2 * STAGES_ * kBlockN) * kStride * 2;
   static constexpr int kRingTma = kQBytes + 1024 + 2 * STAGES_ * kBlockN * HEAD_DIM_ * 2;
   static constexpr int kRing8 = kQBytes + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
-  // 8-bit TMA ring: Q, the alignment slack, unpadded code boxes, then the fp32 scales.
-  static constexpr int kRing8Tma = kQBytes + 1024 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4);
+  // 8-bit TMA ring: Q, the alignment slack, unpadded code boxes, the fp32 scales, the segment records.
+  static constexpr int kRing8Tma = kQBytes + 1024 + STAGES_ * kBlockN * 2 * (HEAD_DIM_ + 4) + kSegBytes;
   static constexpr int kRing16Any = PRODUCER_ ? kRingTma : kRing16;
   static constexpr int kRing8Any = PRODUCER_ ? kRing8Tma : kRing8;
   static constexpr int kPipeBytes = KV_ == 0 ? kRing16Any : kRing8Any;
@@ -50,8 +50,8 @@ struct AttnDecodeTraits {
   static_assert(sizeof(T_) == 2, "tensor-core decode takes fp16/bf16");
   static_assert(HEAD_DIM_ % 32 == 0 && KEYS_PER_WARP_ % 16 == 0 && STAGES_ >= 2, "tile shape");
   static_assert(KV_ == 0 || HEAD_DIM_ % 64 == 0, "8-bit caches: head-dim buckets of 64 (64-byte fragment groups)");
-  static_assert(PRODUCER_ == 0 || (kKeyChannel == 0 && (KV_ == 0 || HEAD_DIM_ % 128 == 0)),
-                "the producer warp fills 16-bit rings, or 8-bit ones with per-token scales in 128-column boxes");
+  static_assert(PRODUCER_ == 0 || KV_ == 0 || HEAD_DIM_ % 128 == 0,
+                "the producer warp fills 16-bit rings, or 8-bit ones in 128-column boxes");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
   // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
   static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;

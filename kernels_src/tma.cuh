@@ -30,6 +30,15 @@ __device__ __forceinline__ void load_4d(unsigned dst, const TmaMap* map, unsigne
       : "memory");
 }
 
+// Copy `bytes` (a multiple of 16) contiguous bytes from global `src` (16-byte aligned) to shared
+// address `dst` (16-byte aligned), completing them on `bar`: the non-tensor bulk copy (the 8-bit
+// decode's per-channel page records, attention_decode_q8_tma.cuh).
+__device__ __forceinline__ void load_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // Order this thread's earlier generic-proxy writes to shared memory before later async-proxy
 // (bulk copy) accesses of it.
 __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

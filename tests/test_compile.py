@@ -174,10 +174,12 @@ def _sparse_and_quant_specs(arch):
     specs += [KernelSpec("attn_decode", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
               for tag, d, kv, mods in (("f16", 64, "int8", True), ("bf16", 128, "fp8e4m3", False),
                                        ("bf16", 256, "int8", False), ("f16", 128, "fp8e4m3", True))]
-    if arch in WGMMA_ARCHS:  # the TMA-fed 8-bit decode (per-token scales, 128-column boxes)
-        specs += [KernelSpec("attn_decode_tma", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods)
-                  for tag, d, kv, mods in (("bf16", 128, "int8", False), ("f16", 128, "fp8e4m3", True),
-                                           ("bf16", 256, "fp8e4m3", False), ("f16", 256, "int8", True))]
+    if arch in WGMMA_ARCHS:  # the TMA-fed 8-bit decode (128-column boxes; per-token or per-channel keys)
+        specs += [KernelSpec("attn_decode_tma", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods,
+                             key_channel=kc)
+                  for tag, d, kv, mods, kc in (("bf16", 128, "int8", False, False), ("f16", 128, "fp8e4m3", True, False),
+                                               ("bf16", 256, "fp8e4m3", False, True), ("f16", 256, "int8", True, False),
+                                               ("bf16", 128, "int8", True, True))]
     return specs
 
 

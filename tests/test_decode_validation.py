@@ -503,30 +503,37 @@ def test_tma_decode_specs_fit_and_match_traits(arch):
             assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma")
             assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<__nv_bfloat16, {d}, {kpw}, "
                                         f"{consumers}, {mt}, {t.stages}, 0, 1>, false, false>")
-    for bad in (dict(head_dim=96), dict(head_dim=64, kv="int8"), dict(head_dim=128, kv="int8", key_channel=True)):
+    for bad in (dict(head_dim=96), dict(head_dim=64, kv="int8"), dict(head_dim=64, kv="int8", key_channel=True)):
         with pytest.raises(ValueError, match="attn_decode_tma"):
             KernelSpec("attn_decode_tma", "bf16", arch=arch, q_tiles=1, **bad)
 
 
 @pytest.mark.parametrize("arch", WGMMA_ARCHS)
 def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
-    """attn_decode_tma on 8-bit caches (per-token scales): the producer warp, Q, 1024 bytes of
-    slack, then per stage K and V codes in 128-column boxes and their fp32 scales; the traits'
-    formula gives the same bytes, and the kernel's static_assert holds (block_n a power of two)."""
+    """attn_decode_tma on 8-bit caches: the producer warp, Q, 1024 bytes of slack, then per stage K
+    and V codes in 128-column boxes and their fp32 scales (per-channel keys: and each 16-key
+    segment's page record, at most 2 stages so that 2 blocks still fit an SM); the traits' formula
+    gives the same bytes, and the kernel's static_asserts hold (block_n a power of two, at most 16
+    segments: a producer lane pair each)."""
     for d in (128, 256):
         for kv, num in (("int8", 1), ("fp8e4m3", 2)):
-            t = tile_config("attn_decode_tma", arch, d, kv)
-            consumers = t.warps - 1
-            assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256
-            for mt in range(1, decode_row(arch, d, kv, tma=True).max_q_tiles + 1):
-                spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt, kv=kv)
-                kpw = t.block_n // consumers
-                ring = 16 * mt * (d + 8) * 2 + 1024 + t.stages * t.block_n * 2 * (d + 4)
-                merge = consumers * 16 * mt * ((d + 8) + 2) * 4
-                assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, t.stages, num, 1)
-                assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt, kv)
-                assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma_kv{kv}")
-                assert spec.template_id.endswith(f"{mt}, {t.stages}, {num}, 1>, false, false>")
+            for kc in (False, True):
+                t = tile_config("attn_decode_tma", arch, d, kv)
+                stages = min(t.stages, 2) if kc else t.stages
+                consumers = t.warps - 1
+                assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256 and t.block_n // 16 <= 16
+                for mt in range(1, decode_row(arch, d, kv, tma=True).max_q_tiles + 1):
+                    spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=kc)
+                    kpw = t.block_n // consumers
+                    ring = (16 * mt * (d + 8) * 2 + 1024 + stages * t.block_n * 2 * (d + 4)
+                            + kc * stages * t.block_n // 16 * (16 + d * 2 + 128))
+                    merge = consumers * 16 * mt * ((d + 8) + 2) * 4
+                    assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, stages,
+                                                                              num + 2 * kc, 1)
+                    assert spec.shared_bytes * t.min_blocks <= OPTIN_SMEM[arch], (arch, d, mt, kv, kc)
+                    assert spec.threads == 32 * (consumers + 1)
+                    assert spec.entry_name.endswith(f"s{stages}tma_kv{kv}" + "_kch" * kc)
+                    assert spec.template_id.endswith(f"{mt}, {stages}, {num + 2 * kc}, 1>, false, false>")
 
 
 @pytest.mark.parametrize("arch, d, page, kv, tma", [
@@ -540,9 +547,8 @@ def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
     ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
 @pytest.mark.parametrize("key_channel", [False, True])
 def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
-    """Per-channel key scales keep the cp.async kernel (their page records are not TMA boxes)."""
+    """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies)."""
     from pyattn.ops._decode import _spec
-    tma = tma and not (kv and key_channel)
     kc = key_channel and bool(kv)
     assert tma_decode_serves(arch, d, page, kv, kc) is tma
     spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, kc, page)

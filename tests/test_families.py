@@ -128,7 +128,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),
      r"^kv: only attn_decode / attn_decode_tma / kv_append / kv_key_pages read quantized caches, got attn_sparse"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", False, False, 1, 0, "", True),
-     r"^key_channel: per-channel key scales are read by attn_decode over an 8-bit cache"),
+     r"^key_channel: per-channel key scales are read by attn_decode / attn_decode_tma over an 8-bit cache"),
     (("kv_append", "f16", 32, "sm_80", False, "none", False, False, 0, 0, "int8", True), r"^key_channel: "),
     (("kv_key_pages", "f16", 32, "sm_80"), r"^kv: kv_key_pages quantizes 8-bit caches"),
 ])

@@ -118,44 +118,6 @@ def q8_loader(request, monkeypatch):
         yield request.param, families
 
 
-@pytest.mark.parametrize("kind, group, q_len, D, page, mods", [
-    ("int8", 16, 16, 128, 16, "softcap"), ("fp8_e4m3", 4, 1, 256, 64, "alibi"), ("int8", 8, 3, 128, 256, "window"),
-    ("fp8_e4m3", 1, 9, 96, 32, ""), ("int8", 4, 1, 256, 16, ""), ("fp8_e4m3", 16, 2, 128, 128, "softcap")])
-def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, kind, group, q_len, D, page, mods):
-    """The decode issue's corners on 8-bit caches, through the TMA-fed kernel and the cp.async one:
-    GQA groups to 16 and up to 16 query tokens, pages of 16..256 slots, ragged lengths ending
-    mid-page (the TMA boxes then hold slots past the sequence: stale codes, masked), a forked
-    sequence sharing its parent's pages, soft-cap / ALiBi / window, head dim 96 in the 128 bucket
-    (the map's columns past 96 arrive as zeros)."""
-    loader, families = q8_loader
-    rng = np.random.default_rng(group * 100 + q_len + D)
-    Hkv, lengths = 2, [1500, 37, 700]
-    cache = pyattn.PagedKVCache(sum(-(-n // page) for n in lengths) + 8, page, Hkv, D, kind)
-    seqs = [(rng.standard_normal((n, Hkv, D)).astype(np.float32), rng.standard_normal((n, Hkv, D)).astype(np.float32))
-            for n in lengths]
-    ids = _fill(cache, seqs, "bfloat16")
-    fork = cache.fork(ids[0], 1000)  # shares the parent's first pages, then its own tail
-    tail = (rng.standard_normal((q_len + 20, Hkv, D)).astype(np.float32),
-            rng.standard_normal((q_len + 20, Hkv, D)).astype(np.float32))
-    t = DTYPES["bfloat16"]
-    cache.append([fork], tail[0][None].astype(t), tail[1][None].astype(t))
-    seqs.append((np.concatenate([seqs[0][0][:1000], tail[0]]), np.concatenate([seqs[0][1][:1000], tail[1]])))
-    ids.append(fork)
-    q = rng.standard_normal((len(ids), q_len, Hkv * group, D)).astype(t)
-    opts = dict(window=(100, 0) if mods == "window" else None)
-    if mods == "softcap":
-        opts["softcap"] = 2.5
-    if mods == "alibi":
-        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(ids), Hkv * group)).astype(np.float32)
-    out, lse = pyattn.decode(q, cache, ids, return_lse=True, **opts)
-    assert {f for f in families if f.startswith("attn_decode")} == {"attn_decode_tma" if loader == "tma"
-                                                                     else "attn_decode"}
-    for b, (k, v) in enumerate(seqs):
-        kd, vd = _dequant(k.astype(t).astype(np.float32), kind), _dequant(v.astype(t).astype(np.float32), kind)
-        o = {**opts, "alibi_slopes": opts["alibi_slopes"][b:b + 1]} if mods == "alibi" else opts
-        _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True, **o)
-
-
 def _outlier_data(rng, n, Hkv, D):
     k = rng.standard_normal((n, Hkv, D))
     k[:, :, rng.choice(D, 4, replace=False)] *= 30.0  # a few large key channels, as in real LLM keys
@@ -234,6 +196,54 @@ def test_per_channel_decode_matches_dequantized_reference(lengths, page_size, Hk
         dots = np.abs(np.einsum("thgd,nhd->thgn", np.abs(qb), np.abs(kd))).max() / np.sqrt(D)
         _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], dtype, causal=True,
                        extra=2.0**-10 * dots * 2 * np.abs(vd).max(), lse_extra=2.0**-10 * dots, **opts)
+
+
+@pytest.mark.parametrize("key_scales", ["token", "channel"])
+@pytest.mark.parametrize("kind, group, q_len, D, page, mods", [
+    ("int8", 16, 16, 128, 16, "softcap"), ("fp8_e4m3", 4, 1, 256, 64, "alibi"), ("int8", 8, 3, 128, 256, "window"),
+    ("fp8_e4m3", 1, 9, 96, 32, ""), ("int8", 4, 1, 256, 16, ""), ("fp8_e4m3", 16, 2, 128, 128, "softcap")])
+def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, group, q_len, D, page, mods):
+    """The decode issue's corners on 8-bit caches, through the TMA-fed kernel and the cp.async one,
+    per-token and per-channel key scales: GQA groups to 16 and up to 16 query tokens, pages of
+    16..256 slots, ragged lengths ending mid-page (the TMA boxes then hold slots past the sequence:
+    stale codes, masked), a forked sequence sharing its parent's pages, soft-cap / ALiBi / window,
+    head dim 96 in the 128 bucket (the map's columns past 96 arrive as zeros; per-channel records
+    hold 96 channel scales, the ring's rest is zeroed)."""
+    loader, families = q8_loader
+    rng = np.random.default_rng(group * 100 + q_len + D)
+    Hkv, lengths, t = 2, [1500, 37, 700], DTYPES["bfloat16"]
+    cache = pyattn.PagedKVCache(sum(-(-n // page) for n in lengths) + 8, page, Hkv, D, kind, key_scales=key_scales)
+    seqs = []
+    for n in lengths:
+        k = rng.standard_normal((n, Hkv, D))
+        k[:, :, rng.choice(D, 3, replace=False)] *= 20.0  # outlier channels (the per-channel case)
+        seqs.append((k.astype(t), rng.standard_normal((n, Hkv, D)).astype(t)))
+    ids = _fill(cache, seqs, "bfloat16")
+    fork = cache.fork(ids[0], 1000)  # shares the parent's first pages, then its own tail
+    tail = [rng.standard_normal((q_len + 20, Hkv, D)).astype(t) for _ in range(2)]
+    cache.append([fork], tail[0][None], tail[1][None])
+    seqs.append((np.concatenate([seqs[0][0][:1000], tail[0]]), np.concatenate([seqs[0][1][:1000], tail[1]])))
+    ids.append(fork)
+    q = rng.standard_normal((len(ids), q_len, Hkv * group, D)).astype(t)
+    opts = dict(window=(100, 0) if mods == "window" else None)
+    if mods == "softcap":
+        opts["softcap"] = 2.5
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(ids), Hkv * group)).astype(np.float32)
+    out, lse = pyattn.decode(q, cache, ids, return_lse=True, **opts)
+    assert {f for f in families if f.startswith("attn_decode")} == {"attn_decode_tma" if loader == "tma"
+                                                                     else "attn_decode"}
+    for b, (k, v) in enumerate(seqs):
+        o = {**opts, "alibi_slopes": opts["alibi_slopes"][b:b + 1]} if mods == "alibi" else opts
+        if key_scales == "token":
+            kd, vd = _dequant(k.astype(np.float32), kind), _dequant(v.astype(np.float32), kind)
+            _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True, **o)
+        else:  # the per-channel test's tolerance (q * r rounded to fp16 per page)
+            kd, vd = _dequant_keys(cache, ids[b]), _dequant_values(cache, ids[b])
+            qb = q[b:b + 1].astype(np.float64).reshape(q_len, Hkv, group, D)
+            dots = np.abs(np.einsum("thgd,nhd->thgn", np.abs(qb), np.abs(kd))).max() / np.sqrt(D)
+            _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True,
+                           extra=2.0**-10 * dots * 2 * np.abs(vd).max(), lse_extra=2.0**-10 * dots, **o)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -426,23 +426,24 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
 
 
-@pytest.mark.parametrize("kind, key_scales", [("int8", "token"), ("fp8_e4m3", "token"), ("int8", "channel")])
-def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales):
-    """An 8-bit cache with per-token scales takes attn_decode_tma too: its code pools as uint8 maps,
-    boxes of 128 codes (one 128-byte swizzle row) x min(page, block_n) slots. Per-channel keys keep
-    the cp.async kernel, whose launch encodes no map."""
+@pytest.mark.parametrize("kind, key_scales, D", [("int8", "token", 128), ("fp8_e4m3", "token", 128),
+                                                ("int8", "channel", 128), ("int8", "token", 64)])
+def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
+    """An 8-bit cache takes attn_decode_tma too (per-token or per-channel key scales): its code pools
+    as uint8 maps, boxes of 128 codes (one 128-byte swizzle row) x min(page, block_n) slots. The 64
+    head-dim bucket keeps the cp.async kernel, whose launch encodes no map."""
     from pyattn.runtime import tensormap
 
-    c = pyattn.PagedKVCache(64, 16, 2, 128, kind, key_scales=key_scales)
+    c = pyattn.PagedKVCache(64, 16, 2, D, kind, key_scales=key_scales)
     ids = [c.add_sequence() for _ in range(2)]
-    kv = np.zeros((2, 256, 2, 128), ml_dtypes.bfloat16)
+    kv = np.zeros((2, 256, 2, D), ml_dtypes.bfloat16)
     c.append(ids, kv, kv)
     fake_driver.CALLS.clear()
     gpu.record_launches = True
-    pyattn.decode(_da((2, 1, 8, 128), ml_dtypes.bfloat16), c, ids)
+    pyattn.decode(_da((2, 1, 8, D), ml_dtypes.bfloat16), c, ids)
     name = fake_driver.LAUNCHES[-1][0]
     keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
-    if key_scales == "channel":
+    if D == 64:
         assert keys == [] and fake_driver.CALLS["cuTensorMapEncodeTiled"] == 0
         assert name.startswith("pyattn_attn_decode_") and "tma" not in name
         return

@@ -47,8 +47,8 @@ def test_per_channel_cache_appends_then_requantizes_pages(gpu):
     cache._keys.check()
     q = np.ones((2, 1, 8, 128), ml_dtypes.bfloat16)
     pyattn.decode(pyattn.asarray(q), cache, [a, b])
-    assert [n for n, _ in _launched()][0] == "attn_decode"
-    assert any(spec.family == "attn_decode" and spec.key_channel for _, spec in registry.loaded_kernels())
+    assert [n for n, _ in _launched()][0] == "attn_decode_tma"  # the fake GPU is sm_90a, pages of 16
+    assert any(spec.family == "attn_decode_tma" and spec.key_channel for _, spec in registry.loaded_kernels())
     scale, chan, idx, kept = cache.read_key_scales()
     assert scale.shape == (40, 2) and chan.shape == (40, 2, 128) and chan.dtype == np.float16
     assert idx.shape == (40, 2, 4) and kept.shape == (40, 16, 2, 4) and kept.dtype == np.float16

@@ -87,11 +87,14 @@ _TMA_227K = (
                producer=True),
     DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=True),
 )
-# attn_decode_tma on 8-bit caches with per-token scales: boxes of 128 columns (d = 128 / 256);
-# ring = 16 q_tiles (d + 8) * 2 + 1024 + stages block_n 2 (d + 4) (codes, then the fp32 scales).
+# attn_decode_tma on 8-bit caches: boxes of 128 columns (d = 128 / 256); ring = 16 q_tiles (d + 8) * 2
+# + 1024 + stages block_n 2 (d + 4) (codes, then the fp32 scales; per-channel keys add the records).
 _Q8_TMA_227K = (
-    DecodeTile(128, 32, 4, 2, 1, 2, "the cp.async kernel's row (32 keys x 4 warps, 2 stages, 73 KiB); unmeasured",
-               producer=True),
+    DecodeTile(128, 32, 4, 3, 1, 2, "H200, bf16 q, Hq32 Hkv8 page 16 (dev/tune_decode.py --kv): int8 B8 x 32k 154 us, "
+                                    "B64 x 32k 1084 (4.09 TB/s of codes + scales), B1 x 32k 35.7; 2 stages 157 / "
+                                    "1132 / 37.0; 16 keys x 4 warps x 4 stages 170 / 1248; 32 x 2 x 4: 212 / 1567; "
+                                    "16 x 8 x 2: 253 / 1860; 3 blocks/SM (spills) 204 / 1601; the cp.async kernel "
+                                    "237 / 1737 / 47.0 (fp8 alike, 2-6% faster)", producer=True),
     DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=True),
 )
 
@@ -113,16 +116,25 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
 
 def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False) -> bool:
     """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
-    64-column boxes (128 bytes), or an 8-bit one with per-token scales at a bucket of whole
-    128-column boxes (the 64 bucket and per-channel keys keep the cp.async kernel); pages of a
-    power of two from 16 slots (a box of min(page, block_n) slots then never straddles a page;
-    smaller pages would make boxes too small for TMA to pay)."""
-    return (arch in WGMMA_ARCHS and not key_channel and head_dim % (128 if kv else 64) == 0 and page_size >= 16
+    64-column boxes (128 bytes), or an 8-bit one at a bucket of whole 128-column boxes (the 64
+    bucket keeps the cp.async kernel); pages of a power of two from 16 slots (a box of min(page,
+    block_n) slots then never straddles a page; smaller pages would make boxes too small for TMA
+    to pay). ``key_channel`` (per-channel key scales: page records by bulk copies) does not change
+    the answer; it is taken so that callers state the whole cache."""
+    return (arch in WGMMA_ARCHS and head_dim % (128 if kv else 64) == 0 and page_size >= 16
             and page_size & (page_size - 1) == 0)
 
 
 def _spec_tiles(spec, t: TileConfig) -> TileConfig:
     return t._replace(block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+
+
+def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
+    """attn_decode_tma's row, with per-channel key scales at most 2 stages: their page records add
+    (d * 2 + 144) * block_n / 16 bytes a stage, and 3 stages at d = 128 (116 KiB) would leave one
+    block an SM where the table's row keeps two."""
+    t = _spec_tiles(spec, t)
+    return t._replace(stages=min(t.stages, 2)) if spec.key_channel else t
 
 
 def _traits(spec, t) -> str:
@@ -146,10 +158,9 @@ def _smem_bytes(spec, t) -> int:
 
 
 def _check(spec) -> None:
-    if spec.family == "attn_decode_tma" and (spec.key_channel or spec.head_dim % (128 if spec.kv else 64)):
+    if spec.family == "attn_decode_tma" and spec.head_dim % (128 if spec.kv else 64):
         raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
-                         f"with per-token scales at buckets of 128 columns, got kv={spec.kv!r}, key_channel="
-                         f"{spec.key_channel}, head_dim {spec.head_dim}")
+                         f"at buckets of 128 columns, got kv={spec.kv!r}, head_dim {spec.head_dim}")
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
@@ -175,6 +186,7 @@ ATTN_DECODE_TMA = Family(
     name="attn_decode_tma", label="the TMA-fed decode", header="attention_decode.cuh", params=DECODE_PARAMS,
     tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS}, "kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
-    traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
+    traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
+    key_channel=True,
 )
