@@ -536,6 +536,18 @@ def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
                     assert spec.template_id.endswith(f"{mt}, {stages}, {num + 2 * kc}, 1>, false, false>")
 
 
+def test_tma_decode_per_channel_row_is_data():
+    """A row's ``channel`` (keys per warp, stages) sets the per-channel variant's tile, and only its:
+    the tuning hook dev/probe_q8_rows.py times."""
+    base = tile_table("attn_decode_tma", "sm_90a", "kv8")
+    with override_tiles("attn_decode_tma", "sm_90a", (base[0]._replace(channel=(16, 3)),) + base[1:], table="kv8"):
+        kc = KernelSpec("attn_decode_tma", "bf16", 128, "sm_90a", q_tiles=1, kv="int8", key_channel=True)
+        tok = KernelSpec("attn_decode_tma", "bf16", 128, "sm_90a", q_tiles=1, kv="int8")
+        assert (kc.tiles.block_n, kc.tiles.stages) == (16 * base[0].warps, 3)
+        assert (tok.tiles.block_n, tok.tiles.stages) == (base[0].keys_per_warp * base[0].warps, base[0].stages)
+        assert kc.template_id.endswith(f"16, {base[0].warps}, 1, 3, 3, 1>, false, false>")
+
+
 @pytest.mark.parametrize("arch, d, page, kv, tma", [
     ("sm_90a", 128, 16, "", True), ("sm_90a", 64, 256, "", True), ("sm_90a", 256, 1024, "", True),
     ("sm_90a", 128, 8, "", False),    # boxes of 8 slots: too small for TMA to pay

@@ -29,6 +29,10 @@ class DecodeTile(NamedTuple):
     # 16-bit caches on sm_90a: one more warp, a producer filling the ring by TMA
     # (attention_decode_tma.cuh); ``warps`` counts the consumers, the config's warps both.
     producer: bool = False
+    # attn_decode_tma over 8-bit caches with per-channel key scales: (keys per warp, stages) of
+    # that variant, whose segment records add to the ring and whose scoring holds more
+    # registers; () takes the row's keys at no more than 2 stages.
+    channel: tuple = ()
 
     def config(self) -> TileConfig:
         """The tile at one row tile (``KernelSpec.tiles`` sets the spec's ``q_tiles``)."""
@@ -130,11 +134,15 @@ def _spec_tiles(spec, t: TileConfig) -> TileConfig:
 
 
 def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
-    """attn_decode_tma's row, with per-channel key scales at most 2 stages: their page records add
-    (d * 2 + 144) * block_n / 16 bytes a stage, and 3 stages at d = 128 (116 KiB) would leave one
-    block an SM where the table's row keeps two."""
+    """attn_decode_tma's row; per-channel key scales take the row's ``channel`` (keys per warp,
+    stages), by default its keys at no more than 2 stages (their page records add (d * 2 + 144) *
+    block_n / 16 bytes a stage: 3 stages at d = 128 (116 KiB) would leave one block an SM)."""
     t = _spec_tiles(spec, t)
-    return t._replace(stages=min(t.stages, 2)) if spec.key_channel else t
+    if not spec.key_channel:
+        return t
+    row = decode_row(spec.arch, spec.head_dim, spec.kv, tma=True)
+    kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
+    return t._replace(block_n=kpw * row.warps, stages=stages)
 
 
 def _traits(spec, t) -> str:

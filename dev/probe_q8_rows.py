@@ -1,0 +1,69 @@
+"""Dev probe (GPU): the TMA-fed 8-bit decode's rows for per-channel keys, and its split counts.
+
+Times ``pyattn.decode`` over int8 PagedKVCaches filled as ``scripts/bench_quant.py`` fills them
+(random bf16 K/V appended from torch), at Hq 32, Hkv 8, D 128, page 16:
+
+* per-channel keys (``key_scales="channel"``) with each ``--channel`` row (keys per warp x stages,
+  put in the sm_90a d <= 128 row of attn_decode_tma's "kv8" table through ``override_tiles``),
+  beside per-token keys on the table as it is (the 10% target of issue 13);
+* per-token keys at the forced split counts of ``--splits`` (0: the automatic choice).
+
+    PYTHONPATH=. python dev/probe_q8_rows.py [--points 1x32768,8x32768,64x32768] [--channel 32x2,16x3,16x4]
+                                             [--splits 0,2,4,6,8,12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch  # noqa: F401  (bench_quant's fill makes K/V with it)
+
+sys.path.insert(0, "scripts")
+import bench_quant as bq  # noqa: E402
+import harness  # noqa: E402
+
+import pyattn  # noqa: E402
+from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default="1x32768,8x32768,64x32768")
+    ap.add_argument("--channel", default="32x2,16x3,16x4,16x2")
+    ap.add_argument("--splits", default="0,2,4,6,8,12")
+    args = ap.parse_args()
+    bench = harness.Bench(torch)
+    base = tile_table("attn_decode_tma", "sm_90a", "kv8")
+    for point in args.points.split(","):
+        B, L = (int(x) for x in point.split("x"))
+        q = pyattn.asarray(torch.randn(B, 1, bq.HQ, bq.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        cells = []
+        token = bq.new_cache("int8", B, L)
+        bq.fill(bench, *token, L, 1)
+        us = lambda fn: bench.gpu_ms(fn, loop=20, reps=5).ms * 1e3  # noqa: E731
+        t_token = us(lambda: pyattn.decode(q, *token, stream=bench.stream))
+        cells.append(f"per-token {t_token:.1f}")
+        for splits in (int(x) for x in args.splits.split(",")):
+            if splits:
+                t = us(lambda: pyattn.decode(q, *token, num_splits=splits, stream=bench.stream))
+                cells.append(f"splits {splits}: {t:.1f}")
+        del token
+        chan = bq.new_cache("int8c", B, L)
+        bq.fill(bench, *chan, L, 1)
+        for row in args.channel.split(","):
+            kpw, st = (int(x) for x in row.split("x"))
+            rows = (base[0]._replace(channel=(kpw, st)),) + base[1:]
+            with override_tiles("attn_decode_tma", "sm_90a", rows, table="kv8"):
+                try:
+                    t = us(lambda: pyattn.decode(q, *chan, stream=bench.stream))
+                    cells.append(f"channel {row}: {t:.1f} ({t_token / t:.3f}x per-token)")
+                except Exception as e:  # a row that does not fit: say so, go on
+                    cells.append(f"channel {row}: {type(e).__name__} {str(e)[:80]}")
+        del chan
+        print(f"B{B} x {L}: " + " | ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
