@@ -44,14 +44,14 @@ def main() -> int:
         us = lambda fn: bench.gpu_ms(fn, loop=20, reps=5).ms * 1e3  # noqa: E731
         t_token = us(lambda: pyattn.decode(q, *token, stream=bench.stream))
         cells.append(f"per-token {t_token:.1f}")
-        for splits in (int(x) for x in args.splits.split(",")):
+        for splits in (int(x) for x in args.splits.split(",") if x):
             if splits:
                 t = us(lambda: pyattn.decode(q, *token, num_splits=splits, stream=bench.stream))
                 cells.append(f"splits {splits}: {t:.1f}")
         del token
         chan = bq.new_cache("int8c", B, L)
         bq.fill(bench, *chan, L, 1)
-        for row in args.channel.split(","):
+        for row in filter(None, args.channel.split(",")):
             kpw, st = (int(x) for x in row.split("x"))
             rows = (base[0]._replace(channel=(kpw, st)),) + base[1:]
             with override_tiles("attn_decode_tma", "sm_90a", rows, table="kv8"):
