@@ -536,6 +536,18 @@ def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
                     assert spec.template_id.endswith(f"{mt}, {stages}, {num + 2 * kc}, 1>, false, false>")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_tma_decode_two_row_tiles_launch_for_one_block_an_sm(d):
+    """attn_decode_tma's two-row-tile variant is bounded for one block an SM (2 blocks of 5 warps
+    cap registers at 168, where its accumulators spilled); one row tile keeps the row's bound."""
+    row = decode_row("sm_90a", d, tma=True)
+    one = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=1)
+    two = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=2)
+    assert row.max_q_tiles == 2 and row.min_blocks == 2
+    assert (one.tiles.min_blocks, two.tiles.min_blocks) == (2, 1)
+    assert two.tiles.block_n == one.tiles.block_n and two.tiles.stages == one.tiles.stages
+
+
 def test_tma_decode_per_channel_row_is_data():
     """A row's ``channel`` (keys per warp, stages) sets the per-channel variant's tile, and only its:
     the tuning hook dev/probe_q8_rows.py times."""

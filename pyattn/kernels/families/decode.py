@@ -134,10 +134,16 @@ def _spec_tiles(spec, t: TileConfig) -> TileConfig:
 
 
 def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
-    """attn_decode_tma's row; per-channel key scales take the row's ``channel`` (keys per warp,
-    stages), by default its keys at no more than 2 stages (their page records add (d * 2 + 144) *
-    block_n / 16 bytes a stage: 3 stages at d = 128 (116 KiB) would leave one block an SM)."""
+    """attn_decode_tma's row. Two row tiles (17-32 query rows a KV head: speculative q_len, GQA
+    groups above 16) launch for one block an SM: 2 blocks of 5 warps cap registers at 168, where
+    their accumulators spilled 212 bytes (H200, bf16 B8 x 32k with 32 rows: 378 us at 2 blocks, 279
+    at 1; one row tile a block, reading K/V twice: 278; `dev/probe_decode_qtiles.py`). Per-channel
+    key scales take the row's ``channel`` (keys per warp, stages), by default its keys at no more
+    than 2 stages (their page records add (d * 2 + 144) * block_n / 16 bytes a stage: 3 stages at
+    d = 128, 116 KiB, would leave one block an SM)."""
     t = _spec_tiles(spec, t)
+    if spec.q_tiles > 1:
+        t = t._replace(min_blocks=1)
     if not spec.key_channel:
         return t
     row = decode_row(spec.arch, spec.head_dim, spec.kv, tma=True)
