@@ -72,7 +72,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
       }
     }
     pipe::cp_async_arrive(full);  // one arrival when this lane's scales have landed
-    // Per-channel keys: each 16-key segment's page record (attention_decode_q8.cuh SegRec) in two bulk
+    // Per-channel keys: each 16-key segment's page record (SegRec, decode_q8_stage.cuh) in two bulk
     // copies, lanes 2 sg (header and r[head_dim]) and 2 sg + 1 (the segment's 16 slots of kept
     // values); a segment without keys is not copied (its scores are masked).
     unsigned seg_bytes = 0;

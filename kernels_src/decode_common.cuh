@@ -33,7 +33,7 @@ struct AttnDecodeTraits {
   static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
   // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
   // swizzled rows) and their fp32 scales; per-channel keys add per stage each 16-key segment's page
-  // record (attention_decode_q8.cuh SegRec: 16 bytes, fp16 r[HEAD_DIM_], 16 x 4 fp16 kept values).
+  // record (decode_q8_stage.cuh SegRec: 16 bytes, fp16 r[HEAD_DIM_], 16 x 4 fp16 kept values).
   static constexpr int kSegBytes = kKeyChannel ? STAGES_ * (kBlockN / 16) * (HEAD_DIM_ * 2 + 144) : 0;
   // TMA ring (kProducer): Q, up to 1024 bytes to the swizzle's alignment, unpadded K and V boxes.
   static constexpr int kQBytes = kRows * kStride * 2;
