@@ -9,7 +9,7 @@ Times ``pyattn.decode`` over int8 PagedKVCaches filled as ``scripts/bench_quant.
 * per-token keys at the forced split counts of ``--splits`` (0: the automatic choice).
 
     PYTHONPATH=. python dev/probe_q8_rows.py [--points 1x32768,8x32768,64x32768] [--channel 32x2,16x3,16x4]
-                                             [--splits 0,2,4,6,8,12]
+                                             [--splits 0,2,4,6,8,12] [--kind int8|fp8|bf16]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--points", default="1x32768,8x32768,64x32768")
     ap.add_argument("--channel", default="32x2,16x3,16x4,16x2")
     ap.add_argument("--splits", default="0,2,4,6,8,12")
+    ap.add_argument("--kind", default="int8", help="the per-token cache: int8, fp8 or bf16 (the split sweep's)")
     args = ap.parse_args()
     bench = harness.Bench(torch)
     base = tile_table("attn_decode_tma", "sm_90a", "kv8")
@@ -39,19 +40,20 @@ def main() -> int:
         B, L = (int(x) for x in point.split("x"))
         q = pyattn.asarray(torch.randn(B, 1, bq.HQ, bq.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
         cells = []
-        token = bq.new_cache("int8", B, L)
+        token = bq.new_cache(args.kind, B, L)
         bq.fill(bench, *token, L, 1)
         us = lambda fn: bench.gpu_ms(fn, loop=20, reps=5).ms * 1e3  # noqa: E731
         t_token = us(lambda: pyattn.decode(q, *token, stream=bench.stream))
-        cells.append(f"per-token {t_token:.1f}")
+        cells.append(f"{args.kind} per-token {t_token:.1f}")
         for splits in (int(x) for x in args.splits.split(",") if x):
             if splits:
                 t = us(lambda: pyattn.decode(q, *token, num_splits=splits, stream=bench.stream))
                 cells.append(f"splits {splits}: {t:.1f}")
         del token
-        chan = bq.new_cache("int8c", B, L)
-        bq.fill(bench, *chan, L, 1)
-        for row in filter(None, args.channel.split(",")):
+        chan = bq.new_cache(args.kind + "c", B, L) if args.kind != "bf16" and args.channel else None
+        if chan is not None:
+            bq.fill(bench, *chan, L, 1)
+        for row in filter(None, args.channel.split(",") if args.kind != "bf16" else []):
             kpw, st = (int(x) for x in row.split("x"))
             rows = (base[0]._replace(channel=(kpw, st)),) + base[1:]
             with override_tiles("attn_decode_tma", "sm_90a", rows, table="kv8"):
