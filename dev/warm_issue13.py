@@ -29,7 +29,7 @@ def specs(arch: str) -> list:
                     for mods in (False, True):
                         out += [KernelSpec("attn_decode", tag, d, arch, q_tiles=mt, kv=kv, key_channel=kc,
                                            softcap=mods, alibi=mods) for kc in (False, True)]
-                        if tma_decode_serves(arch, d, 16, kv):  # pages of 16+ slots, per-token scales
+                        if tma_decode_serves(arch, d, 16, kv):  # pages of 16+ slots
                             out.append(KernelSpec("attn_decode_tma", tag, d, arch, q_tiles=mt, kv=kv,
                                                   softcap=mods, alibi=mods))
             for mt in range(1, decode_max_q_tiles(arch, d) + 1):  # SparQ's decode over chosen keys (16-bit)

@@ -23,7 +23,8 @@
 // Keys a box does not hold (past the block's range in its last tile, or slots of the last page past
 // the sequence) may be stale pool memory: their scales are zero-filled, their scores masked to -inf,
 // and each consumer warp zeroes its own V code rows there before P V (0 x a NaN code is NaN).
-// Requires decode_q8_stage.cuh, attention_decode_q8.cuh (cp_async_4), tma.cuh and mbarrier.cuh.
+// Requires decode_q8_stage.cuh, attention_decode_q8.cuh (cp_async_4), attention_decode_tma.cuh
+// (ProducerChunks), tma.cuh and mbarrier.cuh.
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
@@ -31,30 +32,24 @@
 namespace pyattn {
 
 // The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
-// consumers. Lane c looks chunk c's page up (box_rows slots from key c * box_rows), copies the
-// scales of its keys, then issues its chunk's boxes of K and V codes.
+// consumers. Each lane looks its box chunk's page up (ProducerChunks, attention_decode_tma.cuh),
+// copies the scales of its keys, then issues its chunk's boxes of K and V codes.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
                                                   unsigned char* sSeg, const DecodeParams& p, const DecodeBlock<Tr>& blk,
                                                   unsigned full0, unsigned empty0) {
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 128, SEGS = KB / 16;
   constexpr bool KC = Tr::kKeyChannel;
-  const TmaMap* maps = static_cast<const TmaMap*>(p.tmaps);
-  const int lane = threadIdx.x % 32, box = min(p.page_size, KB), chunks = KB / box;
-  const int box_shift = __ffs(box) - 1;  // box is a power of two
+  const ProducerChunks<Tr> pc(p);
+  const int lane = pc.lane, box = pc.box, box_shift = __ffs(box) - 1;  // box is a power of two
   const unsigned chunk_bytes = 2u * H * 128 * box;  // K and V codes, whole boxes
   const long long head_k = static_cast<long long>(blk.kv_head) * p.ks_stride_h;
   const long long head_v = static_cast<long long>(blk.kv_head) * p.vs_stride_h;
-  if (lane == 0) {
-    tma::prefetch(maps);
-    tma::prefetch(maps + 1);
-  }
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, n0 = blk.n_first + j * KB;
-    const bool mine = lane < chunks && n0 + lane * box < blk.end;  // never looks past the sequence's pages
-    int slot = 0;
-    long long page = 0;
-    if (mine) page = key_page(p, blk.pages, n0 + lane * box, slot);
+    long long page;
+    int slot;
+    const bool mine = pc.find(p, blk, n0, page, slot);
     if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
     const unsigned full = full0 + 8 * st;
 #pragma unroll
@@ -94,12 +89,11 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
     tma::arrive_expect(full, (mine ? chunk_bytes : 0u) + seg_bytes);
     if (KC && seg_bytes) tma::load_bulk(seg_dst, seg_src, seg_bytes, full);
     if (mine) {
-      const int off = st * KB * D + lane * box * 128;
+      const int off = st * KB * D + lane * box * 128, pg = static_cast<int>(page);
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        tma::load_4d(smem_addr(sK + off + h * KB * 128), maps, full, h * 128, slot, blk.kv_head, static_cast<int>(page));
-        tma::load_4d(smem_addr(sV + off + h * KB * 128), maps + 1, full, h * 128, slot, blk.kv_head,
-                     static_cast<int>(page));
+        tma::load_4d(smem_addr(sK + off + h * KB * 128), pc.maps, full, h * 128, slot, blk.kv_head, pg);
+        tma::load_4d(smem_addr(sV + off + h * KB * 128), pc.maps + 1, full, h * 128, slot, blk.kv_head, pg);
       }
     }
   }

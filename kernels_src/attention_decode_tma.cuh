@@ -25,36 +25,57 @@
 
 namespace pyattn {
 
+// A producer lane's share of a ring stage, for both TMA-fed decodes (this file and
+// attention_decode_q8_tma.cuh): lane c takes box chunk c of the tile, rows c * box .. of box = min(page
+// size, BLOCK_N) slots, all in one page. Lane 0 prefetches the pools' two tensor maps.
+template <class Tr>
+struct ProducerChunks {
+  const TmaMap* maps;
+  int lane, box, chunks;
+  __device__ __forceinline__ explicit ProducerChunks(const DecodeParams& p)
+      : maps(static_cast<const TmaMap*>(p.tmaps)), lane(threadIdx.x % 32), box(min(p.page_size, Tr::kBlockN)),
+        chunks(Tr::kBlockN / box) {
+    if (lane == 0) {
+      tma::prefetch(maps);
+      tma::prefetch(maps + 1);
+    }
+  }
+  // Whether this lane's chunk of the tile whose first key is n0 holds keys of the block's range (a
+  // lane past it never looks up a page-table entry past the sequence's pages), and then its page
+  // and first slot (else 0, 0).
+  __device__ __forceinline__ bool find(const DecodeParams& p, const DecodeBlock<Tr>& blk, int n0, long long& page,
+                                       int& slot) const {
+    const bool mine = lane < chunks && n0 + lane * box < blk.end;
+    slot = 0;
+    page = mine ? key_page(p, blk.pages, n0 + lane * box, slot) : 0;
+    return mine;
+  }
+};
+
 // The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
-// consumers. Lane c takes box chunk c (rows c * box_rows ..) of a stage: it looks its page up
-// before waiting for the stage to be free (the lookup's latency then overlaps the wait), arrives on
-// the full barrier with its chunk's bytes (the barrier counts 32 arrivals), then copies it.
+// consumers. Each lane looks its chunk's page up before waiting for the stage to be free (the
+// lookup's latency then overlaps the wait), arrives on the full barrier with its chunk's bytes (the
+// barrier counts 32 arrivals), then copies it.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
                                                    const DecodeBlock<Tr>& blk, unsigned full0, unsigned empty0) {
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 64;
-  const TmaMap* maps = static_cast<const TmaMap*>(p.tmaps);
-  const int lane = threadIdx.x % 32, box = min(p.page_size, KB), chunks = KB / box;
-  const unsigned chunk_bytes = 2u * H * 64 * box * sizeof(typename Tr::T);  // K and V, whole boxes
-  if (lane == 0) {
-    tma::prefetch(maps);
-    tma::prefetch(maps + 1);
-  }
+  const ProducerChunks<Tr> pc(p);
+  const unsigned chunk_bytes = 2u * H * 64 * pc.box * sizeof(typename Tr::T);  // K and V, whole boxes
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, n0 = blk.n_first + j * KB;
-    const bool mine = lane < chunks && n0 + lane * box < blk.end;  // never looks past the sequence's pages
-    int slot = 0;
-    int page = 0;
-    if (mine) page = static_cast<int>(key_page(p, blk.pages, n0 + lane * box, slot));
+    long long page;
+    int slot;
+    const bool mine = pc.find(p, blk, n0, page, slot);
     if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
     const unsigned full = full0 + 8 * st;
     tma::arrive_expect(full, mine ? chunk_bytes : 0u);
     if (mine) {
-      const int off = st * H * KB * 64 + lane * box * 64;
+      const int off = st * H * KB * 64 + pc.lane * pc.box * 64, pg = static_cast<int>(page);
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        tma::load_4d(smem_addr(sK + off + h * KB * 64), maps, full, h * 64, slot, blk.kv_head, page);
-        tma::load_4d(smem_addr(sV + off + h * KB * 64), maps + 1, full, h * 64, slot, blk.kv_head, page);
+        tma::load_4d(smem_addr(sK + off + h * KB * 64), pc.maps, full, h * 64, slot, blk.kv_head, pg);
+        tma::load_4d(smem_addr(sV + off + h * KB * 64), pc.maps + 1, full, h * 64, slot, blk.kv_head, pg);
       }
     }
   }

@@ -574,7 +574,7 @@ def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
     """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies)."""
     from pyattn.ops._decode import _spec
     kc = key_channel and bool(kv)
-    assert tma_decode_serves(arch, d, page, kv, kc) is tma
+    assert tma_decode_serves(arch, d, page, kv) is tma
     spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, kc, page)
     assert spec.family == ("attn_decode_tma" if tma else "attn_decode")
 

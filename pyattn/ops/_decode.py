@@ -46,7 +46,7 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     and more) and attn_decode (cp.async rows, any page)."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
-    tma = tma_decode_serves(arch, bucket, page_size, kv, key_channel)
+    tma = tma_decode_serves(arch, bucket, page_size, kv)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
     return KernelSpec("attn_decode_tma" if tma else "attn_decode", tag, bucket, arch, ptx, softcap=softcap,
                       alibi=alibi, q_tiles=q_tiles, kv=kv, key_channel=key_channel)

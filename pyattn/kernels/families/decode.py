@@ -118,13 +118,12 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
     return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
 
 
-def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False) -> bool:
+def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") -> bool:
     """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
     64-column boxes (128 bytes), or an 8-bit one at a bucket of whole 128-column boxes (the 64
-    bucket keeps the cp.async kernel); pages of a power of two from 16 slots (a box of min(page,
-    block_n) slots then never straddles a page; smaller pages would make boxes too small for TMA
-    to pay). ``key_channel`` (per-channel key scales: page records by bulk copies) does not change
-    the answer; it is taken so that callers state the whole cache."""
+    bucket keeps the cp.async kernel), per-token or per-channel key scales alike; pages of a power
+    of two from 16 slots (a box of min(page, block_n) slots then never straddles a page; smaller
+    pages would make boxes too small for TMA to pay)."""
     return (arch in WGMMA_ARCHS and head_dim % (128 if kv else 64) == 0 and page_size >= 16
             and page_size & (page_size - 1) == 0)
 
