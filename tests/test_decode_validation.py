@@ -380,6 +380,32 @@ def test_num_splits_of_a_ragged_batch(units, max_tiles, slots, fill):
         assert s == even
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 600), st.integers(0, 3000), st.integers(1, 600), st.sampled_from([16, 32, 64, 128]))
+def test_num_splits_of_a_decode_below_one_wave(units, max_tiles, slots, tile_keys):
+    """Decode (tile_keys given) of an even batch below one wave fills the wave, each split keeping
+    >= 256 keys and 2 tiles; from one wave on, and for a ragged batch, the rule is the prefill's."""
+    s = choose_num_splits(units, max_tiles, slots, 1.0, tile_keys)
+    if units >= slots:
+        assert s == choose_num_splits(units, max_tiles, slots)
+        assert choose_num_splits(units, max_tiles, slots, 0.5, tile_keys) == choose_num_splits(units, max_tiles,
+                                                                                                slots, 0.5)
+        return
+    per = max(2, -(-256 // tile_keys))
+    assert 1 <= s <= max(1, slots // units) and units * s <= max(slots, units)
+    assert s == 1 or max_tiles // s >= per or (s <= 8 and max_tiles // s >= 2)  # each split keeps its keys
+    keys_bound = max(max_tiles // per, min(8, max_tiles // 2))
+    assert s in (slots // units, keys_bound, 256) or (s == 1 and keys_bound == 0)  # the wave, the keys or the cap
+
+
+@pytest.mark.parametrize("units, keys, tile_keys, expect", [
+    (8, 4096, 64, 16), (8, 4096, 128, 16), (8, 32768, 64, 33), (64, 4096, 64, 4), (64, 32768, 128, 4),
+    (512, 32768, 64, 1), (8, 1024, 64, 8), (8, 1024, 128, 4), (32, 4096, 64, 8), (16, 4096, 64, 16)])
+def test_num_splits_of_the_decode_grid(units, keys, tile_keys, expect):
+    """The benchmark grid's points (Hkv 8: B1 -> 8 units, B8 -> 64, B64 -> 512; 132 SMs x 2)."""
+    assert choose_num_splits(units, keys // tile_keys, 264, 1.0, tile_keys) == expect
+
+
 def test_num_splits_of_the_ragged_benchmark_batch():
     """64 sequences of log-uniform lengths 128..64k (mean fill ~0.16), 8 kv heads, on 132 SMs x 2:
     one split before (its 64k-token blocks ~3x a slot's mean load), 7 now."""

@@ -181,7 +181,7 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     else:
         visible = max_len if P.window[0] < 0 else min(max_len, P.window[0] + P.q_len + plan.block_n)
         fill = 1.0 if not total_len or not max_len or P.window[0] >= 0 else total_len / (P.batch * max_len)
-        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots, _fill_bucket(fill))
+        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots, _fill_bucket(fill), plan.block_n)
     n_rows, D = plan.n_rows, plan.head_dim
     part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
     if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
@@ -246,10 +246,24 @@ def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
     return maps.ptr
 
 
-def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0) -> int:
+# The fewest keys a decode split keeps where a batch fills less than one wave (choose_num_splits).
+_MIN_SPLIT_KEYS = 256
+
+
+def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0, tile_keys: int = 0) -> int:
     """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
-    blocks per SM) when the longest sequence has ``max_tiles`` key tiles and the mean sequence
-    ``fill`` times as many.
+    blocks per SM) when the longest sequence has ``max_tiles`` key tiles of ``tile_keys`` keys and
+    the mean sequence ``fill`` times as many.
+
+    Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
+    takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least
+    ``_MIN_SPLIT_KEYS`` keys (and 2 tiles), or 8 splits of 2 tiles where a sequence has that many.
+    Below a wave every block runs at once, so more splits shorten the call until a split's fixed
+    work (its ring fill, its partial row, its share of the combine) outweighs its keys. Measured on
+    an H200 (``dev/probe_q8_rows.py --splits``; BENCHMARKS.md, "Decode split counts below one wave"), Hkv 8:
+    at B1 x 4k the best forced count was 16 (256 keys a split) for bf16 and int8, 10% faster than
+    the wave-efficiency rule below (28 / 14 splits); B2 x 4k and B4 x 4k best at 16 / 8; B1 x 1k
+    at 8 (128 keys); B1 x 16k-32k within 7% of the best (14-16 splits for bf16, 32 for int8).
 
     Every block of an even batch does the same work, so the grid runs in waves: the smallest split
     count whose last-wave efficiency (busy fraction of the block slots) is within 85% of the best
@@ -269,6 +283,9 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0)
     order the best was 16 splits at 82%.
     """
     limit = max(1, min(MAX_SPLITS, max_tiles // 2))
+    if tile_keys and fill >= 1.0 and units < slots:
+        per = max(2, -(-_MIN_SPLIT_KEYS // tile_keys))
+        return max(1, min(MAX_SPLITS, max(max_tiles // per, min(8, max_tiles // 2)), slots // units))
     effs = []
     for s in range(1, limit + 1):
         waves = units * s / slots
