@@ -1,6 +1,8 @@
 """Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
 threads), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
-registered and pageable memory. Decided how ``pyattn.pipeline`` moves NumPy data."""
+registered and pageable memory; staging into write-combined pinned memory, alone and under DMA;
+a NumPy attention call with cached and write-combined staging buffers (A/B/A/B). Decided how
+``pyattn.pipeline`` moves NumPy data."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def main():
         print(f"memcpy pageable->pinned {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
         ex.shutdown()
     alloc = get_pool(dev).allocate(nbytes, s)
+    staging_under_dma(dev, src, nbytes, alloc)
 
     def h2d(ptr):
         check(d.cuMemcpyHtoDAsync(alloc.ptr, ptr, nbytes, s.handle), "cuMemcpyHtoDAsync")
@@ -72,18 +75,48 @@ def main():
             a = time.perf_counter(); reg(); unreg(); ts.append(time.perf_counter() - a)
         print(f"register+unregister again: {1e3 * np.median(ts):.2f} ms")
     q = np.random.default_rng(1).standard_normal((1, 4096, 16, 128)).astype(np.float16)
-    from pyattn.pipeline import chunks as _host
-    import cProfile, pstats
-    for label, min_bytes in (("pipelined (default)", _host._MIN_PIPELINE_BYTES), ("one chunk", 1 << 40)):
-        _host._MIN_PIPELINE_BYTES = min_bytes
-        t = ms(lambda: pyattn.attention(q, q, q))
-        print(f"pyattn.attention(numpy) {label}: {t:.2f} ms")
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(5):
-            pyattn.attention(q, q, q)
-        pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+    from pyattn.runtime.pinned import get_staging
+    pool = get_staging(dev)
+    for wc in (False, True, False, True):  # A/B/A/B: the staging pool's buffers cached or write-combined
+        pool.write_combined = wc
+        t = ms(lambda: pyattn.attention(q, q, q), n=9)
+        print(f"pyattn.attention(numpy), staging write-combined={wc}: {t:.2f} ms")
+
+
+def staging_under_dma(dev, src, nbytes, alloc):
+    """8-thread staging of ``src`` into cached and write-combined pinned memory, alone and while
+    the DMA engine reads another pinned buffer (as a pipelined NumPy call does), and H2D from each."""
+    s2 = pyattn.Stream()
+    other = PinnedBuffer(nbytes)
+    gb = nbytes / 1e9
+    ex = ThreadPoolExecutor(8)
+    cuts = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(nbytes), 8)]
+    for wc in (False, True):
+        dst_buf = PinnedBuffer(nbytes, write_combined=wc)
+        dst = dst_buf.array(np.uint8, (nbytes,))
+
+        def par():
+            list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
+        alone = ms(par)
+
+        def busy():  # queue ~8 H2D copies of 48 MiB from the other buffer, stage meanwhile
+            for _ in range(8):
+                check(d.cuMemcpyHtoDAsync(alloc.ptr, other.ptr, nbytes, s2.handle), "cuMemcpyHtoDAsync")
+            t = time.perf_counter()
+            par()
+            dt = time.perf_counter() - t
+            s2.synchronize()
+            return dt
+        under = 1e3 * float(np.median([busy() for _ in range(5)]))
+
+        def h2d():
+            check(d.cuMemcpyHtoDAsync(alloc.ptr, dst_buf.ptr, nbytes, s2.handle), "cuMemcpyHtoDAsync")
+            s2.synchronize()
+        t = ms(h2d)
+        print(f"staging 8 threads into {'write-combined' if wc else 'cached'} pinned memory: alone {alone:.2f} ms "
+              f"({gb / alone * 1e3:.1f} GB/s), under DMA {under:.2f} ms ({gb / under * 1e3:.1f} GB/s); "
+              f"H2D from it {t:.2f} ms ({gb / t * 1e3:.1f} GB/s)")
+    ex.shutdown()
 
 
 if __name__ == "__main__":

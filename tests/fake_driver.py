@@ -43,6 +43,7 @@ class _Fake:
         self.dev_next = 0x7F0000000000  # device addresses: never dereferenced on the host
         self.handed_out = set()  # every device address the fake allocated (uninstall() blanks them)
         self.host = {}  # pinned address -> the NumPy block behind it
+        self.host_flags = {}  # pinned address -> its cuMemHostAlloc flags
         self.current = 0
         self.kernel_names = {}
         self.record_launches = False
@@ -143,6 +144,7 @@ class _Fake:
         block = np.zeros(int(nbytes), np.uint8)
         ptr = block.__array_interface__["data"][0]
         self.host[ptr] = block
+        self.host_flags[ptr] = int(flags)
         return OK, ptr
 
     def cuMemFreeHost(self, ptr):

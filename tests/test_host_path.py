@@ -408,6 +408,23 @@ def test_pinned_empty_as_a_first_cuda_call_makes_a_context_current(gpu):
     assert fake_driver.CALLS["cuCtxSetCurrent"] == 0
 
 
+def test_staging_is_write_combined_and_results_are_not(gpu):
+    """Uploads stage through write-combined pinned memory (the CPU only writes it, the DMA reads it
+    without snooping); result arrays, which the caller reads, stay cached."""
+    from cuda.bindings import driver
+
+    wc = driver.CU_MEMHOSTALLOC_WRITECOMBINED
+    before = set(gpu.host_flags)
+    q = np.zeros((1, 64, 2, 64), np.float16)
+    out = pyattn.attention(q, q, q)
+    new = {p: f for p, f in gpu.host_flags.items() if p not in before}
+    staged = [p for p, f in new.items() if f & wc]
+    assert staged and all(f & driver.CU_MEMHOSTALLOC_PORTABLE for f in new.values())
+    result = out.__array_interface__["data"][0]
+    owner = max(p for p in new if p <= result)  # the pinned block the result views
+    assert not new[owner] & wc
+
+
 def test_tma_decode_maps_describe_the_pools(gpu, cache):
     """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) reads the pools through a
     pair of tensor maps: (head dim, slot, kv head, page) with the pools' byte strides, boxes of 64

@@ -60,12 +60,19 @@ class PinnedBuffer:
     Parameters
     ----------
     nbytes : int
+    write_combined : bool
+        Allocate it write-combined (``CU_MEMHOSTALLOC_WRITECOMBINED``): the CPU's stores bypass its
+        caches (no read for ownership) and the DMA reads it without snooping them, but CPU reads of
+        it are uncached and very slow. Only for buffers the CPU writes and the device reads.
     """
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, write_combined: bool = False):
         driver = _drv()
         _need_context(driver)
         flags = driver.CU_MEMHOSTALLOC_PORTABLE  # usable from every context, not just the current one
+        if write_combined:
+            flags |= driver.CU_MEMHOSTALLOC_WRITECOMBINED
+        self.write_combined = bool(write_combined)
         self.nbytes = max(int(nbytes), 1)
         self._raw = None  # the uint8 view of the whole buffer (raw), made on first use
         self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
@@ -99,10 +106,17 @@ class StagingPool:
     Parameters
     ----------
     device : Device
+    write_combined : bool
+        Allocate new buffers write-combined (see :class:`PinnedBuffer`; the default): staging
+        buffers are only written by the CPU and read by the DMA. Measured on an H200 host
+        (``dev/probe_host_copy.py``): 8 threads stage 48 MiB of NumPy memory into write-combined
+        memory in 1.08 ms against 1.62 ms cached (1.42 / 1.55 ms while the DMA reads), and a NumPy
+        (1, 4096, 16, 128) fp16 attention call took 2.74-2.78 ms against 2.87-2.99 ms.
     """
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, write_combined: bool = True):
         self.device = device
+        self.write_combined = write_combined
         self._free: list[tuple[PinnedBuffer, object]] = []
         self._lock = threading.Lock()
 
@@ -111,13 +125,14 @@ class StagingPool:
         driver = _drv()
         with self._lock:
             for i, (buf, ev) in enumerate(self._free):
-                if buf.nbytes >= nbytes and (ev is None or int(driver.cuEventQuery(ev)[0]) == 0):
+                if buf.nbytes >= nbytes and buf.write_combined == self.write_combined and (
+                        ev is None or int(driver.cuEventQuery(ev)[0]) == 0):
                     del self._free[i]
                     if ev is not None:
                         driver.cuEventDestroy(ev)
                     return buf
         # Round up to a power of two so buffers get reused across slightly different sizes.
-        return PinnedBuffer(1 << max(int(nbytes) - 1, 4095).bit_length())
+        return PinnedBuffer(1 << max(int(nbytes) - 1, 4095).bit_length(), self.write_combined)
 
     def release(self, buf: PinnedBuffer, stream=None) -> None:
         """Give ``buf`` back; with ``stream``, it is reusable once the work queued there is done."""
