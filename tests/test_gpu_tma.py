@@ -103,6 +103,25 @@ def test_broadcast_sequence_axis_takes_the_cp_async_kernel():
     _check(out.numpy(), None, q, *(np.broadcast_to(x, (1, 90, 2, 128)) for x in row))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cap", [15.0, 50.0])
+def test_softcap_at_its_range_ends(cap, dtype):
+    """Rows whose logits all lie far below / above the cap (tanh saturated: every score at -cap or
+    +cap, so the row max ties across keys) next to ordinary rows, causal so that rows see 1..S keys,
+    at |logits| ~ 400."""
+    rng = np.random.default_rng(int(cap))
+    B, S, H, D = 1, 300, 2, 128
+    u = np.ones(D) / np.sqrt(D)
+    sign = np.where(np.arange(S) % 3 == 0, -1.0, np.where(np.arange(S) % 3 == 1, 1.0, 0.0))  # -, +, plain rows
+    q = (2 * sign[None, :, None, None] * u + 0.3 * rng.standard_normal((B, S, H, D)) * (sign == 0)[None, :, None, None])
+    k = 2 * u + 0.05 * rng.standard_normal((B, S, H, D))
+    v = rng.standard_normal((B, S, H, D))
+    q, k, v = (x.astype(DTYPES[dtype]) for x in (q, k, v))
+    opts = dict(causal=True, softcap=cap, scale=100.0)  # |logits| ~ 400 on the saturated rows
+    out, lse = pyattn.attention(q, k, v, return_lse=True, **opts)
+    _check(out, lse, q, k, v, **opts)
+
+
 def test_new_arrays_with_the_same_layout_get_their_own_maps():
     """The maps are memoised by address: a second call with other arrays must read those."""
     rng = np.random.default_rng(5)
