@@ -88,14 +88,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
     }
     tma::arrive_expect(full, (mine ? chunk_bytes : 0u) + seg_bytes);
     if (KC && seg_bytes) tma::load_bulk(seg_dst, seg_src, seg_bytes, full);
-    if (mine) {
-      const int off = st * KB * D + lane * box * 128, pg = static_cast<int>(page);
-#pragma unroll
-      for (int h = 0; h < H; ++h) {
-        tma::load_4d(smem_addr(sK + off + h * KB * 128), pc.maps, full, h * 128, slot, blk.kv_head, pg);
-        tma::load_4d(smem_addr(sV + off + h * KB * 128), pc.maps + 1, full, h * 128, slot, blk.kv_head, pg);
-      }
-    }
+    if (mine) pc.template load<1>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
   }
 }
 

@@ -50,6 +50,21 @@ struct ProducerChunks {
     page = mine ? key_page(p, blk.pages, n0 + lane * box, slot) : 0;
     return mine;
   }
+  // Copy this lane's chunk (slots [slot, slot + box) of `page`) of K and V into stage st, laid out
+  // [stage][128-byte column block][BLOCK_N rows][128 bytes] from the shared addresses sK / sV of
+  // stage 0: one box per column block, of 128 / ESIZE elements of ESIZE bytes.
+  template <int ESIZE>
+  __device__ __forceinline__ void load(unsigned sK, unsigned sV, int st, unsigned full, int slot, int kv_head,
+                                       long long page) const {
+    constexpr int KB = Tr::kBlockN, H = Tr::kHeadDim * ESIZE / 128;
+    const unsigned off = (st * H * KB + lane * box) * 128;
+    const int pg = static_cast<int>(page);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      tma::load_4d(sK + off + h * KB * 128, maps, full, h * 128 / ESIZE, slot, kv_head, pg);
+      tma::load_4d(sV + off + h * KB * 128, maps + 1, full, h * 128 / ESIZE, slot, kv_head, pg);
+    }
+  }
 };
 
 // The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
@@ -70,14 +85,7 @@ __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename 
     if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
     const unsigned full = full0 + 8 * st;
     tma::arrive_expect(full, mine ? chunk_bytes : 0u);
-    if (mine) {
-      const int off = st * H * KB * 64 + pc.lane * pc.box * 64, pg = static_cast<int>(page);
-#pragma unroll
-      for (int h = 0; h < H; ++h) {
-        tma::load_4d(smem_addr(sK + off + h * KB * 64), pc.maps, full, h * 64, slot, blk.kv_head, pg);
-        tma::load_4d(smem_addr(sV + off + h * KB * 64), pc.maps + 1, full, h * 64, slot, blk.kv_head, pg);
-      }
-    }
+    if (mine) pc.template load<sizeof(typename Tr::T)>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
   }
 }
 

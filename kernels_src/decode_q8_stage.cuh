@@ -81,15 +81,18 @@ __device__ __forceinline__ void q8_query_fragments(const typename Tr::T* sQ, uns
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, MT = Tr::kMTiles, LD = Tr::kStride;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // The 4 elements of row g + 8 h of row tile mi that k16 step ks's fragment takes (both passes).
+  auto at = [&](int mi, int ks, int h) {
+    return sQ + (mi * 16 + g + 8 * h) * LD + 16 * q8_kchunk<TMA>(ks / 4, t) + 4 * (ks % 4);
+  };
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) {
     float amax[2] = {0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      const int p0 = 16 * q8_kchunk<TMA>(ks / 4, t) + 4 * (ks % 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+        const T* r = at(mi, ks, h);
 #pragma unroll
         for (int e = 0; e < 4; ++e) amax[h] = fmaxf(amax[h], fabsf(to_float(r[e])));
       }
@@ -107,10 +110,9 @@ __device__ __forceinline__ void q8_query_fragments(const typename Tr::T* sQ, uns
     }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      const int p0 = 16 * q8_kchunk<TMA>(ks / 4, t) + 4 * (ks % 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const T* r = sQ + (mi * 16 + g + 8 * h) * LD + p0;
+        const T* r = at(mi, ks, h);
         qf[mi][ks][h] = pack2<__half>(to_float(r[0]) * row_scale[h], to_float(r[1]) * row_scale[h]);
         qf[mi][ks][2 + h] = pack2<__half>(to_float(r[2]) * row_scale[h], to_float(r[3]) * row_scale[h]);
       }
