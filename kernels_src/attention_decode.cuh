@@ -30,18 +30,28 @@ __device__ __forceinline__ void load_kv_stage(typename Tr::T* sK, typename Tr::T
   using T = typename Tr::T;
   constexpr int kTpr = Tr::kChunksPerRow % 8 == 0 ? 8 : 4;
   constexpr int kRowsPerPass = Tr::kThreads / kTpr, kChunks = Tr::kChunksPerRow / kTpr;
+  constexpr int kPasses = Tr::kBlockN / kRowsPerPass;
   static_assert(Tr::kBlockN % kRowsPerPass == 0, "whole rows per copy pass");
+  // Every pass's page-table entry first, then the copies: each entry's address waits on its load,
+  // and issued pass by pass the loads ran one after another (a page-size-1 table, SparQ's chosen
+  // keys, paid an L2 round trip per pass: 1024 keys a block took 100 us at B8, BENCHMARKS.md).
+  int page[kPasses], slot[kPasses];
 #pragma unroll
-  for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int key = n0 + pass * kRowsPerPass + threadIdx.x / kTpr;
+    page[pass] = 0;
+    slot[pass] = 0;
+    if (key < n_end) page[pass] = static_cast<int>(key_page(p, pages, key, slot[pass]));  // never past the sequence
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / kTpr, key = n0 + r, lane_r = threadIdx.x % kTpr;
     const T* gk = static_cast<const T*>(p.k);
     const T* gv = static_cast<const T*>(p.v);
     const bool row_ok = key < n_end;
-    if (row_ok) {  // never reads a page-table entry past the sequence's pages
-      int slot;
-      const long long page = key_page(p, pages, key, slot);
-      gk += page * p.k_stride_page + slot * p.k_stride_slot + k_head;
-      gv += page * p.v_stride_page + slot * p.v_stride_slot + v_head;
+    if (row_ok) {
+      gk += page[pass] * p.k_stride_page + slot[pass] * p.k_stride_slot + k_head;
+      gv += page[pass] * p.v_stride_page + slot[pass] * p.v_stride_slot + v_head;
     }
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {

@@ -57,7 +57,7 @@ def test_per_channel_cache_appends_then_requantizes_pages(gpu):
 def test_sparq_state_and_decode_launches(gpu):
     cache = pyattn.PagedKVCache(400, 16, 2, 64, "bfloat16", sparq=True)
     a, b = cache.add_sequence(), cache.add_sequence()
-    k = np.ones((2, 1500, 2, 64), ml_dtypes.bfloat16)
+    k = np.ones((2, 2500, 2, 64), ml_dtypes.bfloat16)
     cache.append([a, b], k, k)
     assert [n for n, _ in _launched()] == ["kv_append", "kv_sparq"]
     c = cache.fork(a)  # whole: the V sum is copied now
@@ -71,7 +71,7 @@ def test_sparq_state_and_decode_launches(gpu):
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
     assert [n for n, _ in names[1:]][:4] == ["sparq", "sparq", "sparq", "attn_decode"]
-    assert names[1][1] == (rows, 1, 1) and names[2][1] == names[3][1] == (2, rows, 1)  # 1500 keys: 2 chunks
+    assert names[1][1] == (rows, 1, 1) and names[2][1] == names[3][1] == (2, rows, 1)  # 2500 keys: 2 chunks of 2048
     assert names[-1] == ("sparq", (rows, 1, 1))
     assert out.shape == (3, 1, 8, 64) and pos.shape == (3, 2, 100) and not cache._sq.dirty
     _, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, select="head", return_indices=True)

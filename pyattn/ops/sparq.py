@@ -31,7 +31,8 @@ from ._decode import run_decode
 __all__ = ["sparq_decode"]
 
 _LOG2E = 1.4426950408889634
-_CHUNK = 1024  # keys a block of the score / select stages takes (kSparqChunk)
+_CHUNK = 2048  # keys a block of the score / select stages takes per step (kSparqChunk)
+_MAX_STEPS = 16  # steps a block takes at most (the select stage's per-block counts stay < 2**15)
 _BINS = 4096
 
 
@@ -41,6 +42,7 @@ class _Plan(NamedTuple):
     threads: int
     decode: DecodeProblem  # the attention over the chosen keys
     rows: int
+    slots: int  # concurrent score / select blocks on the GPU
 
 
 def _build(P, device) -> _Plan:
@@ -58,14 +60,15 @@ def _build(P, device) -> _Plan:
     rows = P.batch * P.row_heads
     dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
-    return _Plan(get_kernel(spec, device), packer, spec.threads, dec, rows)
+    kernel = get_kernel(spec, device)
+    return _Plan(kernel, packer, spec.threads, dec, rows, device.sm_count * max(1, kernel.max_active_blocks(spec.threads, 0)))
 
 
-def _workspace(rows: int, G: int, R: int, n_chunks: int) -> tuple:
+def _workspace(rows: int, G: int, R: int, n_chunks: int, steps: int) -> tuple:
     """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
-    ``lpad`` of its per-key arrays; ``offs["end"]`` is its size."""
-    lpad = n_chunks * _CHUNK
-    parts = [("qt", rows * G * R), ("qbar", rows * R), ("part", rows * n_chunks * G * 2), ("score", rows * lpad),
+    ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row."""
+    lpad = n_chunks * steps * _CHUNK
+    parts = [("qt", rows * G * R), ("part", rows * n_chunks * G * 2), ("score", rows * lpad),
              ("hist", rows * _BINS), ("ctr", rows * 4), ("info", rows * 4), ("chan", rows * R),
              ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
     offs, at = {}, 0
@@ -83,9 +86,13 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     (indices, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
     vrow = cache.sparq_rows(ids, s)
     G, D, rows = P.row_group, P.head_dim, plan.rows
-    n_chunks = -(-max_len // _CHUNK)
+    # Steps of 2048 keys a block: enough that the score and select grids are about one wave (a
+    # block's fixed work, its histogram and its counter claims, then recurs once a row and wave).
+    chunks = -(-max_len // _CHUNK)
+    steps = max(1, min(chunks, _MAX_STEPS, -(-rows * chunks // plan.slots)))
+    n_chunks = -(-chunks // steps)
     k_max = min(P.k, max_len)
-    offs, lpad = _workspace(rows, G, P.r, n_chunks)
+    offs, lpad = _workspace(rows, G, P.r, n_chunks, steps)
     isz = P.dtype.itemsize
     qx_bytes = -(-rows * 2 * G * D * isz // 256) * 256
     idx_bytes = -(-rows * k_max * 4 // 256) * 256
@@ -96,9 +103,8 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
 
     def go(stage, grid, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
-                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["qbar"],
-                                  offs["part"], offs["score"], offs["hist"], offs["ctr"], offs["info"], offs["chan"],
-                                  offs["cand_u"], offs["cand_i"], n_chunks, k_max, stage)
+                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"], offs["score"], offs["hist"], offs["ctr"], offs["info"],
+                                  offs["chan"], offs["cand_u"], offs["cand_i"], n_chunks, steps, k_max, stage)
         launch(plan.kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     go(0, (rows, 1, 1))

@@ -68,9 +68,10 @@ class FixedTile(NamedTuple):
     block_n: int
     warps: int
     reason: str
+    min_blocks: int = 1  # __launch_bounds__ blocks per SM
 
     def config(self) -> TileConfig:
-        return TileConfig(self.block_m, self.block_n, self.warps, self.reason)
+        return TileConfig(self.block_m, self.block_n, self.warps, self.reason, self.min_blocks)
 
 
 class Alignment(NamedTuple):

@@ -18,9 +18,10 @@ __all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ"]
 _PAGES = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                reason="memory-bound, one warp per (page, kv head) or (slot, kv head): 256 threads, "
                                       "grid-stride; unmeasured"),))
-_SPARQ = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=1024, warps=8,
-                               reason="1024 keys a block (4 per thread: one 8-byte read per chosen kt row), 36 KiB "
-                                      "of static shared memory; unmeasured"),))
+_SPARQ = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=3,
+                               reason="2048 keys a block step (8 per thread: one 16-byte read per chosen kt row), "
+                                      "35 KiB of static shared memory, 3 blocks an SM; H200 B8 x 32k: see "
+                                      "BENCHMARKS.md 'SparQ selection'"),))
 
 
 def _needs_kv(spec) -> None:

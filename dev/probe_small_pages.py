@@ -1,0 +1,53 @@
+"""Dev probe (GPU): ``pyattn.decode`` over bf16 caches of small pages (the cp.async kernel, attn_decode).
+
+    PYTHONPATH=. python dev/probe_small_pages.py [--points 8x32768,1x32768,64x4096] [--pages 1,8,16]
+
+Hq 32, Hkv 8, D 128, random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
+caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V. Pages of
+16 and more take the TMA kernel on sm_90a; smaller ones (and every page on other archs) attn_decode,
+whose per-row page-table reads this probe exists to time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, "scripts")
+import harness  # noqa: E402
+
+import pyattn  # noqa: E402
+
+HQ, HKV, D, CHUNK = 32, 8, 128, 2048
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default="8x32768,1x32768,64x4096")
+    ap.add_argument("--pages", default="1,8,16")
+    args = ap.parse_args()
+    bench = harness.Bench(torch)
+    for point in args.points.split(","):
+        B, L = (int(x) for x in point.split("x"))
+        q = pyattn.asarray(torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        cells = []
+        for ps in (int(x) for x in args.pages.split(",")):
+            cache = pyattn.PagedKVCache(B * -(-L // ps) + 8, ps, HKV, D, "bfloat16")
+            ids = [cache.add_sequence() for _ in range(B)]
+            for t0 in range(0, L, CHUNK):
+                k, v = (torch.randn(B, min(CHUNK, L - t0), HKV, D, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+                cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(v, bench.stream),
+                             stream=bench.stream)
+            us = bench.gpu_ms([lambda: pyattn.decode(q, cache, ids, stream=bench.stream)], loop=10, reps=5).ms * 1e3
+            cells.append(f"page {ps}: {us:.1f} us {B * L * HKV * D * 4 / us / 1e6:.2f} TB/s")
+            del cache
+            torch.cuda.empty_cache()
+        print(f"B{B} x {L}: " + " | ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
