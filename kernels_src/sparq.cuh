@@ -45,9 +45,10 @@ constexpr int kSparqMaxDim = 256;
 constexpr int kSparqBins = 4096;  // first-level histogram: the top 12 bits of a score's order key
 constexpr int kSparqWarps = kSparqThreads / 32;
 constexpr int kSparqCandMax = 4096;  // candidates the last select block refines in shared memory
-// prep: q [G][D] + |q| sums, flags, channels [D] + temperatures [G]; score: q~ [R][G padded to 4]
+// prep: q [G][D] + |q| sums, flags, partial ranks then channels, temperatures, warp counts; score: q~ [R][G padded to 4]
 // + channels [D] + histogram + per-warp partials; select: a flag, 256 counts, 4 ints, candidates.
-constexpr int kSparqPrepBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 3 * kSparqMaxDim + kSparqMaxGroup);
+constexpr int kSparqPrepBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 2 * kSparqMaxDim + kSparqThreads +
+                                     kSparqMaxGroup + kSparqWarps);
 constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
                                       kSparqWarps * kSparqMaxGroup * 2 + 1);
 constexpr int kSparqSelectBytes = 2048 + 8 * kSparqCandMax;
@@ -171,38 +172,54 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   float* qs = reinterpret_cast<float*>(smem);                  // [G][D]
   float* w = qs + kSparqMaxGroup * kSparqMaxDim;                // [D]
   int* flag = reinterpret_cast<int*>(w + kSparqMaxDim);         // [D]
-  int* chan_s = flag + kSparqMaxDim;                            // [R]
-  float* th = reinterpret_cast<float*>(chan_s + kSparqMaxDim);  // [G]
+  int* chan_s = flag + kSparqMaxDim;                            // [R] (first the partial ranks)
+  float* th = reinterpret_cast<float*>(chan_s + kSparqThreads);  // [G], then [warps]
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(rh) * G * p.q_stride_h;
   for (int e = tid; e < G * D; e += kSparqThreads) qs[e] = to_float(q[(e / D) * p.q_stride_h + e % D]);
   unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
   if (tid < 4) sparq_i(p, p.off_ctr)[row * 4 + tid] = 0;
   __syncthreads();
-  // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc))
+  // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc)). The
+  // ranks are counted by tpc threads a channel, a slice of the D others each, and positions among
+  // the chosen come from warp ballots: one thread a channel counting all D took 12 us at D 128.
   for (int c = tid; c < D; c += kSparqThreads) {
     float s = 0.f;
     for (int h = 0; h < G; ++h) s += fabsf(qs[h * D + c]);
     w[c] = s;
   }
   __syncthreads();
-  for (int c = tid; c < D; c += kSparqThreads) {
+  const int tpc = max(1, kSparqThreads / D), slice = (D + tpc - 1) / tpc;
+  int* part = chan_s;  // [tpc][D] partial ranks (tpc * D <= kSparqThreads), then the chosen channels
+  if (tid < tpc * D) {
+    const int c = tid % D, c_lo = (tid / D) * slice, c_hi = min(D, c_lo + slice);
     const float wc = w[c];
     int rank = 0;
-    for (int c2 = 0; c2 < D; ++c2) rank += (w[c2] > wc || (w[c2] == wc && c2 < c));
-    flag[c] = rank < R;
+#pragma unroll 4
+    for (int c2 = c_lo; c2 < c_hi; ++c2) rank += (w[c2] > wc || (w[c2] == wc && c2 < c));
+    part[tid] = rank;
   }
   __syncthreads();
-  int* chan = sparq_i(p, p.off_chan) + row * R;
-  for (int c = tid; c < D; c += kSparqThreads)
-    if (flag[c]) {
-      int pos = 0;
-      for (int c2 = 0; c2 < c; ++c2) pos += flag[c2];
-      chan[pos] = c;
-      chan_s[pos] = c;
-    }
-  // -- per head: the temperature (paper: softmax(q[i1] . K[:, i1] / sqrt(d * |q[i1]|_1 / |q|_1)))
   const int warp = tid / 32, lane = tid % 32;
+  int* wcount = reinterpret_cast<int*>(th + kSparqMaxGroup);  // [warps]
+  bool chosen = false;
+  if (tid < D) {
+    int rank = 0;
+    for (int t = 0; t < tpc; ++t) rank += part[t * D + tid];
+    chosen = rank < R;
+  }
+  const unsigned ballot = __ballot_sync(kFullMask, chosen);
+  if (lane == 0) wcount[warp] = __popc(ballot);
+  __syncthreads();  // (every part[] read is done before chan_s is written below)
+  if (tid < D) flag[tid] = chosen;
+  if (chosen) {
+    int pos = __popc(ballot & ((1u << lane) - 1u));
+    for (int w2 = 0; w2 < warp; ++w2) pos += wcount[w2];
+    sparq_i(p, p.off_chan)[row * R + pos] = tid;
+    chan_s[pos] = tid;
+  }
+  __syncthreads();
+  // -- per head: the temperature (paper: softmax(q[i1] . K[:, i1] / sqrt(d * |q[i1]|_1 / |q|_1)))
   for (int h = warp; h < G; h += kSparqWarps) {
     float all = 0.f, sel = 0.f;
     for (int c = lane; c < D; c += 32) {

@@ -76,6 +76,7 @@ class DecodePlan(NamedTuple):
     block_n: int
     units: int  # independent blocks before splitting
     slots: int  # concurrent blocks on the GPU
+    sm_slots: int  # the SM count where long splits fill one block an SM (16-bit TMA decode), else 0
     out_layout: tuple  # pipeline.device.layout of the output and of the LSE
     lse_layout: tuple
     n_rows: int  # batch x q_len x heads_q
@@ -128,7 +129,8 @@ def _build(P, device) -> DecodePlan:
     plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
-                      device.sm_count * _blocks_per_sm(spec, kernel), layout(out_shape, P.dtype),
+                      device.sm_count * _blocks_per_sm(spec, kernel),
+                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0, layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
                       min(pool.page_size, t.block_n) if spec.family == "attn_decode_tma" else 0)
     return plan
@@ -181,7 +183,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     else:
         visible = max_len if P.window[0] < 0 else min(max_len, P.window[0] + P.q_len + plan.block_n)
         fill = 1.0 if not total_len or not max_len or P.window[0] >= 0 else total_len / (P.batch * max_len)
-        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots, _fill_bucket(fill), plan.block_n)
+        splits = _num_splits(plan.units, -(-visible // plan.block_n), plan.slots, _fill_bucket(fill), plan.block_n,
+                             plan.sm_slots)
     n_rows, D = plan.n_rows, plan.head_dim
     part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
     if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
@@ -248,12 +251,28 @@ def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
 
 # The fewest keys a decode split keeps where a batch fills less than one wave (choose_num_splits).
 _MIN_SPLIT_KEYS = 256
+# Splits at least this long fill one block an SM (choose_num_splits' sm_slots).
+_LONG_SPLIT_KEYS = 1024
 
 
-def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0, tile_keys: int = 0) -> int:
+def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0, tile_keys: int = 0,
+                      sm_slots: int = 0) -> int:
     """Split count for ``units`` independent blocks over ``slots`` concurrent block slots (SMs x
     blocks per SM) when the longest sequence has ``max_tiles`` key tiles of ``tile_keys`` keys and
     the mean sequence ``fill`` times as many.
+
+    ``sm_slots`` (the SM count; 0 for kernels not measured so): below one wave, a kernel whose
+    splits are long fills one block an SM rather than every slot, when each split then keeps at
+    least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decode reads at the SM's share of bandwidth with
+    one block (its producer keeps a 3-stage ring of 64-key boxes in flight), so a second block an
+    SM only adds its partial row and its share of the combine. Measured on an H200, bf16, Hkv 8
+    (``dev/probe_q8_rows.py --kind bf16 --splits``, BENCHMARKS.md "Twelfth session"): B1 x 16k 16
+    splits 26.5 us against the wave's 33 at 28.6; B1 x 32k 42.8 against 44.8; B2 x 16k / 32k 8
+    splits 41.8 / 73.6 against 16 at 42.5 / 74.5; B4 x 16k / 32k even; B8 x 32k (2 splits) 267.4
+    against 262.6 at 4, hence the 4-split floor (128 blocks leave 4 of 132 SMs idle, and at 2
+    splits nothing else covers that). The 8-bit kernels (their
+    dequantization is the longer path) were best at the wave's count (int8 B1 x 32k: 32 splits
+    33.8 us, 16 splits 35.2) and keep it.
 
     Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
     takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least
@@ -285,7 +304,11 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
     limit = max(1, min(MAX_SPLITS, max_tiles // 2))
     if tile_keys and fill >= 1.0 and units < slots:
         per = max(2, -(-_MIN_SPLIT_KEYS // tile_keys))
-        return max(1, min(MAX_SPLITS, max(max_tiles // per, min(8, max_tiles // 2)), slots // units))
+        s = max(1, min(MAX_SPLITS, max(max_tiles // per, min(8, max_tiles // 2)), slots // units))
+        one_an_sm = sm_slots // units
+        if 4 <= one_an_sm < s and max_tiles * tile_keys >= one_an_sm * _LONG_SPLIT_KEYS:
+            s = one_an_sm
+        return s
     effs = []
     for s in range(1, limit + 1):
         waves = units * s / slots
