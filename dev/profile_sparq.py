@@ -8,9 +8,9 @@ chosen keys and its combine) with CUDA events, every call queued behind a ``torc
 pre-roll so that the host's launch gaps do not count; medians of 20 calls, beside the whole call and
 an exact decode over the same cache. Then the decode over the chosen keys alone (its tables as the
 select stage left them, the same keys sorted by position, and each row's first k keys: page-size-1
-gathers against runs of rows), at forced split counts (``--splits``). ``--ncu``: one call between ``cudaProfilerStart`` / ``Stop``
-for ``ncu --profile-from-start off`` (no timing loop); ``--min-blocks``: the sparq kernel's
-launch bounds (its tile row's ``min_blocks``) for the whole run.
+gathers against runs of rows), at forced split counts (``--splits``). ``--ncu``: one call between
+``cudaProfilerStart`` / ``Stop`` for ``ncu --profile-from-start off`` (no timing loop);
+``--min-blocks``: the sparq kernel's launch bounds (its tile row's ``min_blocks``) for the whole run.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def main() -> int:
 def run(args) -> int:
     bench = harness.Bench(torch)
     stages = ("prep", "score", "select", "finish")  # the sparq launches of a call, in order
-    smod.launch = _timed(smod.launch, lambda a: stages[sum(m[0].split()[0] in stages for m in _marks) % 4] + f" grid {a[1]}")
+    smod.launch = _timed(smod.launch,
+                         lambda a: stages[sum(m[0].split()[0] in stages for m in _marks) % 4] + f" grid {a[1]}")
     dmod.launch = _timed(dmod.launch, lambda a: f"decode grid {a[1]}")
     run_decode = smod.run_decode
 

@@ -12,8 +12,9 @@
 //           q~_h = round_T(q_h * t_h) on the chosen channels, 0 elsewhere. Writes the decode's
 //           query rows qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}), the chosen channels and their
 //           q~ values, and zeroes the row's histogram and counters.
-//  1 score  (grid chunks x rows, kSparqChunk keys a block, 8 per thread: one 16-byte load per
-//           chosen kt row): reads only the r chosen rows of kt per page. Per key the selection
+//  1 score  (grid blocks x rows; a block takes chunk_steps steps of kSparqChunk keys, 8 a thread:
+//           one 16-byte load per chosen kt row; the host sizes the grid to about one wave):
+//           reads only the r chosen rows of kt per page. Per key the selection
 //           score a_i = sum_h q~_h . k_i (fp32), stored as an order-preserving uint32; a 4096-bin
 //           histogram of its top 12 bits; per head the block's (max, sum exp2) of the approximate
 //           logits scale*log2e * q~_h . k_i. The row's last block (threadfence pattern) finds the
@@ -30,8 +31,9 @@
 //           chosen), out = alpha * o + (1 - alpha) * mean(V).
 //
 // Why the shape (H200, B8 x 32k, BENCHMARKS.md "SparQ selection"): with 4 keys and 8-byte loads a
-// thread, a 1024-key block and a per-row refinement reading its candidates from L2 once a pass,
-// score took 96 us and select 48 us for 134 MB of kt and 8 MB of scores.
+// thread, 1024-key blocks, a counter claim a warp and a per-row refinement reading its candidates
+// from L2 once a pass, score took 96 us and select 48 us for 134 MB of kt and 8 MB of scores;
+// now 64-72 and 25. The score stage is latency-bound (a warp's 8 reads in flight, then its FMAs).
 // Requires pyattn::SparqParams and common.cuh.
 #pragma once
 
@@ -45,8 +47,9 @@ constexpr int kSparqMaxDim = 256;
 constexpr int kSparqBins = 4096;  // first-level histogram: the top 12 bits of a score's order key
 constexpr int kSparqWarps = kSparqThreads / 32;
 constexpr int kSparqCandMax = 4096;  // candidates the last select block refines in shared memory
-// prep: q [G][D] + |q| sums, flags, partial ranks then channels, temperatures, warp counts; score: q~ [R][G padded to 4]
-// + channels [D] + histogram + per-warp partials; select: a flag, 256 counts, 4 ints, candidates.
+// prep: q [G][D] + |q| sums, flags, partial ranks then channels, temperatures, warp counts;
+// score: q~ [R][G padded to 4] + channels [D] + histogram + per-warp partials; select: a flag,
+// 256 counts, 4 ints, candidates.
 constexpr int kSparqPrepBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 2 * kSparqMaxDim + kSparqThreads +
                                      kSparqMaxGroup + kSparqWarps);
 constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
@@ -359,7 +362,8 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   if (!sparq_last(ctr, n_blocks, flag)) return;
   for (int h = warp; h < G; h += kSparqWarps) {
     float m = -inf(), z = 0.f;
-    for (int c = lane; c < n_blocks; c += 32) sparq_merge(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
+    for (int c = lane; c < n_blocks; c += 32)
+      sparq_merge(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
     sparq_warp_merge(m, z);
     if (lane == 0) part[h * 2] = m, part[h * 2 + 1] = z;
   }

@@ -130,7 +130,8 @@ def _build(P, device) -> DecodePlan:
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * _blocks_per_sm(spec, kernel),
-                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0, layout(out_shape, P.dtype),
+                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
+                      layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
                       min(pool.page_size, t.block_n) if spec.family == "attn_decode_tma" else 0)
     return plan
@@ -263,16 +264,15 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
 
     ``sm_slots`` (the SM count; 0 for kernels not measured so): below one wave, a kernel whose
     splits are long fills one block an SM rather than every slot, when each split then keeps at
-    least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decode reads at the SM's share of bandwidth with
-    one block (its producer keeps a 3-stage ring of 64-key boxes in flight), so a second block an
-    SM only adds its partial row and its share of the combine. Measured on an H200, bf16, Hkv 8
-    (``dev/probe_q8_rows.py --kind bf16 --splits``, BENCHMARKS.md "Twelfth session"): B1 x 16k 16
-    splits 26.5 us against the wave's 33 at 28.6; B1 x 32k 42.8 against 44.8; B2 x 16k / 32k 8
-    splits 41.8 / 73.6 against 16 at 42.5 / 74.5; B4 x 16k / 32k even; B8 x 32k (2 splits) 267.4
-    against 262.6 at 4, hence the 4-split floor (128 blocks leave 4 of 132 SMs idle, and at 2
-    splits nothing else covers that). The 8-bit kernels (their
-    dequantization is the longer path) were best at the wave's count (int8 B1 x 32k: 32 splits
-    33.8 us, 16 splits 35.2) and keep it.
+    least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decode reads
+    at the SM's share of bandwidth with one block (its producer keeps a 3-stage ring of 64-key
+    boxes in flight), so a second block an SM only adds its partial row and its share of the
+    combine. Measured on an H200, bf16, Hkv 8 (``dev/probe_q8_rows.py --kind bf16 --splits``,
+    BENCHMARKS.md "Twelfth session"): B1 x 16k 16 splits 26.5 us against the wave's 33 at 28.6;
+    B1 x 32k 42.8 against 44.8; B2 x 16k / 32k 8 splits 41.8 / 73.6 against 16 at 42.5 / 74.5;
+    B4 x 16k / 32k even; B8 x 32k (2 splits) 267.4 against 262.6 at 4, hence the 4-split floor.
+    The 8-bit kernels (their dequantization is the longer path) were best at the wave's count
+    (int8 B1 x 32k: 32 splits 33.8 us, 16 splits 35.2) and keep it.
 
     Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
     takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least

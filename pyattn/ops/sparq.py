@@ -61,7 +61,8 @@ def _build(P, device) -> _Plan:
     dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
     kernel = get_kernel(spec, device)
-    return _Plan(kernel, packer, spec.threads, dec, rows, device.sm_count * max(1, kernel.max_active_blocks(spec.threads, 0)))
+    slots = device.sm_count * max(1, kernel.max_active_blocks(spec.threads, 0))
+    return _Plan(kernel, packer, spec.threads, dec, rows, slots)
 
 
 def _workspace(rows: int, G: int, R: int, n_chunks: int, steps: int) -> tuple:
@@ -103,8 +104,9 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
 
     def go(stage, grid, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
-                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"], offs["score"], offs["hist"], offs["ctr"], offs["info"],
-                                  offs["chan"], offs["cand_u"], offs["cand_i"], n_chunks, steps, k_max, stage)
+                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"],
+                                  offs["score"], offs["hist"], offs["ctr"], offs["info"], offs["chan"],
+                                  offs["cand_u"], offs["cand_i"], n_chunks, steps, k_max, stage)
         launch(plan.kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     go(0, (rows, 1, 1))
