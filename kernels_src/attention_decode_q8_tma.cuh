@@ -45,13 +45,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
   const unsigned chunk_bytes = 2u * H * 128 * box;  // K and V codes, whole boxes
   const long long head_k = static_cast<long long>(blk.kv_head) * p.ks_stride_h;
   const long long head_v = static_cast<long long>(blk.kv_head) * p.vs_stride_h;
-  for (int j = 0; j < blk.n_tiles; ++j) {
-    const int st = j % S, n0 = blk.n_first + j * KB;
-    long long page;
-    int slot;
-    const bool mine = pc.find(p, blk, n0, page, slot);
-    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
-    const unsigned full = full0 + 8 * st;
+  pc.each_tile(p, blk, full0, empty0, [&](int st, int n0, unsigned full, bool mine, long long page, int slot) {
 #pragma unroll
     for (int m = 0; m < (KB + 31) / 32; ++m) {
       const int i = lane + 32 * m;  // the stage's key
@@ -89,7 +83,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
     tma::arrive_expect(full, (mine ? chunk_bytes : 0u) + seg_bytes);
     if (KC && seg_bytes) tma::load_bulk(seg_dst, seg_src, seg_bytes, full);
     if (mine) pc.template load<1>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
-  }
+  });
 }
 
 template <class Tr, bool SOFTCAP, bool ALIBI>

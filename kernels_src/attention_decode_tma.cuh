@@ -50,6 +50,22 @@ struct ProducerChunks {
     page = mine ? key_page(p, blk.pages, n0 + lane * box, slot) : 0;
     return mine;
   }
+  // The producer's ring loop over the block's tiles, a stage at a time, S stages ahead of the
+  // consumers: each tile's chunk is looked up before waiting for its stage to be free (the lookup's
+  // latency then overlaps the wait), then body(st, n0, full, mine, page, slot) fills the stage.
+  template <class F>
+  __device__ __forceinline__ void each_tile(const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
+                                            unsigned empty0, F&& body) const {
+    constexpr int KB = Tr::kBlockN, S = Tr::kStages;
+    for (int j = 0; j < blk.n_tiles; ++j) {
+      const int st = j % S, n0 = blk.n_first + j * KB;
+      long long page;
+      int slot;
+      const bool mine = find(p, blk, n0, page, slot);
+      if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
+      body(st, n0, full0 + 8 * st, mine, page, slot);
+    }
+  }
   // Copy this lane's chunk (slots [slot, slot + box) of `page`) of K and V into stage st, laid out
   // [stage][128-byte column block][BLOCK_N rows][128 bytes] from the shared addresses sK / sV of
   // stage 0: one box per column block, of 128 / ESIZE elements of ESIZE bytes.
@@ -67,26 +83,18 @@ struct ProducerChunks {
   }
 };
 
-// The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
-// consumers. Each lane looks its chunk's page up before waiting for the stage to be free (the
-// lookup's latency then overlaps the wait), arrives on the full barrier with its chunk's bytes (the
-// barrier counts 32 arrivals), then copies it.
+// The producer warp (ProducerChunks::each_tile): each lane arrives on the full barrier with its
+// chunk's bytes (the barrier counts 32 arrivals), then copies it.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
                                                    const DecodeBlock<Tr>& blk, unsigned full0, unsigned empty0) {
-  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 64;
+  constexpr int H = Tr::kHeadDim / 64;
   const ProducerChunks<Tr> pc(p);
   const unsigned chunk_bytes = 2u * H * 64 * pc.box * sizeof(typename Tr::T);  // K and V, whole boxes
-  for (int j = 0; j < blk.n_tiles; ++j) {
-    const int st = j % S, n0 = blk.n_first + j * KB;
-    long long page;
-    int slot;
-    const bool mine = pc.find(p, blk, n0, page, slot);
-    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
-    const unsigned full = full0 + 8 * st;
+  pc.each_tile(p, blk, full0, empty0, [&](int st, int, unsigned full, bool mine, long long page, int slot) {
     tma::arrive_expect(full, mine ? chunk_bytes : 0u);
     if (mine) pc.template load<sizeof(typename Tr::T)>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
-  }
+  });
 }
 
 template <class Tr, bool SOFTCAP, bool ALIBI>

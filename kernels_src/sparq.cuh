@@ -395,6 +395,13 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   }
 }
 
+// Candidate j of the select stage's last block: from shared memory when they fit there, else
+// from the workspace (written by other blocks: read past L1).
+__device__ __forceinline__ unsigned long long sparq_cand(const unsigned* cu, const int* ci,
+                                                         const unsigned long long* cand_s, bool in_smem, int j) {
+  return in_smem ? cand_s[j] : sparq_key(__ldcg(cu + j), __ldcg(ci + j));
+}
+
 // The select stage's last block: the `remaining` largest of the n_cand candidate keys (all in bin
 // tbin, so their top 12 bits agree) by 8-bit radix passes below those bits; returns the smallest
 // key taken (every candidate >= it is taken). Candidates come from shared memory when they fit
@@ -409,7 +416,7 @@ __device__ __forceinline__ unsigned long long sparq_refine(const unsigned* cu, c
     h256[tid] = 0u;  // kSparqThreads == 256 bins
     __syncthreads();
     for (int j = tid; j < n_cand; j += kSparqThreads) {
-      const unsigned long long key = in_smem ? cand_s[j] : sparq_key(__ldcg(cu + j), __ldcg(ci + j));
+      const unsigned long long key = sparq_cand(cu, ci, cand_s, in_smem, j);
       if ((key & pmask) == prefix) atomicAdd(&h256[(key >> shift) & 255u], 1u);
     }
     __syncthreads();
@@ -506,19 +513,18 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
     const int n_cand = __ldcg(ctr + 2), remaining = k_eff - __ldcg(ctr + 1);
     const bool in_smem = n_cand <= kSparqCandMax;
     if (in_smem) {
-      for (int j = tid; j < n_cand; j += kSparqThreads) cand_s[j] = sparq_key(__ldcg(cu + j), __ldcg(ci + j));
+      for (int j = tid; j < n_cand; j += kSparqThreads) cand_s[j] = sparq_cand(cu, ci, cand_s, false, j);
       __syncthreads();
     }
     const unsigned long long prefix = sparq_refine(cu, ci, n_cand, remaining, tbin, in_smem, cand_s, h256,
                                                    sm + 2 * kSparqWarps + 2);
     // every candidate whose key is >= prefix: count this thread's, claim once, write
-    auto key_at = [&](int j) { return in_smem ? cand_s[j] : sparq_key(__ldcg(cu + j), __ldcg(ci + j)); };
     int take = 0;
-    for (int j = tid; j < n_cand; j += kSparqThreads) take += key_at(j) >= prefix;
+    for (int j = tid; j < n_cand; j += kSparqThreads) take += sparq_cand(cu, ci, cand_s, in_smem, j) >= prefix;
     int pos, unused;
     sparq_block_claim(ctr + 1, ctr + 1, take, 0, sm, pos, unused);
     for (int j = tid; j < n_cand && take > 0; j += kSparqThreads) {
-      const unsigned long long key = key_at(j);
+      const unsigned long long key = sparq_cand(cu, ci, cand_s, in_smem, j);
       if (key < prefix) continue;
       const int i = static_cast<int>(0xFFFFFFFFu - static_cast<unsigned>(key));
       sel[pos] = (pages[i / ps] * ps + i % ps) * H + kvh;

@@ -27,7 +27,7 @@ from ..runtime.memory import get_pool
 from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.paged import MAX_SPLITS
 
-__all__ = ["DecodePlan", "run_decode", "choose_num_splits"]
+__all__ = ["DecodePlan", "run_decode", "choose_num_splits", "blocks_per_sm"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -52,7 +52,7 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
                       alibi=alibi, q_tiles=q_tiles, kv=kv, key_channel=key_channel)
 
 
-def _blocks_per_sm(spec, kernel) -> int:
+def blocks_per_sm(spec, kernel) -> int:
     """Concurrent blocks of ``spec`` per SM: registers bound the 8-bit kernels (shared memory alone
     said 3 where 2 fit, and the split choice then planned waves that did not exist)."""
     return max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
@@ -129,7 +129,7 @@ def _build(P, device) -> DecodePlan:
     plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
-                      device.sm_count * _blocks_per_sm(spec, kernel),
+                      device.sm_count * blocks_per_sm(spec, kernel),
                       device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
                       layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,

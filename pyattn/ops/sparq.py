@@ -26,7 +26,7 @@ from ..runtime.stream import check_stream_arg
 from ..validate.options import check_bool
 from ..validate.paged import DecodeProblem, PoolInfo
 from ..validate.sparq import check_sparq
-from ._decode import run_decode
+from ._decode import blocks_per_sm, run_decode
 
 __all__ = ["sparq_decode"]
 
@@ -61,7 +61,7 @@ def _build(P, device) -> _Plan:
     dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
     kernel = get_kernel(spec, device)
-    slots = device.sm_count * max(1, kernel.max_active_blocks(spec.threads, 0))
+    slots = device.sm_count * blocks_per_sm(spec, kernel)
     return _Plan(kernel, packer, spec.threads, dec, rows, slots)
 
 
