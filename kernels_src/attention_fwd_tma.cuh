@@ -11,17 +11,146 @@
 // A mask tensor's tiles come the same way (map tm_mask; its swizzle is the one that spans a tile
 // row's bytes, up to 128), so a masked call runs this kernel too; the host maps only masks whose
 // keys are consecutive and whose address and strides are whole 16 bytes.
+// Traits with PERSIST (attn_fwd_tma_persistent below) launch one block an SM that walks the query
+// tiles; the others launch as attn_fwd_wgmma.
 // Requires pyattn::AttnFwdTmaParams (rendered: AttnFwdParams `fwd`, then the maps tm_q, tm_k,
-// tm_v, tm_mask); launch as attn_fwd_wgmma.
+// tm_v, tm_mask).
 #pragma once
 #include "attention_fwd_wgmma.cuh"
 
 namespace pyattn {
 
+// A persistent launch's work units, in order, and which block takes which: unit u goes to block
+// u % gridDim.x (round u / gridDim.x). Without causality a unit is one query tile, and the row
+// blocks of one (batch, head) are consecutive, so the blocks running at once share their K/V in
+// L2. Causal units pair row block n_mb - 1 - i (the most keys) with row block i (the fewest):
+// every unit then costs about n_mb + 1 key tiles, so a plain stride over units is balanced (a
+// stride over single causal tiles was 23-34% slower at 16k, longest-first across all heads 7-12%
+// slower at 1k, where the blocks running at once read as many heads' K/V from DRAM).
+struct PersistentUnits {
+  int n_mb, per_bh, total;  // row blocks, units per (batch, head), units
+
+  __device__ __forceinline__ PersistentUnits(const AttnFwdParams& p, int block_m) {
+    n_mb = (p.seqlen_q + block_m - 1) / block_m;
+    per_bh = p.causal ? (n_mb + 1) / 2 : n_mb;
+    total = per_bh * p.heads_q * p.batch;
+  }
+  // Query tile `side` (0, 1: causal) of unit u as (m_block, head, batch); false when the unit has
+  // no such tile (side 1 without causality, or the middle row block of an odd count).
+  __device__ __forceinline__ bool tile(const AttnFwdParams& p, int u, int side, int& m_block, int& head,
+                                       int& batch) const {
+    const int rest = u / per_bh, i = u - rest * per_bh;
+    head = rest % p.heads_q;
+    batch = rest / p.heads_q;
+    if (!p.causal) {
+      m_block = i;
+      return side == 0;
+    }
+    m_block = side == 0 ? n_mb - 1 - i : i;
+    return side == 0 || i != n_mb - 1 - i;
+  }
+};
+
+// Persistent attn_fwd_tma (Tr::kPersist): gridDim.x blocks (one an SM) walk the query tiles
+// (PersistentUnits). The producer thread runs ahead through them, so the next tile's query and
+// K/V stream in under this one's last steps and epilogue. The query tile has its own "full" /
+// "empty" barriers; the consumers' last Q K^T of a tile releases it.
+// Every query tile starts the ring at stage 0, with each stage's phase kept in a bit of its own
+// (full_parity / empty_bits), so a tile may leave stages unvisited. Why not carry the stage on:
+// past the tile loop's branches ptxas then keeps the stage and every wgmma descriptor formed
+// from it in per-thread registers and moves each to a uniform register before its wgmma (+8% of
+// the main loop's instructions at d = 64, measured slower); a tile loop per starting stage
+// (constant within it) costs a main loop per stage, and over 2 s of NVRTC time for some variants.
+// Tiles past a varlen sequence's end are skipped by every role; tiles without key tiles (a
+// band that sees no key) store zeros / -inf without touching the query tile.
+template <class Tr, class Mods>
+__device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, const TmaMap* maps) {
+  using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false>;
+  constexpr int STAGES = Tr::kStages, BM = Tr::kBlockM;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned sQ = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const unsigned sKV = sQ + Tr::kQBytes;
+  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;
+  const unsigned bar_full = sMask + STAGES * Tr::kMaskTileBytes;
+  const unsigned bar_q_full = bar_full + 16 * STAGES;
+
+  Mainloop ml;
+  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sKV, sMask);
+  ml.bar_full = bar_full;
+  ml.bar_empty = bar_full + 8 * STAGES;
+  ml.bar_q_empty = bar_q_full + 8;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < STAGES; ++st) {
+      pipe::init(ml.bar_full + 8 * st, 1);  // one arrival, then the bytes
+      pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+    }
+    pipe::init(bar_q_full, 1);
+    pipe::init(ml.bar_q_empty, Tr::kConsumerThreads / 32);
+    pipe::init_fence();
+  }
+  __syncthreads();
+  const PersistentUnits units(p, BM);
+  FwdTileAt<typename Tr::T> at;
+  int m_block, head, batch;
+
+  if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup: one thread works
+    pipe::regs_dec<Tr::kProducerRegs>();
+    if (threadIdx.x != Tr::kConsumerThreads) return;
+    tma::prefetch(maps);
+    ml.prefetch_maps();
+    unsigned empty_bits = (1u << STAGES) - 1, q_parity = 1;  // a fresh barrier's "previous" phase is complete
+    for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+#pragma unroll 1
+      for (int side = 0; side < 2; ++side) {
+        if (!units.tile(p, u, side, m_block, head, batch)) continue;
+        if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at) || ml.n_tiles == 0) continue;
+        pipe::wait(ml.bar_q_empty, q_parity);
+        q_parity ^= 1;
+        tma::arrive_expect(bar_q_full, Tr::kQBytes);
+        ml.load_q_tma(sQ, bar_q_full);
+        ml.produce_tma_tiles(empty_bits, sQ, false);
+      }
+    }
+    return;
+  }
+
+  // -- the consumer warpgroups
+  pipe::regs_inc<Tr::kConsumerRegs>();
+  ml.q_desc = wg::make_desc_sw128(sQ + ml.wgi * 64 * 128, 16, 1024);
+  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
+  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, Tr::kBlockN * 128, 1024);
+  ml.full_parity = 0;  // PERSIST: a bit a stage
+  unsigned q_parity = 0;
+  for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+#pragma unroll 1
+    for (int side = 0; side < 2; ++side) {
+      if (!units.tile(p, u, side, m_block, head, batch)) continue;
+      if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
+#pragma unroll
+      for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
+      ml.row_max[0] = ml.row_max[1] = -inf();
+      ml.row_sum[0] = ml.row_sum[1] = 0.f;
+      ml.stage = ml.prev_stage = 0;
+      if (ml.n_tiles > 0) {  // CTA-uniform
+        pipe::wait(bar_q_full, q_parity);
+        q_parity ^= 1;
+        if constexpr (Tr::kPingPong)
+          if (ml.wgi == 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+        ml.run_tiles();
+      }
+      wgmma_fwd_store<Tr>(ml, p, at);
+    }
+  }
+}
+
 template <class Tr, class Mods>
 __device__ __forceinline__ void attn_fwd_tma(const AttnFwdTmaParams& p) {
   static_assert(Tr::kTma, "attn_fwd_tma: traits with TMA on");
-  attn_fwd_wgmma<Tr, Mods, false>(p.fwd, &p.tm_q);  // tm_q, tm_k, tm_v, tm_mask: consecutive 128-byte maps
+  // tm_q, tm_k, tm_v, tm_mask: consecutive 128-byte maps
+  if constexpr (Tr::kPersist)
+    attn_fwd_tma_persistent<Tr, Mods>(p.fwd, &p.tm_q);
+  else
+    attn_fwd_wgmma<Tr, Mods, false>(p.fwd, &p.tm_q);
 }
 
 }  // namespace pyattn

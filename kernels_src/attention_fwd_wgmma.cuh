@@ -38,7 +38,7 @@
 namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
-          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false>
+          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   static constexpr int kHeadDim = HEAD_DIM_;  // compiled bucket; params.head_dim <= kHeadDim
@@ -57,6 +57,10 @@ struct AttnFwdWgmmaTraits {
   static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = TMA_ ? 240 : 224;
   static_assert(!WS_ || WARPGROUPS_ == 2, "WS: the register split is for two consumer warpgroups");
   static_assert(!TMA_ || WS_, "TMA: a producer warpgroup issues the copies");
+  // PERSIST (attn_fwd_tma): one block per SM walks query tiles (attention_fwd_tma.cuh), so a
+  // tile's Q and first K/V load under the previous tile's last steps and epilogue.
+  static constexpr bool kPersist = PERSIST_;
+  static_assert(!PERSIST_ || TMA_, "PERSIST: the TMA producer walks the tiles");
   // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
   // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
   static constexpr bool kPingPong = WS_ && OVERLAP_;
@@ -88,8 +92,9 @@ struct AttnFwdWgmmaTraits {
   static_assert(MASK_BYTES_ == 0 || (BLOCK_N_ * MASK_BYTES_) % 16 == 0, "mask tile rows: whole 16-byte chunks");
   static_assert(MASK_BYTES_ == 0 || !TMA_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
                 "TMA mask tiles: a 32/64/128-byte swizzle, whole 1024-byte atoms");
-  // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles.
-  static constexpr int kBarrierBytes = WS_ ? 16 * STAGES_ : 0;
+  // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles; PERSIST:
+  // then a "full" and an "empty" one for the query tile.
+  static constexpr int kBarrierBytes = (WS_ ? 16 * STAGES_ : 0) + (PERSIST_ ? 16 : 0);
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.
   static constexpr int kSmemBytes = kQBytes + STAGES_ * (kStageBytes + kMaskTileBytes) + kBarrierBytes + 1024;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
@@ -154,50 +159,40 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
         wg::cp_async_commit();
       }
     }
-    // -- main loop: tile 0 has no previous P V to overlap
-    ml.template step<false>(0);
-    for (int j = 1; j < ml.n_tiles; ++j) ml.template step<Mainloop::OVERLAP>(j);
-    if constexpr (Mainloop::OVERLAP) {  // -- O += P_last V_last
-      wg::fence_operands(ml.acc);
-      wg::fence();
-      ml.pv(ml.prev_stage);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(ml.acc);
-    }
+    ml.run_tiles();
   }
   return true;
 }
 
-// `maps`: with Tr::kTma, the tensor maps of q, k, v and the mask, consecutive (AttnFwdTmaParams::tm_q ...).
-template <class Tr, class Mods, bool SPARSE = false>
-__device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
+// Where a block's query tile lives: its sequence, (batch, query head), and its rows of q and o.
+template <class T>
+struct FwdTileAt {
+  SeqInfo seq;
+  int head, batch;
+  const T* q;
+  T* o;
+};
+
+// Set up `ml` for query tile (m_block, head, batch): every field that depends on the tile (the
+// block-invariant ones are the caller's). Returns false when the tile starts past its sequence's
+// end (varlen: the grid covers the longest), where the block has nothing to do for it.
+template <class Tr, class Mainloop>
+__device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams& p, int m_block, int head, int batch,
+                                               FwdTileAt<typename Tr::T>& at) {
   using T = typename Tr::T;
-  using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
-  constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
-  constexpr int STAGES = Tr::kStages;
-
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const unsigned sQ = smem0;
-  const unsigned sKV = smem0 + Tr::kQBytes;  // stage s: K at + s * kStageBytes, V kKVBytes later
-  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // stage s's mask tile at + s * kMaskTileBytes
-
-  // Causal blocks near the end of the sequence do the most work: start them first.
-  const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
+  const int m0 = m_block * BM;
   const SeqInfo seq = seq_info(p, batch);
   const int sq = seq.sq, sk = seq.sk;
-  if (m0 >= sq) return;  // varlen: this sequence is shorter than the longest (whole block exits)
+  if (m0 >= sq) return false;
   const int kv_head = head / p.group;  // GQA/MQA: `group` query heads share one KV head
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-  T* o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
-
-  Mainloop ml;
+  at.seq = seq;
+  at.head = head;
+  at.batch = batch;
+  at.q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h + seq.q_row0 * p.q_stride_s;
+  at.o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
   ml.k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
   ml.v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
-  ml.k_stride = p.k_stride_s;
-  ml.v_stride = p.v_stride_s;
   ml.band = make_band(p, sq, sk);
   int n_begin, n_end;  // key tiles outside every row's band are skipped
   band_key_range<BN>(ml.band, m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
@@ -207,18 +202,13 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   ml.sk = sk;
   ml.mods.init(p, batch, head, sq, sk);
   ml.m0 = m0;
-  ml.sMask = sMask;
-  ml.mask_smem = smem_raw + (sMask - wg::smem_u32(smem_raw));
   ml.staged = false;
   if constexpr (Tr::kMaskBytes > 0)  // 16-byte aligned rows of consecutive keys: copy tiles by cp.async
     ml.staged = Tr::kTma || (ml.mods.m_sk == 1 && (ml.mods.m_sq * Tr::kMaskBytes) % 16 == 0 &&
                              reinterpret_cast<unsigned long long>(ml.mods.mask) % 16 == 0);  // TMA: the host mapped it
-  ml.head_dim = p.head_dim;
-  ml.sKV = sKV;
   if constexpr (Tr::kTma) {
     // Box coordinates (column, row, head, batch) of the maps (pyattn.runtime.tensormap): a
     // zero stride (varlen's batch axis, a broadcast) is a map axis of size 1.
-    ml.maps = maps;
     // (Packed rows fit an int: the host maps tensors of < 2^31 rows.)
     ml.tma_q = {m0 + static_cast<int>(seq.q_row0), p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
     ml.tma_k = {static_cast<int>(seq.k_row0), p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
@@ -226,37 +216,51 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
     // The mask's map (keys, query rows, heads, batch): a key-padding mask (query stride 0) is one
     // row, copied once per tile and read by every row.
     ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
-    ml.mask_rows_bcast = p.mask_stride_q == 0;
   }
-
-  const int wgi = threadIdx.x / 128;  // warpgroup
-  ml.wgi = wgi;
-  const int lane = threadIdx.x % 32, g = lane / 4;
-  ml.t = lane % 4;
-  ml.wg_row0 = m0 + wgi * 64;
-  ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + g;
-  ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
+  ml.wg_row0 = m0 + ml.wgi * 64;
+  ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
   // Modified scores are in log2 units already, except a soft-cap's alone, whose factor
   // softcap * log2(e) the softmax applies (FastMods::kCapScale).
-  ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
+  ml.sl2 = FastMods<typename Mainloop::ModsT>::kCapScale ? ml.mods.post
+           : FastMods<typename Mainloop::ModsT>::kScoresFinal ? 1.f : p.scale_log2;
+  return true;
+}
 
-  // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
-  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask + STAGES * Tr::kMaskTileBytes, q, p.q_stride_s, wgi, [&] {
-        wgmma_load_tile<Tr, BM, Tr::kThreads>(sQ, q, p.q_stride_s, m0, sq, p.head_dim, threadIdx.x);
-      }))
-    return;
+// The block-invariant fields of `ml`: shared-memory addresses, maps, this thread's place.
+template <class Tr, class Mainloop>
+__device__ __forceinline__ void wgmma_fwd_block(Mainloop& ml, const AttnFwdParams& p, const TmaMap* maps,
+                                                const unsigned char* smem_raw, unsigned sKV, unsigned sMask) {
+  ml.k_stride = p.k_stride_s;
+  ml.v_stride = p.v_stride_s;
+  ml.sMask = sMask;
+  ml.mask_smem = smem_raw + (sMask - wg::smem_u32(smem_raw));
+  ml.head_dim = p.head_dim;
+  ml.sKV = sKV;
+  if constexpr (Tr::kTma) {
+    ml.maps = maps;
+    ml.mask_rows_bcast = p.mask_stride_q == 0;
+  }
+  ml.wgi = threadIdx.x / 128;  // warpgroup
+  ml.t = threadIdx.x % 4;
+  ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
+}
 
-  // -- epilogue: full row sums, normalise, store O and the natural-log LSE
+// The epilogue of a consumer thread: full row sums, normalise, store O and the natural-log LSE.
+template <class Tr, class Mainloop>
+__device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFwdParams& p,
+                                                const FwdTileAt<typename Tr::T>& at) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = ml.row_sum[h];
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     sum += __shfl_xor_sync(kFullMask, sum, 2);
     const int row = ml.row_a + 8 * h;
-    if (row >= sq) continue;
+    if (row >= ml.sq) continue;
     const bool empty = sum == 0.f;
     const float inv = empty ? 0.f : 1.f / sum;
-    T* orow = o + row * p.o_stride_s;
+    T* orow = at.o + row * p.o_stride_s;
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const int d = i * 8 + 2 * ml.t;
@@ -265,10 +269,37 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
             pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
     }
     if (p.lse != nullptr && ml.t == 0) {
-      const long long idx = batch * p.lse_stride_b + head * p.lse_stride_h + seq.q_row0 + row;
+      const long long idx = at.batch * p.lse_stride_b + at.head * p.lse_stride_h + at.seq.q_row0 + row;
       p.lse[idx] = empty ? -inf() : (ml.row_max[h] * ml.sl2 + log2f(sum)) * kLn2;
     }
   }
+}
+
+// `maps`: with Tr::kTma, the tensor maps of q, k, v and the mask, consecutive (AttnFwdTmaParams::tm_q ...).
+template <class Tr, class Mods, bool SPARSE = false>
+__device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
+  using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
+  constexpr int STAGES = Tr::kStages;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const unsigned sQ = smem0;
+  const unsigned sKV = smem0 + Tr::kQBytes;  // stage s: K at + s * kStageBytes, V kKVBytes later
+  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // stage s's mask tile at + s * kMaskTileBytes
+
+  Mainloop ml;
+  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sKV, sMask);
+  // Causal blocks near the end of the sequence do the most work: start them first.
+  const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  FwdTileAt<typename Tr::T> at;
+  if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
+
+  // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
+  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask + STAGES * Tr::kMaskTileBytes, at.q, p.q_stride_s, ml.wgi, [&] {
+        wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sQ, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
+      }))
+    return;
+  wgmma_fwd_store<Tr>(ml, p, at);
 }
 
 }  // namespace pyattn

@@ -21,6 +21,7 @@ struct AttnFwdWgmmaMainloop {
   static_assert(!TREE || PAGED, "tree masks are a paged-prefill mode");
   static_assert(!(SPARSE && PAGED), "block-sparse lists index dense keys");
   using T = typename Tr::T;
+  using ModsT = Mods;
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
   static constexpr bool OVERLAP = Tr::kOverlap;
@@ -51,6 +52,8 @@ struct AttnFwdWgmmaMainloop {
   int stage, prev_stage, load_stage;
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
   unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
+                                   // (PERSIST: bit s that of stage s)
+  unsigned bar_q_empty;            // PERSIST: the query tile's "empty" barrier (its "full" one 8 bytes before)
   int wgi;                         // this thread's consumer warpgroup
   // -- PAGED: the sequence's page list, the pools' page strides (k_stride / v_stride: slot
   // strides), query rows as (token, group member), this thread's rows' tokens, tree masks
@@ -159,22 +162,40 @@ struct AttnFwdWgmmaMainloop {
   // here, and the async proxy that wgmma reads through is the one TMA writes through.
   // A mask tensor's tile comes with its K/V tile: one copy per kMaskSwz-byte column block.
   __device__ __forceinline__ void produce_tma(unsigned sQ) {
-    constexpr int kBlocks = D / 64;
-    constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
+    prefetch_maps();
+    unsigned empty_bits = (1u << STAGES) - 1;  // a fresh barrier's "previous" phase counts as complete
+    produce_tma_tiles(empty_bits, sQ, true);
+  }
+
+  __device__ __forceinline__ void prefetch_maps() const {
     tma::prefetch(maps + 1);
     tma::prefetch(maps + 2);
-    if constexpr (MB > 0) tma::prefetch(maps + 3);
+    if constexpr (Tr::kMaskBytes > 0) tma::prefetch(maps + 3);
+  }
+
+  // The query tile's copies (one per 64-wide column block), completing on `bar`.
+  __device__ __forceinline__ void load_q_tma(unsigned sQ, unsigned bar) const {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) tma::load_4d(sQ + c * (BM * 128), maps, bar, 64 * c, tma_q.row, tma_q.head, tma_q.batch);
+  }
+
+  // The block's key tiles through the ring from stage 0; bit s of `empty_bits` is the phase of
+  // stage s's "empty" barrier to wait for (carried on to the next query tile of a persistent
+  // block, whose tile may end at any stage). `q_with_tile0`: the query tile rides on tile 0's
+  // "full" barrier (a persistent block's has barriers of its own).
+  __device__ __forceinline__ void produce_tma_tiles(unsigned& empty_bits, unsigned sQ, bool q_with_tile0) {
+    constexpr int kBlocks = D / 64;
+    constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
     // Bytes a stage's copies complete: a one-row mask box is SWZ bytes a block.
     const unsigned stage_bytes = Tr::kStageBytes + (mask_rows_bcast ? kMaskBlocks * SWZ : Tr::kMaskTileBytes);
     int st = 0;
-    unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
     for (int i = 0; i < n_tiles; ++i) {
       const unsigned full = bar_full + 8 * st, kv = sKV + st * Tr::kStageBytes;
-      pipe::wait(bar_empty + 8 * st, empty_parity);
-      tma::arrive_expect(full, stage_bytes + (i == 0 ? Tr::kQBytes : 0));
-      if (i == 0)
-#pragma unroll
-        for (int c = 0; c < kBlocks; ++c) tma::load_4d(sQ + c * (BM * 128), maps, full, 64 * c, tma_q.row, tma_q.head, tma_q.batch);
+      pipe::wait(bar_empty + 8 * st, (empty_bits >> st) & 1u);
+      empty_bits ^= 1u << st;
+      const bool with_q = q_with_tile0 && i == 0;
+      tma::arrive_expect(full, stage_bytes + (with_q ? Tr::kQBytes : 0));
+      if (with_q) load_q_tma(sQ, full);
       const int n0 = tiles.n0(i);
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c) {
@@ -187,7 +208,7 @@ struct AttnFwdWgmmaMainloop {
         for (int c = 0; c < kMaskBlocks; ++c)
           tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * mask_block_stride(), maps + 3, full, n0 + c * (SWZ / MB),
                        tma_m.row, tma_m.head, tma_m.batch);
-      if (++st == STAGES) st = 0, empty_parity ^= 1;
+      if (++st == STAGES) st = 0;
     }
   }
 
@@ -247,6 +268,23 @@ struct AttnFwdWgmmaMainloop {
     }
   }
 
+  // Every key tile of the block's query tile (n_tiles > 0): tile 0 has no previous P V to overlap;
+  // with OVERLAP the last P V follows the loop. A persistent block then releases the last stage
+  // (its producer refills it for the next query tile; a per-tile block just ends).
+  __device__ __forceinline__ void run_tiles() {
+    step<false>(0);
+    for (int j = 1; j < n_tiles; ++j) step<OVERLAP>(j);
+    if constexpr (OVERLAP) {  // -- O += P_last V_last
+      wg::fence_operands(acc);
+      wg::fence();
+      pv(prev_stage);
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_operands(acc);
+      if constexpr (Tr::kPersist) release(prev_stage);
+    }
+  }
+
   // O += P V with V in `st`'s stage.
   __device__ __forceinline__ void pv(int st) {
     const unsigned long long v_desc = wg::desc_add(v_desc0, st * Tr::kStageBytes);
@@ -264,7 +302,10 @@ struct AttnFwdWgmmaMainloop {
     // Tile j landed (this thread's copies), is visible to the async proxy, and everyone's copies
     // are done; every warpgroup also finished the wgmmas that read the stage refilled below
     // (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
-    if constexpr (Tr::kWS) {
+    if constexpr (Tr::kPersist) {  // full_parity: a bit a stage (attention_fwd_tma.cuh says why)
+      pipe::wait(bar_full + 8 * stage, (full_parity >> stage) & 1u);
+      full_parity ^= 1u << stage;
+    } else if constexpr (Tr::kWS) {
       pipe::wait(bar_full + 8 * stage, full_parity);  // the producer filled and fenced it
     } else {
       wg::cp_async_wait<AHEAD - 1>();
@@ -325,6 +366,11 @@ struct AttnFwdWgmmaMainloop {
       wg::wait<0>();
     }
     wg::fence_operands(s);
+    if constexpr (Tr::kPersist)  // the last Q K^T read the query tile: the producer may load the next
+      if (j + 1 == n_tiles) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) pipe::arrive(bar_q_empty);
+      }
 
     bool full;
     if constexpr (PAGED)  // tokens, and no tile reaching into the tree is whole
@@ -452,7 +498,10 @@ struct AttnFwdWgmmaMainloop {
       release(stage);
     }
     prev_stage = stage;
-    if (++stage == STAGES) stage = 0, full_parity ^= 1;
+    if (++stage == STAGES) {
+      stage = 0;
+      if constexpr (!Tr::kPersist) full_parity ^= 1;
+    }
   }
 };
 

@@ -17,6 +17,7 @@ import pytest
 import pyattn
 from pyattn.array import DeviceArray
 from pyattn.kernels.specs import select_attention_spec
+from pyattn.reference import error_bound
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -218,3 +219,69 @@ def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
         m = _view(base, off, (Sq, Sk), (Sk + 16, 1))
         out = pyattn.attention(dq, dk, dv, mask=m)
         _check(out.numpy(), None, q, k, v, mask=np.ascontiguousarray(buf[:, off:off + Sk]))
+
+
+# Persistent blocks (one an SM) walk query tiles blockIdx.x, + gridDim.x, ...: these shapes have
+# more tiles than any GPU has SMs, so each block carries its ring's stages and phases, its query
+# tile's barriers and its ping-pong turns from one tile to the next.
+PERSISTENT_DIMS = [d for d in (64, 128, 192, 256)
+                   if select_attention_spec("bfloat16", d, "sm_90a", keys=1 << 20).tiles.persistent]
+
+
+def _min_keys(D: int) -> int:
+    from pyattn.kernels.families import tile_table
+
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=1 << 20)
+    return next(r.min_keys for r in tile_table("attn_fwd_tma", "sm_90a") if r.max_head_dim == spec.head_dim)
+
+
+@pytest.mark.parametrize("D", PERSISTENT_DIMS or [128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_walk_many_tiles(D, causal):
+    """2 x 48 heads x 3 row blocks = 288 query tiles (GQA 4, the last row block partial), causal
+    ones taken longest first."""
+    rng = np.random.default_rng(D + causal)
+    Sq, Sk = 320, max(333, _min_keys(D) + 5)
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
+    assert spec.family == "attn_fwd_tma" and spec.tiles.persistent
+    q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("window", [None, (64, 0)])
+def test_persistent_blocks_skip_empty_tiles(window):
+    """Causal bottom-right with 700 queries over 90 keys: the first row blocks see no key (no key
+    tiles: stored as 0 / LSE -inf without a query tile loaded), between tiles that do; 40 heads
+    so that blocks meet both kinds."""
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(rng, 1, 700, 90, 40, 8, 128, "bfloat16")
+    opts = dict(causal=True, window=window)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+    assert np.isneginf(lse.numpy()[:, :, :610]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_varlen_many_sequences(causal):
+    """40 sequences of 1..700 queries in one launch of max-length row blocks: most tiles lie past
+    their sequence's end and every role skips them."""
+    from pyattn.reference import attention_varlen_ref
+
+    rng = np.random.default_rng(17 + causal)
+    lens = [(int(a), int(b)) for a, b in zip(rng.integers(1, 701, 40), rng.integers(1, 701, 40))]
+    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    dt = DTYPES["bfloat16"]
+    q = rng.standard_normal((cu_q[-1], 8, 128)).astype(dt)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dt) for _ in range(2))
+    out, lse = pyattn.attention_varlen(*(pyattn.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                       return_lse=True)
+    out, lse = out.numpy().astype(np.float64), lse.numpy()
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+    assert not np.isnan(out).any()
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    for n in range(len(lens)):
+        rows, keys = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+        bound = error_bound(q[None, rows], k[None, keys], v[None, keys], causal=causal)
+        assert np.abs(out[rows] - ref[rows]).max() <= bound, f"sequence {n} {lens[n]}"

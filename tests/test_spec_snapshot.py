@@ -51,7 +51,7 @@ def _facts(spec, reasons: dict) -> list:
     tiles = [t.block_m, t.block_n, t.warps, t.min_blocks, t.m_tiles, t.stages, t.overlap,
              reasons.setdefault(t.reason, len(reasons))]
     try:
-        grid = list(spec.grid(2, 3, 1000))
+        grid = list(spec.grid(2, 3, 1000, slots=132))  # slots: a persistent kernel's (one block an H100 SM)
     except ZeroDivisionError:  # kv_append (block_m 0): launched by its own grid-stride rule
         grid = None
     return [spec.threads, spec.shared_bytes, tiles, grid, _render_digest(spec)]

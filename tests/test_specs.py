@@ -110,9 +110,11 @@ def test_select_spot_values_and_ptx_flag():
     assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
     assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
-                                "true, 0, true, true>, pyattn::ScoreMods<0, false, false>>")
-    assert spec.tiles.warps == 12 and spec.entry_name.endswith("_m128n128w12")  # 2 consumer + 1 producer warpgroups
-    assert spec.threads == 384 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 16 * 3 + 1024  # + mbarriers
+                                "true, 0, true, true, true>, pyattn::ScoreMods<0, false, false>>")
+    # 2 consumer + 1 producer warpgroups, persistent ("p")
+    assert spec.tiles.warps == 12 and spec.entry_name.endswith("_m128n128w12p")
+    # + the stages' mbarriers and the query tile's two
+    assert spec.threads == 384 and spec.shared_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 16 * 3 + 16 + 1024
     assert select_attention_spec("float16", 64, "sm_86") == KernelSpec("attn_fwd_mma", "f16", 64, "sm_86")
     assert select_attention_spec("float32", 64, "sm_86") == KernelSpec("attn_fwd_simt", "f32", 64, "sm_86")
     assert select_attention_spec("float32", 200, "sm_90a", ptx=True) == KernelSpec("attn_fwd_simt", "f32", 224,
@@ -280,8 +282,10 @@ def test_shared_bytes_fit_every_supported_arch():
                 assert s.shared_bytes <= smallest, s.describe()
             elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):
                 # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles, a full and an empty mbarrier
-                # per stage when warp-specialized, + 1024 for atom alignment
-                assert s.shared_bytes == (t.block_m + 2 * t.stages * t.block_n) * d * 2 + 16 * t.stages * t.ws + 1024
+                # per stage when warp-specialized, two for the query tile when persistent, + 1024 for
+                # atom alignment
+                assert s.shared_bytes == ((t.block_m + 2 * t.stages * t.block_n) * d * 2 + 16 * t.stages * t.ws
+                                          + 16 * t.persistent + 1024)
             elif s.family == "attn_fwd_tf32":
                 # AttnFwdTf32Traits::kSmemBytes: Q and 2 K stages padded by 4 floats, 2 V stages by 8
                 bm = 16 * t.m_tiles * t.warps
@@ -679,3 +683,33 @@ def test_tma_mask_maps():
     P.mask = None
     assert mask_layout(P) is None
     assert np.dtype(bool).itemsize == 1  # the u8 map reads numpy/torch bools as bytes
+
+
+def test_persistent_grid_is_the_gpus_slots_or_the_tiles():
+    """A persistent tile launches min(query tiles, slots) blocks in x; slots must be given."""
+    spec = select_attention_spec("bfloat16", 128, "sm_90a")
+    assert spec.tiles.persistent
+    assert spec.grid(4, 16, 4096, slots=132) == (132, 1, 1)  # 4 * 16 * 32 tiles
+    assert spec.grid(1, 2, 200, slots=132) == (4, 1, 1)  # 2 heads x 2 row blocks
+    assert spec.grid(1, 1, 1, slots=264) == (1, 1, 1)
+    with pytest.raises(ValueError, match="slots"):
+        spec.grid(1, 1, 1)
+    plain = KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a")
+    assert not plain.tiles.persistent and plain.grid(4, 16, 4096, slots=132) == (32, 16, 4)
+
+
+def test_persistent_slots_weigh_rounding_against_block_starts():
+    """Non-causal calls always take the GPU's slots; causal ones take one unit (a pair of row
+    blocks) a block when whole rounds of units would lose more than the blocks' starts cost."""
+    from types import SimpleNamespace
+
+    from pyattn.ops._fwd import persistent_slots
+
+    tiles = select_attention_spec("bfloat16", 128, "sm_90a").tiles  # 128 x 128 tiles
+    P = lambda S, H, B, causal: SimpleNamespace(seqlen_q=S, heads_q=H, batch=B, causal=causal)  # noqa: E731
+    assert persistent_slots(P(16384, 16, 1, False), tiles, 132) == 132
+    assert persistent_slots(P(4096, 16, 4, True), tiles, 132) == 132  # 1024 units: 3.1% < 4 / 33
+    assert persistent_slots(P(16384, 16, 1, True), tiles, 132) == 1024  # 3.1% > 4 / 129: one unit a block
+    assert persistent_slots(P(16384, 16, 1, True), tiles, 128) == 128  # 1024 units in 8 whole rounds
+    assert persistent_slots(P(300, 3, 1, True), tiles, 132) == 132  # 6 units: one round
+    assert persistent_slots(P(0, 3, 1, True), tiles, 132) == 132

@@ -160,9 +160,17 @@ class KernelSpec:
         """Dynamic shared memory per block (the family's formula; see :attr:`traits`)."""
         return self.record.smem_bytes(self, self.tiles)
 
-    def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple:
-        """Launch grid: query tiles x query heads x batch."""
-        return (-(-seqlen_q // self.tiles.block_m), heads_q, batch)
+    def grid(self, batch: int, heads_q: int, seqlen_q: int, slots: int = 0) -> tuple:
+        """Launch grid: query tiles x query heads x batch; a persistent tile's, ``slots`` blocks
+        (the blocks the GPU holds at once) or fewer when there are fewer query tiles."""
+        t = self.tiles
+        m_tiles = -(-seqlen_q // t.block_m)
+        if t.persistent:
+            if slots < 1:
+                raise ValueError(f"slots: a persistent tile ({self.describe()}) needs the blocks the GPU holds at "
+                                 f"once, >= 1; got {slots}")
+            return (max(1, min(m_tiles * heads_q * batch, slots)), 1, 1)
+        return (m_tiles, heads_q, batch)
 
     def compile_options(self, include_dirs=()) -> tuple:
         """NVRTC options. ``-arch=sm_XX`` makes NVRTC emit SASS for exactly that arch."""

@@ -22,7 +22,8 @@ from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 
-__all__ = ["FwdPlan", "MaskMap", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout", "run_fwd", "device_extras"]
+__all__ = ["FwdPlan", "MaskMap", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout", "persistent_slots", "run_fwd",
+           "device_extras"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -139,12 +140,43 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all
         mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, rows), swizzle)
-    return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q), (spec.threads, 1, 1), spec.shared_bytes,
+    # A persistent kernel's grid: the blocks the GPU holds at once (one an SM for its rows), or for
+    # some causal calls one work unit a block (persistent_slots).
+    slots = persistent_slots(P, tiles, device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)) \
+        if tiles.persistent else 0
+    return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
+                   spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty,
                    TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64),
                            mask_map)
                    if tma and not empty else None,  # the maps follow AttnFwdParams at a multiple of 64 bytes
                    problem)
+
+
+def persistent_slots(P, tiles, held: int) -> int:
+    """The blocks a persistent forward kernel (attn_fwd_tma, ``tiles.persistent``) launches for
+    problem ``P`` when the GPU holds ``held`` of them at once.
+
+    A block walks work units (kernels_src/attention_fwd_tma.cuh, ``PersistentUnits``): a query
+    tile, or for causal calls a pair of row blocks of about equal total cost. ``held`` blocks save
+    each unit's start and end (measured on H200 at d=128: about two key steps of a query tile) but
+    split the units statically, in whole rounds. Without causality the per-tile launch rounds the
+    same way, so persistence always wins. A causal per-tile launch is balanced by the hardware
+    block by block, so there the rounding loss ``ceil(U / held) * held / U - 1`` is weighed
+    against the start-and-end cost ``2 * 2 / (key steps of a unit)``; when rounding costs more
+    (long causal calls: e.g. 16k x 16 heads at d=128, 3.1% against 3.1%) the launch takes one
+    unit a block and the hardware balances the units.
+    """
+    bm, bn = tiles.block_m, tiles.block_n
+    n_mb = -(-P.seqlen_q // bm)
+    if not P.causal:
+        return held
+    units = (n_mb + 1) // 2 * P.heads_q * P.batch
+    if units <= held:  # one round: nothing to balance
+        return held
+    rounding = -(-units // held) * held / units - 1
+    start_end = 4 / max(1.0, (n_mb + 1) * bm / bn)
+    return held if rounding < start_end else units
 
 
 def _build_without_tma(problem, device) -> FwdPlan:

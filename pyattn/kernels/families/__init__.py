@@ -197,9 +197,10 @@ def override_tiles(family: str, arch: str, rows, table: str = "dense"):
     -----
     Specs derive their tiles, template id, shared memory and cache key from the table as it is
     when asked, so a spec built inside the block compiles the new tiles into its own cache entry.
-    Loaded kernels are forgotten on entry and exit (their spec is the same, their tiles are not);
-    plans that ops cached keep theirs, so time the new tiles through fresh calls. Blocks nest (the
-    innermost wins). Not thread-safe: for tuning runs, not for serving.
+    Loaded kernels are forgotten on entry and exit (their spec is the same, their tiles are not),
+    and the ops' cached plans are rebuilt (``pipeline.plans.get_plan`` keys them on the kernels'
+    generation). Blocks nest (the innermost wins). Not thread-safe: for tuning runs, not for
+    serving.
 
     Examples
     --------

@@ -54,6 +54,7 @@ class TileConfig(NamedTuple):
     stages: int = 2  # wgmma kernel: K/V shared-memory ring depth
     overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
     ws: bool = False  # wgmma kernel: a producer warpgroup fills the ring (counted in ``warps``)
+    persistent: bool = False  # one block an SM walks the query tiles (grid: ``KernelSpec.grid``'s slots)
 
 
 class FixedTile(NamedTuple):
@@ -129,6 +130,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
     mods += "_kch" if spec.key_channel else ""
     ring = f"s{t.stages}" + ("tma" if t.ws else "") if stages else ""
+    ring += "p" if t.persistent else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

@@ -32,10 +32,11 @@ class WgmmaTile(NamedTuple):
     reason: str
     ws: bool = False  # warp-specialized: a producer warpgroup (the last) fills the ring
     min_keys: int = 0  # attn_fwd_tma: the row serves calls of at least this many keys (seqlen_k)
+    persistent: bool = False  # attn_fwd_tma: one block per SM walks the query tiles
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
-                          self.min_blocks, 1, self.stages, self.overlap, self.ws)
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
@@ -88,23 +89,25 @@ _MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4}
 
 
 def _traits(spec, t) -> str:
-    # Trailing defaults (MASK_BYTES 0, WS false, TMA false) left out: the units of older rows stay as
-    # they were.
-    tma = spec.family == "attn_fwd_tma"
-    tail = f", {_MASK_BYTES[spec.mask]}, true, true" if tma else f", {_MASK_BYTES[spec.mask]}, true" if t.ws else \
-        f", {_MASK_BYTES[spec.mask]}" if spec.mask != "none" else ""
+    # Trailing defaults (MASK_BYTES 0, WS false, TMA false, PERSIST false) left out: the units of
+    # older rows stay as they were.
+    mb = _MASK_BYTES[spec.mask]
+    if spec.family == "attn_fwd_tma":
+        tail = f", {mb}, true, true" + (", true" if t.persistent else "")
+    else:
+        tail = f", {mb}, true" if t.ws else f", {mb}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps // 4 - t.ws}, {t.stages}, {str(t.overlap).lower()}{tail}>")
 
 
 def _smem_bytes(spec, t) -> int:
     """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
-    copies them), two 8-byte mbarriers per stage when warp-specialized; +1024 to align the swizzle
-    atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
+    copies them), two 8-byte mbarriers per stage when warp-specialized and two for the query tile
+    when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family == "attn_fwd_tma" else 16
     mask_tile = t.block_m * (t.block_n * mb + pad) if mb else 0
-    barriers = 16 * t.stages if t.ws else 0
+    barriers = (16 * t.stages if t.ws else 0) + (16 if t.persistent else 0)  # PERSIST: the query tile's two
     return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + t.stages * mask_tile + barriers + 1024
 
 
@@ -138,14 +141,18 @@ ATTN_FWD_WGMMA = Family(
 # (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
 _SM90_TMA = (
     WgmmaTile(64, 128, 2, 3, True, 1, "S 2k/4k/16k 1.05/1.11/1.13x (causal 1.01/1.07/1.14x) the 2-blocks/SM "
-                                      "cp.async row; at S 1k 0.99x (causal 0.92x): from 2048 keys", ws=True,
-              min_keys=2048),
+                                      "cp.async row; at S 1k 0.99x (causal 0.92x): from 2048 keys. Persistent "
+                                      "blocks measured 0.96-0.98x at 4k / 16k (dev/probe_persist.py): per tile",
+              ws=True, min_keys=2048),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
-                                       "WS row: 632 TFLOP/s at 16k", ws=True),
-    WgmmaTile(192, 64, 2, 2, False, 1, "S 1k-16k 1.27-1.61x (causal 1.31-1.48x) the all-threads-load row",
-              ws=True),
+                                       "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
+                                       "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py)", ws=True,
+              persistent=True),
+    WgmmaTile(192, 64, 2, 2, False, 1, "S 1k-16k 1.27-1.61x (causal 1.31-1.48x) the all-threads-load row; "
+                                       "persistent as d=256 (unmeasured)", ws=True, persistent=True),
     WgmmaTile(256, 64, 2, 2, False, 1, "S 1k-16k 1.05-1.25x (causal 1.12-1.19x) the all-threads-load row: "
-                                       "622 TFLOP/s at 16k", ws=True),
+                                       "622 TFLOP/s at 16k; persistent blocks 0.95/1.10/1.00x (causal 1.10/1.12/"
+                                       "1.00x) at 1k/4k/16k the per-tile launch", ws=True, persistent=True),
 )
 
 
