@@ -76,18 +76,12 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
 
   Mainloop ml;
   wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sKV, sMask);
-  ml.bar_full = bar_full;
-  ml.bar_empty = bar_full + 8 * STAGES;
   ml.bar_q_empty = bar_q_full + 8;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < STAGES; ++st) {
-      pipe::init(ml.bar_full + 8 * st, 1);  // one arrival, then the bytes
-      pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
-    }
     pipe::init(bar_q_full, 1);
     pipe::init(ml.bar_q_empty, Tr::kConsumerThreads / 32);
-    pipe::init_fence();
   }
+  ml.init_ring(bar_full);  // fences the query tile's barriers too
   __syncthreads();
   const PersistentUnits units(p, BM);
   FwdTileAt<typename Tr::T> at;
@@ -116,9 +110,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
 
   // -- the consumer warpgroups
   pipe::regs_inc<Tr::kConsumerRegs>();
-  ml.q_desc = wg::make_desc_sw128(sQ + ml.wgi * 64 * 128, 16, 1024);
-  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
-  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, Tr::kBlockN * 128, 1024);
+  ml.make_descs(sQ);
   ml.full_parity = 0;  // PERSIST: a bit a stage
   unsigned q_parity = 0;
   for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
@@ -126,10 +118,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     for (int side = 0; side < 2; ++side) {
       if (!units.tile(p, u, side, m_block, head, batch)) continue;
       if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
-#pragma unroll
-      for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
-      ml.row_max[0] = ml.row_max[1] = -inf();
-      ml.row_sum[0] = ml.row_sum[1] = 0.f;
+      ml.clear();
       ml.stage = ml.prev_stage = 0;
       if (ml.n_tiles > 0) {  // CTA-uniform
         pipe::wait(bar_q_full, q_parity);

@@ -100,37 +100,24 @@ struct AttnFwdWgmmaTraits {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
-// What a wgmma attention block does once its Mainloop is set up, shared by the dense kernel below
-// and the paged one (attention_prefill_wgmma.cuh): the wgmma descriptors (128-byte swizzle;
-// K-major operands step 32 B per k16 inside a 64-column block, then jump to the next block; V is
-// read MN-major, 16 keys = 2048 B per k16 step, LBO the distance between its 64-dim blocks); when
-// warp-specialized, the stages' barriers at `bar_full` ("full" takes the 128 producer threads'
-// arrivals, "empty" one per consumer warp, 8 * STAGES bytes later) and the producer warpgroup's
-// whole run; the accumulators; when all threads load, the prologue (Q by `load_q` with tile 0,
-// then tiles 1 .. AHEAD-1, one cp.async group per tile); and the main loop to the last P V.
+// What a wgmma attention block does once its Mainloop is set up (ml.sKV and ml.wgi included),
+// shared by the dense kernel below and the paged one (attention_prefill_wgmma.cuh): the wgmma
+// descriptors (Mainloop::make_descs); when warp-specialized, the stages' barriers at `bar_full`
+// (Mainloop::init_ring) and the producer warpgroup's whole run; the accumulators; when all
+// threads load, the prologue (Q by `load_q` with tile 0, then tiles 1 .. AHEAD-1, one cp.async
+// group per tile); and the main loop to the last P V.
 // Returns false in the producer warpgroup (done), true in the consumers, whose epilogue follows.
 template <class Tr, class Mainloop, class LoadQ>
-__device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsigned sKV, unsigned bar_full,
-                                                const typename Tr::T* q, long long q_stride_s, int wgi,
-                                                LoadQ&& load_q) {
-  constexpr int BN = Tr::kBlockN, STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
-  ml.q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
-  ml.k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
-  ml.v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
+__device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsigned bar_full,
+                                                const typename Tr::T* q, long long q_stride_s, LoadQ&& load_q) {
+  constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
+  ml.make_descs(sQ);
   ml.stage = ml.prev_stage = 0;
   ml.load_stage = AHEAD % STAGES;
   ml.full_parity = 0;
 
   if constexpr (Tr::kWS) {
-    ml.bar_full = bar_full;
-    ml.bar_empty = ml.bar_full + 8 * STAGES;
-    if (threadIdx.x == 0) {
-      for (int st = 0; st < STAGES; ++st) {
-        pipe::init(ml.bar_full + 8 * st, Tr::kTma ? 1 : 128);  // TMA: one arrival, then the bytes
-        pipe::init(ml.bar_empty + 8 * st, Tr::kConsumerThreads / 32);
-      }
-      pipe::init_fence();
-    }
+    ml.init_ring(bar_full);
     __syncthreads();
     if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
       pipe::regs_dec<Tr::kProducerRegs>();
@@ -143,12 +130,9 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     }
     pipe::regs_inc<Tr::kConsumerRegs>();
     if constexpr (Tr::kPingPong)
-      if (wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+      if (ml.wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
   }
-#pragma unroll
-  for (int i = 0; i < Mainloop::O_REGS; ++i) ml.acc[i] = 0.f;
-  ml.row_max[0] = ml.row_max[1] = -inf();
-  ml.row_sum[0] = ml.row_sum[1] = 0.f;
+  ml.clear();
 
   if (ml.n_tiles > 0) {  // CTA-uniform
     if constexpr (!Tr::kWS) {
@@ -295,7 +279,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
-  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask + STAGES * Tr::kMaskTileBytes, at.q, p.q_stride_s, ml.wgi, [&] {
+  if (!wgmma_block_run<Tr>(ml, sQ, sMask + STAGES * Tr::kMaskTileBytes, at.q, p.q_stride_s, [&] {
         wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sQ, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
       }))
     return;

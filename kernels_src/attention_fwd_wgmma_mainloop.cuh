@@ -212,12 +212,48 @@ struct AttnFwdWgmmaMainloop {
     }
   }
 
+  // The wgmma descriptors of this warpgroup's query rows at sQ and of stage 0's K and V (128-byte
+  // swizzle; K-major operands step 32 B per k16 inside a 64-column block, then jump to the next
+  // block; V is read MN-major, 16 keys = 2048 B per k16 step, LBO the distance between its 64-dim
+  // blocks).
+  __device__ __forceinline__ void make_descs(unsigned sQ) {
+    q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
+    k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
+    v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
+  }
+
+  // WS: the stages' barriers at `full` ("full" takes the 128 producer threads' arrivals, or with
+  // TMA one and then the bytes; "empty" one per consumer warp, 8 * STAGES bytes later). Thread 0
+  // initialises them and fences its inits (earlier ones too); the caller syncs the block.
+  __device__ __forceinline__ void init_ring(unsigned full) {
+    bar_full = full;
+    bar_empty = full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        pipe::init(bar_full + 8 * st, Tr::kTma ? 1 : 128);
+        pipe::init(bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+      }
+      pipe::init_fence();
+    }
+  }
+
+  // A query tile's running state before its first key tile: O, row maxima and sums.
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
+    row_max[0] = row_max[1] = -inf();
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // One arrival per consumer warp on `bar`, once every lane is done with what it guards.
+  __device__ __forceinline__ static void arrive_warp(unsigned bar) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) pipe::arrive(bar);
+  }
+
   // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it.
   __device__ __forceinline__ void release(int st) const {
-    if constexpr (Tr::kWS) {
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) pipe::arrive(bar_empty + 8 * st);
-    }
+    if constexpr (Tr::kWS) arrive_warp(bar_empty + 8 * st);
   }
 
   // TMA: the distance between a mask tile's column blocks. A one-row box still starts each block
@@ -367,10 +403,7 @@ struct AttnFwdWgmmaMainloop {
     }
     wg::fence_operands(s);
     if constexpr (Tr::kPersist)  // the last Q K^T read the query tile: the producer may load the next
-      if (j + 1 == n_tiles) {
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) pipe::arrive(bar_q_empty);
-      }
+      if (j + 1 == n_tiles) arrive_warp(bar_q_empty);
 
     bool full;
     if constexpr (PAGED)  // tokens, and no tile reaching into the tree is whole

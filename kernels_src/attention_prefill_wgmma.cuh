@@ -97,7 +97,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   }
   ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
 
-  if (!wgmma_block_run<Tr>(ml, sQ, sKV, sMask, q, p.q_stride_s, wgi,
+  if (!wgmma_block_run<Tr>(ml, sQ, sMask, q, p.q_stride_s,
                           [&] { ml.template load_q<Tr::kThreads>(sQ, q, p.q_stride_s, threadIdx.x); }))
     return;  // the producer warpgroup
 

@@ -41,6 +41,14 @@ def _view(base: DeviceArray, offset_elems: int, shape: tuple, strides: tuple) ->
                        strides=tuple(s * size for s in strides), owner=base.owner, stream=base.stream)
 
 
+def _tma_row(head_dim: int, table: str = "dense"):
+    """attn_fwd_tma's tile-table row for ``head_dim``'s bucket (None without one)."""
+    from pyattn.kernels.families import tile_table
+
+    bucket = select_attention_spec("bfloat16", head_dim, "sm_90a", keys=1 << 20).head_dim
+    return next((r for r in tile_table("attn_fwd_tma", "sm_90a", table=table) if r.max_head_dim == bucket), None)
+
+
 def test_the_dense_path_is_the_tma_kernel():
     assert TMA_DIMS, "attn_fwd_tma serves no head dim"
     assert select_attention_spec("bfloat16", 128, "sm_90a", mask="bool").family == "attn_fwd_tma"
@@ -183,10 +191,7 @@ def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, b
     _check(out, lse, q, k, v, mask=mask, **opts)
     # What ran (the same selection as the call's): TMA unless its table lacks the bucket (d=256
     # with an f32 mask) or the call is shorter than the row's min_keys (d=64).
-    from pyattn.kernels.families import tile_table
-
-    rows = tile_table("attn_fwd_tma", "sm_90a", table={"bool": "mask1", "f32": "mask4"}.get(kind, "mask2"))
-    row = next((r for r in rows if r.max_head_dim == spec.head_dim), None)
+    row = _tma_row(spec.head_dim, table={"bool": "mask1", "f32": "mask4"}.get(kind, "mask2"))
     assert spec.family == ("attn_fwd_tma" if row is not None and Sk >= row.min_keys else "attn_fwd_wgmma")
 
 
@@ -221,27 +226,20 @@ def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
         _check(out.numpy(), None, q, k, v, mask=np.ascontiguousarray(buf[:, off:off + Sk]))
 
 
-# Persistent blocks (one an SM) walk query tiles blockIdx.x, + gridDim.x, ...: these shapes have
-# more tiles than any GPU has SMs, so each block carries its ring's stages and phases, its query
-# tile's barriers and its ping-pong turns from one tile to the next.
+# Persistent blocks (one an SM) walk work units (a query tile, or a causal pair of row blocks):
+# these shapes have more units than any GPU has SMs, so each block carries its ring's phase bits,
+# its query tile's barriers and its ping-pong turns from one tile to the next.
 PERSISTENT_DIMS = [d for d in (64, 128, 192, 256)
                    if select_attention_spec("bfloat16", d, "sm_90a", keys=1 << 20).tiles.persistent]
-
-
-def _min_keys(D: int) -> int:
-    from pyattn.kernels.families import tile_table
-
-    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=1 << 20)
-    return next(r.min_keys for r in tile_table("attn_fwd_tma", "sm_90a") if r.max_head_dim == spec.head_dim)
 
 
 @pytest.mark.parametrize("D", PERSISTENT_DIMS or [128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_blocks_walk_many_tiles(D, causal):
-    """2 x 48 heads x 3 row blocks = 288 query tiles (GQA 4, the last row block partial), causal
-    ones taken longest first."""
+    """2 x 48 heads x 3 row blocks = 288 query tiles (GQA 4, the last row block partial); causal
+    units pair row blocks 2 and 0, and 1 goes alone."""
     rng = np.random.default_rng(D + causal)
-    Sq, Sk = 320, max(333, _min_keys(D) + 5)
+    Sq, Sk = 320, max(333, _tma_row(D).min_keys + 5)
     spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
     assert spec.family == "attn_fwd_tma" and spec.tiles.persistent
     q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")

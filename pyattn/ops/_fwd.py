@@ -167,10 +167,10 @@ def persistent_slots(P, tiles, held: int) -> int:
     (long causal calls: e.g. 16k x 16 heads at d=128, 3.1% against 3.1%) the launch takes one
     unit a block and the hardware balances the units.
     """
-    bm, bn = tiles.block_m, tiles.block_n
-    n_mb = -(-P.seqlen_q // bm)
     if not P.causal:
         return held
+    bm, bn = tiles.block_m, tiles.block_n
+    n_mb = -(-P.seqlen_q // bm)
     units = (n_mb + 1) // 2 * P.heads_q * P.batch
     if units <= held:  # one round: nothing to balance
         return held
