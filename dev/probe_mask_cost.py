@@ -4,10 +4,10 @@ Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] 
 
 Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
 visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
-(1, 1, 1, S)) the mask call on attn_fwd_tma (its mask table as it is) and on attn_fwd_wgmma (the
-bucket's row taken out of attn_fwd_tma's mask table with ``override_tiles``, so the cp.async kernel
-copies the tiles), each against the dense time; and the dense call on the bool mask row's tile
-to separate the tile shape from the mask's own cost.
+(1, 1, 1, S); bool also causal) the mask call on attn_fwd_tma (its table as it is: a bool mask
+packed to bits on the dense row, float masks' tiles in the ring) and on attn_fwd_wgmma (the
+bucket's row taken out of attn_fwd_tma's table with ``override_tiles``, so the cp.async kernel
+copies the tiles), each against the dense (or causal) time.
 """
 
 from __future__ import annotations
@@ -47,33 +47,30 @@ def probe(bench, S: int, D: int, kinds) -> None:
         return bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts), loop=5, reps=3).ms
 
     dense = run({})
-    print(f"{f'd={D} dense':40} {dense:8.3f} ms", flush=True)
-    row = next(r for r in tile_table("attn_fwd_tma", "sm_90a", "mask1") if r.max_head_dim == D)
-    others = tuple(r for r in tile_table("attn_fwd_tma", "sm_90a", "dense") if r.max_head_dim != D)
-    with override_tiles("attn_fwd_tma", "sm_90a", tuple(sorted(others + (row,), key=lambda r: r.max_head_dim)),
-                        table="dense"):
-        t = run({})
-    print(f"{f'dense on the bool mask row n{row.block_n} s{row.stages}':40} {t:8.3f} ms {t / dense:5.2f}x", flush=True)
+    causal = run({"causal": True})
+    print(f"{f'd={D} dense':40} {dense:8.3f} ms | causal {causal:8.3f} ms", flush=True)
     random = rng.random((S, S), dtype=np.float32)
     for kind, dtype in (("bool", bool), ("bf16", ml_dtypes.bfloat16), ("f32", np.float32)):
         if kind not in kinds or (kind == "f32" and D > 192):
             continue
-        table = {"bool": "mask1", "bf16": "mask2", "f32": "mask4"}[kind]
+        table = {"bool": "dense", "bf16": "mask2", "f32": "mask4"}[kind]
         no_d = tuple(r for r in tile_table("attn_fwd_tma", "sm_90a", table) if r.max_head_dim != D)
         if kind == "bool":
             masks = {"all True": np.ones((S, S), bool), "random 50%": random < 0.5,
-                     "key padding (1,1,1,S) 90%": (np.arange(S) < 0.9 * S)[None, None, None, :]}
+                     "key padding (1,1,1,S) 90%": (np.arange(S) < 0.9 * S)[None, None, None, :],
+                     "causal + all True": np.ones((S, S), bool), "causal + random 50%": random < 0.5}
         else:
             masks = {"zeros": np.zeros((S, S), dtype), "random normal": (random * 4 - 2).astype(dtype),
                      "key padding (1,1,1,S) 90%": np.where(np.arange(S) < 0.9 * S, 0, -np.inf)[None, None, None, :]
                      .astype(dtype)}
         for name, host in masks.items():
             m = pyattn.asarray(host, stream=bench.stream)
-            tma = run({"mask": m})
+            opts, base = ({"mask": m, "causal": True}, causal) if name.startswith("causal") else ({"mask": m}, dense)
+            tma = run(opts)
             with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
-                cp = run({"mask": m})
-            print(f"{kind + ' ' + name:40} tma {tma:8.3f} ms {tma / dense:5.2f}x | cp.async {cp:8.3f} ms "
-                  f"{cp / dense:5.2f}x", flush=True)
+                cp = run(opts)
+            print(f"{kind + ' ' + name:40} tma {tma:8.3f} ms {tma / base:5.2f}x | cp.async {cp:8.3f} ms "
+                  f"{cp / base:5.2f}x", flush=True)
             del m
 
 

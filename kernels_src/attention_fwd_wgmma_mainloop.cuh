@@ -263,8 +263,29 @@ struct AttnFwdWgmmaMainloop {
   // The mask tensor on key tile n0 in S's register layout, raw (FastMods::pair_at): an f32 mask's
   // values in mt, a bool or 16-bit mask's pair words in mw (index 2 i + h); nothing past the ends
   // is read.
+  // A packed bool mask (FastMods::kBits): row half h's BN / 32 words of the tile in mw[BN / 32 * h + w],
+  // one vector load each, straight from global memory (L2: the packed mask of a 16k x 16k call
+  // is 32 MiB); zeros for rows past the end. No ring space: the dense ring's stages stay as deep.
   __device__ __forceinline__ void gather_mask(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const {
-    if constexpr (Tr::kTma && Tr::kMaskBytes > 0) {
+    if constexpr (FastMods<Mods>::kBits) {
+      constexpr int W = BN / 32;
+      static_assert(W == 2 || W == 4, "packed mask: 64- or 128-key tiles");
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_a + 8 * h;
+        const unsigned* at = reinterpret_cast<const unsigned*>(mods.mask) + row * mods.m_sq + n0 / 32;
+        if (row >= sq) {
+#pragma unroll
+          for (int w = 0; w < W; ++w) mw[W * h + w] = 0u;
+        } else if constexpr (W == 4) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(at));
+          mw[4 * h] = x.x, mw[4 * h + 1] = x.y, mw[4 * h + 2] = x.z, mw[4 * h + 3] = x.w;
+        } else {
+          const uint2 x = __ldg(reinterpret_cast<const uint2*>(at));
+          mw[2 * h] = x.x, mw[2 * h + 1] = x.y;
+        }
+      }
+    } else if constexpr (Tr::kTma && Tr::kMaskBytes > 0) {
       // The swizzled tile (AttnFwdWgmmaTraits): byte w of row r's column block sits in 16-byte
       // chunk (w / 16) ^ ((r * SWZ / 128) % (SWZ / 16)) of the row; a one-row box is row 0.
       constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz;
@@ -283,7 +304,11 @@ struct AttnFwdWgmmaMainloop {
                        mt[4 * i + 2 * h + 1], mw[2 * i + h]);
         }
       }
-    } else if (Tr::kMaskBytes > 0 && staged) {
+    } else if constexpr (Tr::kMaskBytes > 0) {
+      if (!staged) {
+        gather_in_place(mt, mw, n0);
+        return;
+      }
       const char* at = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes +
                        (row_a - m0) * Tr::kMaskRow + 2 * t * Tr::kMaskBytes;
 #pragma unroll
@@ -293,15 +318,27 @@ struct AttnFwdWgmmaMainloop {
           mods.pair_at(at + h * 8 * Tr::kMaskRow + i * 8 * Tr::kMaskBytes, mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1],
                        mw[2 * i + h]);
     } else {
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
-          mods.pair_in_place(row, key, row < sq && key < sk, row < sq && key + 1 < sk, mt[4 * i + 2 * h],
-                             mt[4 * i + 2 * h + 1], mw[2 * i + h]);
-        }
+      gather_in_place(mt, mw, n0);
     }
+  }
+
+  // gather_mask from the mask tensor itself (its tiles not staged).
+  __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = n0 + i * 8 + 2 * t, row = row_a + h * 8;
+        mods.pair_in_place(row, key, row < sq && key < sk, row < sq && key + 1 < sk, mt[4 * i + 2 * h],
+                           mt[4 * i + 2 * h + 1], mw[2 * i + h]);
+      }
+  }
+
+  // Whether key 2 t + e of n8 block i in row half h is visible by a bool mask as gather_mask gave
+  // it (and a packed one's words were shifted by 2 t in `step`): a compile-time bit of a word.
+  __device__ __forceinline__ static bool mask_visible(const unsigned (&mw)[BN / 4], int i, int h, int e) {
+    if constexpr (FastMods<Mods>::kBits) return mw[BN / 32 * h + i / 4] & (1u << (8 * (i % 4) + e));
+    return mw[2 * i + h] & (e ? 0xff00u : 0xffu);
   }
 
   // Every key tile of the block's query tile (n_tiles > 0): tile 0 has no previous P V to overlap;
@@ -387,14 +424,20 @@ struct AttnFwdWgmmaMainloop {
     bool plain = false;
     if constexpr (Mods::kMask != kMaskNone) {
       constexpr bool kF32 = Mods::kMask == kMaskF32;
+      constexpr bool kBits = FastMods<Mods>::kBits;
       gather_mask(mt, mw, n0);
-      unsigned all = FastMods<Mods>::kBool ? 0x0101u : 0u;
+      constexpr unsigned kAllVisible = kBits ? ~0u : 0x0101u;
+      unsigned all = FastMods<Mods>::kBool ? kAllVisible : 0u;
 #pragma unroll
-      for (int i = 0; i < (kF32 ? S_REGS : BN / 4); ++i) {
+      for (int i = 0; i < (kF32 ? S_REGS : kBits ? BN / 16 : BN / 4); ++i) {
         if constexpr (FastMods<Mods>::kBool) all &= mw[i];
         else all |= kF32 ? __float_as_uint(mt[i]) : mw[i];
       }
-      plain = __all_sync(kFullMask, all == (FastMods<Mods>::kBool ? 0x0101u : 0u));
+      plain = __all_sync(kFullMask, all == (FastMods<Mods>::kBool ? kAllVisible : 0u));
+      if constexpr (kBits) {  // this thread's keys 2 t, 2 t + 1 of each n8 block at bits 8 (i % 4) + e
+#pragma unroll
+        for (int i = 0; i < BN / 16; ++i) mw[i] >>= 2 * t;
+      }
     }
     if constexpr (WITH_PV) {
       wg::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
@@ -435,7 +478,7 @@ struct AttnFwdWgmmaMainloop {
             float& x = s[4 * i + e];
             const int row = token(e >> 1), key = n0 + i * 8 + 2 * t + (e & 1);
             if constexpr (FastMods<Mods>::kBool)
-              x = (mw[2 * i + (e >> 1)] & ((e & 1) ? 0xff00u : 0xffu)) ? mods.score(x, row, key, 0.f) : -inf();
+              x = mask_visible(mw, i, e >> 1, e & 1) ? mods.score(x, row, key, 0.f) : -inf();
             else
               x = mods.score(x, row, key, mt[4 * i + e]);
           }
@@ -450,8 +493,8 @@ struct AttnFwdWgmmaMainloop {
           bool ok0 = full ? row_in : in0 && band.allows(row, key) && tree_allows(h, key);
           bool ok1 = full ? row_in : in1 && band.allows(row, key + 1) && tree_allows(h, key + 1);
           if constexpr (FastMods<Mods>::kBool) {
-            ok0 = ok0 && (mw[2 * i + h] & 0xffu);
-            ok1 = ok1 && (mw[2 * i + h] & 0xff00u);
+            ok0 = ok0 && mask_visible(mw, i, h, 0);
+            ok1 = ok1 && mask_visible(mw, i, h, 1);
           }
           float& s0 = s[4 * i + 2 * h];
           float& s1 = s[4 * i + 2 * h + 1];

@@ -30,7 +30,9 @@ __device__ __forceinline__ SeqInfo seq_info(const AttnFwdParams& p, int b) {
   return s;
 }
 
-enum MaskKind { kMaskNone = 0, kMaskBool = 1, kMaskF16 = 2, kMaskBF16 = 3, kMaskF32 = 4 };
+// kMaskBits: a bool mask packed by mask_bits.cuh (bit j of word w of a row = key 32 w + j visible,
+// rows of whole 16-byte groups, zero past the keys), read by attn_fwd_tma only.
+enum MaskKind { kMaskNone = 0, kMaskBool = 1, kMaskF16 = 2, kMaskBF16 = 3, kMaskF32 = 4, kMaskBits = 5 };
 
 // Compile-time score modifiers. kAny: scores go through score_mod() instead of the fused
 // scale-and-exp2 path.
@@ -97,18 +99,21 @@ __device__ __forceinline__ float score_mod(const AttnFwdParams& p, const ModStat
 // and added to the raw dot products, one add a score, and a tile whose terms are all 0 needs no
 // work at all. (A term whose quotient exceeds float32, |m| > 3.4e38 * scale, becomes -inf; so did
 // the log2 form's |m| > 2.4e38, such as finfo(float32).min.)
+// A packed bool mask (kBits) is a predicate too; its words are read straight from global memory
+// (L2) by the wgmma main loop, not staged (AttnFwdWgmmaMainloop::gather_mask).
 template <class Mods>
 struct FastMods {
-  static constexpr bool kBool = Mods::kMask == kMaskBool;
+  static constexpr bool kBits = Mods::kMask == kMaskBits;
+  static constexpr bool kBool = Mods::kMask == kMaskBool || kBits;
   static constexpr bool kFloatMask = Mods::kMask != kMaskNone && !kBool;
   static constexpr bool kScoresFinal = Mods::kSoftcap || Mods::kAlibi;  // else raw scores (+ mask terms)
   static constexpr bool kMaskOnly = Mods::kMask != kMaskNone && !kScoresFinal;
   // A soft-cap with nothing added after it: score() returns tanh(raw * pre) and the softmax's
   // scale (post = softcap * log2 e) finishes it, one multiply per score fewer.
   static constexpr bool kCapScale = Mods::kSoftcap && !Mods::kAlibi && !kFloatMask;
-  static constexpr int kSize = kBool ? 1 : Mods::kMask == kMaskF32 ? 4 : 2;
+  static constexpr int kSize = kBits ? 4 : kBool ? 1 : Mods::kMask == kMaskF32 ? 4 : 2;  // bits: a word
   const char* mask;         // at (batch, head)
-  long long m_sq, m_sk;     // mask strides (elements)
+  long long m_sq, m_sk;     // mask strides (elements; kBits: words, m_sk unused)
   bool pairs;               // keys (2u, 2u + 1) of a row are one aligned pair load
   float pre, post;          // y = raw * pre, or tanh(raw * pre) * post with the soft-cap
   float mscale;             // a float mask's terms: m * log2(e) in final scores, m / scale in raw ones

@@ -4,9 +4,9 @@ skipped without an sm_90a GPU.
 The other GPU modules reach it too (every 16-bit call on sm_90a whose bucket its table has);
 these aim at what is new on its path: tensor maps over strided views, broadcast (stride 0) axes,
 head dims below and between the 64-wide boxes, GQA, varlen rows read past a sequence's end, maps
-re-encoded when the same layout comes with other arrays, and mask tensors: their swizzled tiles,
-key-padding masks (one row for all), tiles the mask leaves untouched (skipped work) next to
-mixed and fully masked ones, and mask views TMA cannot read.
+re-encoded when the same layout comes with other arrays, and mask tensors: float masks' swizzled
+tiles, bool masks packed to bits, key-padding masks (one row for all), tiles the mask leaves
+untouched (skipped work) next to mixed and fully masked ones, and mask views TMA cannot read.
 """
 
 from __future__ import annotations
@@ -190,9 +190,10 @@ def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, b
         out, lse = out.numpy(), lse.numpy()
     _check(out, lse, q, k, v, mask=mask, **opts)
     # What ran (the same selection as the call's): TMA unless its table lacks the bucket (d=256
-    # with an f32 mask) or the call is shorter than the row's min_keys (d=64).
-    row = _tma_row(spec.head_dim, table={"bool": "mask1", "f32": "mask4"}.get(kind, "mask2"))
+    # with an f32 mask) or the call is shorter than the row's min_keys (d=64); bool masks packed.
+    row = _tma_row(spec.head_dim, table={"bool": "dense", "f32": "mask4"}.get(kind, "mask2"))
     assert spec.family == ("attn_fwd_tma" if row is not None and Sk >= row.min_keys else "attn_fwd_wgmma")
+    assert spec.mask == ("bits" if kind == "bool" and spec.family == "attn_fwd_tma" else kind)
 
 
 @pytest.mark.parametrize("kind", sorted(MASK_DTYPES))
@@ -211,19 +212,52 @@ def test_key_padding_masks(kind):
 
 
 def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
-    """A bool mask view one byte into its buffer (rows still 16-byte strided): TMA cannot read it,
-    so that call runs attn_fwd_wgmma, which reads such a mask in place; the same problem with an
-    aligned mask runs attn_fwd_tma. Both are correct."""
+    """A float mask view one element into its buffer (rows still 16-byte strided): TMA cannot read
+    it, so that call runs attn_fwd_wgmma, which reads such a mask in place; the same problem with
+    an aligned mask runs attn_fwd_tma. Both are correct."""
     rng = np.random.default_rng(4)
     Sq, Sk = 150, 512
     q, k, v = _inputs(rng, 1, Sq, Sk, 2, 2, 128, "bfloat16")
     dq, dk, dv = (pyattn.asarray(x) for x in (q, k, v))
-    buf = rng.random((Sq, Sk + 16)) < 0.7
+    buf = np.where(rng.random((Sq, Sk + 16)) < 0.7, rng.standard_normal((Sq, Sk + 16)), -np.inf).astype(np.float16)
     base = pyattn.asarray(buf)
     for off in (1, 0):
         m = _view(base, off, (Sq, Sk), (Sk + 16, 1))
         out = pyattn.attention(dq, dk, dv, mask=m)
         _check(out.numpy(), None, q, k, v, mask=np.ascontiguousarray(buf[:, off:off + Sk]))
+
+
+@SETTINGS
+@given(Sq=LENGTHS, Sk=st.integers(1, 700), D=st.sampled_from(TMA_DIMS or [128]),
+       view=st.sampled_from(["plain", "offset", "strided_keys", "keys_broadcast", "key_padding"]),
+       causal=st.booleans(), visible=st.sampled_from([0.0, 0.5, 0.97, 1.0]), seed=st.integers(0, 2**31 - 1))
+def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
+    """Bool masks reach attn_fwd_tma packed to bits by the mask_bits kernel, whatever their layout:
+    any key count (words zero past the keys), a view one byte into its buffer, strided keys, a mask
+    broadcast over keys or over query rows; all True (the skipped per-score work), all False (rows
+    of 0 / LSE -inf) and mixed."""
+    spec = select_attention_spec("bfloat16", D, "sm_90a", mask="bool", keys=Sk)
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, 1, Sq, Sk, 2, 1, D, "bfloat16")
+    dq, dk, dv = (pyattn.asarray(x) for x in (q, k, v))
+    if view == "plain":
+        mask = rng.random((1, 2, Sq, Sk)) < visible
+        m = pyattn.asarray(mask)
+    elif view == "offset":  # rows of Sk + 5 bytes, one byte in
+        buf = rng.random((Sq, Sk + 5)) < visible
+        m, mask = _view(pyattn.asarray(buf), 1, (Sq, Sk), (Sk + 5, 1)), buf[:, 1:Sk + 1]
+    elif view == "strided_keys":
+        buf = rng.random((Sq, 2 * Sk)) < visible
+        m, mask = _view(pyattn.asarray(buf), 0, (Sq, Sk), (2 * Sk, 2)), buf[:, ::2]
+    elif view == "keys_broadcast":  # one value a query row
+        buf = rng.random((Sq, 1)) < visible
+        m, mask = _view(pyattn.asarray(buf), 0, (Sq, Sk), (1, 0)), np.broadcast_to(buf, (Sq, Sk))
+    else:  # (1, 1, 1, Sk)
+        mask = rng.random((1, 1, 1, Sk)) < visible
+        m = pyattn.asarray(mask)
+    out, lse = pyattn.attention(dq, dk, dv, mask=m, causal=causal, return_lse=True)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=np.ascontiguousarray(mask), causal=causal)
+    assert spec.mask == ("bits" if spec.family == "attn_fwd_tma" else "bool")
 
 
 # Persistent blocks (one an SM) walk work units (a query tile, or a causal pair of row blocks):

@@ -99,10 +99,11 @@ def test_select_spot_values_and_ptx_flag():
     assert select_attention_spec("bfloat16", 256, "sm_100a").head_dim == 256
     spec = select_attention_spec("bfloat16", 72, "sm_90a", ptx=True)
     assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", ptx=True)
-    spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")
-    assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
-    assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__nv_bfloat16, 128, 128, 128, 2, 2, "
-                                "false, 1, true, true>, pyattn::ScoreMods<1, false, false>>")
+    spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")  # packed to bits, on the dense row
+    assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bits")
+    assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__nv_bfloat16, 128, 128, 128, 2, 3, "
+                                "true, 0, true, true, true>, pyattn::ScoreMods<5, false, false>>")
+    assert spec.shared_bytes == select_attention_spec("bfloat16", 72, "sm_90a").shared_bytes
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool", tma=False)
     assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", mask="bool")
     spec = select_attention_spec("float16", 200, "sm_90a", mask="f32", softcap=True, alibi=True)
@@ -597,7 +598,7 @@ def test_tma_kernel_selection():
     row's min_keys on; block-sparse lists and layouts TMA cannot map go to attn_fwd_wgmma."""
     from pyattn.kernels.families import tile_table
 
-    for table, mask in (("dense", "none"), ("mask1", "bool"), ("mask2", "bf16"), ("mask2", "f16"), ("mask4", "f32")):
+    for table, mask in (("dense", "none"), ("dense", "bool"), ("mask2", "bf16"), ("mask2", "f16"), ("mask4", "f32")):
         rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table=table)}
         for d in (64, 128, 192, 256):
             row = rows.get(d)
@@ -613,6 +614,7 @@ def test_tma_kernel_selection():
                 assert select_attention_spec("float16", d, "sm_90a", mask=mask, **kw).family == "attn_fwd_wgmma", kw
             assert select_attention_spec("float16", d, "sm_90a", mask=mask, softcap=True,
                                          alibi=True).family == "attn_fwd_tma"
+            assert spec.mask == ("bits" if mask == "bool" else mask)  # a bool mask reaches it packed
     assert 256 not in {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="mask4")}  # 256 KiB
     for arch in ("sm_80", "sm_89", "sm_100a"):
         assert select_attention_spec("bfloat16", 128, arch).family == "attn_fwd_mma"
@@ -624,13 +626,54 @@ def test_tma_kernel_selection():
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", sparse=1)
 
 
-@pytest.mark.parametrize("mask", ["bool", "f16", "bf16", "f32"])
+def test_bool_masks_reach_only_the_tma_kernel_packed():
+    """attn_fwd_tma reads bool masks as bits (no ring space, the dense rows); no other family reads
+    bits, and attn_fwd_tma no bool bytes."""
+    from pyattn.kernels.families import tile_table
+
+    for r in tile_table("attn_fwd_tma", "sm_90a"):
+        spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits")
+        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")
+        assert (spec.tiles, spec.shared_bytes) == (dense.tiles, dense.shared_bytes)
+        assert spec.entry_name == dense.entry_name + "_maskbits"
+    with pytest.raises(ValueError, match="packed to bits"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
+    for family, arch in (("attn_fwd_wgmma", "sm_90a"), ("attn_fwd_mma", "sm_80"), ("attn_fwd_simt", "sm_80")):
+        with pytest.raises(ValueError, match=r"packed bool masks \(bits\) are read by attn_fwd_tma only"):
+            KernelSpec(family, "f16", 128, arch, mask="bits")
+    with pytest.raises(ValueError, match="mask/softcap/alibi"):
+        KernelSpec("attn_decode", "f16", 128, "sm_80", mask="bits")
+    assert select_attention_spec("bfloat16", 64, "sm_90a", mask="bool", keys=1000).mask == "bool"  # cp.async
+
+
+def test_packed_mask_layout():
+    """A bool mask packs to rows of whole 128-key groups of u32 words; broadcast axes stay one row
+    (a key-padding mask: a row per batch entry) and step 0."""
+    from pyattn.ops._fwd import packed_mask_layout
+    from pyattn.validate.options import MaskInfo
+
+    class P:
+        batch, heads_q, seqlen_q, seqlen_k = 2, 8, 300, 4100
+
+    P.mask = MaskInfo("bool", (8 * 300 * 4100, 300 * 4100, 4100, 1), True)
+    assert packed_mask_layout(P) == ((2, 8, 300), 132, (8 * 300 * 132, 300 * 132, 132, 1))
+    P.mask = MaskInfo("bool", (4100, 0, 0, 1), True)  # (B, 1, 1, Sk)
+    assert packed_mask_layout(P) == ((2, 1, 1), 132, (132, 0, 0, 1))
+    P.mask = MaskInfo("bool", (0, 0, 1, 0), True)  # broadcast over keys: packed like any other
+    assert packed_mask_layout(P) == ((1, 1, 300), 132, (0, 0, 132, 1))
+    P.seqlen_k = 128
+    assert packed_mask_layout(P)[1] == 4
+    P.seqlen_k = 0
+    assert packed_mask_layout(P)[1] == 0
+
+
+@pytest.mark.parametrize("mask", ["f16", "bf16", "f32"])
 def test_tma_shared_memory_fits(mask):
     """Every attn_fwd_tma row's shared memory (mask tiles included) fits the 227 KiB opt-in limit,
     and the mask tile is unpadded (swizzled), unlike attn_fwd_wgmma's padded rows."""
     from pyattn.kernels.families import tile_table
 
-    sizes = {"bool": 1, "f16": 2, "bf16": 2, "f32": 4}
+    sizes = {"f16": 2, "bf16": 2, "f32": 4}
     for r in tile_table("attn_fwd_tma", "sm_90a", table=f"mask{sizes[mask]}"):
         spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask=mask)
         t = spec.tiles

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
            "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS",
-           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS", "ATTN_FWD_TMA_PARAMS"]
+           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS", "ATTN_FWD_TMA_PARAMS", "MASK_BITS_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -385,4 +385,13 @@ SPARQ_PARAMS = ParamStruct(
        ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
     + (("batch", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("head_dim", "i32"), ("page_size", "i32"),
        ("r", "i32"), ("k", "i32"), ("scale_log2", "f32"), ("row_heads", "i32"), ("kv_div", "i32")),
+)
+
+# A bool mask packed to bits (mask_bits.cuh): src's byte (b, h, q, key) at b * stride_b + h * stride_h +
+# q * stride_q + key * stride_k (bytes; 0 on broadcast axes) -> dst, rows (rows_b, rows_h, rows_q) of
+# `words` u32 words, rows = rows_b * rows_h * rows_q.
+MASK_BITS_PARAMS = ParamStruct(
+    "MaskBitsParams",
+    (("src", "ptr"), ("dst", "mut_ptr"), ("stride_b", "i64"), ("stride_h", "i64"), ("stride_q", "i64"),
+     ("stride_k", "i64"), ("rows", "i64"), ("rows_h", "i32"), ("rows_q", "i32"), ("keys", "i32"), ("words", "i32")),
 )

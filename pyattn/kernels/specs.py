@@ -240,8 +240,9 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     sparse : int
         The block-sparse mode (``KernelSpec.sparse``), 0 for a dense call.
     tma : bool
-        Whether TMA tensor maps can describe the call's q, k, v and mask tensor
-        (``runtime.tensormap.rank4``): a broadcast sequence or key axis cannot be.
+        Whether TMA tensor maps can describe the call's q, k, v and float mask tensor
+        (``runtime.tensormap.rank4``): a broadcast sequence or key axis cannot be. A bool mask
+        needs no map: the TMA kernel reads it packed to bits (spec mask ``"bits"``).
     keys : int
         The call's seqlen_k (varlen: the longest): the TMA kernel's rows say from how many keys
         on they serve (default: a long call).
@@ -256,9 +257,11 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
         from .families.wgmma import tma_serves  # the wgmma records: built on sm_90a only (issue 16)
 
+        # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call).
         bucket = -(-head_dim // 64) * 64
-        tma = tma and not sparse and tma_serves(arch, bucket, keys, mask)
-        family = "attn_fwd_tma" if tma else "attn_fwd_wgmma"
+        packed = "bits" if mask == "bool" else mask
+        tma = tma and not sparse and tma_serves(arch, bucket, keys, packed)
+        family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
     else:
         family = "attn_fwd_mma"
     return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), sparse=sparse)

@@ -9,6 +9,7 @@ repeat call is then one pool allocation, a small ``struct.pack`` and a launch.
 # No ``from __future__ import annotations`` here: typing.NamedTuple would compile every string
 # annotation of its fields into a ForwardRef at import (~0.2 ms of a first call; issue 16).
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -16,20 +17,21 @@ import numpy as np
 from ..array import allocate, c_strides
 from ..interop.inputs import numpy_dtype
 from ..kernels.registry import get_kernel
-from ..kernels.specs import select_attention_spec
+from ..kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, select_attention_spec
 from ..pipeline.device import layout
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 
-__all__ = ["FwdPlan", "MaskMap", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout", "persistent_slots", "run_fwd",
-           "device_extras"]
+__all__ = ["FwdPlan", "MaskMap", "MaskBits", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
+           "packed_mask_layout", "persistent_slots", "run_fwd", "device_extras"]
 
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
 _NO_MAP = bytes(128)  # attn_fwd_tma's mask map without a mask (never read)
 _MASK_MAP_DTYPES = {"bool": ("u8", 1), "f16": ("f16", 2), "bf16": ("bf16", 2), "f32": ("f32", 4)}
+_U32 = np.dtype(np.uint32)
 
 
 class SparseFwd(NamedTuple):
@@ -55,6 +57,19 @@ class FwdPlan(NamedTuple):
     empty: bool  # nothing to launch (a zero-size dimension)
     tma: object = None  # TmaMaps for a TMA kernel, else None
     problem: object = None  # what the plan was built for (a mask TMA cannot read needs another plan)
+    bits: object = None  # MaskBits when the kernel reads the bool mask packed to bits
+
+
+class MaskBits(NamedTuple):
+    """The per-call pack of a bool mask to bits (kernels_src/mask_bits.cuh) ahead of attn_fwd_tma:
+    the pack kernel, its launch shape, its parameters but the (source, packed) addresses, and the
+    packed buffer's ``pipeline.device.layout``."""
+
+    kernel: object
+    grid: tuple
+    block: tuple
+    packer: object
+    layout: tuple
 
 
 class MaskMap(NamedTuple):
@@ -104,7 +119,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
                                  mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
-                                 tma=maps is not None and (P.mask is None or mask_map_layout is not None),
+                                 tma=maps is not None and (P.mask is None or P.mask.kind == "bool"
+                                                           or mask_map_layout is not None),
                                  keys=P.seqlen_k)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
@@ -115,6 +131,9 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     else:
         lse_b, lse_h = P.heads_q * P.seqlen_q, P.seqlen_q
     mask_strides = P.mask.strides if P.mask is not None else (0, 0, 0, 0)
+    bits = None
+    if spec.mask == "bits":
+        bits, mask_strides = _mask_bits(P, device)
     tiles = spec.tiles
     tma = spec.family == "attn_fwd_tma"
     # attn_fwd_tma: AttnFwdParams packed here; the maps after it per call (TmaMaps.pack).
@@ -135,7 +154,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     mask_map = None
-    if tma and P.mask is not None:
+    if tma and spec.mask not in ("none", "bits"):
         kind, size = _MASK_MAP_DTYPES[P.mask.kind]
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all
@@ -150,7 +169,37 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
                    TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64),
                            mask_map)
                    if tma and not empty else None,  # the maps follow AttnFwdParams at a multiple of 64 bytes
-                   problem)
+                   problem, bits)
+
+
+def packed_mask_layout(P) -> tuple:
+    """How P's bool mask packs to bits (kernels_src/mask_bits.cuh): ``((rows_b, rows_h, rows_q),
+    words, strides)``, the packed rows per axis, u32 words a row and the packed element strides
+    over (B, Hq, Sq, Sk) (0 on broadcast axes; the key stride is unused).
+
+    A row is whole 128-key groups of words (the kernel's 16-byte loads at any key tile); a
+    broadcast axis stays one packed row, so a key-padding mask packs to a row per batch entry.
+    """
+    sb, sh, sq, _ = P.mask.strides
+    words = -(-P.seqlen_k // 128) * 4
+    rows = (P.batch if sb else 1), (P.heads_q if sh else 1), (P.seqlen_q if sq else 1)
+    return rows, words, (rows[1] * rows[2] * words if sb else 0, rows[2] * words if sh else 0, words if sq else 0, 1)
+
+
+def _mask_bits(P, device) -> tuple:
+    """The pack of P's bool mask to bits: ``(MaskBits or None, the packed mask's element strides)``;
+    None when there is nothing to pack (no keys: the kernel reads no mask)."""
+    (_, rows_h, rows_q), words, packed = packed_mask_layout(P)
+    rows = math.prod(packed_mask_layout(P)[0])
+    if words == 0 or rows == 0:
+        return None, packed
+    sb, sh, sq, sk = P.mask.strides
+    spec = KernelSpec("mask_bits", "f16", HEAD_DIM_BUCKETS[0], device.arch, ptx_requested())
+    packer = spec.params.partial({"stride_b": sb, "stride_h": sh, "stride_q": sq, "stride_k": sk, "rows": rows,
+                                  "rows_h": rows_h, "rows_q": rows_q, "keys": P.seqlen_k, "words": words})
+    blocks = min(-(-rows * words // spec.threads), 16 * device.sm_count)  # grid-stride beyond that
+    return MaskBits(get_kernel(spec, device), (blocks, 1, 1), (spec.threads, 1, 1), packer,
+                    layout((rows * words,), _U32)), packed
 
 
 def persistent_slots(P, tiles, held: int) -> int:
@@ -222,6 +271,11 @@ def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, retur
     lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     if not plan.empty:
         ptrs = extras + _ZEROS[len(extras):] if extras else _ZEROS
+        if plan.bits is not None:  # pack the bool mask; the buffer is freed in stream order after the kernel
+            b = plan.bits
+            packed = allocate(device, s, *b.layout)
+            launch(b.kernel, b.grid, b.block, 0, s, b.packer.pack(ptrs[0], packed.ptr))
+            ptrs = (packed.ptr,) + ptrs[1:]
         if plan.tma is not None and plan.tma.mask is not None and ptrs[0] % 16:
             # TMA reads 16-byte aligned tensors only: a mask view off that alignment runs the
             # cp.async kernel, which reads such a mask in place (documented: slower).

@@ -47,9 +47,10 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
         Broadcastable to (batch, heads_q, seqlen_q, seqlen_k) (that axis order in both layouts).
         bool: True = may attend. float16/bfloat16/float32 (host float64 too): added to the scores;
         ``-inf`` masks. Host or device; a device mask is read in place (broadcast axes cost nothing).
-        Fastest with consecutive keys and a 16-byte aligned address and strides (on sm_90a its
-        tiles then ride the TMA kernel's ring, and tiles it leaves untouched, all True or all 0,
-        cost what unmasked ones do); other masks are read by a slower kernel.
+        On sm_90a a bool mask of any layout is packed to bits per call (a small kernel) for the
+        TMA kernel; a float mask is fastest with consecutive keys and a 16-byte aligned address
+        and strides (its tiles then ride the TMA kernel's ring; other float masks are read by a
+        slower kernel). Tiles a mask leaves untouched (all True or all 0) cost what unmasked ones do.
     window : (int, int), optional
         Sliding window ``(left, right)``, -1 = unbounded: query ``i`` sees keys
         ``i + d - left <= j <= i + d + right`` with ``d = seqlen_k - seqlen_q``. Key tiles outside

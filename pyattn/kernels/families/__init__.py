@@ -39,6 +39,7 @@ _WHERE = {
     "attn_decode_tma": ("decode", "ATTN_DECODE_TMA"),
     "kv_append": ("fixed", "KV_APPEND"),
     "attn_sparse": ("fixed", "ATTN_SPARSE"),
+    "mask_bits": ("fixed", "MASK_BITS"),
     "attn_prefill_mma": ("prefill", "ATTN_PREFILL_MMA"),
     "attn_prefill_wgmma": ("prefill", "ATTN_PREFILL_WGMMA"),
     "attn_tree_mma": ("prefill", "ATTN_TREE_MMA"),
@@ -127,6 +128,9 @@ def check_spec(spec) -> None:
         raise ValueError(f"sparse: expected 0 (dense), 1 or 2 (64 x 64 tiles), got {spec.sparse!r}")
     if spec.kv not in KV_KINDS:
         raise ValueError(f"kv: expected one of {tuple(KV_KINDS)}, got {spec.kv!r}")
+    if spec.mask == "bits" and "mask" in record.mods and "bits" not in record.mods:
+        takers = " / ".join(f.name for f in FAMILIES.values() if "bits" in f.mods)
+        raise ValueError(f"mask: packed bool masks (bits) are read by {takers} only, got {spec.family}")
     bad_mods = ((spec.mask != "none" and "mask" not in record.mods) or (spec.softcap and "softcap" not in record.mods)
                 or (spec.alibi and "alibi" not in record.mods))
     bad_dtype = spec.dtype not in record.dtypes

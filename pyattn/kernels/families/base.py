@@ -31,8 +31,9 @@ CTYPES = {tag: ctype for tag, ctype in DTYPES.values()}  # spec dtype tag -> C++
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-# Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor.
-MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4}
+# Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor;
+# "bits": a bool mask packed by the mask_bits kernel (attn_fwd_tma only).
+MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4, "bits": 5}
 # Paged-cache element kinds (attn_decode / kv_append ``kv``): "" = the query dtype, else 8-bit codes
 # with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
 KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
@@ -158,7 +159,8 @@ class Family:
     dtypes : tuple of str
         The dtype tags it takes.
     mods : tuple of str
-        Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``.
+        Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``, and
+        ``"bits"`` when it also reads bool masks packed by the ``mask_bits`` kernel.
     alignment : Alignment
         What its loads and stores need of the caller's arrays.
     traits : callable, optional

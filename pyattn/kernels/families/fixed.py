@@ -3,15 +3,17 @@
 merge_states (LSE merge of attention states), split_combine (the same kernel merging the fp32
 partials of a key-split prefill, or of a decode whose splits are not merged inside its kernel,
 into the output type),
-kv_append (paged-cache writes) and attn_sparse (CSR gather attention). No traits struct, so nothing for the rendered unit to assert about shared memory.
+kv_append (paged-cache writes), attn_sparse (CSR gather attention) and mask_bits (a bool mask packed
+to bits for attn_fwd_tma). No traits struct, so nothing for the rendered unit to assert about shared memory.
 """
 
 from __future__ import annotations
 
-from ..params import KV_APPEND_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
-from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, PAGED_ALIGNMENT, Alignment, Family, FixedTile, every_arch
+from ..params import KV_APPEND_PARAMS, MASK_BITS_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
+from .base import (CTYPES, KV_KINDS, MAX_HEAD_DIM, PAGED_ALIGNMENT, WGMMA_ARCHS, Alignment, Family, FixedTile,
+                   every_arch)
 
-__all__ = ["MERGE_STATES", "SPLIT_COMBINE", "KV_APPEND", "ATTN_SPARSE"]
+__all__ = ["MERGE_STATES", "SPLIT_COMBINE", "KV_APPEND", "ATTN_SPARSE", "MASK_BITS"]
 
 # One warp per row, 4 warps per block (memory-bound; rows are independent).
 _MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
@@ -19,6 +21,11 @@ _MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
 # A grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
 _APPEND = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                 reason="memory-bound scatter: 256 threads, grid-stride over 16-byte chunks"),))
+# A grid-stride pack, one thread per 32-key word.
+# (sm_90a only: its one reader is attn_fwd_tma.)
+_BITS = {arch: (FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
+                          reason="memory-bound pack: 256 threads, grid-stride over words; unmeasured"),)
+         for arch in WGMMA_ARCHS}
 # One warp per query row, 8 keys per step; 4 rows per block.
 _SPARSE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=8, warps=4,
                                 reason="gather kernel: one warp per query row (rows have their own key lists); "
@@ -50,4 +57,10 @@ ATTN_SPARSE = Family(  # rows are read and written in (up to) 16-byte aligned pi
     tables={"dense": _SPARSE},
     template_id=lambda spec, t: f"pyattn::attn_sparse<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.warps}>",
     alignment=Alignment(qkv=16, out=16),
+)
+
+MASK_BITS = Family(  # dtype and head dim unused: one variant (f16, bucket 32) per arch
+    name="mask_bits", label="mask_bits", header="mask_bits.cuh", params=MASK_BITS_PARAMS,
+    tables={"dense": _BITS},
+    template_id=lambda spec, t: "pyattn::mask_bits", dtypes=("f16",),
 )

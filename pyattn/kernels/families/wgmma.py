@@ -84,8 +84,9 @@ _SM90_SPARSE64 = (
 )
 
 
-# Bytes per element of each mask kind (AttnFwdWgmmaTraits' MASK_BYTES; 0: no mask tensor).
-_MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4}
+# Bytes per element of each mask kind (AttnFwdWgmmaTraits' MASK_BYTES; 0: no mask tensor, or one
+# packed to bits, whose words the consumers load themselves and which takes no ring space).
+_MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4, "bits": 0}
 
 
 def _traits(spec, t) -> str:
@@ -112,8 +113,9 @@ def _smem_bytes(spec, t) -> int:
 
 
 def _table(kv: str, sparse: int, mask: str = "none") -> str:
-    """``sparse=2`` reads the 64 x 64 block-sparse tiles; a mask tensor ``mask<element bytes>``."""
-    return "sparse64" if sparse == 2 else f"mask{_MASK_BYTES[mask]}" if mask != "none" else "dense"
+    """``sparse=2`` reads the 64 x 64 block-sparse tiles; a mask tensor ``mask<element bytes>``; a
+    packed bool mask the dense rows (it takes no ring space)."""
+    return "sparse64" if sparse == 2 else f"mask{_MASK_BYTES[mask]}" if mask not in ("none", "bits") else "dense"
 
 
 def _check(spec) -> None:
@@ -135,7 +137,8 @@ ATTN_FWD_WGMMA = Family(
 
 
 # attn_fwd_tma: the same kernel, warp-specialized, its ring filled by TMA (one producer thread,
-# tensor maps encoded per call), mask tiles included; no block-sparse lists. Unlike the other
+# tensor maps encoded per call), float mask tiles included; no block-sparse lists. Bool masks come
+# packed to bits (mask "bits", the mask_bits kernel) and run on the dense rows. Unlike the other
 # tables, a row serves exactly the bucket it names, from ``min_keys`` keys on (``tma_serves``);
 # other calls run attn_fwd_wgmma. Measured on H200 against attn_fwd_wgmma's row of the same bucket
 # (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
@@ -156,17 +159,11 @@ _SM90_TMA = (
 )
 
 
-# With a mask tensor, a stage also holds its BLOCK_M x BLOCK_N mask tile (unpadded, swizzled), so
-# the rows are those that fit 227 KiB per mask element size; d = 256 with an f32 mask does not
-# (256 KiB) and keeps attn_fwd_wgmma. Tables "mask1" (bool), "mask2" (f16 / bf16), "mask4" (f32).
-_SM90_TMA_MASK1 = (
-    WgmmaTile(64, 128, 2, 3, True, 1, "bool mask: 161 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
-    WgmmaTile(128, 128, 2, 2, False, 1, "bool mask: 193 KiB (3 stages: 241 KiB); (1, 16k, 16) all True / random "
-                                        "3.98 / 4.31 ms against 4.39 / 4.49 with 64-key tiles, 4 stages, overlap "
-                                        "(dense 3.07)", ws=True),
-    WgmmaTile(192, 64, 2, 2, False, 1, "bool mask: 161 KiB", ws=True),
-    WgmmaTile(256, 64, 2, 2, False, 1, "bool mask: 209 KiB", ws=True),
-)
+# With a float mask tensor, a stage also holds its BLOCK_M x BLOCK_N mask tile (unpadded, swizzled),
+# so the rows are those that fit 227 KiB per mask element size; d = 256 with an f32 mask does not
+# (256 KiB) and keeps attn_fwd_wgmma. Tables "mask2" (f16 / bf16), "mask4" (f32). (Bool masks had a
+# "mask1" table of byte tiles in the ring, 2 stages without overlap at d = 128: 1.17x the dense time
+# from the tile shape alone; packed to bits they run the dense rows.)
 _SM90_TMA_MASK2 = (
     WgmmaTile(64, 128, 2, 3, True, 1, "16-bit mask: 209 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
     WgmmaTile(128, 128, 2, 2, False, 1, "16-bit mask: 225 KiB; bf16 zeros / random 4.41 / 4.94 ms against "
@@ -184,6 +181,8 @@ _SM90_TMA_MASK4 = (
 
 def _check_tma(spec) -> None:
     _check(spec)
+    if spec.mask == "bool":
+        raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
     if not tma_serves(spec.arch, spec.head_dim, keys=1 << 62, mask=spec.mask):  # whatever its min_keys
         raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
@@ -194,19 +193,20 @@ ATTN_FWD_TMA = Family(
     params=ATTN_FWD_TMA_PARAMS,
     tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS},
             **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
-               for n, rows in ((1, _SM90_TMA_MASK1), (2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
+               for n, rows in ((2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
-    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
-    smem_bytes=_smem_bytes, table_for=_table, takes=_TAKES, check=_check_tma,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "bits"), alignment=TENSOR_CORE_ALIGNMENT,
+    traits=_traits, smem_bytes=_smem_bytes, table_for=_table, takes=_TAKES, check=_check_tma,
 )
 
 
 def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
     """Whether attn_fwd_tma runs a call of ``keys`` keys (seqlen_k; varlen: the longest) at
     head-dim bucket ``head_dim`` (a multiple of 64) on ``arch`` with a ``mask`` tensor (its kind,
-    ``"none"`` without): a row of its table for that mask (an override's, inside one) names
-    exactly that bucket, and ``keys`` reaches its ``min_keys``."""
-    return arch in WGMMA_ARCHS and any(r.max_head_dim == head_dim and keys >= r.min_keys
+    ``"none"`` without; a bool mask as ``"bits"``, never ``"bool"``): a row of its table for that
+    mask (an override's, inside one) names exactly that bucket, and ``keys`` reaches its
+    ``min_keys``."""
+    return arch in WGMMA_ARCHS and mask != "bool" and any(r.max_head_dim == head_dim and keys >= r.min_keys
                                        for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
 
 
