@@ -38,7 +38,8 @@
 namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
-          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false>
+          bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
+          bool MASK_ROW_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   static constexpr int kHeadDim = HEAD_DIM_;  // compiled bucket; params.head_dim <= kHeadDim
@@ -85,13 +86,18 @@ struct AttnFwdWgmmaTraits {
   // [BLOCK_N * MASK_BYTES / kMaskSwz][BLOCK_M][kMaskSwz bytes], each kMaskSwz-byte row's 16-byte
   // chunks permuted by its row (the 32/64/128-byte swizzle, whichever spans a row of the box),
   // so those 8 rows again read 8 different chunks.
+  // MASK_ROW (TMA only): the mask is one row that every query row reads (query stride 0: a
+  // key-padding mask), so a stage holds one unswizzled row of the tile's keys (256 bytes of bf16
+  // at 128 keys): the dense ring still fits, where a whole mask tile forces a shallower one.
   static constexpr int kMaskBytes = MASK_BYTES_;
-  static constexpr int kMaskSwz = BLOCK_N_ * MASK_BYTES_ < 128 ? BLOCK_N_ * MASK_BYTES_ : 128;
+  static constexpr bool kMaskRowOnly = MASK_ROW_;
+  static constexpr int kMaskSwz = MASK_ROW_ || BLOCK_N_ * MASK_BYTES_ < 128 ? BLOCK_N_ * MASK_BYTES_ : 128;
   static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : 0;
-  static constexpr int kMaskTileBytes = BLOCK_M_ * kMaskRow;
+  static constexpr int kMaskTileBytes = (MASK_ROW_ ? 1 : BLOCK_M_) * kMaskRow;
   static_assert(MASK_BYTES_ == 0 || (BLOCK_N_ * MASK_BYTES_) % 16 == 0, "mask tile rows: whole 16-byte chunks");
-  static_assert(MASK_BYTES_ == 0 || !TMA_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
+  static_assert(MASK_BYTES_ == 0 || !TMA_ || MASK_ROW_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
                 "TMA mask tiles: a 32/64/128-byte swizzle, whole 1024-byte atoms");
+  static_assert(!MASK_ROW_ || (TMA_ && MASK_BYTES_ > 0 && kMaskSwz <= 1024), "MASK_ROW: a TMA mask row");
   // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles; PERSIST:
   // then a "full" and an "empty" one for the query tile.
   static constexpr int kBarrierBytes = (WS_ ? 16 * STAGES_ : 0) + (PERSIST_ ? 16 : 0);

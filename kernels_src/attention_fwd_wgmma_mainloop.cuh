@@ -258,7 +258,10 @@ struct AttnFwdWgmmaMainloop {
 
   // TMA: the distance between a mask tile's column blocks. A one-row box still starts each block
   // on a 1024-byte swizzle atom, so that its row reads unpermuted (row 0 of the atom).
-  __device__ __forceinline__ int mask_block_stride() const { return mask_rows_bcast ? 1024 : BM * Tr::kMaskSwz; }
+  // (MASK_ROW: one unswizzled copy of the whole row.)
+  __device__ __forceinline__ int mask_block_stride() const {
+    return Tr::kMaskRowOnly ? Tr::kMaskSwz : mask_rows_bcast ? 1024 : BM * Tr::kMaskSwz;
+  }
 
   // The mask tensor on key tile n0 in S's register layout, raw (FastMods::pair_at): an f32 mask's
   // values in mt, a bool or 16-bit mask's pair words in mw (index 2 i + h); nothing past the ends
@@ -293,7 +296,7 @@ struct AttnFwdWgmmaMainloop {
       const int blk = mask_block_stride();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = mask_rows_bcast ? 0 : row_a - m0 + 8 * h;
+        const int r = Tr::kMaskRowOnly || mask_rows_bcast ? 0 : row_a - m0 + 8 * h;
         const int x = (r * SWZ >> 7) & (SWZ / 16 - 1);
         const char* row = tile + r * SWZ;
 #pragma unroll

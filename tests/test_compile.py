@@ -127,7 +127,8 @@ def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
     # Mask tensors: every mask table's rows, alone (the fast path that skips the mask-free tiles)
     # and with the other modifiers.
     specs += [KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask=mask, **mods)
-              for mask, table in (("bits", "dense"), ("f16", "mask2"), ("f32", "mask4"))
+              for mask, table in (("bits", "dense"), ("f16", "mask2"), ("f32", "mask4"), ("bf16_row", "dense"),
+                                  ("f32_row", "dense"))
               for r in tile_table("attn_fwd_tma", "sm_90a", table=table)
               for mods in ({}, {"softcap": True, "alibi": True})]
     assert {s.head_dim for s in specs} == {64, 128, 192, 256}

@@ -175,7 +175,7 @@ def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, b
     """Every mask kind through the TMA kernel's swizzled tiles (keys a multiple of 16: rows of whole
     16 bytes), with broadcast batch / head / query axes and the other modifiers."""
     Sk = 16 * Sk16
-    spec = select_attention_spec("bfloat16", D, "sm_90a", mask=kind, keys=Sk)
+    spec = select_attention_spec("bfloat16", D, "sm_90a", mask=kind, keys=Sk, mask_rows=not keep[2] or Sq == 1)
     rng = np.random.default_rng(seed)
     Hq = Hkv * group
     q, k, v = _inputs(rng, B, Sq, Sk, Hq, Hkv, D, "bfloat16")
@@ -190,16 +190,21 @@ def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, b
         out, lse = out.numpy(), lse.numpy()
     _check(out, lse, q, k, v, mask=mask, **opts)
     # What ran (the same selection as the call's): TMA unless its table lacks the bucket (d=256
-    # with an f32 mask) or the call is shorter than the row's min_keys (d=64); bool masks packed.
-    row = _tma_row(spec.head_dim, table={"bool": "dense", "f32": "mask4"}.get(kind, "mask2"))
+    # with an f32 mask) or the call is shorter than the row's min_keys (d=64); bool masks packed,
+    # float masks broadcast over the query rows as one row a stage (both on the dense rows).
+    rows = not keep[2] or Sq == 1
+    dense = kind == "bool" or rows
+    row = _tma_row(spec.head_dim, table="dense" if dense else {"f32": "mask4"}.get(kind, "mask2"))
     assert spec.family == ("attn_fwd_tma" if row is not None and Sk >= row.min_keys else "attn_fwd_wgmma")
-    assert spec.mask == ("bits" if kind == "bool" and spec.family == "attn_fwd_tma" else kind)
+    if spec.family == "attn_fwd_tma":
+        assert spec.mask == ("bits" if kind == "bool" else f"{kind}_row" if rows else kind)
 
 
 @pytest.mark.parametrize("kind", sorted(MASK_DTYPES))
 def test_key_padding_masks(kind):
     """(B, 1, 1, Sk) masks hiding each sequence's padded tail, the common serving mask: one row
-    that every query row reads. A batch entry whose keys are all padding gets 0 / LSE -inf."""
+    that every query row reads (float masks: one unswizzled row a stage, "<kind>_row"). A batch
+    entry whose keys are all padding gets 0 / LSE -inf."""
     rng = np.random.default_rng(11)
     B, Sq, Sk, H, D = 3, 200, 2048 + 64, 2, 128
     q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")

@@ -14,7 +14,7 @@ from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels.families import MmaTile, override_tiles, tile_table
 from pyattn.kernels.families.base import FixedTile
 from pyattn.kernels.params import ATTN_FWD_PARAMS, ParamStruct
-from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, KernelSpec, TileConfig,
+from pyattn.kernels.specs import (DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, MAX_HEAD_DIM, KernelSpec, TileConfig,
                                   select_attention_spec, standard_specs, tile_config)
 from pyattn.runtime.device import SUPPORTED_ARCHS, arch_for_capability
 
@@ -639,11 +639,32 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
     with pytest.raises(ValueError, match="packed to bits"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
     for family, arch in (("attn_fwd_wgmma", "sm_90a"), ("attn_fwd_mma", "sm_80"), ("attn_fwd_simt", "sm_80")):
-        with pytest.raises(ValueError, match=r"packed bool masks \(bits\) are read by attn_fwd_tma only"):
-            KernelSpec(family, "f16", 128, arch, mask="bits")
+        for kind in ("bits", "bf16_row"):
+            with pytest.raises(ValueError, match=rf"mask: {kind} masks .* are read by attn_fwd_tma only"):
+                KernelSpec(family, "f16", 128, arch, mask=kind)
     with pytest.raises(ValueError, match="mask/softcap/alibi"):
         KernelSpec("attn_decode", "f16", 128, "sm_80", mask="bits")
     assert select_attention_spec("bfloat16", 64, "sm_90a", mask="bool", keys=1000).mask == "bool"  # cp.async
+
+
+def test_key_padding_float_masks_take_one_row_a_stage():
+    """A float mask broadcast over the query rows runs attn_fwd_tma's dense rows with one mask row
+    a stage (MASK_ROW, after PERSIST in the traits); other archs and short d=64 calls keep the
+    plain kind."""
+    from pyattn.kernels.families import tile_table
+
+    sizes = {"f16": 2, "bf16": 2, "f32": 4}
+    for r in tile_table("attn_fwd_tma", "sm_90a"):
+        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")
+        for kind, size in sizes.items():
+            spec = select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind, mask_rows=True)
+            assert spec.mask == f"{kind}_row" and spec.tiles == dense.tiles
+            assert spec.shared_bytes == dense.shared_bytes + r.stages * r.block_n * size <= 227 * 1024
+            assert spec.template_id.endswith(f"{'true' if r.persistent else 'false'}, true>, "
+                                             f"pyattn::ScoreMods<{MASK_KINDS[kind]}, false, false>>")
+            assert select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind).mask == kind
+    assert select_attention_spec("bfloat16", 128, "sm_80", mask="f32", mask_rows=True).mask == "f32"
+    assert select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100).mask == "f32"
 
 
 def test_packed_mask_layout():

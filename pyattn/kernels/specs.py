@@ -220,7 +220,7 @@ def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
 
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
                           softcap: bool = False, alibi: bool = False, allow_tf32: bool = False,
-                          sparse: int = 0, tma: bool = True, keys: int = 1 << 20) -> KernelSpec:
+                          sparse: int = 0, tma: bool = True, keys: int = 1 << 20, mask_rows: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -246,6 +246,9 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     keys : int
         The call's seqlen_k (varlen: the longest): the TMA kernel's rows say from how many keys
         on they serve (default: a long call).
+    mask_rows : bool
+        The mask is broadcast over the query rows (query stride 0, a key-padding mask): the TMA
+        kernel then takes a float mask as one row a stage on its dense rows (mask ``"<kind>_row"``).
     """
     tag, bucket = _tag_and_bucket(dtype_name, head_dim)
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
@@ -257,9 +260,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
         from .families.wgmma import tma_serves  # the wgmma records: built on sm_90a only (issue 16)
 
-        # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call).
+        # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call), a
+        # float key-padding mask as one row a stage.
         bucket = -(-head_dim // 64) * 64
-        packed = "bits" if mask == "bool" else mask
+        packed = "bits" if mask == "bool" else f"{mask}_row" if mask_rows and mask != "none" else mask
         tma = tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
     else:

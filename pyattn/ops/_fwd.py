@@ -121,7 +121,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
                                  tma=maps is not None and (P.mask is None or P.mask.kind == "bool"
                                                            or mask_map_layout is not None),
-                                 keys=P.seqlen_k)
+                                 keys=P.seqlen_k, mask_rows=P.mask is not None and P.mask.strides[2] == 0)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
@@ -154,7 +154,9 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     mask_map = None
-    if tma and spec.mask not in ("none", "bits"):
+    if tma and spec.mask.endswith("_row"):  # a key-padding mask: the tile's keys of its one row, unswizzled
+        mask_map = MaskMap(_MASK_MAP_DTYPES[P.mask.kind][0], mask_map_layout, (tiles.block_n, 1), 0)
+    elif tma and spec.mask not in ("none", "bits"):
         kind, size = _MASK_MAP_DTYPES[P.mask.kind]
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all

@@ -60,8 +60,8 @@ def _driver_enums():
         t, sw = d.CUtensorMapDataType, d.CUtensorMapSwizzle
         types = {"f16": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bf16": t.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                  "f32": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "u8": t.CU_TENSOR_MAP_DATA_TYPE_UINT8}
-        swizzles = {32: sw.CU_TENSOR_MAP_SWIZZLE_32B, 64: sw.CU_TENSOR_MAP_SWIZZLE_64B,
-                    128: sw.CU_TENSOR_MAP_SWIZZLE_128B}
+        swizzles = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
+                    64: sw.CU_TENSOR_MAP_SWIZZLE_64B, 128: sw.CU_TENSOR_MAP_SWIZZLE_128B}
         _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles,
                   d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
@@ -86,7 +86,8 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
     box : tuple
         ``(inner, rows)``: elements and rows per copy, each at most 256.
     swizzle : int
-        32, 64 or 128: the swizzle span in bytes (``inner`` elements fill it).
+        32, 64 or 128: the swizzle span in bytes (``inner`` elements fill it); 0: none (then
+        ``inner`` elements are any multiple of 16 bytes).
 
     Raises
     ------

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 
 from ...runtime.device import SUPPORTED_ARCHS
 from . import tables
-from .base import CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, WGMMA_ARCHS, Family, TileConfig
+from .base import (CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, TMA_MASK_KINDS, WGMMA_ARCHS,
+                   Family, TileConfig)
 
 __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "BwdWgmmaTile",
            "KV_HEAD_DIM_BUCKETS",
@@ -128,9 +129,10 @@ def check_spec(spec) -> None:
         raise ValueError(f"sparse: expected 0 (dense), 1 or 2 (64 x 64 tiles), got {spec.sparse!r}")
     if spec.kv not in KV_KINDS:
         raise ValueError(f"kv: expected one of {tuple(KV_KINDS)}, got {spec.kv!r}")
-    if spec.mask == "bits" and "mask" in record.mods and "bits" not in record.mods:
-        takers = " / ".join(f.name for f in FAMILIES.values() if "bits" in f.mods)
-        raise ValueError(f"mask: packed bool masks (bits) are read by {takers} only, got {spec.family}")
+    if spec.mask in TMA_MASK_KINDS and "mask" in record.mods and "tma_masks" not in record.mods:
+        takers = " / ".join(f.name for f in FAMILIES.values() if "tma_masks" in f.mods)
+        raise ValueError(f"mask: {spec.mask} masks (bool packed to bits, float rows broadcast over queries) are "
+                         f"read by {takers} only, got {spec.family}")
     bad_mods = ((spec.mask != "none" and "mask" not in record.mods) or (spec.softcap and "softcap" not in record.mods)
                 or (spec.alibi and "alibi" not in record.mods))
     bad_dtype = spec.dtype not in record.dtypes

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, NamedTuple
 from ...runtime.device import SUPPORTED_ARCHS
 from ..params import ParamStruct
 
-__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "KV_KINDS", "KV_HEAD_DIM_BUCKETS",
+__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS", "KV_HEAD_DIM_BUCKETS",
            "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment", "TENSOR_CORE_ALIGNMENT",
            "PAGED_ALIGNMENT", "Family",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
@@ -32,8 +32,11 @@ CTYPES = {tag: ctype for tag, ctype in DTYPES.values()}  # spec dtype tag -> C++
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 # Mask tensor element type -> kernels_src/attention_mask.cuh MaskKind; "none" = no mask tensor;
-# "bits": a bool mask packed by the mask_bits kernel (attn_fwd_tma only).
-MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4, "bits": 5}
+# "bits": a bool mask packed by the mask_bits kernel; "<float>_row": a float mask broadcast over
+# the query rows (a key-padding mask), one row a stage (both attn_fwd_tma only: TMA_MASK_KINDS).
+MASK_KINDS = {"none": 0, "bool": 1, "f16": 2, "bf16": 3, "f32": 4, "bits": 5, "f16_row": 2, "bf16_row": 3,
+              "f32_row": 4}
+TMA_MASK_KINDS = ("bits", "f16_row", "bf16_row", "f32_row")
 # Paged-cache element kinds (attn_decode / kv_append ``kv``): "" = the query dtype, else 8-bit codes
 # with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
 KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
@@ -160,7 +163,8 @@ class Family:
         The dtype tags it takes.
     mods : tuple of str
         Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``, and
-        ``"bits"`` when it also reads bool masks packed by the ``mask_bits`` kernel.
+        ``"tma_masks"`` when it also reads the :data:`TMA_MASK_KINDS` (bool masks packed by the
+        ``mask_bits`` kernel, float masks broadcast over the query rows as one row a stage).
     alignment : Alignment
         What its loads and stores need of the caller's arrays.
     traits : callable, optional

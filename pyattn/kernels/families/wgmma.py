@@ -12,7 +12,8 @@ and attn_fwd_tma: the same kernel with its ring filled by TMA (dense calls).
 from typing import NamedTuple
 
 from ..params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
-from .base import CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, score_mods
+from .base import (CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, TMA_MASK_KINDS, WGMMA_ARCHS, Family, TileConfig,
+                   score_mods)
 from .tables import rows as table_rows
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes", "tma_serves"]
@@ -86,7 +87,8 @@ _SM90_SPARSE64 = (
 
 # Bytes per element of each mask kind (AttnFwdWgmmaTraits' MASK_BYTES; 0: no mask tensor, or one
 # packed to bits, whose words the consumers load themselves and which takes no ring space).
-_MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4, "bits": 0}
+_MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4, "bits": 0, "f16_row": 2, "bf16_row": 2,
+               "f32_row": 4}
 
 
 def _traits(spec, t) -> str:
@@ -95,6 +97,8 @@ def _traits(spec, t) -> str:
     mb = _MASK_BYTES[spec.mask]
     if spec.family == "attn_fwd_tma":
         tail = f", {mb}, true, true" + (", true" if t.persistent else "")
+        if spec.mask.endswith("_row"):  # MASK_ROW after PERSIST
+            tail += ("" if t.persistent else ", false") + ", true"
     else:
         tail = f", {mb}, true" if t.ws else f", {mb}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
@@ -107,15 +111,19 @@ def _smem_bytes(spec, t) -> int:
     when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family == "attn_fwd_tma" else 16
-    mask_tile = t.block_m * (t.block_n * mb + pad) if mb else 0
+    rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
+    mask_tile = rows * (t.block_n * mb + pad) if mb else 0
     barriers = (16 * t.stages if t.ws else 0) + (16 if t.persistent else 0)  # PERSIST: the query tile's two
     return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + t.stages * mask_tile + barriers + 1024
 
 
 def _table(kv: str, sparse: int, mask: str = "none") -> str:
     """``sparse=2`` reads the 64 x 64 block-sparse tiles; a mask tensor ``mask<element bytes>``; a
-    packed bool mask the dense rows (it takes no ring space)."""
-    return "sparse64" if sparse == 2 else f"mask{_MASK_BYTES[mask]}" if mask not in ("none", "bits") else "dense"
+    packed bool mask or a float mask's one row (attn_fwd_tma) the dense rows (they take no or
+    little ring space)."""
+    if sparse == 2:
+        return "sparse64"
+    return "dense" if mask == "none" or mask in TMA_MASK_KINDS else f"mask{_MASK_BYTES[mask]}"
 
 
 def _check(spec) -> None:
@@ -195,7 +203,7 @@ ATTN_FWD_TMA = Family(
             **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
                for n, rows in ((2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
-    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "bits"), alignment=TENSOR_CORE_ALIGNMENT,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "tma_masks"), alignment=TENSOR_CORE_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_table, takes=_TAKES, check=_check_tma,
 )
 
