@@ -8,9 +8,11 @@
 // Varlen: a tile that reaches past its sequence's end reads the next sequence's rows (TMA clips at
 // the packed tensor's end only); the kernel masks those keys as before (P = 0 there, and query
 // rows past the end are never stored).
-// A mask tensor's tiles come the same way (map tm_mask; its swizzle is the one that spans a tile
-// row's bytes, up to 128), so a masked call runs this kernel too; the host maps only masks whose
-// keys are consecutive and whose address and strides are whole 16 bytes.
+// A float mask tensor's tiles come the same way (map tm_mask; its swizzle is the one that spans a
+// tile row's bytes, up to 128; a key-padding mask with MASK_ROW: one unswizzled row a stage), so a
+// masked call runs this kernel too; the host maps only masks whose keys are consecutive and whose
+// address and strides are whole 16 bytes. A bool mask comes packed to bits (mask_bits.cuh), which
+// the consumers load themselves: no map, no ring space.
 // Traits with PERSIST (attn_fwd_tma_persistent below) launch one block an SM that walks the query
 // tiles; the others launch as attn_fwd_wgmma.
 // Requires pyattn::AttnFwdTmaParams (rendered: AttnFwdParams `fwd`, then the maps tm_q, tm_k,

@@ -220,7 +220,8 @@ def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
 
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
                           softcap: bool = False, alibi: bool = False, allow_tf32: bool = False,
-                          sparse: int = 0, tma: bool = True, keys: int = 1 << 20, mask_rows: bool = False) -> KernelSpec:
+                          sparse: int = 0, tma: bool = True, keys: int = 1 << 20,
+                          mask_rows: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters

@@ -21,10 +21,10 @@ _MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
 # A grid-stride copy, one thread per 16-byte chunk of a (token, kv head) row.
 _APPEND = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                 reason="memory-bound scatter: 256 threads, grid-stride over 16-byte chunks"),))
-# A grid-stride pack, one thread per 32-key word.
-# (sm_90a only: its one reader is attn_fwd_tma.)
+# A grid-stride pack, one thread per 32-key word; sm_90a only (its one reader is attn_fwd_tma).
 _BITS = {arch: (FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
-                          reason="memory-bound pack: 256 threads, grid-stride over words; unmeasured"),)
+                          reason="memory-bound pack: 256 threads, grid-stride over words; 16k x 16k bytes in "
+                                 "74 us, 84% of DRAM (ncu, H200)"),)
          for arch in WGMMA_ARCHS}
 # One warp per query row, 8 keys per step; 4 rows per block.
 _SPARSE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=8, warps=4,

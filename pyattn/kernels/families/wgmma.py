@@ -214,8 +214,8 @@ def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
     ``"none"`` without; a bool mask as ``"bits"``, never ``"bool"``): a row of its table for that
     mask (an override's, inside one) names exactly that bucket, and ``keys`` reaches its
     ``min_keys``."""
-    return arch in WGMMA_ARCHS and mask != "bool" and any(r.max_head_dim == head_dim and keys >= r.min_keys
-                                       for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
+    return arch in WGMMA_ARCHS and mask != "bool" and any(
+        r.max_head_dim == head_dim and keys >= r.min_keys for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
 
 
 def wgmma_shapes(tables=None) -> tuple:
