@@ -203,8 +203,8 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
     ml.tma_q = {m0 + static_cast<int>(seq.q_row0), p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
     ml.tma_k = {static_cast<int>(seq.k_row0), p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
     ml.tma_v = {static_cast<int>(seq.k_row0), p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
-    // The mask's map (keys, query rows, heads, batch): a key-padding mask (query stride 0) is one
-    // row, copied once per tile and read by every row.
+    // The mask's map (keys, query rows, heads, batch): a key-padding mask (query stride 0, MASK_ROW)
+    // is one row, copied once per tile and read by every row.
     ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
   }
   ml.wg_row0 = m0 + ml.wgi * 64;
@@ -226,10 +226,7 @@ __device__ __forceinline__ void wgmma_fwd_block(Mainloop& ml, const AttnFwdParam
   ml.mask_smem = smem_raw + (sMask - wg::smem_u32(smem_raw));
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
-  if constexpr (Tr::kTma) {
-    ml.maps = maps;
-    ml.mask_rows_bcast = p.mask_stride_q == 0;
-  }
+  if constexpr (Tr::kTma) ml.maps = maps;
   ml.wgi = threadIdx.x / 128;  // warpgroup
   ml.t = threadIdx.x % 4;
   ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile

@@ -72,7 +72,6 @@ struct AttnFwdWgmmaMainloop {
   };
   const TmaMap* maps;              // tm_q, tm_k, tm_v and (with a mask tensor) tm_mask
   TmaAt tma_q, tma_k, tma_v, tma_m;  // tma_m: (query row, head, batch) of the mask's box
-  bool mask_rows_bcast;            // the mask's box is one row (query stride 0) that every row reads
 
   // The token (band position) of this thread's row half h.
   __device__ __forceinline__ int token(int h) const {
@@ -186,8 +185,7 @@ struct AttnFwdWgmmaMainloop {
   __device__ __forceinline__ void produce_tma_tiles(unsigned& empty_bits, unsigned sQ, bool q_with_tile0) {
     constexpr int kBlocks = D / 64;
     constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
-    // Bytes a stage's copies complete: a one-row mask box is SWZ bytes a block.
-    const unsigned stage_bytes = Tr::kStageBytes + (mask_rows_bcast ? kMaskBlocks * SWZ : Tr::kMaskTileBytes);
+    constexpr unsigned stage_bytes = Tr::kStageBytes + Tr::kMaskTileBytes;  // what a stage's copies complete
     int st = 0;
     for (int i = 0; i < n_tiles; ++i) {
       const unsigned full = bar_full + 8 * st, kv = sKV + st * Tr::kStageBytes;
@@ -206,7 +204,7 @@ struct AttnFwdWgmmaMainloop {
       if constexpr (MB > 0)
 #pragma unroll
         for (int c = 0; c < kMaskBlocks; ++c)
-          tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * mask_block_stride(), maps + 3, full, n0 + c * (SWZ / MB),
+          tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * kMaskBlockStride, maps + 3, full, n0 + c * (SWZ / MB),
                        tma_m.row, tma_m.head, tma_m.batch);
       if (++st == STAGES) st = 0;
     }
@@ -256,12 +254,9 @@ struct AttnFwdWgmmaMainloop {
     if constexpr (Tr::kWS) arrive_warp(bar_empty + 8 * st);
   }
 
-  // TMA: the distance between a mask tile's column blocks. A one-row box still starts each block
-  // on a 1024-byte swizzle atom, so that its row reads unpermuted (row 0 of the atom).
-  // (MASK_ROW: one unswizzled copy of the whole row.)
-  __device__ __forceinline__ int mask_block_stride() const {
-    return Tr::kMaskRowOnly ? Tr::kMaskSwz : mask_rows_bcast ? 1024 : BM * Tr::kMaskSwz;
-  }
+  // TMA: the distance between a mask tile's column blocks (MASK_ROW: one block, the whole row
+  // unswizzled; a mask broadcast over the query rows always comes so, never as a whole tile).
+  static constexpr int kMaskBlockStride = (Tr::kMaskRowOnly ? 1 : BM) * Tr::kMaskSwz;
 
   // The mask tensor on key tile n0 in S's register layout, raw (FastMods::pair_at): an f32 mask's
   // values in mt, a bool or 16-bit mask's pair words in mw (index 2 i + h); nothing past the ends
@@ -290,13 +285,12 @@ struct AttnFwdWgmmaMainloop {
       }
     } else if constexpr (Tr::kTma && Tr::kMaskBytes > 0) {
       // The swizzled tile (AttnFwdWgmmaTraits): byte w of row r's column block sits in 16-byte
-      // chunk (w / 16) ^ ((r * SWZ / 128) % (SWZ / 16)) of the row; a one-row box is row 0.
-      constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz;
+      // chunk (w / 16) ^ ((r * SWZ / 128) % (SWZ / 16)) of the row; a MASK_ROW row is row 0.
+      constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, blk = kMaskBlockStride;
       const char* tile = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes;
-      const int blk = mask_block_stride();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = Tr::kMaskRowOnly || mask_rows_bcast ? 0 : row_a - m0 + 8 * h;
+        const int r = Tr::kMaskRowOnly ? 0 : row_a - m0 + 8 * h;
         const int x = (r * SWZ >> 7) & (SWZ / 16 - 1);
         const char* row = tile + r * SWZ;
 #pragma unroll
@@ -351,14 +345,19 @@ struct AttnFwdWgmmaMainloop {
     step<false>(0);
     for (int j = 1; j < n_tiles; ++j) step<OVERLAP>(j);
     if constexpr (OVERLAP) {  // -- O += P_last V_last
-      wg::fence_operands(acc);
-      wg::fence();
-      pv(prev_stage);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(acc);
+      pv_now(prev_stage);
       if constexpr (Tr::kPersist) release(prev_stage);
     }
+  }
+
+  // O += P V with V in `st`'s stage, issued and waited for (nothing else in flight).
+  __device__ __forceinline__ void pv_now(int st) {
+    wg::fence_operands(acc);
+    wg::fence();
+    pv(st);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(acc);
   }
 
   // O += P V with V in `st`'s stage.
@@ -568,12 +567,7 @@ struct AttnFwdWgmmaMainloop {
       pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
     if constexpr (!OVERLAP) {  // -- O += P_j V_j now
-      wg::fence_operands(acc);
-      wg::fence();
-      pv(stage);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(acc);
+      pv_now(stage);
       release(stage);
     }
     prev_stage = stage;

@@ -159,8 +159,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     elif tma and spec.mask not in ("none", "bits"):
         kind, size = _MASK_MAP_DTYPES[P.mask.kind]
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
-        rows = tiles.block_m if P.mask.strides[2] else 1  # a key-padding mask: one row serves them all
-        mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, rows), swizzle)
+        # a whole tile of rows (a key-padding mask is a "_row" kind, above)
+        mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, tiles.block_m), swizzle)
     # A persistent kernel's grid: the blocks the GPU holds at once (one an SM for its rows), or for
     # some causal calls one work unit a block (persistent_slots).
     slots = persistent_slots(P, tiles, device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)) \
