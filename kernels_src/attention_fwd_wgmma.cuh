@@ -232,30 +232,81 @@ __device__ __forceinline__ void wgmma_fwd_block(Mainloop& ml, const AttnFwdParam
   ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
 }
 
+// A row's 32 consecutive output columns lie across a quad as 4-byte pairs: lane t holds columns
+// 8g + 2t, 8g + 2t + 1 of each 8-column group g = 4j + k (a[k]). A 4x4 transpose over the quad (a
+// shuffle round over lane bit 0 within 2x2 blocks, one over bit 1 across them) leaves lane t group
+// 4j + t whole: a[k] = lane k's pair of it, 16 consecutive bytes.
+__device__ __forceinline__ void quad_transpose4(unsigned (&a)[4], int t) {
+  const bool b0 = t & 1, b1 = t & 2;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const unsigned r = __shfl_xor_sync(kFullMask, b0 ? a[2 * c] : a[2 * c + 1], 1);
+    if (b0) {
+      a[2 * c] = r;
+    } else {
+      a[2 * c + 1] = r;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const unsigned r = __shfl_xor_sync(kFullMask, b1 ? a[e] : a[2 + e], 2);
+    if (b1) {
+      a[e] = r;
+    } else {
+      a[2 + e] = r;
+    }
+  }
+}
+
 // The epilogue of a consumer thread: full row sums, normalise, store O and the natural-log LSE.
+// O leaves in 16-byte stores (quad_transpose4) when the output's rows are 16-byte aligned (always
+// for pyattn's own outputs; an `out=` view may be 4-byte aligned only): a warp's 4-byte store
+// writes 16 bytes in each of 8 rows, so the L1 handled 8 lines for 128 bytes, 4 times a 16-byte
+// store's work for the same data, on the consumers' way to their next query tile. Warp-specialized
+// rows only: the others run two blocks an SM at 128 registers a thread, where the shuffles spilled
+// (d = 64: 20 / 64 bytes) and d = 64 at 1k keys ran slower.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFwdParams& p,
                                                 const FwdTileAt<typename Tr::T>& at) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
+  static_assert(D % 32 == 0, "wgmma_fwd_store: head-dim buckets are multiples of 32");
+  const bool wide = Tr::kWS && ((reinterpret_cast<unsigned long long>(at.o) |
+                      static_cast<unsigned long long>(p.o_stride_s) * sizeof(T)) & 15) == 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = ml.row_sum[h];
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     sum += __shfl_xor_sync(kFullMask, sum, 2);
     const int row = ml.row_a + 8 * h;
-    if (row >= ml.sq) continue;
+    const bool row_in = row < ml.sq;  // the quad's rows: the shuffles below run on every lane
     const bool empty = sum == 0.f;
     const float inv = empty ? 0.f : 1.f / sum;
-    T* orow = at.o + row * p.o_stride_s;
+    T* orow = at.o + static_cast<long long>(row) * p.o_stride_s;
+    if (wide) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int d = i * 8 + 2 * ml.t;
-      if (d < p.head_dim)  // head_dim is a multiple of 8, so d + 1 is in range too
-        *reinterpret_cast<unsigned*>(orow + d) =
-            pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+      for (int j = 0; j < D / 32; ++j) {
+        unsigned a[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * j + k;
+          a[k] = pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+        }
+        quad_transpose4(a, ml.t);
+        const int d = 8 * (4 * j + ml.t);
+        if (row_in && d < p.head_dim)  // head_dim is a multiple of 8: the group is whole
+          *reinterpret_cast<uint4*>(orow + d) = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+    } else if (row_in) {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const int d = i * 8 + 2 * ml.t;
+        if (d < p.head_dim)  // head_dim is a multiple of 8, so d + 1 is in range too
+          *reinterpret_cast<unsigned*>(orow + d) =
+              pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+      }
     }
-    if (p.lse != nullptr && ml.t == 0) {
+    if (row_in && p.lse != nullptr && ml.t == 0) {
       const long long idx = at.batch * p.lse_stride_b + at.head * p.lse_stride_h + at.seq.q_row0 + row;
       p.lse[idx] = empty ? -inf() : (ml.row_max[h] * ml.sl2 + log2f(sum)) * kLn2;
     }

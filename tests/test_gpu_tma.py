@@ -86,6 +86,30 @@ def test_packed_qkv_views(B, S, H, D, dtype, causal, seed):
     _check(out.numpy(), None, *(np.ascontiguousarray(host[:, :, i, :, :D]) for i in range(3)), causal=causal)
 
 
+@pytest.mark.parametrize("Sk", [300, 4096])  # attn_fwd_wgmma at d = 64 below 2048 keys, attn_fwd_tma above
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_outputs_through_views_4_bytes_aligned(D, Sk):
+    """The warp-specialized rows store O in 16-byte pieces when the output's rows are 16-byte
+    aligned, else in 4-byte pairs (the others always in pairs): an ``out=`` view 4 bytes off with a
+    row stride of D + 2 elements takes the pairs (and the columns between the rows stay untouched);
+    the same call into a fresh output takes the 16-byte stores, with the same result."""
+    rng = np.random.default_rng(D + Sk)
+    B, Sq, H = 2, 333, 2
+    q, k, v = (pyattn.asarray(x) for x in _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16"))
+    row = H * (D + 2)
+    base = pyattn.asarray(np.full((B * Sq * row + 2,), 7.0, dtype=ml_dtypes.bfloat16))
+    out = _view(base, 2, (B, Sq, H, D), (Sq * row, row, D + 2, 1))
+    assert out.ptr % 16 == 4
+    res, lse = pyattn.attention(q, k, v, causal=True, out=out, return_lse=True)
+    fresh = pyattn.attention(q, k, v, causal=True)
+    hq, hk, hv = (x.numpy() for x in (q, k, v))
+    _check(fresh.numpy(), None, hq, hk, hv, causal=True)
+    got = base.numpy()[2:].reshape(B, Sq, H, D + 2)
+    _check(got[..., :D], lse.numpy(), hq, hk, hv, causal=True)
+    assert np.array_equal(got[..., :D].astype(np.float32), fresh.numpy().astype(np.float32))
+    assert (got[..., D:].astype(np.float32) == 7.0).all() and base.numpy()[:2].astype(np.float32).tolist() == [7, 7]
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_keys_broadcast_over_the_batch(D):
     """K and V with batch stride 0 (one cache shared by every batch entry): a map axis of size 1."""
