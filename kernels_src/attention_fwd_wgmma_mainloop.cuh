@@ -28,6 +28,7 @@ struct AttnFwdWgmmaMainloop {
   static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
   static constexpr int O_REGS = D / 2;
   static constexpr int KS = BN / 16;     // k16 steps of P V
+  static constexpr float kLazyLog2 = 8.f;  // how far (log2 units) a row's max may outgrow its softmax reference
 
   // -- invariant
   const T* k;
@@ -521,7 +522,13 @@ struct AttnFwdWgmmaMainloop {
     // -- online softmax: the 4 lanes of a quad share rows row_a and row_a + 8. Row max and sum run
     // as four interleaved chains: as one running chain they were BN / 4 dependent instructions per
     // row and tile, and the kernel is bound by its instruction latency (ncu: "wait" the top stall).
+    // The reference max is lazy (as FlashAttention-4 does): a row's exponentials stay referred to
+    // the max it had until a tile's max outgrows that by more than 2^kLazyLog2 (P up to 256 then,
+    // exact in fp32 and within 16-bit range; the epilogue divides by the sum under the same
+    // reference). So after a row's first tiles O is rarely rescaled: that multiply was one
+    // instruction a score at d = 128 (D / BN of them) and four at d = 256, of ~8.
     float corr[2];
+    bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Four independent running maxima / sums (4 x shorter dependency chains than one).
@@ -531,10 +538,13 @@ struct AttnFwdWgmmaMainloop {
       float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-      // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
-      const float ref = mx == -inf() ? 0.f : mx * sl2;
-      corr[h] = fast_exp2(fmaf(row_max[h], sl2, -ref));
-      row_max[h] = mx;
+      // A row's first visible key: +inf > kLazyLog2 (corr 0). No visible key yet: NaN, not moved,
+      // max stays -inf and the row exponentiates against 0, never (-inf) - (-inf).
+      const bool move = (mx - row_max[h]) * sl2 > kLazyLog2;
+      corr[h] = move ? fast_exp2((row_max[h] - mx) * sl2) : 1.f;
+      if (move) row_max[h] = mx;
+      moved = moved || move;
+      const float ref = row_max[h] == -inf() ? 0.f : row_max[h] * sl2;
       float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i) {
@@ -545,18 +555,19 @@ struct AttnFwdWgmmaMainloop {
       row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));  // quad-partial; reduced in the epilogue
     }
 
-    // -- O (tiles < j, under the old max) *= corr, once P_{j-1} V_{j-1} has landed
+    // -- O (tiles < j, under the old reference) *= corr, once P_{j-1} V_{j-1} has landed; only
+    // where a row of the warp moved its reference (a warp-uniform branch)
     if constexpr (WITH_PV) {
       wg::wait<0>();
       wg::fence_operands(acc);
       release(prev_stage);  // V_{j-1} read
     }
-    // (Skipping this when no row's max moved, behind a warp vote, measured 0-13% slower: the
-    // branch keeps the multiplies from interleaving with the packing below.)
+    if (__any_sync(kFullMask, moved)) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];
-      acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
+      for (int i = 0; i < D / 8; ++i) {
+        acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];
+        acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
+      }
     }
     // -- P_j as A fragments: n8 blocks 2kk and 2kk+1 of S form k16 step kk
 #pragma unroll
