@@ -54,9 +54,13 @@ struct AttnFwdWgmmaTraits {
   // bytes, at 40 / 232 48; the consumers, who issue no copies, fit in 224 (d = 128, ptxas -v).
   // TMA (attn_fwd_tma): one producer thread issues a few bulk tensor copies per tile and computes
   // no addresses, so the producer gives up all but 24 registers (128 * 24 + 256 * 240 = 64512).
+  // One consumer warpgroup (TMA only): two blocks an SM, each 128 * 24 + 128 * 232 = 32768, half
+  // the file; the blocks' tiles then start and end at different times, so one's prologue and
+  // epilogue run under the other's GEMMs.
   static constexpr bool kTma = TMA_;
-  static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = TMA_ ? 240 : 224;
-  static_assert(!WS_ || WARPGROUPS_ == 2, "WS: the register split is for two consumer warpgroups");
+  static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = !TMA_ ? 224 : WARPGROUPS_ == 1 ? 232 : 240;
+  static_assert(!WS_ || WARPGROUPS_ == 2 || (WARPGROUPS_ == 1 && TMA_),
+                "WS: the register split is for two consumer warpgroups, or one with TMA");
   static_assert(!TMA_ || WS_, "TMA: a producer warpgroup issues the copies");
   // PERSIST (attn_fwd_tma): one block per SM walks query tiles (attention_fwd_tma.cuh), so a
   // tile's Q and first K/V load under the previous tile's last steps and epilogue.
@@ -64,7 +68,7 @@ struct AttnFwdWgmmaTraits {
   static_assert(!PERSIST_ || TMA_, "PERSIST: the TMA producer walks the tiles");
   // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
   // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
-  static constexpr bool kPingPong = WS_ && OVERLAP_;
+  static constexpr bool kPingPong = WS_ && OVERLAP_ && WARPGROUPS_ == 2;
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
   // How many tiles ahead of the one in use a tile is loaded (see the header comment).

@@ -444,9 +444,9 @@ def test_num_splits_of_the_ragged_benchmark_batch():
     (dict(q_tiles=3), r"^q_tiles: .* got 3"),
     (dict(head_dim=256, q_tiles=2), r"^q_tiles: attn_decode at head_dim 256 on sm_90a takes 1 to 1"),
     (dict(mask="bool", q_tiles=1), r"^mask/softcap/alibi:"),
-    (dict(family="merge_states", q_tiles=1), r"^q_tiles: only attn_decode / attn_decode_tma takes q_tiles"),
-    (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_decode"),
-    (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_decode"),
+    (dict(family="merge_states", q_tiles=1), r"^q_tiles: only attn_fwd_tma / attn_decode / attn_decode_tma takes q_tiles"),
+    (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_fwd_tma / attn_decode"),
+    (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_fwd_tma / attn_decode"),
     (dict(family="merge_states", softcap=True), r"^mask/softcap/alibi:"),
     (dict(family="kv_append", head_dim=32, dtype="f32"), r"^dtype: kv_append takes f16 or bf16"),
 ])

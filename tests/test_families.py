@@ -41,10 +41,12 @@ def test_record_names_real_headers_and_consistent_tables(name):
             assert rows and len({type(r) for r in rows}) == 1 and type(rows[0]) in ROW_TYPES, (name, table, arch)
             bounds = [r.max_head_dim for r in rows]
             # every family covers every head dim, but the wgmma backward (dK + dV in registers: <= 128;
-            # select_backward_specs sends larger ones to attn_bwd_mma) and the TMA kernel with an f32
-            # mask (its d=256 ring does not fit: tma_serves sends it to attn_fwd_wgmma)
+            # select_backward_specs sends larger ones to attn_bwd_mma), the TMA kernel with an f32
+            # mask (its d=256 ring does not fit: tma_serves sends it to attn_fwd_wgmma) and its short
+            # rows (two one-warpgroup blocks an SM fit at d = 64 only; tma_serves_short)
             top = WGMMA_BWD_MAX_HEAD_DIM if name == "attn_bwd_wgmma" else \
-                192 if (name, table) == ("attn_fwd_tma", "mask4") else MAX_HEAD_DIM
+                192 if (name, table) == ("attn_fwd_tma", "mask4") else \
+                64 if (name, table) == ("attn_fwd_tma", "short") else MAX_HEAD_DIM
             assert bounds == sorted(set(bounds)) and bounds[-1] == top, (name, table, arch)
             assert all(r.reason.strip() and isinstance(r.config(), TileConfig) for r in rows), (name, table, arch)
     if record.traits is not None:  # the traits struct the static_assert names is in the header
@@ -122,7 +124,7 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_decode", "f16", 64, "sm_80", False, "bool", False, False, 1), r"^mask/softcap/alibi: only attention"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", True, True, 3), r"^q_tiles: attn_decode at head_dim 64"),
     (("attn_decode", "f16", 96, "sm_80", False, "none", False, False, 1, 0, "int8"), r"^head_dim: 8-bit caches"),
-    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_decode / attn_decode_tma takes"),
+    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_fwd_tma / attn_decode / attn_decode_tma takes"),
     (("attn_fwd_simt", "f16", 64, "sm_80", False, "none", False, False, 0, 1),
      r"^sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, got attn_fwd_simt"),
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),

@@ -16,6 +16,7 @@ import pytest
 
 import pyattn
 from pyattn.array import DeviceArray
+from pyattn.kernels.families import tile_table
 from pyattn.kernels.specs import select_attention_spec
 from pyattn.reference import error_bound
 
@@ -86,7 +87,7 @@ def test_packed_qkv_views(B, S, H, D, dtype, causal, seed):
     _check(out.numpy(), None, *(np.ascontiguousarray(host[:, :, i, :, :D]) for i in range(3)), causal=causal)
 
 
-@pytest.mark.parametrize("Sk", [300, 4096])  # attn_fwd_wgmma at d = 64 below 2048 keys, attn_fwd_tma above
+@pytest.mark.parametrize("Sk", [300, 4096])  # d = 64: the short row below 4096 keys, the dense row from there
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_outputs_through_views_4_bytes_aligned(D, Sk):
     """The warp-specialized rows store O in 16-byte pieces when the output's rows are 16-byte
@@ -214,12 +215,16 @@ def test_tma_masks_match_the_reference(B, Sq, Sk16, Hkv, group, D, kind, keep, b
         out, lse = out.numpy(), lse.numpy()
     _check(out, lse, q, k, v, mask=mask, **opts)
     # What ran (the same selection as the call's): TMA unless its table lacks the bucket (d=256
-    # with an f32 mask) or the call is shorter than the row's min_keys (d=64); bool masks packed,
-    # float masks broadcast over the query rows as one row a stage (both on the dense rows).
+    # with an f32 mask) or the call is shorter than the row's min_keys (d=64: then the short row
+    # where the mask rides the dense rows); bool masks packed, float masks broadcast over the query
+    # rows as one row a stage (both on the dense rows).
     rows = not keep[2] or Sq == 1
     dense = kind == "bool" or rows
     row = _tma_row(spec.head_dim, table="dense" if dense else {"f32": "mask4"}.get(kind, "mask2"))
-    assert spec.family == ("attn_fwd_tma" if row is not None and Sk >= row.min_keys else "attn_fwd_wgmma")
+    short = _tma_row(spec.head_dim, table="short") if dense else None
+    short = short is not None and Sk < short.max_keys
+    assert spec.family == ("attn_fwd_tma" if short or (row is not None and Sk >= row.min_keys) else "attn_fwd_wgmma")
+    assert spec.q_tiles == short
     if spec.family == "attn_fwd_tma":
         assert spec.mask == ("bits" if kind == "bool" else f"{kind}_row" if rows else kind)
 
@@ -310,23 +315,47 @@ def test_persistent_blocks_walk_many_tiles(D, causal):
     _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
 
 
+SHORT_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")]
+
+
+@pytest.mark.parametrize("D", SHORT_DIMS or [64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (100, 7)])
+def test_short_row_two_blocks_an_sm(D, causal, window):
+    """Calls of few keys take the short row: one consumer warpgroup (64 query rows) a block, two
+    persistent blocks an SM. 2 x 48 heads x 6 row blocks = 576 query tiles (GQA 4, the last row
+    block partial) over 264 blocks; odd key count."""
+    if D not in SHORT_DIMS:
+        pytest.skip(f"attn_fwd_tma has no short row for d={D}")
+    rng = np.random.default_rng(D + 2 * causal + (window is None))
+    Sq, Sk = 333, 1001
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
+    assert (spec.family, spec.q_tiles, spec.tiles.block_m, spec.tiles.min_blocks) == ("attn_fwd_tma", 1, 64, 2)
+    q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")
+    opts = dict(causal=causal, window=window)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+
+
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", [None, (64, 0)])
-def test_persistent_blocks_skip_empty_tiles(window):
+def test_persistent_blocks_skip_empty_tiles(window, D):
     """Causal bottom-right with 700 queries over 90 keys: the first row blocks see no key (no key
     tiles: stored as 0 / LSE -inf without a query tile loaded), between tiles that do; 40 heads
-    so that blocks meet both kinds."""
+    so that blocks meet both kinds (d = 64: the short row's)."""
     rng = np.random.default_rng(3)
-    q, k, v = _inputs(rng, 1, 700, 90, 40, 8, 128, "bfloat16")
+    q, k, v = _inputs(rng, 1, 700, 90, 40, 8, D, "bfloat16")
     opts = dict(causal=True, window=window)
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
     _check(out.numpy(), lse.numpy(), q, k, v, **opts)
     assert np.isneginf(lse.numpy()[:, :, :610]).all()
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_varlen_many_sequences(causal):
+def test_persistent_varlen_many_sequences(causal, D):
     """40 sequences of 1..700 queries in one launch of max-length row blocks: most tiles lie past
-    their sequence's end and every role skips them."""
+    their sequence's end and every role skips them (d = 64: the short row's)."""
     from pyattn.reference import attention_varlen_ref
 
     rng = np.random.default_rng(17 + causal)
@@ -334,8 +363,8 @@ def test_persistent_varlen_many_sequences(causal):
     cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
     dt = DTYPES["bfloat16"]
-    q = rng.standard_normal((cu_q[-1], 8, 128)).astype(dt)
-    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dt) for _ in range(2))
+    q = rng.standard_normal((cu_q[-1], 8, D)).astype(dt)
+    k, v = (rng.standard_normal((cu_k[-1], 2, D)).astype(dt) for _ in range(2))
     out, lse = pyattn.attention_varlen(*(pyattn.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
                                        return_lse=True)
     out, lse = out.numpy().astype(np.float64), lse.numpy()

@@ -194,24 +194,23 @@ def test_spec_is_frozen_and_hashable():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
-    # sm_90a: the TMA kernel's 4 buckets, and attn_fwd_wgmma where a short call (under a TMA row's
-    # min_keys: d = 64) runs
+    # sm_90a: the TMA kernel's 4 buckets, and its short row (q_tiles 1) where a short call (under a
+    # dense row's min_keys: d = 64) runs
     short = {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.min_keys > 1}
-    assert short == {64}
+    assert short == {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")} == {64}
     assert len(specs) == len(set(specs)) == (26 if arch == "sm_90a" else 32)
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
         (*_expected(name, arch, d)[:1], DTYPES[name][0], _expected(name, arch, d)[1])
         for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
-        ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS} | {  # allow_tf32=True
-        ("attn_fwd_wgmma", tag, d) for tag in ("f16", "bf16") for d in short if arch == "sm_90a"}
+        ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS}  # allow_tf32=True
+    assert {(s.dtype, s.head_dim) for s in specs if s.q_tiles} == (
+        {(tag, d) for tag in ("f16", "bf16") for d in short} if arch == "sm_90a" else set())
     by_kind = {}
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
     tc = "attn_fwd_tma" if arch == "sm_90a" else "attn_fwd_mma"
-    n = 4 if arch == "sm_90a" else 8
-    more = {("attn_fwd_wgmma", "f16"): 1, ("attn_fwd_wgmma", "bf16"): 1} if arch == "sm_90a" else {}
-    assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8,
-                       **more}
+    n = 5 if arch == "sm_90a" else 8
+    assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
 
@@ -230,7 +229,10 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
     for s in standard_specs(arch):
         t = s.tiles
         assert isinstance(t, TileConfig) and t.reason, s.describe()
-        assert t == tile_config(s.family, arch, s.head_dim)
+        if s.q_tiles:  # attn_fwd_tma's short row
+            assert t == tile_table(s.family, arch, table="short")[0].config()
+        else:
+            assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
         elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):  # one m64 row block per warpgroup; 64-wide buckets
@@ -607,9 +609,15 @@ def test_tma_kernel_selection():
             if row is None:
                 continue
             assert spec.tiles.block_n == row.block_n and spec.tiles.stages == row.stages
-            if row.min_keys > 1:
-                assert select_attention_spec("bfloat16", d, "sm_90a", mask=mask,
-                                             keys=row.min_keys - 1).family == "attn_fwd_wgmma"
+            if row.min_keys > 1:  # below: the short row where one serves the mask kind, else cp.async
+                below = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=row.min_keys - 1)
+                shorts = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table="short")}
+                if table == "dense" and d in shorts:
+                    assert (below.family, below.q_tiles, below.tiles) == ("attn_fwd_tma", 1, shorts[d].config())
+                    assert select_attention_spec("bfloat16", d, "sm_90a", mask=mask,
+                                                 keys=shorts[d].max_keys).q_tiles == 0
+                else:
+                    assert below.family == "attn_fwd_wgmma"
             for kw in (dict(sparse=1), dict(sparse=2), dict(tma=False)):
                 assert select_attention_spec("float16", d, "sm_90a", mask=mask, **kw).family == "attn_fwd_wgmma", kw
             assert select_attention_spec("float16", d, "sm_90a", mask=mask, softcap=True,
@@ -644,13 +652,15 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
                 KernelSpec(family, "f16", 128, arch, mask=kind)
     with pytest.raises(ValueError, match="mask/softcap/alibi"):
         KernelSpec("attn_decode", "f16", 128, "sm_80", mask="bits")
-    assert select_attention_spec("bfloat16", 64, "sm_90a", mask="bool", keys=1000).mask == "bool"  # cp.async
+    short = select_attention_spec("bfloat16", 64, "sm_90a", mask="bool", keys=1000)  # the short row
+    assert (short.family, short.mask, short.q_tiles) == ("attn_fwd_tma", "bits", 1)
+    assert select_attention_spec("bfloat16", 64, "sm_90a", mask="bool", sparse=1).mask == "bool"  # cp.async
 
 
 def test_key_padding_float_masks_take_one_row_a_stage():
     """A float mask broadcast over the query rows runs attn_fwd_tma's dense rows with one mask row
-    a stage (MASK_ROW, after PERSIST in the traits); other archs and short d=64 calls keep the
-    plain kind."""
+    a stage (MASK_ROW, after PERSIST in the traits), short d=64 calls the short row's; other
+    archs keep the plain kind."""
     from pyattn.kernels.families import tile_table
 
     sizes = {"f16": 2, "bf16": 2, "f32": 4}
@@ -664,7 +674,8 @@ def test_key_padding_float_masks_take_one_row_a_stage():
                                              f"pyattn::ScoreMods<{MASK_KINDS[kind]}, false, false>>")
             assert select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind).mask == kind
     assert select_attention_spec("bfloat16", 128, "sm_80", mask="f32", mask_rows=True).mask == "f32"
-    assert select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100).mask == "f32"
+    short = select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100)
+    assert (short.mask, short.q_tiles, short.tiles.block_m) == ("f32_row", 1, 64)
 
 
 def test_packed_mask_layout():

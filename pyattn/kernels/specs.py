@@ -56,7 +56,8 @@ class KernelSpec:
     softcap, alibi : bool
         Attention and decode: compile in the soft-cap / ALiBi score modifiers.
     q_tiles : int
-        Decode only: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
+        Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
+        attn_fwd_tma: 1 for its short row (one m64 row tile a block, calls of few keys), else 0.
     sparse : int
         Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
         ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).
@@ -259,14 +260,18 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     elif arch in WGMMA_ARCHS:
         # Calls go to the TMA-fed kernel where its table has the bucket (measured faster); block-
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
-        from .families.wgmma import tma_serves  # the wgmma records: built on sm_90a only (issue 16)
+        from .families.wgmma import tma_serves, tma_serves_short  # the wgmma records: sm_90a only (issue 16)
 
         # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call), a
         # float key-padding mask as one row a stage.
         bucket = -(-head_dim // 64) * 64
         packed = "bits" if mask == "bool" else f"{mask}_row" if mask_rows and mask != "none" else mask
-        tma = tma and not sparse and tma_serves(arch, bucket, keys, packed)
+        # Below a row's number of keys, the short row (one consumer warpgroup a block) where it has one.
+        short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed)
+        tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
+        if short:
+            return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), q_tiles=1)
     else:
         family = "attn_fwd_mma"
     return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), sparse=sparse)

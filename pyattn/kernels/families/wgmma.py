@@ -14,9 +14,11 @@ from typing import NamedTuple
 from ..params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
 from .base import (CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, TMA_MASK_KINDS, WGMMA_ARCHS, Family, TileConfig,
                    score_mods)
+from .tables import row as table_row
 from .tables import rows as table_rows
 
-__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes", "tma_serves"]
+__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes", "tma_serves",
+           "tma_serves_short"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -33,6 +35,7 @@ class WgmmaTile(NamedTuple):
     reason: str
     ws: bool = False  # warp-specialized: a producer warpgroup (the last) fills the ring
     min_keys: int = 0  # attn_fwd_tma: the row serves calls of at least this many keys (seqlen_k)
+    max_keys: int = 0  # attn_fwd_tma's "short" table: the row serves calls of fewer keys than this
     persistent: bool = False  # attn_fwd_tma: one block per SM walks the query tiles
 
     def config(self) -> TileConfig:
@@ -152,9 +155,9 @@ ATTN_FWD_WGMMA = Family(
 # (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
 _SM90_TMA = (
     WgmmaTile(64, 128, 2, 3, True, 1, "S 2k/4k/16k 1.05/1.11/1.13x (causal 1.01/1.07/1.14x) the 2-blocks/SM "
-                                      "cp.async row; at S 1k 0.99x (causal 0.92x): from 2048 keys. Persistent "
-                                      "blocks measured 0.96-0.98x at 4k / 16k (dev/probe_persist.py): per tile",
-              ws=True, min_keys=2048),
+                                      "cp.async row; at S 1k 0.99x (causal 0.92x). Persistent blocks measured "
+                                      "0.96-0.98x at 4k / 16k (dev/probe_persist.py): per tile. From 4096 keys "
+                                      "(below: the short row)", ws=True, min_keys=4096),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py)", ws=True,
@@ -164,6 +167,18 @@ _SM90_TMA = (
     WgmmaTile(256, 64, 2, 2, False, 1, "S 1k-16k 1.05-1.25x (causal 1.12-1.19x) the all-threads-load row: "
                                        "622 TFLOP/s at 16k; persistent blocks 0.95/1.10/1.00x (causal 1.10/1.12/"
                                        "1.00x) at 1k/4k/16k the per-tile launch", ws=True, persistent=True),
+)
+
+
+# attn_fwd_tma below a row's number of keys: one consumer warpgroup (64 query rows), two persistent
+# blocks an SM, whose tiles start and end at different times, so one block's prologue and epilogue
+# run under the other's GEMMs (at 1k keys a query tile has 8 key tiles). Spec q_tiles = 1.
+# Measured on H200 against the dense table (bf16, batch 16k / S, hidden 2048, x cuDNN in one run):
+_SM90_TMA_SHORT = (
+    WgmmaTile(64, 128, 1, 3, True, 2, "S 1k/2k: 0.351/0.633 ms = 0.88/0.93x cuDNN (causal 0.84/0.88x) against "
+                                      "0.394/0.663 ms for the cp.async row (0.78/0.89x); at 4k/16k 0.89/0.95x "
+                                      "against the dense row's 0.92/0.99x: below 4096 keys", ws=True,
+              persistent=True, max_keys=4096),
 )
 
 
@@ -191,20 +206,31 @@ def _check_tma(spec) -> None:
     _check(spec)
     if spec.mask == "bool":
         raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
-    if not tma_serves(spec.arch, spec.head_dim, keys=1 << 62, mask=spec.mask):  # whatever its min_keys
+    if spec.q_tiles not in (0, 1):
+        raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row) or 1 (the short row), got {spec}")
+    if spec.q_tiles and not tma_serves_short(spec.arch, spec.head_dim, keys=0, mask=spec.mask):
+        raise ValueError(f"q_tiles: attn_fwd_tma has no short row for bucket {spec.head_dim} on {spec.arch}"
+                         + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
+    if not spec.q_tiles and not tma_serves(spec.arch, spec.head_dim, keys=1 << 62, mask=spec.mask):
         raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
+
+
+def _tma_spec_tiles(spec, t):
+    """q_tiles = 1: the "short" table's row (one m64 row tile a block) instead of the table's."""
+    return table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).config() if spec.q_tiles else t
 
 
 ATTN_FWD_TMA = Family(
     name="attn_fwd_tma", label="the TMA-fed wgmma family", header="attention_fwd_tma.cuh",
     params=ATTN_FWD_TMA_PARAMS,
-    tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS},
+    tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS}, "short": {arch: _SM90_TMA_SHORT for arch in WGMMA_ARCHS},
             **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
                for n, rows in ((2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
     dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "tma_masks"), alignment=TENSOR_CORE_ALIGNMENT,
-    traits=_traits, smem_bytes=_smem_bytes, table_for=_table, takes=_TAKES, check=_check_tma,
+    traits=_traits, smem_bytes=_smem_bytes, table_for=_table, spec_tiles=_tma_spec_tiles, takes=_TAKES,
+    check=_check_tma, q_tiles=True,
 )
 
 
@@ -216,6 +242,15 @@ def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
     ``min_keys``."""
     return arch in WGMMA_ARCHS and mask != "bool" and any(
         r.max_head_dim == head_dim and keys >= r.min_keys for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
+
+
+def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
+    """Whether attn_fwd_tma's "short" table (spec ``q_tiles=1``) runs a call of ``keys`` keys at
+    bucket ``head_dim`` with a ``mask`` tensor kind (as :func:`tma_serves`): a row names exactly that
+    bucket, ``keys`` is below its ``max_keys``, and the mask rides the dense rows (none, packed bits
+    or one row a stage)."""
+    return (arch in WGMMA_ARCHS and _table("", 0, mask) == "dense" and mask != "bool" and any(
+        r.max_head_dim == head_dim and keys < r.max_keys for r in table_rows(ATTN_FWD_TMA, "short", arch)))
 
 
 def wgmma_shapes(tables=None) -> tuple:
