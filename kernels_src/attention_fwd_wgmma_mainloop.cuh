@@ -526,7 +526,9 @@ struct AttnFwdWgmmaMainloop {
     // the max it had until a tile's max outgrows that by more than 2^kLazyLog2 (P up to 256 then,
     // exact in fp32 and within 16-bit range; the epilogue divides by the sum under the same
     // reference). So after a row's first tiles O is rarely rescaled: that multiply was one
-    // instruction a score at d = 128 (D / BN of them) and four at d = 256, of ~8.
+    // instruction a score at d = 128 (D / BN of them) and four at d = 256, of ~8 (measured 1-3%
+    // faster at d = 256, no change at d = 128: the softmax already fits under the other
+    // warpgroup's GEMMs there; BENCHMARKS.md).
     float corr[2];
     bool moved = false;
 #pragma unroll

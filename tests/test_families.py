@@ -124,7 +124,8 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_decode", "f16", 64, "sm_80", False, "bool", False, False, 1), r"^mask/softcap/alibi: only attention"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", True, True, 3), r"^q_tiles: attn_decode at head_dim 64"),
     (("attn_decode", "f16", 96, "sm_80", False, "none", False, False, 1, 0, "int8"), r"^head_dim: 8-bit caches"),
-    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_fwd_tma / attn_decode / attn_decode_tma takes"),
+    (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_fwd_tma / attn_decode"
+     r" / attn_decode_tma takes"),
     (("attn_fwd_simt", "f16", 64, "sm_80", False, "none", False, False, 0, 1),
      r"^sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, got attn_fwd_simt"),
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),

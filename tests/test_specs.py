@@ -634,6 +634,30 @@ def test_tma_kernel_selection():
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", sparse=1)
 
 
+def test_short_row_of_the_tma_kernel():
+    """q_tiles = 1 names attn_fwd_tma's short row: one m64 row tile (one consumer warpgroup) a
+    block, two blocks an SM; only buckets with such a row, masks that ride the dense rows, below
+    its max_keys; every score modifier."""
+    from pyattn.kernels.families import tile_table
+
+    (row,) = tile_table("attn_fwd_tma", "sm_90a", table="short")
+    spec = KernelSpec("attn_fwd_tma", "f16", row.max_head_dim, "sm_90a", softcap=True, alibi=True, q_tiles=1)
+    t = spec.tiles
+    assert (t.block_m, t.warps, t.min_blocks, t.persistent) == (64, 8, 2, True) and t == row.config()
+    assert 2 * (spec.shared_bytes + 1024) <= 228 * 1024  # two blocks an SM (1 KiB reserved a block)
+    assert ", 1, 3, true, 0, true, true, true>" in spec.template_id and "_m64n128w8p" in spec.entry_name
+    for keys, q_tiles in ((1, 1), (row.max_keys - 1, 1), (row.max_keys, 0)):
+        for mask, rows in (("none", False), ("bool", False), ("bf16", True)):
+            got = select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=keys, mask=mask, mask_rows=rows)
+            assert (got.family, got.q_tiles) == ("attn_fwd_tma", q_tiles), (keys, mask)
+    assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, mask="bf16").q_tiles == 0
+    assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, tma=False).q_tiles == 0
+    for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=2), "takes 0"),
+                       (dict(mask="f32"), "no short row for bucket 64 on sm_90a with a f32 mask")):
+        with pytest.raises(ValueError, match=match):
+            KernelSpec(**{**dict(family="attn_fwd_tma", dtype="f16", head_dim=64, arch="sm_90a", q_tiles=1), **bad})
+
+
 def test_bool_masks_reach_only_the_tma_kernel_packed():
     """attn_fwd_tma reads bool masks as bits (no ring space, the dense rows); no other family reads
     bits, and attn_fwd_tma no bool bytes."""

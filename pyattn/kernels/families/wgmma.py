@@ -224,7 +224,8 @@ def _tma_spec_tiles(spec, t):
 ATTN_FWD_TMA = Family(
     name="attn_fwd_tma", label="the TMA-fed wgmma family", header="attention_fwd_tma.cuh",
     params=ATTN_FWD_TMA_PARAMS,
-    tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS}, "short": {arch: _SM90_TMA_SHORT for arch in WGMMA_ARCHS},
+    tables={"dense": {arch: _SM90_TMA for arch in WGMMA_ARCHS},
+            "short": {arch: _SM90_TMA_SHORT for arch in WGMMA_ARCHS},
             **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
                for n, rows in ((2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",

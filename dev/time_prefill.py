@@ -1,0 +1,47 @@
+"""Dev probe: dense prefill times of the tree on PYTHONPATH, one JSON line, for A/B runs of two
+source trees in alternating processes (the GPU's clock drifts as it heats, so trees are compared
+round by round, never a whole run against another).
+
+Usage: PYTHONPATH=<tree> PYATTN_CACHE_DIR=<dir per tree> python dev/time_prefill.py TAG [--cudnn]
+
+Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 64 / 256, S = 1k /
+4k / 16k, causal or not, on torch-made tensors as pyattn arrays. ``--cudnn`` times torch SDPA's
+cuDNN backend on the same shapes instead. A tree is extracted with e.g. ``mkdir .head && git archive
+HEAD | tar -x -C .head`` (``.head/`` kept out of git by .git/info/exclude, carried to the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import harness  # noqa: E402
+
+import pyattn  # noqa: E402
+
+SHAPES = [(d, s, c) for d in (128, 64, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+
+
+def main() -> int:
+    tag, cudnn = sys.argv[1], "--cudnn" in sys.argv[2:]
+    bench = harness.open_bench(need_torch=True)
+    torch = bench.torch
+    out = {}
+    for D, S, causal in SHAPES:
+        B, H = max(1, 16384 // S), 2048 // D
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+        if cudnn:
+            fn = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
+        else:
+            xs = [harness.to_pyattn(t, bench.stream) for t in ts]
+            fn = lambda: pyattn.attention(*xs, causal=causal, stream=bench.stream)  # noqa: E731
+        out[f"{D} {S} {int(causal)}"] = round(bench.gpu_ms(fn, loop=20, reps=5).ms, 4)
+    print("RESULT", tag, json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
