@@ -70,14 +70,12 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false>;
   constexpr int STAGES = Tr::kStages, BM = Tr::kBlockM;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned sQ = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const unsigned sKV = sQ + Tr::kQBytes;
-  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;
-  const unsigned bar_full = sMask + STAGES * Tr::kMaskTileBytes;
-  const unsigned bar_q_full = bar_full + 16 * STAGES;
+  const FwdSmem<Tr> sm(smem_raw);
+  const unsigned sQ = sm.q, bar_full = sm.bars;
+  const unsigned bar_q_full = bar_full + 16 * STAGES;  // after the stages' full / empty barriers
 
   Mainloop ml;
-  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sKV, sMask);
+  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
   ml.bar_q_empty = bar_q_full + 8;
   if (threadIdx.x == 0) {
     pipe::init(bar_q_full, 1);

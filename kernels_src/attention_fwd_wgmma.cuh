@@ -110,6 +110,21 @@ struct AttnFwdWgmmaTraits {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
+// Where a block's shared memory puts things (AttnFwdWgmmaTraits::kSmemBytes): the query tile from
+// the first 1024-byte boundary, the K/V stages (stage s: K at kv + s * kStageBytes, V kKVBytes
+// later), the stages' mask tiles (stage s's at mask + s * kMaskTileBytes), then the barriers.
+template <class Tr>
+struct FwdSmem {
+  unsigned q, kv, mask, bars;
+
+  __device__ __forceinline__ explicit FwdSmem(const unsigned char* raw) {
+    q = (wg::smem_u32(raw) + 1023u) & ~1023u;
+    kv = q + Tr::kQBytes;
+    mask = kv + Tr::kStages * Tr::kStageBytes;
+    bars = mask + Tr::kStages * Tr::kMaskTileBytes;
+  }
+};
+
 // What a wgmma attention block does once its Mainloop is set up (ml.sKV and ml.wgi included),
 // shared by the dense kernel below and the paged one (attention_prefill_wgmma.cuh): the wgmma
 // descriptors (Mainloop::make_descs); when warp-specialized, the stages' barriers at `bar_full`
@@ -211,12 +226,8 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
     // is one row, copied once per tile and read by every row.
     ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
   }
-  ml.wg_row0 = m0 + ml.wgi * 64;
-  ml.row_a = ml.wg_row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
-  // Modified scores are in log2 units already, except a soft-cap's alone, whose factor
-  // softcap * log2(e) the softmax applies (FastMods::kCapScale).
-  ml.sl2 = FastMods<typename Mainloop::ModsT>::kCapScale ? ml.mods.post
-           : FastMods<typename Mainloop::ModsT>::kScoresFinal ? 1.f : p.scale_log2;
+  ml.set_rows(m0);
+  ml.set_sl2(p.scale_log2);
   return true;
 }
 
@@ -231,9 +242,7 @@ __device__ __forceinline__ void wgmma_fwd_block(Mainloop& ml, const AttnFwdParam
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
   if constexpr (Tr::kTma) ml.maps = maps;
-  ml.wgi = threadIdx.x / 128;  // warpgroup
-  ml.t = threadIdx.x % 4;
-  ml.sub_row = threadIdx.x / 32;  // warp w of the block owns rows [16w, 16w + 16) of the tile
+  ml.set_thread();
 }
 
 // A row's 32 consecutive output columns lie across a quad as 4-byte pairs: lane t holds columns
@@ -321,24 +330,19 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
 template <class Tr, class Mods, bool SPARSE = false>
 __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const TmaMap* maps = nullptr) {
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, SPARSE>;
-  constexpr int STAGES = Tr::kStages;
-
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const unsigned sQ = smem0;
-  const unsigned sKV = smem0 + Tr::kQBytes;  // stage s: K at + s * kStageBytes, V kKVBytes later
-  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // stage s's mask tile at + s * kMaskTileBytes
+  const FwdSmem<Tr> sm(smem_raw);
 
   Mainloop ml;
-  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sKV, sMask);
+  wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
   // Causal blocks near the end of the sequence do the most work: start them first.
   const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   FwdTileAt<typename Tr::T> at;
   if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
-  if (!wgmma_block_run<Tr>(ml, sQ, sMask + STAGES * Tr::kMaskTileBytes, at.q, p.q_stride_s, [&] {
-        wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sQ, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
+  if (!wgmma_block_run<Tr>(ml, sm.q, sm.bars, at.q, p.q_stride_s, [&] {
+        wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sm.q, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
       }))
     return;
   wgmma_fwd_store<Tr>(ml, p, at);

@@ -21,7 +21,6 @@ struct AttnFwdWgmmaMainloop {
   static_assert(!TREE || PAGED, "tree masks are a paged-prefill mode");
   static_assert(!(SPARSE && PAGED), "block-sparse lists index dense keys");
   using T = typename Tr::T;
-  using ModsT = Mods;
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
   static constexpr bool OVERLAP = Tr::kOverlap;
@@ -234,6 +233,26 @@ struct AttnFwdWgmmaMainloop {
       }
       pipe::init_fence();
     }
+  }
+
+  // This thread's place in the block: its consumer warpgroup, quad lane and warp (warp w owns rows
+  // [16 w, 16 w + 16) of the tile: its row of 16 x 16 sub-blocks).
+  __device__ __forceinline__ void set_thread() {
+    wgi = threadIdx.x / 128;
+    t = threadIdx.x % 4;
+    sub_row = threadIdx.x / 32;
+  }
+
+  // The rows of the query tile at m0_ this thread holds (row_a, row_a + 8), and its warpgroup's first.
+  __device__ __forceinline__ void set_rows(int m0_) {
+    wg_row0 = m0_ + wgi * 64;
+    row_a = wg_row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
+  }
+
+  // The softmax's scale of the scores (after mods.init): modified scores are in log2 units already,
+  // except a soft-cap's alone, whose factor softcap * log2(e) the softmax applies (FastMods::kCapScale).
+  __device__ __forceinline__ void set_sl2(float scale_log2) {
+    sl2 = FastMods<Mods>::kCapScale ? mods.post : FastMods<Mods>::kScoresFinal ? 1.f : scale_log2;
   }
 
   // A query tile's running state before its first key tile: O, row maxima and sums.

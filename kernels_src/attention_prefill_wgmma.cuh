@@ -24,14 +24,12 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   using T = typename Tr::T;
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false, true, TREE>;
   constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
-  constexpr int STAGES = Tr::kStages;
   static_assert(Mods::kMask == kMaskNone, "paged prefill takes no mask tensor");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned smem0 = (wg::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const unsigned sQ = smem0;
-  const unsigned sKV = smem0 + Tr::kQBytes;
-  const unsigned sMask = sKV + STAGES * Tr::kStageBytes;  // (no mask tiles: the barriers' base)
+  static_assert(Tr::kMaskTileBytes == 0, "paged prefill: no mask tiles (sMask is the barriers' base)");
+  const FwdSmem<Tr> sm(smem_raw);
+  const unsigned sQ = sm.q, sKV = sm.kv, sMask = sm.mask;
 
   // -- which rows, heads, keys and split this block owns
   const int splits = pp.num_splits;
@@ -77,6 +75,8 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
 
+  // This thread's place, as Mainloop::set_thread / set_rows give it (in this order the paged
+  // kernels' SASS stays the one measured; through the two calls ptxas schedules d = 128 otherwise).
   const int wgi = threadIdx.x / 128;
   ml.wgi = wgi;
   const int lane = threadIdx.x % 32, g = lane / 4;
@@ -95,7 +95,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
     if constexpr (TREE)
       if (row < rows) ml.tree_bits[h] = __ldg(pp.tree_mask + q_row0 + ml.tok[h]);
   }
-  ml.sl2 = FastMods<Mods>::kCapScale ? ml.mods.post : FastMods<Mods>::kScoresFinal ? 1.f : p.scale_log2;
+  ml.set_sl2(p.scale_log2);
 
   if (!wgmma_block_run<Tr>(ml, sQ, sMask, q, p.q_stride_s,
                           [&] { ml.template load_q<Tr::kThreads>(sQ, q, p.q_stride_s, threadIdx.x); }))

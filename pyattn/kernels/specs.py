@@ -253,6 +253,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         kernel then takes a float mask as one row a stage on its dense rows (mask ``"<kind>_row"``).
     """
     tag, bucket = _tag_and_bucket(dtype_name, head_dim)
+    q_tiles = 0
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
     # warpgroup MMA on sm_90a (its buckets are multiples of 64, score modifiers included).
     if tag == "f32":
@@ -270,11 +271,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed)
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
-        if short:
-            return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), q_tiles=1)
+        q_tiles = int(short)
     else:
         family = "attn_fwd_mma"
-    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), sparse=sparse)
+    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), q_tiles=q_tiles, sparse=sparse)
 
 
 # Decode variants warmed by default: the common head dims, one row tile (a GQA group of up to 16

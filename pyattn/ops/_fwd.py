@@ -191,8 +191,9 @@ def packed_mask_layout(P) -> tuple:
 def _mask_bits(P, device) -> tuple:
     """The pack of P's bool mask to bits: ``(MaskBits or None, the packed mask's element strides)``;
     None when there is nothing to pack (no keys: the kernel reads no mask)."""
-    (_, rows_h, rows_q), words, packed = packed_mask_layout(P)
-    rows = math.prod(packed_mask_layout(P)[0])
+    per_axis, words, packed = packed_mask_layout(P)
+    _, rows_h, rows_q = per_axis
+    rows = math.prod(per_axis)
     if words == 0 or rows == 0:
         return None, packed
     sb, sh, sq, sk = P.mask.strides

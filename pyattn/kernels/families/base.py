@@ -16,8 +16,8 @@ from ...runtime.device import SUPPORTED_ARCHS
 from ..params import ParamStruct
 
 __all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
-           "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment", "TENSOR_CORE_ALIGNMENT",
-           "PAGED_ALIGNMENT", "Family",
+           "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment",
+           "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
 
 # The records and tile rows below are NamedTuples or plain classes, not frozen dataclasses: a
