@@ -42,6 +42,14 @@ template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS
           bool MASK_ROW_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
+  using TO = typename OutOf<T_>::type;  // the output's element type
+  // FP8 (fp8e4m3 inputs, attn_fwd_tma only): k32 wgmmas on 8-bit operands, which must both be
+  // K-major, so P V reads V transposed: the host's fp8_vt pass writes V^T (head_dim rows of keys)
+  // with each 16-key group's keys permuted so that S's accumulator registers, packed four to a
+  // register, are P's A fragments as they stand (Mainloop::pack_p says how).
+  static constexpr bool kFp8 = sizeof(T_) == 1;
+  static constexpr int kColElems = 128 / sizeof(T_);  // elements of one 128-byte swizzle row
+  static constexpr int kK = 32 / sizeof(T_);          // the k of one wgmma (32 bytes of a row)
   static constexpr int kHeadDim = HEAD_DIM_;  // compiled bucket; params.head_dim <= kHeadDim
   static constexpr int kBlockM = BLOCK_M_;
   static constexpr int kBlockN = BLOCK_N_;
@@ -73,15 +81,17 @@ struct AttnFwdWgmmaTraits {
   static constexpr bool kOverlap = OVERLAP_;
   // How many tiles ahead of the one in use a tile is loaded (see the header comment).
   static constexpr int kLookahead = OVERLAP_ ? STAGES_ - 2 : STAGES_ - 1;
-  static_assert(sizeof(T_) == 2, "wgmma kernel: 16-bit inputs (fp16 / bf16)");
+  static_assert(sizeof(T_) == 2 || (kFp8 && TMA_ && MASK_BYTES_ == 0 && BLOCK_N_ % 128 == 0),
+                "wgmma kernel: 16-bit inputs, or fp8 through TMA (V^T tiles of whole 128-key rows, no mask tiles)");
   static_assert(BLOCK_M_ == 64 * WARPGROUPS_, "one m64 wgmma row block per warpgroup");
   static_assert(WARPGROUPS_ >= 1 && WARPGROUPS_ <= 3, "1-3 consumer warpgroups");
-  static_assert(HEAD_DIM_ % 64 == 0 && HEAD_DIM_ <= 256, "head dim: whole 128-byte swizzle rows, wgmma N <= 256");
-  static_assert(BLOCK_N_ % 16 == 0 && BLOCK_N_ >= 16 && BLOCK_N_ <= 256, "key tile: whole k16 steps of P V");
+  static_assert(HEAD_DIM_ % kColElems == 0 && HEAD_DIM_ <= 256, "head dim: whole 128-byte swizzle rows, wgmma N <= 256");
+  static_assert(BLOCK_N_ % kK == 0 && BLOCK_N_ >= 16 && BLOCK_N_ <= 256, "key tile: whole k steps of P V");
   static_assert(kLookahead >= 1, "STAGES too small for the pipeline (OVERLAP needs 3)");
-  // Shared memory (bytes): tiles are [HEAD_DIM / 64][rows][64 elements], 128-byte swizzled.
-  static constexpr int kQBytes = BLOCK_M_ * HEAD_DIM_ * 2;
-  static constexpr int kKVBytes = BLOCK_N_ * HEAD_DIM_ * 2;  // one K or one V tile
+  // Shared memory (bytes): tiles are [HEAD_DIM / kColElems][rows][128 bytes], 128-byte swizzled;
+  // FP8's V^T tile is [BLOCK_N / 128][HEAD_DIM][128 keys].
+  static constexpr int kQBytes = BLOCK_M_ * HEAD_DIM_ * sizeof(T_);
+  static constexpr int kKVBytes = BLOCK_N_ * HEAD_DIM_ * sizeof(T_);  // one K or one V tile
   static constexpr int kStageBytes = 2 * kKVBytes;
   // A mask tensor's tile (BLOCK_M x BLOCK_N elements of MASK_BYTES each; 0 = no mask tensor) rides
   // in the ring with its K/V tile when the mask's rows are 16-byte aligned (else it is read from
@@ -174,12 +184,12 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
 }
 
 // Where a block's query tile lives: its sequence, (batch, query head), and its rows of q and o.
-template <class T>
+template <class T, class TO>
 struct FwdTileAt {
   SeqInfo seq;
   int head, batch;
   const T* q;
-  T* o;
+  TO* o;
 };
 
 // Set up `ml` for query tile (m_block, head, batch): every field that depends on the tile (the
@@ -187,7 +197,7 @@ struct FwdTileAt {
 // end (varlen: the grid covers the longest), where the block has nothing to do for it.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams& p, int m_block, int head, int batch,
-                                               FwdTileAt<typename Tr::T>& at) {
+                                               FwdTileAt<typename Tr::T, typename Tr::TO>& at) {
   using T = typename Tr::T;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
   const int m0 = m_block * BM;
@@ -199,7 +209,7 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
   at.head = head;
   at.batch = batch;
   at.q = static_cast<const T*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h + seq.q_row0 * p.q_stride_s;
-  at.o = static_cast<T*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
+  at.o = static_cast<typename Tr::TO*>(p.o) + batch * p.o_stride_b + head * p.o_stride_h + seq.q_row0 * p.o_stride_s;
   ml.k = static_cast<const T*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h + seq.k_row0 * p.k_stride_s;
   ml.v = static_cast<const T*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h + seq.k_row0 * p.v_stride_s;
   ml.band = make_band(p, sq, sk);
@@ -221,7 +231,11 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
     // (Packed rows fit an int: the host maps tensors of < 2^31 rows.)
     ml.tma_q = {m0 + static_cast<int>(seq.q_row0), p.q_stride_h ? head : 0, p.q_stride_b ? batch : 0};
     ml.tma_k = {static_cast<int>(seq.k_row0), p.k_stride_h ? kv_head : 0, p.k_stride_b ? batch : 0};
-    ml.tma_v = {static_cast<int>(seq.k_row0), p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
+    // FP8: the map is over the host's V^T buffer (keys, head_dim, kv heads, batch), never broadcast.
+    if constexpr (Tr::kFp8)
+      ml.tma_v = {static_cast<int>(seq.k_row0), kv_head, batch};
+    else
+      ml.tma_v = {static_cast<int>(seq.k_row0), p.v_stride_h ? kv_head : 0, p.v_stride_b ? batch : 0};
     // The mask's map (keys, query rows, heads, batch): a key-padding mask (query stride 0, MASK_ROW)
     // is one row, copied once per tile and read by every row.
     ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
@@ -280,8 +294,8 @@ __device__ __forceinline__ void quad_transpose4(unsigned (&a)[4], int t) {
 // (d = 64: 20 / 64 bytes) and d = 64 at 1k keys ran slower.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFwdParams& p,
-                                                const FwdTileAt<typename Tr::T>& at) {
-  using T = typename Tr::T;
+                                                const FwdTileAt<typename Tr::T, typename Tr::TO>& at) {
+  using T = typename Tr::TO;  // what is stored
   constexpr int D = Tr::kHeadDim;
   static_assert(D % 32 == 0, "wgmma_fwd_store: head-dim buckets are multiples of 32");
   const bool wide = Tr::kWS && ((reinterpret_cast<unsigned long long>(at.o) |
@@ -294,7 +308,8 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
     const int row = ml.row_a + 8 * h;
     const bool row_in = row < ml.sq;  // the quad's rows: the shuffles below run on every lane
     const bool empty = sum == 0.f;
-    const float inv = empty ? 0.f : 1.f / sum;
+    // FP8: V's per-tensor descale folds into the normalisation (the scores' is in scale_log2).
+    const float inv = empty ? 0.f : (Tr::kFp8 ? p.o_scale : 1.f) / sum;
     T* orow = at.o + static_cast<long long>(row) * p.o_stride_s;
     if (wide) {
 #pragma unroll
@@ -337,7 +352,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
   // Causal blocks near the end of the sequence do the most work: start them first.
   const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  FwdTileAt<typename Tr::T> at;
+  FwdTileAt<typename Tr::T, typename Tr::TO> at;
   if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there

@@ -16,6 +16,15 @@
 
 namespace pyattn {
 
+// Four floats -> one register of four e4m3 codes (b0 the lowest byte), rounded to nearest and
+// saturated at +-448 (cvt puts its first source in the upper byte of a pair). sm_89 and later.
+__device__ __forceinline__ unsigned pack4_e4m3(float b0, float b1, float b2, float b3) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(lo) : "f"(b0), "f"(b1));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(hi) : "f"(b2), "f"(b3));
+  return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}
+
 template <class Tr, class Mods, bool SPARSE, bool PAGED = false, bool TREE = false>
 struct AttnFwdWgmmaMainloop {
   static_assert(!TREE || PAGED, "tree masks are a paged-prefill mode");
@@ -26,8 +35,14 @@ struct AttnFwdWgmmaMainloop {
   static constexpr bool OVERLAP = Tr::kOverlap;
   static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
   static constexpr int O_REGS = D / 2;
-  static constexpr int KS = BN / 16;     // k16 steps of P V
-  static constexpr float kLazyLog2 = 8.f;  // how far (log2 units) a row's max may outgrow its softmax reference
+  static constexpr int KS = BN / Tr::kK;  // k steps of P V (k16; FP8 k32)
+  static constexpr int CB = Tr::kColElems;  // elements of a 128-byte column block
+  // How far (log2 units) a row's max may outgrow its softmax reference. FP8: not at all. P enters
+  // P V as e4m3 codes (3 mantissa bits), and referred to the exact max the dominant key's P is 1,
+  // exact; referred to a stale one it is up to 256 and rounds by up to 6%: measured 2.5x the error
+  // of a naive fp8 attention, against 1.0x with the exact max (the fp8 GPU tests' bool-mask case,
+  // bit for bit in a NumPy emulation of the kernel).
+  static constexpr float kLazyLog2 = Tr::kFp8 ? 0.f : 8.f;
 
   // -- invariant
   const T* k;
@@ -48,7 +63,7 @@ struct AttnFwdWgmmaMainloop {
   // -- running state
   float acc[O_REGS];
   float row_max[2], row_sum[2];
-  unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP)
+  unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP; pack_p)
   int stage, prev_stage, load_stage;
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
   unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
@@ -172,10 +187,10 @@ struct AttnFwdWgmmaMainloop {
     if constexpr (Tr::kMaskBytes > 0) tma::prefetch(maps + 3);
   }
 
-  // The query tile's copies (one per 64-wide column block), completing on `bar`.
+  // The query tile's copies (one per 128-byte column block), completing on `bar`.
   __device__ __forceinline__ void load_q_tma(unsigned sQ, unsigned bar) const {
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c) tma::load_4d(sQ + c * (BM * 128), maps, bar, 64 * c, tma_q.row, tma_q.head, tma_q.batch);
+    for (int c = 0; c < D / CB; ++c) tma::load_4d(sQ + c * (BM * 128), maps, bar, CB * c, tma_q.row, tma_q.head, tma_q.batch);
   }
 
   // The block's key tiles through the ring from stage 0; bit s of `empty_bits` is the phase of
@@ -183,7 +198,7 @@ struct AttnFwdWgmmaMainloop {
   // block, whose tile may end at any stage). `q_with_tile0`: the query tile rides on tile 0's
   // "full" barrier (a persistent block's has barriers of its own).
   __device__ __forceinline__ void produce_tma_tiles(unsigned& empty_bits, unsigned sQ, bool q_with_tile0) {
-    constexpr int kBlocks = D / 64;
+    constexpr int kBlocks = D / CB;
     constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
     constexpr unsigned stage_bytes = Tr::kStageBytes + Tr::kMaskTileBytes;  // what a stage's copies complete
     int st = 0;
@@ -197,10 +212,16 @@ struct AttnFwdWgmmaMainloop {
       const int n0 = tiles.n0(i);
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c) {
-        tma::load_4d(kv + c * (BN * 128), maps + 1, full, 64 * c, tma_k.row + n0, tma_k.head, tma_k.batch);
-        tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, full, 64 * c, tma_v.row + n0, tma_v.head,
-                     tma_v.batch);
+        tma::load_4d(kv + c * (BN * 128), maps + 1, full, CB * c, tma_k.row + n0, tma_k.head, tma_k.batch);
+        if constexpr (!Tr::kFp8)
+          tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, full, CB * c, tma_v.row + n0, tma_v.head,
+                       tma_v.batch);
       }
+      if constexpr (Tr::kFp8)  // V^T: one copy per 128 keys, all head_dim rows
+#pragma unroll
+        for (int c = 0; c < BN / 128; ++c)
+          tma::load_4d(kv + Tr::kKVBytes + c * (D * 128), maps + 2, full, tma_v.row + n0 + 128 * c, 0, tma_v.head,
+                       tma_v.batch);
       if constexpr (MB > 0)
 #pragma unroll
         for (int c = 0; c < kMaskBlocks; ++c)
@@ -211,13 +232,13 @@ struct AttnFwdWgmmaMainloop {
   }
 
   // The wgmma descriptors of this warpgroup's query rows at sQ and of stage 0's K and V (128-byte
-  // swizzle; K-major operands step 32 B per k16 inside a 64-column block, then jump to the next
-  // block; V is read MN-major, 16 keys = 2048 B per k16 step, LBO the distance between its 64-dim
-  // blocks).
+  // swizzle; K-major operands step 32 B per k step inside a 128-byte column block, then jump to
+  // the next block; V is read MN-major, 16 keys = 2048 B per k16 step, LBO the distance between
+  // its 64-dim blocks; FP8's V^T is K-major like K, its rows the head dims).
   __device__ __forceinline__ void make_descs(unsigned sQ) {
     q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
     k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
-    v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, BN * 128, 1024);
+    v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, Tr::kFp8 ? 16 : BN * 128, 1024);
   }
 
   // WS: the stages' barriers at `full` ("full" takes the 128 producer threads' arrivals, or with
@@ -358,6 +379,31 @@ struct AttnFwdWgmmaMainloop {
     return mw[2 * i + h] & (e ? 0xff00u : 0xffu);
   }
 
+  // P_j (S after the softmax) as the A fragments of P V.
+  // 16-bit: n8 blocks 2kk and 2kk+1 of S form k16 step kk (the mma.m16n8k16 A layout, wgmma.cuh).
+  // FP8: a k32 A fragment holds row g's k 4t..4t+3 (register 0) and 16+4t..16+4t+3 (register 2),
+  // row g+8's in registers 1 and 3, while the accumulator gives lane t keys 2t, 2t+1 of each n8
+  // block. Packing keys (2t, 2t+1, 2t+8, 2t+9) of each 16-key half as k 4t..4t+3 needs no shuffle
+  // when V's rows come in the same order: logical key 4t + j of a 16-key group is physical key
+  // 2t + (j & 1) + 8 (j >> 1), the permutation the fp8_vt pass applies to V^T (kernels_src/fp8_vt.cuh).
+  __device__ __forceinline__ void pack_p(const float (&s)[S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      if constexpr (Tr::kFp8) {
+        const float* x = s + 16 * kk;  // n8 blocks 4kk .. 4kk + 3
+        pf[kk][0] = pack4_e4m3(x[0], x[1], x[4], x[5]);
+        pf[kk][1] = pack4_e4m3(x[2], x[3], x[6], x[7]);
+        pf[kk][2] = pack4_e4m3(x[8], x[9], x[12], x[13]);
+        pf[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
+      } else {
+        pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+        pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+        pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+        pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    }
+  }
+
   // Every key tile of the block's query tile (n_tiles > 0): tile 0 has no previous P V to overlap;
   // with OVERLAP the last P V follows the loop. A persistent block then releases the last stage
   // (its producer refills it for the next query tile; a per-tile block just ends).
@@ -384,7 +430,12 @@ struct AttnFwdWgmmaMainloop {
   __device__ __forceinline__ void pv(int st) {
     const unsigned long long v_desc = wg::desc_add(v_desc0, st * Tr::kStageBytes);
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) wg::Mma<T, D, 1>::rs(acc, pf[kk], wg::desc_add(v_desc, kk * 2048), 1);
+    for (int kk = 0; kk < KS; ++kk) {
+      if constexpr (Tr::kFp8)  // k32 step kk: 32 B into 128-key block kk / 4 of V^T
+        wg::Mma<T, D, 0>::rs(acc, pf[kk], wg::desc_add(v_desc, (kk / 4) * (D * 128) + (kk % 4) * 32), 1);
+      else
+        wg::Mma<T, D, 1>::rs(acc, pf[kk], wg::desc_add(v_desc, kk * 2048), 1);
+    }
   }
 
   // Key tile j. WITH_PV: also O += P_{j-1} V_{j-1} behind S_j (OVERLAP, j > 0). A compile-time
@@ -415,8 +466,8 @@ struct AttnFwdWgmmaMainloop {
     wg::fence();
     const unsigned long long k_desc = wg::desc_add(k_desc0, stage * Tr::kStageBytes);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned off = (kk % 4) * 32;  // k16 step inside the 64-column block kk / 4
+    for (int kk = 0; kk < D / Tr::kK; ++kk) {
+      const unsigned off = (kk % 4) * 32;  // k step inside the 128-byte column block kk / 4
       wg::Mma<T, BN, 0>::ss(s, wg::desc_add(q_desc, (kk / 4) * (BM * 128) + off),
                             wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
     }
@@ -590,14 +641,7 @@ struct AttnFwdWgmmaMainloop {
         acc[4 * i + 2] *= corr[1], acc[4 * i + 3] *= corr[1];
       }
     }
-    // -- P_j as A fragments: n8 blocks 2kk and 2kk+1 of S form k16 step kk
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    pack_p(s);
     if constexpr (!OVERLAP) {  // -- O += P_j V_j now
       pv_now(stage);
       release(stage);

@@ -13,6 +13,19 @@ constexpr unsigned kFullMask = 0xffffffffu;
 struct alignas(64) TmaMap {
   unsigned long long opaque[16];
 };
+// fp8 e4m3 inputs (attn_fwd_tma): bytes handed to wgmma as they are, so no cuda_fp8.h (its
+// templates cost compile time the kernel does not need).
+struct fp8e4m3 {
+  unsigned char bits;
+};
+// The output element type of an input type: fp8 inputs give bf16 outputs (FlashAttention-3's
+// convention: an 8-bit output would round O to 3 mantissa bits).
+template <typename T> struct OutOf {
+  using type = T;
+};
+template <> struct OutOf<fp8e4m3> {
+  using type = __nv_bfloat16;
+};
 // +inf without <cmath> (NVRTC has no INFINITY macro without the host headers).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 

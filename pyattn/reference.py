@@ -564,3 +564,9 @@ from .reference_backward import (attention_backward_lowp, attention_backward_ref
 from .reference_sparq import sparq_ref, sparq_selection_scores  # noqa: E402
 
 __all__ += ["sparq_ref", "sparq_selection_scores"]
+
+# fp8 e4m3 inputs (pyattn.attention on float8_e4m3fn): their reference and naive fp8 twin.
+from .reference_fp8 import (attention_fp8_lowp, attention_fp8_ref, dequantize_fp8,  # noqa: E402
+                            fp8_error_bound, quantize_fp8)
+
+__all__ += ["attention_fp8_ref", "attention_fp8_lowp", "fp8_error_bound", "quantize_fp8", "dequantize_fp8"]

@@ -69,7 +69,9 @@ def built(session_cache_dir):
 
 def test_build_many_returns_one_result_per_spec_in_order(built):
     specs = _all_specs()
-    assert len(specs) == 200  # 154 attention variants (sm_90a: 26) + 8 paged-cache kernels per arch (+ 6 TMA decode on sm_90a)
+    # 154 attention variants (sm_90a: 26) + 8 paged-cache kernels per arch (+ 6 TMA decode on sm_90a),
+    # + on sm_90a the fp8 attention variants (d = 128, 256) and their V^T pass
+    assert len(specs) == 203
     assert [s for s, *_ in built] == specs
 
 
@@ -91,8 +93,8 @@ def test_every_variant_is_a_cubin_for_its_arch(built):
 def test_second_build_many_compiles_nothing(built, session_cache_dir, monkeypatch):
     monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     again = jit.build_many(_all_specs(), workers=2)
-    assert len(again) == 200
-    assert [b for _, _, b in again] == [False] * 200
+    assert len(again) == len(_all_specs())
+    assert [b for _, _, b in again] == [False] * len(again)
     assert [m["entry"] for _, m, _ in again] == [m["entry"] for _, m, _, _ in built]
 
 
@@ -138,6 +140,19 @@ def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
     # and the kernel that packs bool masks for it
     [bits] = _cubins([KernelSpec("mask_bits", "f16", 32, "sm_90a")], session_cache_dir, monkeypatch)
     assert bits.entry_name == "pyattn_mask_bits_f16_d32_m0n0w8"
+
+
+def test_fp8_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
+    """attn_fwd_fp8 (sm_90a only): every row of its table with soft-cap + ALiBi, and with a bool mask
+    packed to bits (warm-up builds the plain ones and the fp8_vt pass)."""
+    from pyattn.kernels.families import tile_table
+
+    specs = [KernelSpec("attn_fwd_fp8", "e4m3", r.max_head_dim, "sm_90a", **mods)
+             for r in tile_table("attn_fwd_fp8", "sm_90a")
+             for mods in ({"softcap": True, "alibi": True}, {"mask": "bits", "softcap": True})]
+    assert {s.head_dim for s in specs} == {128, 256}
+    for spec in _cubins(specs, session_cache_dir, monkeypatch):
+        assert spec.entry_name.startswith("pyattn_attn_fwd_fp8_e4m3_")
 
 
 def test_tma_params_layout_matches_c():

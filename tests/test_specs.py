@@ -155,7 +155,7 @@ def test_select_rejects_unknown_dtype():
     ({"family": "attn_fwd_mma", "dtype": "f64"}, r"^dtype:"),
     ({"family": "attn_fwd_mma", "head_dim": 48}, r"^head_dim: expected one of"),
     ({"family": "attn_fwd_mma", "arch": "sm_75"}, r"^arch: expected one of"),
-    ({"dtype": "f64"}, r"^dtype: expected one of \['bf16', 'f16', 'f32'\], got 'f64'"),
+    ({"dtype": "f64"}, r"^dtype: expected one of \['bf16', 'e4m3', 'f16', 'f32'\], got 'f64'"),
     ({"dtype": "float16"}, r"^dtype:"),  # the NumPy name is not a spec tag
     ({"head_dim": 48}, r"^head_dim: expected one of"),
     ({"head_dim": 0}, r"^head_dim:"),
@@ -672,7 +672,7 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
     for family, arch in (("attn_fwd_wgmma", "sm_90a"), ("attn_fwd_mma", "sm_80"), ("attn_fwd_simt", "sm_80")):
         for kind in ("bits", "bf16_row"):
-            with pytest.raises(ValueError, match=rf"mask: {kind} masks .* are read by attn_fwd_tma only"):
+            with pytest.raises(ValueError, match=rf"mask: {kind} masks .* are read by attn_fwd_tma / attn_fwd_fp8 only"):
                 KernelSpec(family, "f16", 128, arch, mask=kind)
     with pytest.raises(ValueError, match="mask/softcap/alibi"):
         KernelSpec("attn_decode", "f16", 128, "sm_80", mask="bits")

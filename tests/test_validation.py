@@ -113,7 +113,7 @@ BAD = {
                           r"head_dim .* got 264"),
     # dtypes
     "float64": _case(host(Q, np.float64), host(KV, np.float64), host(KV, np.float64), TypeError,
-                     r"^q: expected dtype float32, float16 or bfloat16, got float64"),
+                     r"^q: expected dtype float32, float16, bfloat16 or float8_e4m3fn, got float64"),
     "int32": _case(host(Q, np.int32), host(KV, np.int32), host(KV, np.int32), TypeError,
                    r"^q: expected dtype .* got int32"),
     "v alone float64": _case(host(Q), host(KV), host(KV, np.float64), TypeError,

@@ -103,7 +103,9 @@ __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, 
   return desc + (bytes >> 4);
 }
 
-// -- D (f32, m64 x N) (+)= A (m64 x k16) * B (k16 x N); T = __half or __nv_bfloat16.
+// -- D (f32, m64 x N) (+)= A (m64 x k16) * B (k16 x N); T = __half or __nv_bfloat16, or fp8e4m3
+//    (k32; A from registers: 4 x b32 of 4 codes, a0 = (g, 4t..4t+3), a1 = (g+8, 4t..),
+//    a2 = (g, 16+4t..), a3 = (g+8, 16+4t..); B always K-major, TRANS_B 0).
 //   ss: A and B from shared memory (descriptors); TRANS_B = 1: B is MN-major; ss<1>: A is
 //       M-major (the backward's dS read from its transposed copy), else K-major.
 //   rs: A from registers (4 x b32 per thread), B from shared memory.
@@ -113,17 +115,24 @@ template <typename T, int N, int TRANS_B> struct Mma;
 
 
 def _gen_fn(ptx_type: str, n: int, form: str) -> str:
-    """One static member of ``Mma``: ``ss`` (A and B by descriptor) or ``rs`` (A from registers)."""
+    """One static member of ``Mma``: ``ss`` (A and B by descriptor) or ``rs`` (A from registers).
+
+    8-bit types (``e4m3``) are k32 instructions without transpose immediates: both operands K-major.
+    """
     nd = n // 2  # f32 accumulator registers per thread
+    fp8 = ptx_type == "e4m3"
+    k = 32 if fp8 else 16
     if form == "ss":
         sig = f"float (&d)[{nd}], unsigned long long desc_a, unsigned long long desc_b, int scale_d"
-        ops, pred, tail = f"%{nd}, %{nd + 1}", nd + 2, f"p, 1, 1, %{nd + 4}, %{nd + 3}"
-        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A)'
+        ops, pred = f"%{nd}, %{nd + 1}", nd + 2
+        tail = "p, 1, 1" if fp8 else f"p, 1, 1, %{nd + 4}, %{nd + 3}"
+        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)' + ("" if fp8 else ', "n"(TRANS_B), "n"(TRANS_A)')
     else:
         sig = f"float (&d)[{nd}], const unsigned (&a)[4], unsigned long long desc_b, int scale_d"
         ops = "{%%%d, %%%d, %%%d, %%%d}, %%%d" % (nd, nd + 1, nd + 2, nd + 3, nd + 4)
-        pred, tail = nd + 5, f"p, 1, 1, %{nd + 6}"
-        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)'
+        pred = nd + 5
+        tail = "p, 1, 1" if fp8 else f"p, 1, 1, %{nd + 6}"
+        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)' + ("" if fp8 else ', "n"(TRANS_B)')
     regs = [f"%{i}" for i in range(nd)]
     outs = [f'"+f"(d[{i}])' for i in range(nd)]
     head = "  template <int TRANS_A = 0>\n" if form == "ss" else ""
@@ -131,7 +140,7 @@ def _gen_fn(ptx_type: str, n: int, form: str) -> str:
              "    asm volatile(",
              '        "{\\n.reg .pred p;\\n"',
              f'        "setp.ne.b32 p, %{pred}, 0;\\n"',
-             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{"']
+             f'        "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type} {{"']
     chunks = [", ".join(regs[i:i + 16]) for i in range(0, nd, 16)]
     for ci, c in enumerate(chunks):
         lines.append(f'        "{c}{", " if ci < len(chunks) - 1 else ""}"')
@@ -142,23 +151,31 @@ def _gen_fn(ptx_type: str, n: int, form: str) -> str:
     return "\n".join(lines)
 
 
-def wgmma_header(shapes) -> str:
-    """The text of ``wgmma.cuh`` with ``Mma<T, N, TRANS_B>`` for each N in ``shapes`` (fp16 and bf16).
+def wgmma_header(shapes, fp8_shapes=()) -> str:
+    """The text of ``wgmma.cuh`` with ``Mma<T, N, TRANS_B>`` for each N in ``shapes`` (fp16 and bf16)
+    and in ``fp8_shapes`` (``fp8e4m3``: k32, K-major operands only).
 
     Parameters
     ----------
     shapes : iterable of int
         The N of the ``m64nNk16`` instructions to wrap: multiples of 8 in [8, 256] (the shapes
         the PTX ISA has for 16-bit inputs).
+    fp8_shapes : iterable of int, optional
+        The N of the ``m64nNk32`` e4m3 instructions (the same rule for N).
     """
-    shapes = sorted(set(shapes))
-    if not shapes or any(n % 8 or not 8 <= n <= 256 for n in shapes):
-        raise ValueError(f"shapes: wgmma N must be multiples of 8 in [8, 256], got {shapes}")
+    shapes, fp8_shapes = sorted(set(shapes)), sorted(set(fp8_shapes))
+    if not shapes or any(n % 8 or not 8 <= n <= 256 for n in shapes + fp8_shapes):
+        raise ValueError(f"shapes: wgmma N must be multiples of 8 in [8, 256], got {shapes} / {fp8_shapes}")
     listed = ", ".join(map(str, shapes))
-    out = [_PRELUDE, f"// Generated for N = {listed} (instantiating another N fails to compile).\n"]
-    for ptx_type, ctype in (("f16", "__half"), ("bf16", "__nv_bfloat16")):
-        for n in shapes:
+    fp8_listed = ", ".join(map(str, fp8_shapes)) or "none"
+    out = [_PRELUDE, f"// Generated for N = {listed}, fp8 N = {fp8_listed} (instantiating another N fails to "
+                     "compile).\n"]
+    for ptx_type, ctype, ns in (("f16", "__half", shapes), ("bf16", "__nv_bfloat16", shapes),
+                                ("e4m3", "fp8e4m3", fp8_shapes)):
+        for n in ns:
             out.append(f"template <int TRANS_B> struct Mma<{ctype}, {n}, TRANS_B> {{")
+            if ptx_type == "e4m3":
+                out.append('  static_assert(TRANS_B == 0, "8-bit wgmma: both operands K-major");')
             out.append(_gen_fn(ptx_type, n, "ss"))
             out.append(_gen_fn(ptx_type, n, "rs"))
             out.append("};\n")
@@ -173,16 +190,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # The shapes are the kernel family's data; a command-line entry may look them up (the jit
     # package itself never imports pyattn.kernels).
-    from ..kernels.families import wgmma_shapes
+    from ..kernels.families import wgmma_fp8_shapes, wgmma_shapes
 
     path = kernel_source_dir() / "wgmma.cuh"
-    text = wgmma_header(wgmma_shapes())
+    text = wgmma_header(wgmma_shapes(), wgmma_fp8_shapes())
     if args.check:
         current = path.read_text() == text
         print(f"{path}: {'up to date' if current else 'OUT OF DATE (run python -m pyattn.jit.wgmma_gen)'}")
         return 0 if current else 1
     path.write_text(text)
-    print(f"wrote {path} (N = {', '.join(map(str, wgmma_shapes()))})")
+    print(f"wrote {path} (N = {', '.join(map(str, wgmma_shapes()))}; fp8 {wgmma_fp8_shapes()})")
     return 0
 
 

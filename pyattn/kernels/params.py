@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 __all__ = ["ParamStruct", "ATTN_FWD_PARAMS", "MERGE_STATES_PARAMS", "DECODE_PARAMS", "KV_APPEND_PARAMS",
            "SPARSE_PARAMS", "NestedParamStruct", "PAGED_FWD_PARAMS", "PAGED_FWD_EXTRA", "ATTN_BWD_PARAMS",
-           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS", "ATTN_FWD_TMA_PARAMS", "MASK_BITS_PARAMS"]
+           "KV_PAGES_PARAMS", "KV_SPARQ_PARAMS", "SPARQ_PARAMS", "ATTN_FWD_TMA_PARAMS", "MASK_BITS_PARAMS",
+           "FP8_VT_PARAMS"]
 
 # kind -> (struct code, C type). '@' native alignment matches the CUDA ABI on x86-64/aarch64.
 _KINDS = {
@@ -148,7 +149,8 @@ ATTN_FWD_PARAMS = ParamStruct(
     + (("batch", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"),
        ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
-       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32"), ("tile_stride_h", "i32")),
+       ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32"), ("tile_stride_h", "i32"),
+       ("o_scale", "f32")),  # attn_fwd_fp8: V's descale, applied with the softmax's normalisation
 )
 
 # merge_states: out = LSE-weighted combination of state a and the n_b states of stack b.
@@ -394,4 +396,12 @@ MASK_BITS_PARAMS = ParamStruct(
     "MaskBitsParams",
     (("src", "ptr"), ("dst", "mut_ptr"), ("stride_b", "i64"), ("stride_h", "i64"), ("stride_q", "i64"),
      ("stride_k", "i64"), ("rows", "i64"), ("rows_h", "i32"), ("rows_q", "i32"), ("keys", "i32"), ("words", "i32")),
+)
+
+# fp8 V transposed for attn_fwd_fp8 (kernels_src/fp8_vt.cuh): v (batch, keys, kv heads, head_dim) with
+# element strides; vt (batch, kv heads, head_dim, keys_pad) contiguous, keys permuted per 16-key group.
+FP8_VT_PARAMS = ParamStruct(
+    "Fp8VtParams",
+    (("v", "ptr"), ("vt", "mut_ptr"), ("v_stride_b", "i64"), ("v_stride_s", "i64"), ("v_stride_h", "i64"),
+     ("seqlen_k", "i32"), ("keys_pad", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("key_tiles", "i32")),
 )

@@ -13,13 +13,13 @@ from __future__ import annotations
 from .families import FAMILIES as _REGISTRY
 from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
 from .families.backward import row_pass_rows_per_warp
-from .families.base import (DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM, WGMMA_BWD_MAX_HEAD_DIM,
-                            TileConfig)
+from .families.base import (DTYPES, FP8_DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM,
+                            WGMMA_BWD_MAX_HEAD_DIM, TileConfig)
 
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
            "MASK_KINDS", "KV_KINDS", "FAMILIES", "WGMMA_ARCHS", "select_attention_spec", "standard_specs",
            "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config", "select_backward_specs",
-           "row_pass_rows_per_warp", "backward_specs"]
+           "row_pass_rows_per_warp", "backward_specs", "fp8_specs"]
 
 FAMILIES = tuple(_REGISTRY)  # the family names; the records are pyattn.kernels.families.FAMILIES
 
@@ -251,7 +251,16 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     mask_rows : bool
         The mask is broadcast over the query rows (query stride 0, a key-padding mask): the TMA
         kernel then takes a float mask as one row a stage on its dense rows (mask ``"<kind>_row"``).
+
+    Raises
+    ------
+    ValueError
+        For fp8 inputs (``float8_e4m3fn``) where attn_fwd_fp8 cannot run them: another arch than
+        sm_90a, a block-sparse call, arrays TMA cannot map. Nothing falls back to another kernel.
     """
+    if dtype_name in FP8_DTYPES:
+        return _fp8_spec(dtype_name, head_dim, arch, ptx=ptx, mask=mask, softcap=softcap, alibi=alibi, sparse=sparse,
+                         tma=tma)
     tag, bucket = _tag_and_bucket(dtype_name, head_dim)
     q_tiles = 0
     # fp32 stays exact (CUDA-core FMA) unless TF32 is allowed; 16-bit inputs go to the tensor cores:
@@ -275,6 +284,33 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     else:
         family = "attn_fwd_mma"
     return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), q_tiles=q_tiles, sparse=sparse)
+
+
+def _fp8_spec(dtype_name: str, head_dim: int, arch: str, *, ptx, mask, softcap, alibi, sparse, tma) -> KernelSpec:
+    """attn_fwd_fp8's spec for fp8 inputs (:func:`select_attention_spec`): head dims up to 128 in the
+    128 bucket (one 128-byte row; smaller ones zero-padded by the copy engine), larger in 256."""
+    if arch not in WGMMA_ARCHS:
+        raise ValueError(f"dtype: {dtype_name} inputs run on 8-bit warpgroup MMA, arch in {WGMMA_ARCHS} only; "
+                         f"got {arch!r}")
+    if sparse:
+        raise ValueError(f"dtype: block-sparse attention takes float16 or bfloat16, got {dtype_name}")
+    if not tma:
+        raise ValueError(f"q/k/v: {dtype_name} inputs are read through TMA maps, which these arrays' strides "
+                         "do not allow (16-byte aligned strides, no broadcast sequence axis)")
+    if mask not in ("none", "bool"):
+        raise ValueError(f"mask: {dtype_name} inputs take a bool mask or none, got {mask!r}")
+    if head_dim > MAX_HEAD_DIM or head_dim < 1:
+        raise ValueError(f"head_dim: at most {MAX_HEAD_DIM} is supported, got {head_dim}")
+    return KernelSpec("attn_fwd_fp8", FP8_DTYPES[dtype_name][0], 128 if head_dim <= 128 else 256, arch, ptx,
+                      "bits" if mask == "bool" else "none", bool(softcap), bool(alibi))
+
+
+def fp8_specs(arch: str) -> list:
+    """The fp8 variants ``attention`` can select on ``arch`` without score modifiers (none off sm_90a)."""
+    if arch not in WGMMA_ARCHS:
+        return []
+    return [select_attention_spec(name, d, arch) for name in FP8_DTYPES for d in (128, 256)] + [
+        KernelSpec("fp8_vt", "e4m3", HEAD_DIM_BUCKETS[0], arch)]
 
 
 # Decode variants warmed by default: the common head dims, one row tile (a GQA group of up to 16
@@ -308,8 +344,9 @@ def standard_specs(arch: str) -> list:
 
 
 def warmup_specs(arch: str) -> list:
-    """What ``pyattn warmup`` precompiles for ``arch``: :func:`standard_specs` and :func:`decode_specs`."""
-    return standard_specs(arch) + decode_specs(arch)
+    """What ``pyattn warmup`` precompiles for ``arch``: :func:`standard_specs`, :func:`decode_specs` and
+    :func:`fp8_specs`."""
+    return standard_specs(arch) + decode_specs(arch) + fp8_specs(arch)
 
 
 def select_backward_specs(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, softcap: bool = False,

@@ -22,8 +22,9 @@ from ..pipeline.device import layout
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
+from ..validate.attention import FP8
 
-__all__ = ["FwdPlan", "MaskMap", "MaskBits", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
+__all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
            "packed_mask_layout", "persistent_slots", "run_fwd", "device_extras"]
 
 _LOG2E = 1.4426950408889634
@@ -58,6 +59,19 @@ class FwdPlan(NamedTuple):
     tma: object = None  # TmaMaps for a TMA kernel, else None
     problem: object = None  # what the plan was built for (a mask TMA cannot read needs another plan)
     bits: object = None  # MaskBits when the kernel reads the bool mask packed to bits
+    vt: object = None  # VtPass when the kernel reads fp8 V transposed (attn_fwd_fp8)
+
+
+class VtPass(NamedTuple):
+    """fp8 V transposed ahead of attn_fwd_fp8 (kernels_src/fp8_vt.cuh) into a per-call buffer: the
+    kernel, its launch shape, its parameters but the (v, vt) addresses, and the buffer's
+    ``pipeline.device.layout``."""
+
+    kernel: object
+    grid: tuple
+    block: tuple
+    packer: object
+    layout: tuple
 
 
 class MaskBits(NamedTuple):
@@ -83,21 +97,22 @@ class MaskMap(NamedTuple):
 
 
 class TmaMaps(NamedTuple):
-    """How a call's TMA tensor maps are made (attn_fwd_tma): the dtype, the rank-4 layouts of q, k
-    and v (``runtime.tensormap.rank4``), the boxes' rows, the padding between the packed
+    """How a call's TMA tensor maps are made (attn_fwd_tma, attn_fwd_fp8): the map dtype, the rank-4
+    layouts of q, k and v (``runtime.tensormap.rank4``; fp8: of V^T, the fp8_vt pass's buffer), the
+    boxes (elements of the contiguous axis, rows) of each, the padding between the packed
     AttnFwdParams and the first (64-byte aligned) map, and the mask's map (None without)."""
 
     dtype: str
     layouts: tuple
-    box_rows: tuple
+    boxes: tuple
     pad: bytes
     mask: object = None
 
     def pack(self, q: int, k: int, v: int, mask: int = 0) -> bytes:
         """The maps' bytes, padding first, for the arrays at ``q, k, v`` (and ``mask``)."""
-        (lq, lk, lv), (bq, bk), m = self.layouts, self.box_rows, self.mask
-        return (self.pad + encode_tiled(self.dtype, q, lq, (64, bq)) + encode_tiled(self.dtype, k, lk, (64, bk))
-                + encode_tiled(self.dtype, v, lv, (64, bk))
+        (lq, lk, lv), (bq, bk, bv), m = self.layouts, self.boxes, self.mask
+        return (self.pad + encode_tiled(self.dtype, q, lq, bq) + encode_tiled(self.dtype, k, lk, bk)
+                + encode_tiled(self.dtype, v, lv, bv)
                 + (encode_tiled(m.dtype, mask, m.layout, m.box, m.swizzle) if m is not None else _NO_MAP))
 
 
@@ -135,7 +150,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     if spec.mask == "bits":
         bits, mask_strides = _mask_bits(P, device)
     tiles = spec.tiles
-    tma = spec.family == "attn_fwd_tma"
+    tma = spec.family in ("attn_fwd_tma", "attn_fwd_fp8")
+    scale = P.scale * P.descale[0] * P.descale[1]  # fp8: the scores of the codes; else P.scale
     # attn_fwd_tma: AttnFwdParams packed here; the maps after it per call (TmaMaps.pack).
     packer = (spec.params.base if tma else spec.params).partial({
         "q_stride_b": qs[0], "q_stride_s": qs[1], "q_stride_h": qs[2],
@@ -149,8 +165,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         "seqlen_q": P.seqlen_q, "seqlen_k": P.seqlen_k, "head_dim": P.head_dim, "causal": P.causal,
         "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
-        "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
-        "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0,
+        "scale_log2": scale * _LOG2E, "scale": scale, "softcap": P.softcap,
+        "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0, "o_scale": P.descale[2],
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     mask_map = None
@@ -165,13 +181,38 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     # some causal calls one work unit a block (persistent_slots).
     slots = persistent_slots(P, tiles, device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)) \
         if tiles.persistent else 0
+    maps_of = None
+    if tma and not empty:  # the maps follow AttnFwdParams at a multiple of 64 bytes
+        fp8 = spec.family == "attn_fwd_fp8"
+        inner = 128 if fp8 else 64  # elements of one 128-byte swizzle row
+        # fp8 V^T: 128 keys of all head_dim rows (the bucket's: rows past head_dim arrive as zeros)
+        boxes = ((inner, tiles.block_m), (inner, tiles.block_n), (128, spec.head_dim) if fp8 else (inner, tiles.block_n))
+        maps_of = TmaMaps("u8" if fp8 else spec.dtype, maps, boxes, bytes(-spec.params.base.size % 64), mask_map)
+    vt = _vt_pass(P, device) if spec.family == "attn_fwd_fp8" and not empty else None
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
                    spec.shared_bytes,
-                   packer, layout(out_shape, numpy_dtype("q", P.dtype)), layout(P.lse_shape(), _F32), empty,
-                   TmaMaps(spec.dtype, maps, (tiles.block_m, tiles.block_n), bytes(-spec.params.base.size % 64),
-                           mask_map)
-                   if tma and not empty else None,  # the maps follow AttnFwdParams at a multiple of 64 bytes
-                   problem, bits)
+                   packer, layout(out_shape, numpy_dtype("out", P.out_dtype)), layout(P.lse_shape(), _F32), empty,
+                   maps_of, problem, bits, vt)
+
+
+def _vt_keys(P) -> int:
+    """Keys a row of fp8 V^T holds: seqlen_k rounded up to whole 16-key groups (the permutation's unit;
+    TMA also wants 16-byte row strides)."""
+    return -(-P.seqlen_k // 16) * 16
+
+
+def _vt_pass(P, device) -> VtPass:
+    """The fp8_vt pass of an fp8 problem: V (B, Sk, Hkv, D) to V^T (B, Hkv, D, keys), keys permuted."""
+    spec = KernelSpec("fp8_vt", "e4m3", HEAD_DIM_BUCKETS[0], device.arch, ptx_requested())
+    keys = _vt_keys(P)
+    key_tiles = -(-keys // spec.tiles.block_m)
+    vs = P.v_strides
+    packer = spec.params.partial({"v_stride_b": vs[0], "v_stride_s": vs[1], "v_stride_h": vs[2],
+                                  "seqlen_k": P.seqlen_k, "keys_pad": keys, "heads_kv": P.heads_kv,
+                                  "head_dim": P.head_dim, "key_tiles": key_tiles})
+    grid = (key_tiles * P.batch * P.heads_kv, -(-P.head_dim // spec.tiles.block_n), 1)
+    return VtPass(get_kernel(spec, device), grid, (spec.threads, 1, 1), packer,
+                  layout((P.batch * P.heads_kv * P.head_dim * keys,), np.dtype(np.uint8)))
 
 
 def packed_mask_layout(P) -> tuple:
@@ -250,7 +291,15 @@ def mask_layout(P):
 
 def _tma_layouts(P):
     """The rank-4 layouts of q, k, v for TMA maps (varlen: rows are the packed tokens), or None
-    when one of them cannot be mapped (``runtime.tensormap.rank4``) or the dtype is not 16-bit."""
+    when one of them cannot be mapped (``runtime.tensormap.rank4``) or the dtype is not 16-bit.
+    fp8: q, k as they are, 1 byte an element, and V^T (the fp8_vt pass's buffer) for v."""
+    if P.dtype == FP8:
+        keys = _vt_keys(P)
+        vt = rank4(keys, P.head_dim, P.heads_kv, P.batch,
+                   (P.heads_kv * P.head_dim * keys, keys, P.head_dim * keys), 1)
+        layouts = (rank4(P.head_dim, P.seqlen_q, P.heads_q, P.batch, P.q_strides, 1),
+                   rank4(P.head_dim, P.seqlen_k, P.heads_kv, P.batch, P.k_strides, 1), vt)
+        return None if None in layouts else layouts
     if P.dtype not in ("float16", "bfloat16"):
         return None
     thd = P.layout == "thd"
@@ -279,6 +328,11 @@ def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, retur
             packed = allocate(device, s, *b.layout)
             launch(b.kernel, b.grid, b.block, 0, s, b.packer.pack(ptrs[0], packed.ptr))
             ptrs = (packed.ptr,) + ptrs[1:]
+        if plan.vt is not None:  # fp8: V^T for the kernel's V map; freed in stream order after the kernel
+            t = plan.vt
+            vt = allocate(device, s, *t.layout)
+            launch(t.kernel, t.grid, t.block, 0, s, t.packer.pack(v, vt.ptr))
+            v = vt.ptr
         if plan.tma is not None and plan.tma.mask is not None and ptrs[0] % 16:
             # TMA reads 16-byte aligned tensors only: a mask view off that alignment runs the
             # cp.async kernel, which reads such a mask in place (documented: slower).

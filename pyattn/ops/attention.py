@@ -26,7 +26,8 @@ _quick = Memo()  # quick key -> pipeline.device.Bound
 
 
 def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
-              layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None):
+              layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None, descale_q=None,
+              descale_k=None, descale_v=None):
     """Scaled-dot-product attention, ``softmax(scale * q k^T + bias) v``, computed by a fused GPU kernel.
 
     Parameters
@@ -80,10 +81,13 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
         any input is a torch tensor, else pyattn's own stream. Either way the call first waits
         (on the device) for the streams that produced its inputs; device results carry the stream
         for their consumers.
+    descale_q, descale_k, descale_v : float, optional
+        fp8 inputs only: the per-tensor factors that turn q's, k's and v's codes into values
+        (``value = code * descale``), as FlashAttention-3 takes them; default 1.
 
     Returns
     -------
-    out : array, q's shape and dtype
+    out : array, q's shape and dtype (bfloat16 for fp8 inputs)
         A NumPy array for NumPy inputs (in pinned memory from a pool), a ``pyattn.DeviceArray`` for
         device inputs (``out`` itself when given); ``torch.from_dlpack(out)`` and
         ``cupy.asarray(out)`` take it zero-copy, bfloat16 included.
@@ -94,6 +98,11 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     -----
     q, k, v must share one dtype: float32, float16 or bfloat16 (``ml_dtypes.bfloat16`` on the
     host). Scores, softmax and accumulation are float32; the output is rounded to the input dtype.
+    On sm_90a, device arrays of ``float8_e4m3fn`` (torch's, or ``ml_dtypes``') run on 8-bit tensor
+    cores at twice the 16-bit rate: the probabilities are rounded to e4m3 for P V (as in
+    FlashAttention-3), the output is bfloat16, and a bool mask is the only mask they take; head dims
+    up to 128 run in one 128-byte row (smaller ones padded), larger in two. Elsewhere, and for
+    NumPy fp8 arrays, the call is refused before any GPU work (on another arch: when it is planned).
     A query row that sees no key (fully masked) gets output 0 and LSE ``-inf``, never NaN.
     Scores are formed in the order of ``pyattn.reference.attention_ref``: scale, soft-cap, ALiBi,
     float mask, then causal/window/bool-mask exclusion. Head dims are multiples of 8 up to 256.
@@ -119,7 +128,7 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
 
 
 def _full(qkey, params, *, q, k, v, causal, mask, window, softcap, alibi_slopes, scale, layout, return_lse,
-          allow_tf32, out, stream):
+          allow_tf32, out, stream, descale_q, descale_k, descale_v):
     """A call read into Args: validated (or found by its signature), then run; binds its quick key."""
     args = read_args(params, _ARRAYS, _REQUIRED)
     key = signature(params, args, host_ok=("q", "k", "v"))
@@ -128,7 +137,7 @@ def _full(qkey, params, *, q, k, v, causal, mask, window, softcap, alibi_slopes,
         return_lse = check_bool("return_lse", return_lse)
         P = make_problem(args["q"], args["k"], args["v"], causal=causal, mask=args["mask"], window=window,
                          softcap=softcap, alibi=args["alibi_slopes"], scale=scale, layout=layout, out=args["out"],
-                         allow_tf32=check_bool("allow_tf32", allow_tf32))
+                         allow_tf32=check_bool("allow_tf32", allow_tf32), descale=(descale_q, descale_k, descale_v))
         _memo.put(key, P)
     if not P.on_device:  # NumPy in, NumPy out: chunked so that copies overlap the kernels
         # Imported here: the NumPy path's modules (worker threads, concurrent.futures, logging) cost

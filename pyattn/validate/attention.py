@@ -18,14 +18,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .options import (INT32_MAX, check_alibi, check_causal, check_mask, check_out, check_scale, check_softcap,
-                      check_window)
+from .options import (INT32_MAX, check_alibi, check_causal, check_fp32, check_mask, check_out, check_scale,
+                      check_softcap, check_window)
 
 __all__ = ["AttentionProblem", "make_problem", "make_varlen_problem", "check_pointers", "check_addresses",
-           "SUPPORTED_DTYPES", "LAYOUTS", "TENSOR_CORE_ALIGN"]
+           "SUPPORTED_DTYPES", "FP8", "LAYOUTS", "TENSOR_CORE_ALIGN"]
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# fp8 e4m3 inputs: ``attention`` only (dense calls on sm_90a), with per-tensor descale factors;
+# the output is bfloat16.
+FP8 = "float8_e4m3fn"
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
 LAYOUTS = ("bshd", "bhsd")
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y/z, which carry heads and batch
 TENSOR_CORE_ALIGN = 16  # the tensor-core kernels read q/k/v in 16-byte chunks (cp.async)
@@ -64,10 +67,16 @@ class AttentionProblem(NamedTuple):
     allow_tf32: bool = False
     align: int = 1
     total_k: int = 0  # varlen: packed key rows
+    descale: tuple = (1.0, 1.0, 1.0)  # fp8: the per-tensor factors of q, k, v (codes * factor = value)
 
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def out_dtype(self) -> str:
+        """The output's dtype name: q's, or bfloat16 for fp8 inputs."""
+        return "bfloat16" if self.dtype == FP8 else self.dtype
 
     def out_shape(self) -> tuple:
         """Output shape in the caller's layout."""
@@ -99,21 +108,23 @@ def _bshd(a, layout: str):
     return (b, s, h, d), (sb, ss, sh)
 
 
-def _check_qkv(ins, allow_tf32: bool) -> int:
-    """Common checks of q, k, v; returns the byte alignment the kernel needs."""
+def _check_qkv(ins, allow_tf32: bool, fp8: bool = False) -> int:
+    """Common checks of q, k, v (``fp8``: float8_e4m3fn allowed too); returns the byte alignment the
+    kernel needs."""
     places = {a.on_device for a in ins}
     if len(places) != 1:
         where = ", ".join(f"{a.name} on {'device' if a.on_device else 'host'}" for a in ins)
         raise TypeError(f"q, k, v: expected all host (NumPy) or all device arrays, got {where}")
     for a in ins:
-        if a.dtype.name not in SUPPORTED_DTYPES:
-            raise TypeError(f"{a.name}: expected dtype float32, float16 or bfloat16, got {a.dtype}")
+        if a.dtype.name not in SUPPORTED_DTYPES and not (fp8 and a.dtype.name == FP8):
+            kinds = f"float32, float16, bfloat16 or {FP8}" if fp8 else "float32, float16 or bfloat16"
+            raise TypeError(f"{a.name}: expected dtype {kinds}, got {a.dtype}")
     if len({a.dtype for a in ins}) != 1:
         raise TypeError("q, k, v: expected one dtype, got " + ", ".join(f"{a.name} {a.dtype}" for a in ins))
     ordinals = {a.ordinal for a in ins if a.ordinal is not None}
     if len(ordinals) > 1:
         raise ValueError(f"q, k, v: expected arrays on one device, got devices {sorted(ordinals)}")
-    return TENSOR_CORE_ALIGN if ins[0].dtype.itemsize == 2 or allow_tf32 else 1
+    return TENSOR_CORE_ALIGN if ins[0].dtype.itemsize <= 2 or allow_tf32 else 1
 
 
 def _check_tc_strides(ins, align: int) -> None:
@@ -150,8 +161,19 @@ def _with_out(problem: AttentionProblem, out, dtype) -> AttentionProblem:
     return problem
 
 
+def _check_descale(dtype: str, descale) -> tuple:
+    """The (q, k, v) descale factors: positive, finite in fp32, and only for fp8 inputs."""
+    given = [(n, x) for n, x in zip(("descale_q", "descale_k", "descale_v"), descale) if x is not None]
+    if dtype != FP8:
+        if given:
+            raise ValueError(f"{given[0][0]}: descale factors are for {FP8} inputs only, got {dtype} inputs")
+        return (1.0, 1.0, 1.0)
+    return tuple(1.0 if x is None else check_fp32(name, x)
+                 for name, x in zip(("descale_q", "descale_k", "descale_v"), descale))
+
+
 def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi=None, scale=None,
-                 layout="bshd", out=None, allow_tf32=False) -> AttentionProblem:
+                 layout="bshd", out=None, allow_tf32=False, descale=(None, None, None)) -> AttentionProblem:
     """Validate ``attention`` arguments (``Arg`` objects for q, k, v, mask, alibi, out).
 
     Raises
@@ -167,7 +189,7 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     causal = check_causal(causal)
     ins = (q, k, v)
-    align = _check_qkv(ins, allow_tf32)
+    align = _check_qkv(ins, allow_tf32, fp8=True)
     (B, Sq, Hq, D), qs = _bshd(q, layout)
     (Bk, Sk, Hk, Dk), ks = _bshd(k, layout)
     (Bv, Sv, Hv, Dv), vs = _bshd(v, layout)
@@ -176,14 +198,41 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
     if Bk != B:
         raise ValueError(f"k: expected batch {B} (from q), got {Bk}")
     _check_heads(Hq, Hk, D, Dk, Sq, Sk, B)
+    if q.dtype.name == FP8 and D % 16:
+        raise ValueError(f"q: {FP8} inputs need a head_dim that is a multiple of 16 (rows of whole 16 bytes for "
+                         f"TMA), got {D}")
     _check_tc_strides(ins, align)
     scale = check_scale(scale, D)
     window, softcap = check_window(window), check_softcap(softcap)
     mask_info = check_mask(mask, (B, Hq, Sq, Sk))
     alibi_info = check_alibi(alibi, B, Hq)
+    factors = _check_descale(q.dtype.name, descale)
+    fp8 = q.dtype.name == FP8
+    if fp8:
+        _check_fp8(q, mask_info, (qs, ks, vs), Sk)
+        # the kernel's score scale (scale * descale_q * descale_k, and its log2(e) form) is a float32
+        check_fp32("descale_q", scale * factors[0] * factors[1] * 1.4426950408889634)
     problem = AttentionProblem(B, Hq, Hk, Sq, Sk, D, q.dtype.name, layout, causal, scale, q.on_device, qs, ks, vs,
-                               window, softcap, mask_info, alibi_info, allow_tf32=bool(allow_tf32), align=align)
-    return _with_out(problem, out, q.dtype)
+                               window, softcap, mask_info, alibi_info, allow_tf32=bool(allow_tf32), align=align,
+                               descale=factors)
+    return _with_out(problem, out, _bf16() if fp8 else q.dtype)
+
+
+def _bf16() -> np.dtype:
+    import ml_dtypes  # a dependency; imported where fp8 calls need the bf16 output dtype
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _check_fp8(q, mask_info, strides, sk: int) -> None:
+    """What the fp8 kernel (attn_fwd_fp8: dense, TMA-fed) cannot take, refused before device work."""
+    if mask_info is not None and mask_info.kind != "bool":
+        raise ValueError(f"mask: {FP8} inputs take a bool mask (or none), got a {mask_info.kind} mask")
+    if not q.on_device:
+        raise TypeError(f"q: {FP8} inputs must be device arrays (torch / CuPy / DeviceArray), got a NumPy array")
+    for name, (sb, ss, sh) in zip("qkv", strides):
+        if ss == 0 and sk > 1:
+            raise ValueError(f"{name}: {FP8} inputs are read by TMA, which cannot broadcast the sequence axis")
 
 
 def _cu_meta(cu) -> None:
@@ -276,7 +325,7 @@ def check_addresses(problem, q: int, k: int, v: int, out=None) -> None:
         if ptr % problem.align:
             raise ValueError(f"{name}: the tensor-core kernel reads 16-byte chunks; the data address must be "
                              f"16-byte aligned, got {ptr:#x} (copy the array to make it aligned)")
-    pair = 2 * _ITEMSIZE[problem.dtype]
+    pair = 2 * _ITEMSIZE[problem.out_dtype]
     if out is not None and out % pair:
         raise ValueError(f"out: the tensor-core kernel writes pairs of elements; the address must be "
                          f"{pair}-byte aligned, got {out:#x}")

@@ -23,7 +23,7 @@ from .base import (CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK
 __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "BwdWgmmaTile",
            "KV_HEAD_DIM_BUCKETS",
            "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
-           "decode_row", "wgmma_shapes"]
+           "decode_row", "wgmma_shapes", "wgmma_fp8_shapes"]
 
 # family name -> (module beside this one, record name in it). A record's module is imported when
 # the family is first asked for: a process that only runs attention on sm_90a never builds the
@@ -34,6 +34,8 @@ _WHERE = {
     "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
     "attn_fwd_tma": ("wgmma", "ATTN_FWD_TMA"),
+    "attn_fwd_fp8": ("wgmma", "ATTN_FWD_FP8"),
+    "fp8_vt": ("fixed", "FP8_VT"),
     "merge_states": ("fixed", "MERGE_STATES"),
     "split_combine": ("fixed", "SPLIT_COMBINE"),
     "attn_decode": ("decode", "ATTN_DECODE"),
@@ -56,7 +58,7 @@ _WHERE = {
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
-         "wgmma_shapes": "wgmma", "BwdTile": "backward",
+         "wgmma_shapes": "wgmma", "wgmma_fp8_shapes": "wgmma", "BwdTile": "backward",
          "BwdWgmmaTile": "backward"}
 
 

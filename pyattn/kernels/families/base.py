@@ -15,7 +15,7 @@ from typing import Callable, Mapping, NamedTuple
 from ...runtime.device import SUPPORTED_ARCHS
 from ..params import ParamStruct
 
-__all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
+__all__ = ["DTYPES", "FP8_DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
            "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment",
            "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
@@ -26,7 +26,10 @@ __all__ = ["DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS",
 
 # NumPy dtype name -> (spec dtype tag, C++ type)
 DTYPES = {"float32": ("f32", "float"), "float16": ("f16", "__half"), "bfloat16": ("bf16", "__nv_bfloat16")}
-CTYPES = {tag: ctype for tag, ctype in DTYPES.values()}  # spec dtype tag -> C++ type
+# fp8 e4m3 inputs (ml_dtypes / torch float8_e4m3fn): attention's forward on sm_90a only (attn_fwd_fp8),
+# so kept apart from DTYPES, which every op and warm-up list walks.
+FP8_DTYPES = {"float8_e4m3fn": ("e4m3", "pyattn::fp8e4m3")}
+CTYPES = {tag: ctype for tag, ctype in (*DTYPES.values(), *FP8_DTYPES.values())}  # spec dtype tag -> C++ type
 # head_dim is compiled in (register arrays need compile-time sizes); a problem uses the
 # smallest bucket >= its head_dim and masks the padding. Steps of 32 = one element per lane.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)

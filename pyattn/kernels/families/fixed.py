@@ -3,17 +3,17 @@
 merge_states (LSE merge of attention states), split_combine (the same kernel merging the fp32
 partials of a key-split prefill, or of a decode whose splits are not merged inside its kernel,
 into the output type),
-kv_append (paged-cache writes), attn_sparse (CSR gather attention) and mask_bits (a bool mask packed
-to bits for attn_fwd_tma). No traits struct, so nothing for the rendered unit to assert about shared memory.
+kv_append (paged-cache writes), attn_sparse (CSR gather attention), mask_bits (a bool mask packed
+to bits for attn_fwd_tma) and fp8_vt (fp8 V transposed for attn_fwd_fp8). No traits struct, so nothing for the rendered unit to assert about shared memory.
 """
 
 from __future__ import annotations
 
-from ..params import KV_APPEND_PARAMS, MASK_BITS_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
+from ..params import FP8_VT_PARAMS, KV_APPEND_PARAMS, MASK_BITS_PARAMS, MERGE_STATES_PARAMS, SPARSE_PARAMS
 from .base import (CTYPES, KV_KINDS, MAX_HEAD_DIM, PAGED_ALIGNMENT, WGMMA_ARCHS, Alignment, Family, FixedTile,
                    every_arch)
 
-__all__ = ["MERGE_STATES", "SPLIT_COMBINE", "KV_APPEND", "ATTN_SPARSE", "MASK_BITS"]
+__all__ = ["MERGE_STATES", "SPLIT_COMBINE", "KV_APPEND", "ATTN_SPARSE", "MASK_BITS", "FP8_VT"]
 
 # One warp per row, 4 warps per block (memory-bound; rows are independent).
 _MERGE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=0, warps=4,
@@ -26,6 +26,11 @@ _BITS = {arch: (FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                           reason="memory-bound pack: 256 threads, grid-stride over words; 16k x 16k bytes in "
                                  "74 us, 84% of DRAM (ncu, H200)"),)
          for arch in WGMMA_ARCHS}
+# 64 keys x 64 head dims a block of 256 threads, through shared memory; sm_90a only (its one reader
+# is attn_fwd_fp8).
+_VT = {arch: (FixedTile(MAX_HEAD_DIM, block_m=64, block_n=64, warps=8,
+                        reason="memory-bound transpose: 64 x 64 byte tiles, 4-byte loads and stores; unmeasured"),)
+       for arch in WGMMA_ARCHS}
 # One warp per query row, 8 keys per step; 4 rows per block.
 _SPARSE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=4, block_n=8, warps=4,
                                 reason="gather kernel: one warp per query row (rows have their own key lists); "
@@ -63,4 +68,10 @@ MASK_BITS = Family(  # dtype and head dim unused: one variant (f16, bucket 32) p
     name="mask_bits", label="mask_bits", header="mask_bits.cuh", params=MASK_BITS_PARAMS,
     tables={"dense": _BITS},
     template_id=lambda spec, t: "pyattn::mask_bits", dtypes=("f16",),
+)
+
+FP8_VT = Family(  # head dim read at run time: one variant (bucket 32) per arch
+    name="fp8_vt", label="fp8_vt", header="fp8_vt.cuh", params=FP8_VT_PARAMS,
+    tables={"dense": _VT},
+    template_id=lambda spec, t: "pyattn::fp8_vt", dtypes=("e4m3",),
 )

@@ -17,8 +17,8 @@ from .base import (CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, TMA_MASK_KIN
 from .tables import row as table_row
 from .tables import rows as table_rows
 
-__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes", "tma_serves",
-           "tma_serves_short"]
+__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "ATTN_FWD_FP8", "wgmma_shapes",
+           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -94,11 +94,15 @@ _MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4, "bits": 0, "
                "f32_row": 4}
 
 
+_TMA_FAMILIES = ("attn_fwd_tma", "attn_fwd_fp8")  # the kernel of attention_fwd_tma.cuh
+_ELEM_BYTES = {"f16": 2, "bf16": 2, "e4m3": 1}
+
+
 def _traits(spec, t) -> str:
     # Trailing defaults (MASK_BYTES 0, WS false, TMA false, PERSIST false) left out: the units of
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
-    if spec.family == "attn_fwd_tma":
+    if spec.family in _TMA_FAMILIES:
         tail = f", {mb}, true, true" + (", true" if t.persistent else "")
         if spec.mask.endswith("_row"):  # MASK_ROW after PERSIST
             tail += ("" if t.persistent else ", false") + ", true"
@@ -113,11 +117,12 @@ def _smem_bytes(spec, t) -> int:
     copies them), two 8-byte mbarriers per stage when warp-specialized and two for the query tile
     when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
-    pad = 0 if spec.family == "attn_fwd_tma" else 16
+    pad = 0 if spec.family in _TMA_FAMILIES else 16
     rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
     mask_tile = rows * (t.block_n * mb + pad) if mb else 0
     barriers = (16 * t.stages if t.ws else 0) + (16 if t.persistent else 0)  # PERSIST: the query tile's two
-    return (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * 2 + t.stages * mask_tile + barriers + 1024
+    tiles = (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * _ELEM_BYTES[spec.dtype]
+    return tiles + t.stages * mask_tile + barriers + 1024
 
 
 def _table(kv: str, sparse: int, mask: str = "none") -> str:
@@ -235,6 +240,34 @@ ATTN_FWD_TMA = Family(
 )
 
 
+# attn_fwd_fp8: attn_fwd_tma on fp8 e4m3 inputs (k32 wgmmas at twice the 16-bit rate), bf16 out.
+# V comes transposed (the fp8_vt pass: 8-bit wgmma reads both operands K-major), in tiles of whole
+# 128-key rows, so key tiles are 128 keys; head dims are whole 128-byte rows (buckets 128, 256).
+# No mask tiles in the ring (bool masks as bits only).
+_SM90_FP8 = (
+    WgmmaTile(128, 128, 2, 3, True, 1, "the bf16 d=128 row's shape at half the bytes: 113 KiB; unmeasured",
+              ws=True, persistent=True),
+    WgmmaTile(256, 128, 2, 2, False, 1, "as the bf16 d=256 row, 128-key tiles (V^T rows): 161 KiB; unmeasured",
+              ws=True, persistent=True),
+)
+_FP8_TAKES = f"fp8 e4m3 inputs, head-dim buckets 128 / 256, no mask tensor but a bool one packed to bits, arch in " \
+             f"{WGMMA_ARCHS}"
+
+
+def _check_fp8(spec) -> None:
+    if spec.head_dim not in (128, 256) or spec.arch not in WGMMA_ARCHS or spec.mask not in ("none", "bits"):
+        raise ValueError(f"family: {spec.family} takes {_FP8_TAKES}; got {spec}")
+
+
+ATTN_FWD_FP8 = Family(
+    name="attn_fwd_fp8", label="the fp8 TMA-fed wgmma family", header="attention_fwd_tma.cuh",
+    params=ATTN_FWD_TMA_PARAMS, tables={"dense": {arch: _SM90_FP8 for arch in WGMMA_ARCHS}},
+    template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
+    dtypes=("e4m3",), mods=("mask", "softcap", "alibi", "tma_masks"), alignment=TENSOR_CORE_ALIGNMENT,
+    traits=_traits, smem_bytes=_smem_bytes, takes=_FP8_TAKES, check=_check_fp8,
+)
+
+
 def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
     """Whether attn_fwd_tma runs a call of ``keys`` keys (seqlen_k; varlen: the longest) at
     head-dim bucket ``head_dim`` (a multiple of 64) on ``arch`` with a ``mask`` tensor (its kind,
@@ -270,3 +303,17 @@ def wgmma_shapes(tables=None) -> tuple:
     tables = ATTN_FWD_WGMMA.tables if tables is None else tables
     block_ns = {row.block_n for by_arch in tables.values() for rows in by_arch.values() for row in rows}
     return tuple(sorted(block_ns | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0} | bwd_wgmma_shapes()))
+
+
+def wgmma_fp8_shapes(tables=None) -> tuple:
+    """The N of every ``m64nNk32`` e4m3 instruction attn_fwd_fp8 instantiates, ascending: its rows'
+    ``block_n`` (Q K^T) and head-dim buckets (P V).
+
+    Parameters
+    ----------
+    tables : mapping, optional
+        Tile tables as :attr:`Family.tables` (default: the family's own).
+    """
+    tables = ATTN_FWD_FP8.tables if tables is None else tables
+    rows = [row for by_arch in tables.values() for rows in by_arch.values() for row in rows]
+    return tuple(sorted({r.block_n for r in rows} | {r.max_head_dim for r in rows}))
