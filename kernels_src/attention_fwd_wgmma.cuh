@@ -85,7 +85,8 @@ struct AttnFwdWgmmaTraits {
                 "wgmma kernel: 16-bit inputs, or fp8 through TMA (V^T tiles of whole 128-key rows, no mask tiles)");
   static_assert(BLOCK_M_ == 64 * WARPGROUPS_, "one m64 wgmma row block per warpgroup");
   static_assert(WARPGROUPS_ >= 1 && WARPGROUPS_ <= 3, "1-3 consumer warpgroups");
-  static_assert(HEAD_DIM_ % kColElems == 0 && HEAD_DIM_ <= 256, "head dim: whole 128-byte swizzle rows, wgmma N <= 256");
+  static_assert(HEAD_DIM_ % kColElems == 0 && HEAD_DIM_ <= 256,
+                "head dim: whole 128-byte swizzle rows, wgmma N <= 256");
   static_assert(BLOCK_N_ % kK == 0 && BLOCK_N_ >= 16 && BLOCK_N_ <= 256, "key tile: whole k steps of P V");
   static_assert(kLookahead >= 1, "STAGES too small for the pipeline (OVERLAP needs 3)");
   // Shared memory (bytes): tiles are [HEAD_DIM / kColElems][rows][128 bytes], 128-byte swizzled;

@@ -190,7 +190,8 @@ struct AttnFwdWgmmaMainloop {
   // The query tile's copies (one per 128-byte column block), completing on `bar`.
   __device__ __forceinline__ void load_q_tma(unsigned sQ, unsigned bar) const {
 #pragma unroll
-    for (int c = 0; c < D / CB; ++c) tma::load_4d(sQ + c * (BM * 128), maps, bar, CB * c, tma_q.row, tma_q.head, tma_q.batch);
+    for (int c = 0; c < D / CB; ++c)
+      tma::load_4d(sQ + c * (BM * 128), maps, bar, CB * c, tma_q.row, tma_q.head, tma_q.batch);
   }
 
   // The block's key tiles through the ring from stage 0; bit s of `empty_bits` is the phase of
