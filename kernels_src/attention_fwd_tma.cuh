@@ -84,7 +84,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   ml.init_ring(bar_full);  // fences the query tile's barriers too
   __syncthreads();
   const PersistentUnits units(p, BM);
-  FwdTileAt<typename Tr::T, typename Tr::TO> at;
+  FwdTileAt<Tr> at;
   int m_block, head, batch;
 
   if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup: one thread works

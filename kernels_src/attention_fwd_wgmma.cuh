@@ -185,12 +185,12 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
 }
 
 // Where a block's query tile lives: its sequence, (batch, query head), and its rows of q and o.
-template <class T, class TO>
+template <class Tr>
 struct FwdTileAt {
   SeqInfo seq;
   int head, batch;
-  const T* q;
-  TO* o;
+  const typename Tr::T* q;
+  typename Tr::TO* o;  // the output's type (bf16 for fp8 inputs)
 };
 
 // Set up `ml` for query tile (m_block, head, batch): every field that depends on the tile (the
@@ -198,7 +198,7 @@ struct FwdTileAt {
 // end (varlen: the grid covers the longest), where the block has nothing to do for it.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams& p, int m_block, int head, int batch,
-                                               FwdTileAt<typename Tr::T, typename Tr::TO>& at) {
+                                               FwdTileAt<Tr>& at) {
   using T = typename Tr::T;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
   const int m0 = m_block * BM;
@@ -295,7 +295,7 @@ __device__ __forceinline__ void quad_transpose4(unsigned (&a)[4], int t) {
 // (d = 64: 20 / 64 bytes) and d = 64 at 1k keys ran slower.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFwdParams& p,
-                                                const FwdTileAt<typename Tr::T, typename Tr::TO>& at) {
+                                                const FwdTileAt<Tr>& at) {
   using T = typename Tr::TO;  // what is stored
   constexpr int D = Tr::kHeadDim;
   static_assert(D % 32 == 0, "wgmma_fwd_store: head-dim buckets are multiples of 32");
@@ -353,7 +353,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
   // Causal blocks near the end of the sequence do the most work: start them first.
   const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  FwdTileAt<typename Tr::T, typename Tr::TO> at;
+  FwdTileAt<Tr> at;
   if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there

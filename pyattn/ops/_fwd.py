@@ -150,7 +150,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     if spec.mask == "bits":
         bits, mask_strides = _mask_bits(P, device)
     tiles = spec.tiles
-    tma = spec.family in ("attn_fwd_tma", "attn_fwd_fp8")
+    fp8 = spec.family == "attn_fwd_fp8"
+    tma = fp8 or spec.family == "attn_fwd_tma"
     scale = P.scale * P.descale[0] * P.descale[1]  # fp8: the scores of the codes; else P.scale
     # attn_fwd_tma: AttnFwdParams packed here; the maps after it per call (TmaMaps.pack).
     packer = (spec.params.base if tma else spec.params).partial({
@@ -183,12 +184,11 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         if tiles.persistent else 0
     maps_of = None
     if tma and not empty:  # the maps follow AttnFwdParams at a multiple of 64 bytes
-        fp8 = spec.family == "attn_fwd_fp8"
         inner = 128 if fp8 else 64  # elements of one 128-byte swizzle row
         # fp8 V^T: 128 keys of all head_dim rows (the bucket's: rows past head_dim arrive as zeros)
         boxes = ((inner, tiles.block_m), (inner, tiles.block_n), (128, spec.head_dim) if fp8 else (inner, tiles.block_n))
         maps_of = TmaMaps("u8" if fp8 else spec.dtype, maps, boxes, bytes(-spec.params.base.size % 64), mask_map)
-    vt = _vt_pass(P, device) if spec.family == "attn_fwd_fp8" and not empty else None
+    vt = _vt_pass(P, device) if fp8 and not empty else None
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
                    spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("out", P.out_dtype)), layout(P.lse_shape(), _F32), empty,

@@ -198,7 +198,8 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
     if Bk != B:
         raise ValueError(f"k: expected batch {B} (from q), got {Bk}")
     _check_heads(Hq, Hk, D, Dk, Sq, Sk, B)
-    if q.dtype.name == FP8 and D % 16:
+    fp8 = q.dtype.name == FP8
+    if fp8 and D % 16:
         raise ValueError(f"q: {FP8} inputs need a head_dim that is a multiple of 16 (rows of whole 16 bytes for "
                          f"TMA), got {D}")
     _check_tc_strides(ins, align)
@@ -207,7 +208,6 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
     mask_info = check_mask(mask, (B, Hq, Sq, Sk))
     alibi_info = check_alibi(alibi, B, Hq)
     factors = _check_descale(q.dtype.name, descale)
-    fp8 = q.dtype.name == FP8
     if fp8:
         _check_fp8(q, mask_info, (qs, ks, vs), Sk)
         # the kernel's score scale (scale * descale_q * descale_k, and its log2(e) form) is a float32
@@ -230,7 +230,7 @@ def _check_fp8(q, mask_info, strides, sk: int) -> None:
         raise ValueError(f"mask: {FP8} inputs take a bool mask (or none), got a {mask_info.kind} mask")
     if not q.on_device:
         raise TypeError(f"q: {FP8} inputs must be device arrays (torch / CuPy / DeviceArray), got a NumPy array")
-    for name, (sb, ss, sh) in zip("qkv", strides):
+    for name, (_, ss, _) in zip("qkv", strides):
         if ss == 0 and sk > 1:
             raise ValueError(f"{name}: {FP8} inputs are read by TMA, which cannot broadcast the sequence axis")
 
