@@ -124,7 +124,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
         pipe::wait(bar_q_full, q_parity);
         q_parity ^= 1;
         if constexpr (Tr::kPingPong)
-          if (ml.wgi == 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+          if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
         ml.run_tiles();
       }
       wgmma_fwd_store<Tr>(ml, p, at);

@@ -65,18 +65,24 @@ struct AttnFwdWgmmaTraits {
   // One consumer warpgroup (TMA only): two blocks an SM, each 128 * 24 + 128 * 232 = 32768, half
   // the file; the blocks' tiles then start and end at different times, so one's prologue and
   // epilogue run under the other's GEMMs.
+  // Three consumer warpgroups (TMA only; 512 threads): 128 * 24 + 384 * 160 = 64512. FlashAttention-3
+  // runs d = 64 so: its GEMMs are half d = 128's per score while the softmax is not, so two
+  // warpgroups taking turns leave the tensor core idle for the softmax's excess; with three, two
+  // softmaxes run under each warpgroup's GEMMs.
   static constexpr bool kTma = TMA_;
-  static constexpr int kProducerRegs = TMA_ ? 24 : 56, kConsumerRegs = !TMA_ ? 224 : WARPGROUPS_ == 1 ? 232 : 240;
-  static_assert(!WS_ || WARPGROUPS_ == 2 || (WARPGROUPS_ == 1 && TMA_),
-                "WS: the register split is for two consumer warpgroups, or one with TMA");
+  static constexpr int kProducerRegs = TMA_ ? 24 : 56,
+                       kConsumerRegs = !TMA_ ? 224 : WARPGROUPS_ == 1 ? 232 : WARPGROUPS_ == 2 ? 240 : 160;
+  static_assert(!WS_ || WARPGROUPS_ == 2 || ((WARPGROUPS_ == 1 || WARPGROUPS_ == 3) && TMA_),
+                "WS: the register split is for two consumer warpgroups, or one or three with TMA");
   static_assert(!TMA_ || WS_, "TMA: a producer warpgroup issues the copies");
   // PERSIST (attn_fwd_tma): one block per SM walks query tiles (attention_fwd_tma.cuh), so a
   // tile's Q and first K/V load under the previous tile's last steps and epilogue.
   static constexpr bool kPersist = PERSIST_;
   static_assert(!PERSIST_ || TMA_, "PERSIST: the TMA producer walks the tiles");
-  // WS with OVERLAP: the two consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong,
-  // named barriers 1 and 2), so one's softmax runs under the other's tensor-core work.
-  static constexpr bool kPingPong = WS_ && OVERLAP_ && WARPGROUPS_ == 2;
+  // WS with OVERLAP: the consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong; with
+  // three, round robin), warpgroup w waiting on named barrier 1 + w, so one's softmax runs under
+  // the others' tensor-core work.
+  static constexpr bool kPingPong = WS_ && OVERLAP_ && WARPGROUPS_ >= 2;
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
   // How many tiles ahead of the one in use a tile is loaded (see the header comment).
@@ -166,7 +172,7 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     }
     pipe::regs_inc<Tr::kConsumerRegs>();
     if constexpr (Tr::kPingPong)
-      if (ml.wgi == 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+      if (ml.wgi == Tr::kWarpgroups - 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
   }
   ml.clear();
 

@@ -477,10 +477,14 @@ struct AttnFwdWgmmaMainloop {
       pv(prev_stage);
       wg::commit();
     }
-    // The other warpgroup's turn. Warpgroup 1 gave warpgroup 0 its first turn before the loop, so
+    // The next warpgroup's turn. The last one gave warpgroup 0 its first turn before the loop, so
     // it skips its last hand-over: every arrival then meets a sync.
-    if constexpr (Tr::kPingPong)
-      if (wgi == 0 || j + 1 < n_tiles) pipe::bar_arrive(1 + (wgi ^ 1), 256);
+    // (Two warpgroups: the same test and barrier spelled as before, so their code is unchanged.)
+    if constexpr (Tr::kPingPong) {
+      constexpr int NWG = Tr::kWarpgroups;
+      if ((NWG == 2 ? wgi == 0 : wgi != NWG - 1) || j + 1 < n_tiles)
+        pipe::bar_arrive(1 + (NWG == 2 ? wgi ^ 1 : wgi == NWG - 1 ? 0 : wgi + 1), 256);
+    }
     if constexpr (!Tr::kWS) {
       // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
       if (j + AHEAD < n_tiles) load<Tr::kThreads>(load_stage, tiles.n0(j + AHEAD), threadIdx.x);

@@ -13,8 +13,10 @@ template <int BM, int BN, bool SPARSE>
 struct KeyTiles {
   static constexpr int kColBits = BN / 16;  // sub-blocks per row of sub-blocks
   static constexpr int kBits = (BM / 16) * kColBits;
-  static constexpr unsigned long long kAll = kBits == 64 ? ~0ull : ((1ull << kBits) - 1ull);
-  static_assert(BM % 16 == 0 && BN % 16 == 0 && kBits <= 64, "one 64-bit mask of 16 x 16 sub-blocks per tile");
+  // Dense tiles may be larger (192 query rows): their mask is all ones and never indexed.
+  static constexpr unsigned long long kAll = kBits >= 64 ? ~0ull : ((1ull << kBits) - 1ull);
+  static_assert(BM % 16 == 0 && BN % 16 == 0 && (kBits <= 64 || !SPARSE),
+                "one 64-bit mask of 16 x 16 sub-blocks per tile");
 
   const int* idx;                  // SPARSE: this row's key-tile ids
   const unsigned long long* bits;  // SPARSE: their sub-block masks

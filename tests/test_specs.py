@@ -604,18 +604,23 @@ def test_tma_kernel_selection():
         rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table=table)}
         for d in (64, 128, 192, 256):
             row = rows.get(d)
-            spec = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=max(row.min_keys, 1) if row else 1 << 20)
+            shorts = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table="short")}
+            short = shorts.get(d) if table == "dense" else None
+            # where the short row serves: below its max_keys, max_keys_mods with a mask tensor
+            limit = (short.max_keys_mods if mask != "none" and short.max_keys_mods else short.max_keys) if short else 0
+            first = max(row.min_keys, limit, 1) if row else 1 << 20  # the row's first call
+            spec = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=first)
             assert spec.family == ("attn_fwd_tma" if row else "attn_fwd_wgmma"), (mask, d)
             if row is None:
                 continue
             assert spec.tiles.block_n == row.block_n and spec.tiles.stages == row.stages
-            if row.min_keys > 1:  # below: the short row where one serves the mask kind, else cp.async
-                below = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=row.min_keys - 1)
-                shorts = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a", table="short")}
-                if table == "dense" and d in shorts:
-                    assert (below.family, below.q_tiles, below.tiles) == ("attn_fwd_tma", 1, shorts[d].config())
-                    assert select_attention_spec("bfloat16", d, "sm_90a", mask=mask,
-                                                 keys=shorts[d].max_keys).q_tiles == 0
+            # a mask tensor takes the row's warpgroups_mods where it names them (registers)
+            wgs = row.warpgroups_mods if mask != "none" and row.warpgroups_mods else row.warpgroups
+            assert spec.tiles.block_m == 64 * wgs
+            if first > 1:  # below: the short row where one serves the mask kind, else cp.async
+                below = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=first - 1)
+                if short:
+                    assert (below.family, below.q_tiles, below.tiles) == ("attn_fwd_tma", 1, short.config())
                 else:
                     assert below.family == "attn_fwd_wgmma"
             for kw in (dict(sparse=1), dict(sparse=2), dict(tma=False)):
@@ -646,10 +651,15 @@ def test_short_row_of_the_tma_kernel():
     assert (t.block_m, t.warps, t.min_blocks, t.persistent) == (64, 8, 2, True) and t == row.config()
     assert 2 * (spec.shared_bytes + 1024) <= 228 * 1024  # two blocks an SM (1 KiB reserved a block)
     assert ", 1, 3, true, 0, true, true, true>" in spec.template_id and "_m64n128w8p" in spec.entry_name
-    for keys, q_tiles in ((1, 1), (row.max_keys - 1, 1), (row.max_keys, 0)):
-        for mask, rows in (("none", False), ("bool", False), ("bf16", True)):
+    for mask, rows in (("none", False), ("bool", False), ("bf16", True)):
+        limit = row.max_keys_mods if mask != "none" and row.max_keys_mods else row.max_keys
+        for keys, q_tiles in ((1, 1), (limit - 1, 1), (limit, 0)):
             got = select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=keys, mask=mask, mask_rows=rows)
             assert (got.family, got.q_tiles) == ("attn_fwd_tma", q_tiles), (keys, mask)
+    # ALiBi counts as a modifier there; a soft-cap does not (it keeps the dense row's warpgroups)
+    if row.max_keys_mods > row.max_keys:
+        for kw, q_tiles in ((dict(alibi=True), 1), (dict(softcap=True), 0)):
+            assert select_attention_spec("float16", 64, "sm_90a", keys=row.max_keys, **kw).q_tiles == q_tiles
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, mask="bf16").q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, tma=False).q_tiles == 0
     for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=2), "takes 0"),
@@ -665,9 +675,10 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
 
     for r in tile_table("attn_fwd_tma", "sm_90a"):
         spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits")
-        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")
+        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", alibi=True)  # (warpgroups_mods)
         assert (spec.tiles, spec.shared_bytes) == (dense.tiles, dense.shared_bytes)
-        assert spec.entry_name == dense.entry_name + "_maskbits"
+        assert spec.tiles.block_m == 64 * (r.warpgroups_mods or r.warpgroups)
+        assert spec.entry_name == dense.entry_name.replace("_alibi", "_maskbits")
     with pytest.raises(ValueError, match="packed to bits"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
     for family, arch in (("attn_fwd_wgmma", "sm_90a"), ("attn_fwd_mma", "sm_80"), ("attn_fwd_simt", "sm_80")):
@@ -689,7 +700,7 @@ def test_key_padding_float_masks_take_one_row_a_stage():
 
     sizes = {"f16": 2, "bf16": 2, "f32": 4}
     for r in tile_table("attn_fwd_tma", "sm_90a"):
-        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")
+        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", alibi=True)  # (warpgroups_mods)
         for kind, size in sizes.items():
             spec = select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind, mask_rows=True)
             assert spec.mask == f"{kind}_row" and spec.tiles == dense.tiles

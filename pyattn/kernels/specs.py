@@ -277,7 +277,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         bucket = -(-head_dim // 64) * 64
         packed = "bits" if mask == "bool" else f"{mask}_row" if mask_rows and mask != "none" else mask
         # Below a row's number of keys, the short row (one consumer warpgroup a block) where it has one.
-        short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed)
+        short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed, bool(alibi))
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
         q_tiles = int(short)

@@ -36,7 +36,11 @@ class WgmmaTile(NamedTuple):
     ws: bool = False  # warp-specialized: a producer warpgroup (the last) fills the ring
     min_keys: int = 0  # attn_fwd_tma: the row serves calls of at least this many keys (seqlen_k)
     max_keys: int = 0  # attn_fwd_tma's "short" table: the row serves calls of fewer keys than this
+    max_keys_mods: int = 0  # ... and this many with a mask tensor or ALiBi (0: max_keys)
     persistent: bool = False  # attn_fwd_tma: one block per SM walks the query tiles
+    # attn_fwd_tma: with a mask tensor or ALiBi, this many warpgroups instead (0: the row's): three
+    # warpgroups run at 160 registers a thread, where those modifiers spill (spec_tiles applies it)
+    warpgroups_mods: int = 0
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
@@ -159,10 +163,13 @@ ATTN_FWD_WGMMA = Family(
 # other calls run attn_fwd_wgmma. Measured on H200 against attn_fwd_wgmma's row of the same bucket
 # (dev/probe_tma.py, bf16, batch 16k / S, hidden 2048, non-causal / causal).
 _SM90_TMA = (
-    WgmmaTile(64, 128, 2, 3, True, 1, "S 2k/4k/16k 1.05/1.11/1.13x (causal 1.01/1.07/1.14x) the 2-blocks/SM "
-                                      "cp.async row; at S 1k 0.99x (causal 0.92x). Persistent blocks measured "
-                                      "0.96-0.98x at 4k / 16k (dev/probe_persist.py): per tile. From 4096 keys "
-                                      "(below: the short row)", ws=True, min_keys=4096),
+    WgmmaTile(64, 128, 3, 3, True, 1, "three consumer warpgroups (192 query rows, round-robin GEMM turns): "
+                                      "S 2k/4k/16k 0.570/1.069/4.246 ms = 1.03/1.08/1.13x cuDNN (causal 0.88/"
+                                      "0.98/1.08x) against 0.669/1.250/4.932 for two warpgroups; persistent "
+                                      "blocks 1-8% slower from 2k (dev/probe_d64_rows.py, H200). From 2048 keys "
+                                      "(below: the short row). At 160 registers ALiBi spills 228 bytes, packed "
+                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): those keep two warpgroups",
+              ws=True, min_keys=2048, warpgroups_mods=2),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py)", ws=True,
@@ -181,9 +188,11 @@ _SM90_TMA = (
 # Measured on H200 against the dense table (bf16, batch 16k / S, hidden 2048, x cuDNN in one run):
 _SM90_TMA_SHORT = (
     WgmmaTile(64, 128, 1, 3, True, 2, "S 1k/2k: 0.351/0.633 ms = 0.88/0.93x cuDNN (causal 0.84/0.88x) against "
-                                      "0.394/0.663 ms for the cp.async row (0.78/0.89x); at 4k/16k 0.89/0.95x "
-                                      "against the dense row's 0.92/0.99x: below 4096 keys", ws=True,
-              persistent=True, max_keys=4096),
+                                      "0.394/0.663 ms for the cp.async row (0.78/0.89x); at 1k 0.348 ms (causal "
+                                      "0.240) against 0.339 (0.282) for the three-warpgroup dense row, which is "
+                                      "faster from 2k: below 2048 keys; with a mask tensor or ALiBi (the "
+                                      "dense row's two warpgroups then) below 4096", ws=True,
+              persistent=True, max_keys=2048, max_keys_mods=4096),
 )
 
 
@@ -222,8 +231,15 @@ def _check_tma(spec) -> None:
 
 
 def _tma_spec_tiles(spec, t):
-    """q_tiles = 1: the "short" table's row (one m64 row tile a block) instead of the table's."""
-    return table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).config() if spec.q_tiles else t
+    """q_tiles = 1: the "short" table's row (one m64 row tile a block) instead of the table's; a
+    mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names them."""
+    if spec.q_tiles:
+        return table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).config()
+    if spec.mask != "none" or spec.alibi:
+        row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
+        if row.warpgroups_mods:
+            return row._replace(warpgroups=row.warpgroups_mods).config()
+    return t
 
 
 ATTN_FWD_TMA = Family(
@@ -282,13 +298,16 @@ def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
         r.max_head_dim == head_dim and keys >= r.min_keys for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
 
 
-def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
+def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none", alibi: bool = False) -> bool:
     """Whether attn_fwd_tma's "short" table (spec ``q_tiles=1``) runs a call of ``keys`` keys at
-    bucket ``head_dim`` with a ``mask`` tensor kind (as :func:`tma_serves`): a row names exactly that
-    bucket, ``keys`` is below its ``max_keys``, and the mask rides the dense rows (none, packed bits
-    or one row a stage)."""
+    bucket ``head_dim`` with a ``mask`` tensor kind (as :func:`tma_serves`) and ``alibi``: a row
+    names exactly that bucket, ``keys`` is below its ``max_keys`` (``max_keys_mods`` with a mask
+    tensor or ALiBi, where it names one), and the mask rides the dense rows (none, packed bits or
+    one row a stage)."""
+    mods = mask != "none" or alibi
     return (arch in WGMMA_ARCHS and _table("", 0, mask) == "dense" and mask != "bool" and any(
-        r.max_head_dim == head_dim and keys < r.max_keys for r in table_rows(ATTN_FWD_TMA, "short", arch)))
+        r.max_head_dim == head_dim and keys < (r.max_keys_mods if mods and r.max_keys_mods else r.max_keys)
+        for r in table_rows(ATTN_FWD_TMA, "short", arch)))
 
 
 def wgmma_shapes(tables=None) -> tuple:

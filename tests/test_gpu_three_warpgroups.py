@@ -1,0 +1,87 @@
+"""GPU tests of attn_fwd_tma's rows of three consumer warpgroups (192 query rows a block, the
+warpgroups' GEMM turns round robin on named barriers 1-3) against the fp64 reference; marked
+``gpu``, skipped without an sm_90a GPU. ALiBi and mask tensors keep such a row's
+``warpgroups_mods`` (two: at 160 registers a thread they spill), checked here too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn.kernels.families import tile_table
+from pyattn.kernels.specs import select_attention_spec
+from pyattn.reference import attention_varlen_ref, error_bound
+
+from test_gpu_attention import DTYPES, _check, _inputs  # noqa: E402
+from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
+ROWS = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a") if r.warpgroups == 3}
+CASES = ["plain", "causal", "window", "softcap", "rows_without_keys", "fp16_mqa", "bhsd", "alibi", "bool_mask"]
+
+
+@pytest.mark.parametrize("D", sorted(ROWS) or [64])
+@pytest.mark.parametrize("case", CASES)
+def test_three_warpgroups_match_the_reference(D, case):
+    """1000 query rows (a partial last block of 192) over a few more keys than the row's min_keys;
+    windows and causal bounds that fall inside a warpgroup's 64 rows; causal bottom-right with more
+    queries than keys (the first rows see no key: 0 / LSE -inf)."""
+    if D not in ROWS:
+        pytest.skip(f"attn_fwd_tma has no three-warpgroup row for d={D}")
+    row = ROWS[D]
+    mods = case in ("alibi", "bool_mask")
+    short = next((r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.max_head_dim == D), None)
+    below = (short.max_keys_mods if mods and short.max_keys_mods else short.max_keys) if short else 0  # short row's
+    rng = np.random.default_rng(CASES.index(case))
+    B, Sq, Sk, Hq, Hkv, dtype, layout = 2, 1000, max(row.min_keys, below) + 77, 4, 2, "bfloat16", "bshd"
+    opts = {"causal": {"causal": True}, "window": {"window": (300, 41)}, "softcap": {"softcap": 15.0, "causal": True},
+            "rows_without_keys": {"causal": True}, "bool_mask": {"causal": True}}.get(case, {})
+    if case == "rows_without_keys":
+        Sq = Sk + 333
+    if case == "fp16_mqa":
+        dtype, Hq, Hkv = "float16", 6, 1
+    if case == "bhsd":
+        layout = opts["layout"] = "bhsd"
+    q, k, v = _inputs(rng, B, Sq, Sk, Hq, Hkv, D, dtype, layout)
+    if case == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.5, Hq).astype(np.float32)
+    if case == "bool_mask":
+        opts["mask"] = rng.random((1, Hq, Sq, Sk)) < 0.7
+    spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, mask="bool" if case == "bool_mask" else "none",
+                                 alibi=case == "alibi", softcap=case == "softcap")
+    wgs = row.warpgroups_mods if mods and row.warpgroups_mods else 3
+    assert (spec.family, spec.q_tiles, spec.tiles.block_m) == ("attn_fwd_tma", 0, 64 * wgs)
+    on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+    if case == "rows_without_keys":
+        assert np.isneginf(lse.numpy()[:, :, :333]).all()
+
+
+@pytest.mark.parametrize("D", sorted(ROWS) or [64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_warpgroups_varlen(D, causal):
+    """Seven sequences of 1..3000 queries and keys in one launch of max-length row blocks: blocks
+    past a short sequence's end exit, and a block's three warpgroups end inside different ones."""
+    if D not in ROWS:
+        pytest.skip(f"attn_fwd_tma has no three-warpgroup row for d={D}")
+    rng = np.random.default_rng(5 + causal)
+    lens = [(1, 2100), (191, 193), (3000, 2500), (64, 3000), (500, 17), (2049, 2049), (1234, 2600)]
+    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    assert select_attention_spec("bfloat16", D, "sm_90a", keys=3000).tiles.block_m == 192
+    dt = DTYPES["bfloat16"]
+    q = rng.standard_normal((cu_q[-1], 4, D)).astype(dt)
+    k, v = (rng.standard_normal((cu_k[-1], 2, D)).astype(dt) for _ in range(2))
+    out, lse = pyattn.attention_varlen(*(pyattn.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                       return_lse=True)
+    out, lse = out.numpy().astype(np.float64), lse.numpy()
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+    assert not np.isnan(out).any()
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    for n in range(len(lens)):
+        rows, keys = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+        bound = error_bound(q[None, rows], k[None, keys], v[None, keys], causal=causal)
+        assert np.abs(out[rows] - ref[rows]).max() <= bound, f"sequence {n} {lens[n]}"
