@@ -72,7 +72,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const FwdSmem<Tr> sm(smem_raw);
   const unsigned sQ = sm.q, bar_full = sm.bars;
-  const unsigned bar_q_full = bar_full + 16 * STAGES;  // after the stages' full / empty barriers
+  const unsigned bar_q_full = bar_full + Tr::kRingBarrierBytes;  // after the stages' full / empty barriers
 
   Mainloop ml;
   wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
@@ -92,7 +92,9 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     if (threadIdx.x != Tr::kConsumerThreads) return;
     tma::prefetch(maps);
     ml.prefetch_maps();
-    unsigned empty_bits = (1u << STAGES) - 1, q_parity = 1;  // a fresh barrier's "previous" phase is complete
+    // (bits 16 + s: SPLIT_KV's V "empty" barriers)
+    unsigned empty_bits = ((1u << STAGES) - 1) * (Tr::kSplitKV ? 0x10001u : 1u), q_parity = 1;  // a fresh
+    // barrier's "previous" phase counts as complete
     for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {

@@ -16,7 +16,7 @@
 // OVERLAP (FA3's intra-warpgroup pipelining): O += P_{j-1} V_{j-1} is issued right behind
 // S_j = Q K_j^T, so the tensor cores run it while the warpgroup does the softmax of tile j.
 // That keeps tiles j-1 (V) and j (K) resident, so a tile loads STAGES - 2 tiles ahead
-// (STAGES - 1 without OVERLAP).
+// (STAGES - 1 without OVERLAP, or with SPLIT_KV: K and V freed on barriers of their own).
 //
 // Semantics are attention_fwd_mma.cuh's: GQA, bshd/bhsd strides, causal and sliding window (whole
 // tiles skipped, per-element masks only on boundary tiles), varlen, natural-log LSE, empty rows
@@ -39,7 +39,7 @@ namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
-          bool MASK_ROW_ = false>
+          bool MASK_ROW_ = false, bool SPLIT_KV_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -85,8 +85,15 @@ struct AttnFwdWgmmaTraits {
   static constexpr bool kPingPong = WS_ && OVERLAP_ && WARPGROUPS_ >= 2;
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
+  // SPLIT_KV (TMA): a stage's K and V tiles complete and are freed on barriers of their own, as
+  // FlashAttention-3 does: K_j's slot is free once S_j = Q K_j^T is done, V_j's once P_j V_j is. With
+  // OVERLAP, V_{j-1} stays in use through tile j's softmax while K_j's slot is already refilled, so
+  // two stages suffice (one K / V stage ring otherwise needs three: d = 256 at 2 stages ran without
+  // overlap, and so without ping-pong).
+  static constexpr bool kSplitKV = SPLIT_KV_;
+  static_assert(!SPLIT_KV_ || (TMA_ && OVERLAP_), "SPLIT_KV: TMA with OVERLAP");
   // How many tiles ahead of the one in use a tile is loaded (see the header comment).
-  static constexpr int kLookahead = OVERLAP_ ? STAGES_ - 2 : STAGES_ - 1;
+  static constexpr int kLookahead = OVERLAP_ && !SPLIT_KV_ ? STAGES_ - 2 : STAGES_ - 1;
   static_assert(sizeof(T_) == 2 || (kFp8 && TMA_ && MASK_BYTES_ == 0 && BLOCK_N_ % 128 == 0),
                 "wgmma kernel: 16-bit inputs, or fp8 through TMA (V^T tiles of whole 128-key rows, no mask tiles)");
   static_assert(BLOCK_M_ == 64 * WARPGROUPS_, "one m64 wgmma row block per warpgroup");
@@ -119,9 +126,11 @@ struct AttnFwdWgmmaTraits {
   static_assert(MASK_BYTES_ == 0 || !TMA_ || MASK_ROW_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
                 "TMA mask tiles: a 32/64/128-byte swizzle, whole 1024-byte atoms");
   static_assert(!MASK_ROW_ || (TMA_ && MASK_BYTES_ > 0 && kMaskSwz <= 1024), "MASK_ROW: a TMA mask row");
-  // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles; PERSIST:
-  // then a "full" and an "empty" one for the query tile.
-  static constexpr int kBarrierBytes = (WS_ ? 16 * STAGES_ : 0) + (PERSIST_ ? 16 : 0);
+  // WS: a "full" and an "empty" mbarrier (8 bytes each) per stage, after the mask tiles (SPLIT_KV:
+  // those are K's and the mask tile's, V's follow); PERSIST: then a "full" and an "empty" one for
+  // the query tile.
+  static constexpr int kRingBarrierBytes = (WS_ ? 16 * STAGES_ : 0) * (SPLIT_KV_ ? 2 : 1);
+  static constexpr int kBarrierBytes = kRingBarrierBytes + (PERSIST_ ? 16 : 0);
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.
   static constexpr int kSmemBytes = kQBytes + STAGES_ * (kStageBytes + kMaskTileBytes) + kBarrierBytes + 1024;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");

@@ -68,6 +68,8 @@ struct AttnFwdWgmmaMainloop {
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
   unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
                                    // (PERSIST: bit s that of stage s)
+  unsigned bar_vfull, bar_vempty;  // SPLIT_KV: the stages' V barriers (K's and the mask's: bar_full / bar_empty)
+  unsigned v_bits;                 // SPLIT_KV: bit s the parity of stage s's V "full" phase to wait for
   unsigned bar_q_empty;            // PERSIST: the query tile's "empty" barrier (its "full" one 8 bytes before)
   int wgi;                         // this thread's consumer warpgroup
   // -- PAGED: the sequence's page list, the pools' page strides (k_stride / v_stride: slot
@@ -177,7 +179,8 @@ struct AttnFwdWgmmaMainloop {
   // A mask tensor's tile comes with its K/V tile: one copy per kMaskSwz-byte column block.
   __device__ __forceinline__ void produce_tma(unsigned sQ) {
     prefetch_maps();
-    unsigned empty_bits = (1u << STAGES) - 1;  // a fresh barrier's "previous" phase counts as complete
+    // A fresh barrier's "previous" phase counts as complete (bits 16 + s: SPLIT_KV's V barriers).
+    unsigned empty_bits = ((1u << STAGES) - 1) * (Tr::kSplitKV ? 0x10001u : 1u);
     produce_tma_tiles(empty_bits, sQ, true);
   }
 
@@ -195,13 +198,13 @@ struct AttnFwdWgmmaMainloop {
   }
 
   // The block's key tiles through the ring from stage 0; bit s of `empty_bits` is the phase of
-  // stage s's "empty" barrier to wait for (carried on to the next query tile of a persistent
+  // stage s's "empty" barrier to wait for (SPLIT_KV: bit 16 + s that of its V barrier) (carried on to the next query tile of a persistent
   // block, whose tile may end at any stage). `q_with_tile0`: the query tile rides on tile 0's
   // "full" barrier (a persistent block's has barriers of its own).
   __device__ __forceinline__ void produce_tma_tiles(unsigned& empty_bits, unsigned sQ, bool q_with_tile0) {
     constexpr int kBlocks = D / CB;
-    constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, kMaskBlocks = MB ? BN * MB / SWZ : 0;
-    constexpr unsigned stage_bytes = Tr::kStageBytes + Tr::kMaskTileBytes;  // what a stage's copies complete
+    // What a stage's copies complete (SPLIT_KV: K's barrier K and the mask tile, V's V).
+    constexpr unsigned stage_bytes = (Tr::kSplitKV ? Tr::kKVBytes : Tr::kStageBytes) + Tr::kMaskTileBytes;
     int st = 0;
     for (int i = 0; i < n_tiles; ++i) {
       const unsigned full = bar_full + 8 * st, kv = sKV + st * Tr::kStageBytes;
@@ -211,25 +214,49 @@ struct AttnFwdWgmmaMainloop {
       tma::arrive_expect(full, stage_bytes + (with_q ? Tr::kQBytes : 0));
       if (with_q) load_q_tma(sQ, full);
       const int n0 = tiles.n0(i);
+      // One stage's ring: K and V copies by column block, the mask tile's after them. SPLIT_KV: K's
+      // and the mask's, then V's on its own barrier once its slot is free (bits 16 + s).
+      constexpr bool kVWithK = !Tr::kFp8 && !Tr::kSplitKV;
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c) {
         tma::load_4d(kv + c * (BN * 128), maps + 1, full, CB * c, tma_k.row + n0, tma_k.head, tma_k.batch);
-        if constexpr (!Tr::kFp8)
+        if constexpr (kVWithK)
           tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, full, CB * c, tma_v.row + n0, tma_v.head,
                        tma_v.batch);
       }
-      if constexpr (Tr::kFp8)  // V^T: one copy per 128 keys, all head_dim rows
+      if constexpr (Tr::kSplitKV) load_mask_tma(st, n0, full);
+      unsigned vfull = full;
+      if constexpr (Tr::kSplitKV) {
+        vfull = bar_vfull + 8 * st;
+        pipe::wait(bar_vempty + 8 * st, (empty_bits >> (16 + st)) & 1u);
+        empty_bits ^= 1u << (16 + st);
+        tma::arrive_expect(vfull, Tr::kKVBytes);
+      }
+      if constexpr (Tr::kFp8) {  // V^T: one copy per 128 keys, all head_dim rows
 #pragma unroll
         for (int c = 0; c < BN / 128; ++c)
-          tma::load_4d(kv + Tr::kKVBytes + c * (D * 128), maps + 2, full, tma_v.row + n0 + 128 * c, 0, tma_v.head,
+          tma::load_4d(kv + Tr::kKVBytes + c * (D * 128), maps + 2, vfull, tma_v.row + n0 + 128 * c, 0, tma_v.head,
                        tma_v.batch);
-      if constexpr (MB > 0)
+      } else if constexpr (!kVWithK) {
 #pragma unroll
-        for (int c = 0; c < kMaskBlocks; ++c)
-          tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * kMaskBlockStride, maps + 3, full, n0 + c * (SWZ / MB),
-                       tma_m.row, tma_m.head, tma_m.batch);
+        for (int c = 0; c < kBlocks; ++c)
+          tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 2, vfull, CB * c, tma_v.row + n0, tma_v.head,
+                       tma_v.batch);
+      }
+      if constexpr (!Tr::kSplitKV) load_mask_tma(st, n0, full);
       if (++st == STAGES) st = 0;
     }
+  }
+
+  // A mask tensor's tile for key tile n0 into stage st's mask slot: one copy per kMaskSwz-byte
+  // column block, completing on `bar`.
+  __device__ __forceinline__ void load_mask_tma(int st, int n0, unsigned bar) const {
+    constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz;
+    if constexpr (MB > 0)
+#pragma unroll
+      for (int c = 0; c < BN * MB / SWZ; ++c)
+        tma::load_4d(sMask + st * Tr::kMaskTileBytes + c * kMaskBlockStride, maps + 3, bar, n0 + c * (SWZ / MB),
+                     tma_m.row, tma_m.head, tma_m.batch);
   }
 
   // The wgmma descriptors of this warpgroup's query rows at sQ and of stage 0's K and V (128-byte
@@ -248,10 +275,17 @@ struct AttnFwdWgmmaMainloop {
   __device__ __forceinline__ void init_ring(unsigned full) {
     bar_full = full;
     bar_empty = full + 8 * STAGES;
+    bar_vfull = full + 16 * STAGES;  // SPLIT_KV only
+    bar_vempty = full + 24 * STAGES;
+    v_bits = 0;
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) {
         pipe::init(bar_full + 8 * st, Tr::kTma ? 1 : 128);
         pipe::init(bar_empty + 8 * st, Tr::kConsumerThreads / 32);
+        if constexpr (Tr::kSplitKV) {
+          pipe::init(bar_vfull + 8 * st, 1);
+          pipe::init(bar_vempty + 8 * st, Tr::kConsumerThreads / 32);
+        }
       }
       pipe::init_fence();
     }
@@ -291,9 +325,23 @@ struct AttnFwdWgmmaMainloop {
     if (threadIdx.x % 32 == 0) pipe::arrive(bar);
   }
 
-  // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it.
+  // WS consumer: the wgmmas that read stage `st` are complete; one arrival per warp frees it
+  // (SPLIT_KV: its V; release_k frees its K and mask tile once S is done).
   __device__ __forceinline__ void release(int st) const {
-    if constexpr (Tr::kWS) arrive_warp(bar_empty + 8 * st);
+    if constexpr (Tr::kSplitKV)
+      arrive_warp(bar_vempty + 8 * st);
+    else if constexpr (Tr::kWS)
+      arrive_warp(bar_empty + 8 * st);
+  }
+  __device__ __forceinline__ void release_k(int st) const {
+    if constexpr (Tr::kSplitKV) arrive_warp(bar_empty + 8 * st);
+  }
+  // SPLIT_KV: wait until stage st's V tile landed.
+  __device__ __forceinline__ void wait_v(int st) {
+    if constexpr (Tr::kSplitKV) {
+      pipe::wait(bar_vfull + 8 * st, (v_bits >> st) & 1u);
+      v_bits ^= 1u << st;
+    }
   }
 
   // TMA: the distance between a mask tile's column blocks (MASK_ROW: one block, the whole row
@@ -412,6 +460,7 @@ struct AttnFwdWgmmaMainloop {
     step<false>(0);
     for (int j = 1; j < n_tiles; ++j) step<OVERLAP>(j);
     if constexpr (OVERLAP) {  // -- O += P_last V_last
+      wait_v(prev_stage);
       pv_now(prev_stage);
       if constexpr (Tr::kPersist) release(prev_stage);
     }
@@ -460,6 +509,7 @@ struct AttnFwdWgmmaMainloop {
       __syncthreads();
     }
 
+    if constexpr (WITH_PV) wait_v(prev_stage);  // SPLIT_KV: V_{j-1}, before taking the turn
     // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
     float s[S_REGS];
     if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
@@ -523,6 +573,7 @@ struct AttnFwdWgmmaMainloop {
       wg::wait<0>();
     }
     wg::fence_operands(s);
+    release_k(stage);  // SPLIT_KV: K_j (and its mask tile: read above) is done with
     if constexpr (Tr::kPersist)  // the last Q K^T read the query tile: the producer may load the next
       if (j + 1 == n_tiles) arrive_warp(bar_q_empty);
 

@@ -237,7 +237,9 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
             assert t.block_n == 32 and s.head_dim % 32 == 0 and t.block_m % t.warps == 0, s.describe()
         elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):  # one m64 row block per warpgroup; 64-wide buckets
             assert t.block_m == 64 * (t.warps // 4 - t.ws) and t.warps % 4 == 0 and s.head_dim % 64 == 0, s.describe()
-            assert t.block_n % 16 == 0 and (t.stages >= 3 or not t.overlap), s.describe()
+            # overlap keeps V_{j-1} through tile j: 3 stages, or 2 with K and V on barriers of their own
+            assert t.block_n % 16 == 0 and (t.stages >= 3 or not t.overlap or t.split_kv), s.describe()
+            assert not t.split_kv or (s.family in ("attn_fwd_tma", "attn_fwd_fp8") and t.overlap), s.describe()
         else:  # AttnFwdMmaTraits/Tf32Traits: the kernel derives BLOCK_M itself, so the grid must agree
             assert s.family in ("attn_fwd_mma", "attn_fwd_tf32")
             assert s.head_dim % 32 == 0 and t.block_n % 16 == 0, s.describe()
@@ -285,10 +287,10 @@ def test_shared_bytes_fit_every_supported_arch():
                 assert s.shared_bytes <= smallest, s.describe()
             elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):
                 # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles, a full and an empty mbarrier
-                # per stage when warp-specialized, two for the query tile when persistent, + 1024 for
-                # atom alignment
-                assert s.shared_bytes == ((t.block_m + 2 * t.stages * t.block_n) * d * 2 + 16 * t.stages * t.ws
-                                          + 16 * t.persistent + 1024)
+                # per stage when warp-specialized (four with K and V split), two for the query tile when
+                # persistent, + 1024 for atom alignment
+                assert s.shared_bytes == ((t.block_m + 2 * t.stages * t.block_n) * d * 2
+                                          + 16 * t.stages * t.ws * (1 + t.split_kv) + 16 * t.persistent + 1024)
             elif s.family == "attn_fwd_tf32":
                 # AttnFwdTf32Traits::kSmemBytes: Q and 2 K stages padded by 4 floats, 2 V stages by 8
                 bm = 16 * t.m_tiles * t.warps

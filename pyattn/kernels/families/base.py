@@ -62,6 +62,7 @@ class TileConfig(NamedTuple):
     overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
     ws: bool = False  # wgmma kernel: a producer warpgroup fills the ring (counted in ``warps``)
     persistent: bool = False  # one block an SM walks the query tiles (grid: ``KernelSpec.grid``'s slots)
+    split_kv: bool = False  # wgmma kernel with TMA: K and V tiles on barriers of their own
 
 
 class FixedTile(NamedTuple):
@@ -138,6 +139,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     mods += "_kch" if spec.key_channel else ""
     ring = f"s{t.stages}" + ("tma" if t.ws else "") if stages else ""
     ring += "p" if t.persistent else ""
+    ring += "kv" if t.split_kv else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

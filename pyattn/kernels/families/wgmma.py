@@ -41,10 +41,13 @@ class WgmmaTile(NamedTuple):
     # attn_fwd_tma: with a mask tensor or ALiBi, this many warpgroups instead (0: the row's): three
     # warpgroups run at 160 registers a thread, where those modifiers spill (spec_tiles applies it)
     warpgroups_mods: int = 0
+    # attn_fwd_tma: K and V tiles complete and are freed on barriers of their own (overlap on a
+    # 2-stage ring: K_j's slot refills while V_{j-1} is still read)
+    split_kv: bool = False
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
-                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent)
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
@@ -107,9 +110,11 @@ def _traits(spec, t) -> str:
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
     if spec.family in _TMA_FAMILIES:
-        tail = f", {mb}, true, true" + (", true" if t.persistent else "")
-        if spec.mask.endswith("_row"):  # MASK_ROW after PERSIST
-            tail += ("" if t.persistent else ", false") + ", true"
+        # (PERSIST, MASK_ROW, SPLIT_KV): spelled up to the last that is true
+        flags = [t.persistent, spec.mask.endswith("_row"), t.split_kv]
+        while flags and not flags[-1]:
+            flags.pop()
+        tail = f", {mb}, true, true" + "".join(f", {str(f).lower()}" for f in flags)
     else:
         tail = f", {mb}, true" if t.ws else f", {mb}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
@@ -118,13 +123,14 @@ def _traits(spec, t) -> str:
 
 def _smem_bytes(spec, t) -> int:
     """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
-    copies them), two 8-byte mbarriers per stage when warp-specialized and two for the query tile
+    copies them), two 8-byte mbarriers per stage when warp-specialized (four with split K / V) and two for the query tile
     when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family in _TMA_FAMILIES else 16
     rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
     mask_tile = rows * (t.block_n * mb + pad) if mb else 0
-    barriers = (16 * t.stages if t.ws else 0) + (16 if t.persistent else 0)  # PERSIST: the query tile's two
+    # two a stage (SPLIT_KV: four), PERSIST: the query tile's two
+    barriers = (16 * t.stages * (2 if t.split_kv else 1) if t.ws else 0) + (16 if t.persistent else 0)
     tiles = (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * _ELEM_BYTES[spec.dtype]
     return tiles + t.stages * mask_tile + barriers + 1024
 
@@ -174,11 +180,15 @@ _SM90_TMA = (
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py)", ws=True,
               persistent=True),
-    WgmmaTile(192, 64, 2, 2, False, 1, "S 1k-16k 1.27-1.61x (causal 1.31-1.48x) the all-threads-load row; "
-                                       "persistent as d=256 (unmeasured)", ws=True, persistent=True),
-    WgmmaTile(256, 64, 2, 2, False, 1, "S 1k-16k 1.05-1.25x (causal 1.12-1.19x) the all-threads-load row: "
-                                       "622 TFLOP/s at 16k; persistent blocks 0.95/1.10/1.00x (causal 1.10/1.12/"
-                                       "1.00x) at 1k/4k/16k the per-tile launch", ws=True, persistent=True),
+    WgmmaTile(192, 64, 2, 2, True, 1, "K and V on barriers of their own, so overlap and ping-pong on 2 stages: "
+                                      "S 1k/4k/16k 0.224/0.806/3.246 ms (causal 0.147/0.421/1.648) against "
+                                      "0.230/0.793/3.396 (0.150/0.458/1.722) without overlap (dev/probe_split_kv.py, "
+                                      "H200); ptxas: 56 bytes of spill", ws=True, persistent=True, split_kv=True),
+    WgmmaTile(256, 64, 2, 2, True, 1, "K and V on barriers of their own, so overlap and ping-pong on 2 stages: "
+                                      "S 1k/4k/16k 0.223/0.801/3.241 ms = 0.96/0.94/1.02x cuDNN (causal 0.145/"
+                                      "0.430/1.676 = 1.01/1.06/1.08x) against 0.230/0.817/3.437 (0.150/0.433/1.740) "
+                                      "without overlap (dev/probe_split_kv.py, H200); ptxas: 64 bytes of spill, as "
+                                      "before", ws=True, persistent=True, split_kv=True),
 )
 
 
