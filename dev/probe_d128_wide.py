@@ -55,7 +55,8 @@ def main() -> int:
             o = run(n, lambda: pyattn.attention(*xs, causal=causal, softcap=cap, stream=bench.stream))
             errs[n] = float(np.abs(harness.to_torch(o).float().cpu().numpy() - ref).max())
         bad += max(errs.values()) > 2 * errs["table"] + 1e-3
-        print(f"check B{B} Sq{Sq} Sk{Sk} causal={causal} cap={cap}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        print(f"check B{B} Sq{Sq} Sk{Sk} causal={causal} cap={cap}: "
+              + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     for S in (1024, 4096, 16384):
         for causal in (False, True):
             for cap in (None, 30.0):
@@ -72,7 +73,8 @@ def main() -> int:
                 if cap is None:
                     f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
                     cu = bench.gpu_ms(f, loop=10, reps=5).ms
-                print(f"S{S} {'causal' if causal else 'full  '} {'cap' if cap else '   '} cuDNN {cu:.3f} | " + " | ".join(
+                head = f"S{S} {'causal' if causal else 'full  '} {'cap' if cap else '   '} cuDNN {cu:.3f} | "
+                print(head + " | ".join(
                     f"{n} {min(t):.3f}" + (f" ({cu / min(t):.2f})" if cu else "") for n, t in ms.items()), flush=True)
     print("checks:", "ok" if not bad else f"{bad} FAILED")
     return 1 if bad else 0

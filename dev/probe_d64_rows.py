@@ -34,7 +34,7 @@ def main() -> int:
     def d64(**kw):
         return tuple(r._replace(**dict(dict(min_keys=0), **kw)) if r.max_head_dim == 64 else r for r in rows)
 
-    variants = {"table": None, "2wg tile": d64(),
+    variants = {"table": None, "2wg tile": d64(warpgroups=2, warpgroups_mods=0),
                 "3wg tile": d64(warpgroups=3), "3wg pers": d64(warpgroups=3, persistent=True),
                 "3wg pers s4": d64(warpgroups=3, persistent=True, stages=4)}
     no_short = tuple(r._replace(max_keys=0) for r in short)
@@ -100,8 +100,8 @@ def mods_rows(bench, d64) -> None:
         slopes = torch.rand(H, device="cuda", generator=g) * 0.1
         mask = harness.to_pyattn(bits, bench.stream)
         sl = harness.to_pyattn(slopes, bench.stream)
-        cases = {"dense": {}, "softcap": dict(softcap=30.0), "bool mask": dict(mask=mask), "alibi": dict(alibi_slopes=sl),
-                 "causal softcap": dict(causal=True, softcap=30.0)}
+        cases = {"dense": {}, "softcap": dict(softcap=30.0), "bool mask": dict(mask=mask),
+                 "alibi": dict(alibi_slopes=sl), "causal softcap": dict(causal=True, softcap=30.0)}
         line = []
         for name, kw in cases.items():
             best = {}

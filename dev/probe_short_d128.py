@@ -1,6 +1,7 @@
 """Dev probe: a "short" row for d = 128 (one consumer warpgroup, 64-key tiles, 2 stages with K and V on
 barriers of their own, two blocks an SM: 81 KiB each; 3 stages would be 128 bytes over two blocks)
-against the table's d = 128 row for calls of few keys, through ``override_tiles``: checked against the fp64 reference on odd shapes, then timed at S = 1k / 2k / 4k
+against the table's d = 128 row for calls of few keys, through ``override_tiles``: checked against
+the fp64 reference on odd shapes, then timed at S = 1k / 2k / 4k
 (bf16, batch 16k / S, 16 heads) with SDPA cuDNN in the same run.
 
 Usage: PYTHONPATH=. python dev/probe_short_d128.py
@@ -39,7 +40,8 @@ def main() -> int:
             return fn()
 
     bad = 0
-    for B, Sq, Sk, Hq, Hk, causal in [(2, 333, 1000, 4, 2, False), (1, 77, 1500, 8, 1, True), (3, 500, 500, 2, 2, True)]:
+    shapes = [(2, 333, 1000, 4, 2, False), (1, 77, 1500, 8, 1, True), (3, 500, 500, 2, 2, True)]
+    for B, Sq, Sk, Hq, Hk, causal in shapes:
         rng = np.random.default_rng(1)
         hs = [rng.standard_normal((B, s, h, 128)).astype(np.float32) for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk))]
         ts = [torch.from_numpy(h).to("cuda", torch.bfloat16) for h in hs]

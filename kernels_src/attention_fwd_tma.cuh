@@ -92,9 +92,8 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     if (threadIdx.x != Tr::kConsumerThreads) return;
     tma::prefetch(maps);
     ml.prefetch_maps();
-    // (bits 16 + s: SPLIT_KV's V "empty" barriers)
-    unsigned empty_bits = ((1u << STAGES) - 1) * (Tr::kSplitKV ? 0x10001u : 1u), q_parity = 1;  // a fresh
-    // barrier's "previous" phase counts as complete
+    // A fresh barrier's "previous" phase counts as complete (bits 16 + s: SPLIT_KV's V barriers).
+    unsigned empty_bits = ((1u << STAGES) - 1) * (Tr::kSplitKV ? 0x10001u : 1u), q_parity = 1;
     for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {

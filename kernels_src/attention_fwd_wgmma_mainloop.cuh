@@ -198,9 +198,10 @@ struct AttnFwdWgmmaMainloop {
   }
 
   // The block's key tiles through the ring from stage 0; bit s of `empty_bits` is the phase of
-  // stage s's "empty" barrier to wait for (SPLIT_KV: bit 16 + s that of its V barrier) (carried on to the next query tile of a persistent
-  // block, whose tile may end at any stage). `q_with_tile0`: the query tile rides on tile 0's
-  // "full" barrier (a persistent block's has barriers of its own).
+  // stage s's "empty" barrier to wait for, bit 16 + s that of its V barrier with SPLIT_KV (carried
+  // on to the next query tile of a persistent block, whose tile may end at any stage).
+  // `q_with_tile0`: the query tile rides on tile 0's "full" barrier (a persistent block's has
+  // barriers of its own).
   __device__ __forceinline__ void produce_tma_tiles(unsigned& empty_bits, unsigned sQ, bool q_with_tile0) {
     constexpr int kBlocks = D / CB;
     // What a stage's copies complete (SPLIT_KV: K's barrier K and the mask tile, V's V).
