@@ -3,7 +3,8 @@
 
     /opt/nvidia/nsight-compute/2025.3.1/ncu --clock-control none -k regex:attn_fwd_tma --launch-skip 1 \\
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal]
+        --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal] \\
+        [--head-dim 64] [--warpgroups 2]
 
 Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torch.
 """
@@ -11,6 +12,7 @@ Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torc
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import ml_dtypes
 import numpy as np
@@ -23,13 +25,23 @@ def main() -> None:
     ap.add_argument("--softcap", type=float, default=None)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--head-dim", type=int, default=128, help="heads are 2048 / head_dim")
+    ap.add_argument("--warpgroups", type=int, default=0,
+                    help="force the TMA table's row for the bucket to this many consumer warpgroups")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    q, k, v = (pyattn.asarray(rng.standard_normal((1, a.seqlen, 16, 128), np.float32).astype(ml_dtypes.bfloat16))
-               for _ in range(3))
-    for _ in range(2):
-        out = pyattn.attention(q, k, v, causal=a.causal, softcap=a.softcap)
-    pyattn.get_device().synchronize()
+    shape = (1, a.seqlen, 2048 // a.head_dim, a.head_dim)
+    q, k, v = (pyattn.asarray(rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)) for _ in range(3))
+    with contextlib.ExitStack() as stack:
+        if a.warpgroups:
+            from pyattn.kernels.families import override_tiles, tile_table
+
+            rows = tuple(r._replace(warpgroups=a.warpgroups) if r.max_head_dim == a.head_dim else r
+                         for r in tile_table("attn_fwd_tma", "sm_90a"))
+            stack.enter_context(override_tiles("attn_fwd_tma", "sm_90a", rows))
+        for _ in range(2):
+            out = pyattn.attention(q, k, v, causal=a.causal, softcap=a.softcap)
+        pyattn.get_device().synchronize()
     print("done", out.shape)
 
 
