@@ -4,7 +4,10 @@ at d = 128, at d = 256 a 2-stage ring without overlap and a 3-stage one with ove
 blocks; each checked against the table's output, then timed (fp8 inputs, batch 16k / S, hidden
 2048) at S = 1k / 4k / 16k, causal and not, and with a soft-cap at d = 256, rounds alternating.
 
-Usage: PYTHONPATH=. python dev/probe_fp8_rows.py
+Usage: PYTHONPATH=. python dev/probe_fp8_rows.py [--wg3]
+
+``--wg3``: the table against d = 128 on three consumer warpgroups (192 query rows; a block a tile or
+persistent) instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ def main() -> int:
     variants = {"table": rows, "d128 s4": at(128, stages=4), "d256 s2": at(256, stages=2, overlap=False),
                 "d256 s3 overlap": at(256, stages=3, overlap=True),
                 "per tile": tuple(r._replace(persistent=False) for r in rows)}
+    if "--wg3" in sys.argv:  # d = 128 on three consumer warpgroups (ptxas: 144 / 172 bytes of spill)
+        variants = {"table": rows, "d128 3wg tile": at(128, warpgroups=3, persistent=False),
+                    "d128 3wg pers": at(128, warpgroups=3)}
     shapes = [(d, s, c, None) for d, ss in ((128, (1024, 4096, 16384)), (256, (4096, 16384))) for s in ss
               for c in (False, True)] + [(256, 16384, False, 30.0), (256, 16384, True, 30.0)]
     inputs = {}
