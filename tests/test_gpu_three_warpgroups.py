@@ -19,15 +19,17 @@ from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
               pytest.mark.usefixtures("poison_allocations")]
 ROWS = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a") if r.warpgroups == 3}
-CASES = ["plain", "causal", "window", "softcap", "rows_without_keys", "fp16_mqa", "bhsd", "alibi", "bool_mask"]
+CASES = ["plain", "causal", "window", "causal_window", "top_left", "softcap", "rows_without_keys", "fp16_mqa", "bhsd",
+         "alibi", "bool_mask"]
 
 
 @pytest.mark.parametrize("D", sorted(ROWS) or [64])
 @pytest.mark.parametrize("case", CASES)
 def test_three_warpgroups_match_the_reference(D, case):
-    """1000 query rows (a partial last block of 192) over a few more keys than the row's min_keys;
-    windows and causal bounds that fall inside a warpgroup's 64 rows; causal bottom-right with more
-    queries than keys (the first rows see no key: 0 / LSE -inf)."""
+    """1000 query rows (a partial block of 192: the last, or with causal the first, whose rows
+    before 0 are computed and not stored) over a few more keys than the row's min_keys; windows and
+    causal bounds that fall inside a warpgroup's 64 rows; causal bottom-right with more queries
+    than keys (the first rows see no key: 0 / LSE -inf)."""
     if D not in ROWS:
         pytest.skip(f"attn_fwd_tma has no three-warpgroup row for d={D}")
     row = ROWS[D]
@@ -37,6 +39,7 @@ def test_three_warpgroups_match_the_reference(D, case):
     rng = np.random.default_rng(CASES.index(case))
     B, Sq, Sk, Hq, Hkv, dtype, layout = 2, 1000, max(row.min_keys, below) + 77, 4, 2, "bfloat16", "bshd"
     opts = {"causal": {"causal": True}, "window": {"window": (300, 41)}, "softcap": {"softcap": 15.0, "causal": True},
+            "causal_window": {"causal": True, "window": (250, 0)}, "top_left": {"causal": "top_left"},
             "rows_without_keys": {"causal": True}, "bool_mask": {"causal": True}}.get(case, {})
     if case == "rows_without_keys":
         Sq = Sk + 333
