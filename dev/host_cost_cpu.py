@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import sys
 import time
 import types
@@ -129,8 +130,9 @@ def stages(d, n):
     from pyattn.runtime.launch import launch
     from pyattn.validate.attention import check_addresses
 
-    params = dict(q=d, k=d, v=d, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
-                  layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None)
+    # the call's locals() as attention sees them: every parameter, in signature order, defaults but q, k, v
+    params = {n: p.default for n, p in inspect.signature(pyattn.attention).parameters.items()}
+    params.update(q=d, k=d, v=d)
     pyattn.attention(d, d, d)
     key = quick_key(params)
     bound = A._quick.get(key)
