@@ -87,7 +87,7 @@ def test_packed_qkv_views(B, S, H, D, dtype, causal, seed):
     _check(out.numpy(), None, *(np.ascontiguousarray(host[:, :, i, :, :D]) for i in range(3)), causal=causal)
 
 
-@pytest.mark.parametrize("Sk", [300, 4096])  # d = 64: the short row below 4096 keys, the dense row from there
+@pytest.mark.parametrize("Sk", [300, 4096])  # d = 64: the short row below 2048 keys, the dense row from there
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_outputs_through_views_4_bytes_aligned(D, Sk):
     """The warp-specialized rows store O in 16-byte pieces when the output's rows are 16-byte
