@@ -11,9 +11,9 @@ import pytest
 import pyattn
 from pyattn.kernels.families import tile_table
 from pyattn.kernels.specs import select_attention_spec
-from pyattn.reference import attention_varlen_ref, error_bound
 
-from test_gpu_attention import DTYPES, _check, _inputs  # noqa: E402
+from test_gpu_attention import _check, _inputs  # noqa: E402
+from test_gpu_tma import check_varlen  # noqa: E402
 from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
@@ -70,21 +70,6 @@ def test_three_warpgroups_varlen(D, causal):
     past a short sequence's end exit, and a block's three warpgroups end inside different ones."""
     if D not in ROWS:
         pytest.skip(f"attn_fwd_tma has no three-warpgroup row for d={D}")
-    rng = np.random.default_rng(5 + causal)
-    lens = [(1, 2100), (191, 193), (3000, 2500), (64, 3000), (500, 17), (2049, 2049), (1234, 2600)]
-    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
     assert select_attention_spec("bfloat16", D, "sm_90a", keys=3000).tiles.block_m == 192
-    dt = DTYPES["bfloat16"]
-    q = rng.standard_normal((cu_q[-1], 4, D)).astype(dt)
-    k, v = (rng.standard_normal((cu_k[-1], 2, D)).astype(dt) for _ in range(2))
-    out, lse = pyattn.attention_varlen(*(pyattn.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
-                                       return_lse=True)
-    out, lse = out.numpy().astype(np.float64), lse.numpy()
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
-    assert not np.isnan(out).any()
-    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    for n in range(len(lens)):
-        rows, keys = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
-        bound = error_bound(q[None, rows], k[None, keys], v[None, keys], causal=causal)
-        assert np.abs(out[rows] - ref[rows]).max() <= bound, f"sequence {n} {lens[n]}"
+    lens = [(1, 2100), (191, 193), (3000, 2500), (64, 3000), (500, 17), (2049, 2049), (1234, 2600)]
+    check_varlen(np.random.default_rng(5 + causal), lens, D, causal)
