@@ -120,12 +120,13 @@ def _modifier_specs(arch):
 
 
 def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
-    """attn_fwd_tma (sm_90a only): every bucket its table has, fp16 and bf16, with soft-cap + ALiBi;
-    every row of its mask tables (bool masks: packed to bits, on the dense rows)."""
+    """attn_fwd_tma (sm_90a only): every bucket its table has, fp16 and bf16, with soft-cap + ALiBi
+    and (the row's own tile: ALiBi may take fewer warpgroups) with a soft-cap alone; every row of
+    its mask tables (bool masks: packed to bits, on the dense rows)."""
     from pyattn.kernels.families import tile_table
 
-    specs = [KernelSpec("attn_fwd_tma", tag, r.max_head_dim, "sm_90a", softcap=True, alibi=True)
-             for r in tile_table("attn_fwd_tma", "sm_90a") for tag in ("f16", "bf16")]
+    specs = [KernelSpec("attn_fwd_tma", tag, r.max_head_dim, "sm_90a", softcap=True, alibi=alibi)
+             for r in tile_table("attn_fwd_tma", "sm_90a") for tag in ("f16", "bf16") for alibi in (True, False)]
     # Mask tensors: every mask table's rows, alone (the fast path that skips the mask-free tiles)
     # and with the other modifiers.
     specs += [KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask=mask, **mods)
@@ -136,7 +137,7 @@ def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
     assert {s.head_dim for s in specs} == {64, 128, 192, 256}
     for spec in _cubins(specs, session_cache_dir, monkeypatch):
         assert spec.entry_name.startswith("pyattn_attn_fwd_tma_")
-        assert spec.entry_name.endswith("_softcap_alibi") or spec.mask != "none"
+        assert spec.entry_name.endswith(("_softcap_alibi", "_softcap")) or spec.mask != "none"
     # and the kernel that packs bool masks for it
     [bits] = _cubins([KernelSpec("mask_bits", "f16", 32, "sm_90a")], session_cache_dir, monkeypatch)
     assert bits.entry_name == "pyattn_mask_bits_f16_d32_m0n0w8"
