@@ -19,10 +19,10 @@ from ..kernels.specs import row_pass_rows_per_warp, select_backward_specs
 from ..pipeline.device import layout, output
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
+from ..validate.options import LOG2E
 
 __all__ = ["BwdPlan", "build_bwd_plan", "run_bwd", "VARLEN_ROW_PAD"]
 
-_LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 VARLEN_ROW_PAD = 128  # kernels_src/attention_bwd_common.cuh kBwdRowPad: scratch rows added per varlen sequence
 _ALIGN_FLOATS = 64  # scratch regions start 256 bytes apart
@@ -104,7 +104,7 @@ def build_bwd_plan(problem, device) -> BwdPlan:
         "seqlen_q": Sq, "seqlen_k": Sk, "head_dim": P.head_dim, "causal": P.causal, "window_left": P.window[0],
         "window_right": P.window[1], "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "m_blocks": m_blocks, "block_m": bm, "deterministic": int(problem.deterministic), "scale": P.scale,
-        "scale_log2": P.scale * _LOG2E, "softcap": P.softcap,
+        "scale_log2": P.scale * LOG2E, "softcap": P.softcap,
     })
     rows_launch = B > 0 and Sq > 0
     row_block = pre.tiles.warps * row_pass_rows_per_warp(P.head_dim, dtype.itemsize)  # rows per block

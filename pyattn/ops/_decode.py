@@ -25,11 +25,11 @@ from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.memory import get_pool
 from ..runtime.tensormap import encode_tiled, rank4
+from ..validate.options import LOG2E
 from ..validate.paged import MAX_SPLITS
 
 __all__ = ["DecodePlan", "run_decode", "choose_num_splits", "blocks_per_sm"]
 
-_LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 # Split partials up to this size share the output's block: a tiny decode's host time is mostly
 # per-allocation Python; a big one's partials would stay alive with its output for nothing.
@@ -113,7 +113,7 @@ def _build(P, device) -> DecodePlan:
         "page_shift": pool.page_size.bit_length() - 1 if pool.page_size & (pool.page_size - 1) == 0 else -1,
         "row_blocks": row_blocks, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
-        "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap,
+        "scale_log2": P.scale * LOG2E, "scale": P.scale, "softcap": P.softcap,
     })
     # The separate combine reads the fp32 partials (split, batch, q_len, heads_q, D) and writes rows
     # (batch, q_len, heads_q) of out and of lse, which is (batch, heads_q, q_len).

@@ -23,11 +23,11 @@ from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.attention import FP8
+from ..validate.options import LOG2E
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
            "packed_mask_layout", "persistent_slots", "run_fwd", "device_extras"]
 
-_LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
 _NO_MAP = bytes(128)  # attn_fwd_tma's mask map without a mask (never read)
@@ -166,7 +166,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         "seqlen_q": P.seqlen_q, "seqlen_k": P.seqlen_k, "head_dim": P.head_dim, "causal": P.causal,
         "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
-        "scale_log2": scale * _LOG2E, "scale": scale, "softcap": P.softcap,
+        "scale_log2": scale * LOG2E, "scale": scale, "softcap": P.softcap,
         "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0, "o_scale": P.descale[2],
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0

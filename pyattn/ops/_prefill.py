@@ -24,11 +24,11 @@ from ..pipeline.device import layout, output
 from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
+from ..validate.options import LOG2E
 from ._decode import choose_num_splits
 
 __all__ = ["PrefillPlan", "prefill_specs", "run_prefill"]
 
-_LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 # The last few uploads of (cu_seqlens_q, tree masks), by value: a serving loop repeats its shapes
 # (every chunk or tree alike), and a host upload goes through pinned staging, which waits for the
@@ -93,7 +93,7 @@ def _build(P, device) -> PrefillPlan:
         "batch": P.batch, "heads_q": Hq, "heads_kv": P.heads_kv, "group": P.group, "seqlen_q": 0, "seqlen_k": 0,
         "head_dim": D, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
-        "scale_log2": P.scale * _LOG2E, "scale": P.scale, "softcap": P.softcap, "tile_stride_h": 0,
+        "scale_log2": P.scale * LOG2E, "scale": P.scale, "softcap": P.softcap, "tile_stride_h": 0,
         "o_scale": 1.0,
     })
     ps = pool.page_size

@@ -23,14 +23,13 @@ from ..pipeline import host
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.stream import check_stream_arg
-from ..validate.options import check_bool
+from ..validate.options import LOG2E, check_bool
 from ..validate.paged import DecodeProblem, PoolInfo
 from ..validate.sparq import check_sparq
 from ._decode import blocks_per_sm, run_decode
 
 __all__ = ["sparq_decode"]
 
-_LOG2E = 1.4426950408889634
 _CHUNK = 2048  # keys a block of the score / select stages takes per step (kSparqChunk)
 _MAX_STEPS = 16  # steps a block takes at most (the select stage's per-block counts stay < 2**15)
 _BINS = 4096
@@ -54,7 +53,7 @@ def _build(P, device) -> _Plan:
         "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "out_stride_b": P.heads_q * D, "out_stride_h": D,
         "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
         "batch": P.batch, "heads_kv": H, "group": G, "head_dim": D, "page_size": pool.page_size, "r": P.r, "k": P.k,
-        "scale_log2": P.scale * _LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
+        "scale_log2": P.scale * LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
     # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools.
     rows_pool = PoolInfo(pool.num_pages * pool.page_size * H, 1, 1, D, pool.dtype, (D, D, D), (D, D, D))
     rows = P.batch * P.row_heads

@@ -25,11 +25,10 @@ from ..runtime.launch import launch
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import make_problem
 from ..validate.csr import check_csr, check_row_access
-from ..validate.options import check_bool
+from ..validate.options import LOG2E, check_bool
 
 __all__ = ["sparse_attention"]
 
-_LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 _ARRAYS = ("q", "k", "v", "out")
 _REQUIRED = ("q", "k", "v")
@@ -60,7 +59,7 @@ def _run(P, csr, device, s, dq, dk, dv, dout, return_lse: bool):
                   "off_stride_b": csr.stride_b, "off_stride_h": csr.stride_h,
                   "lse_stride_b": Hq * Sq, "lse_stride_h": Sq,
                   "batch": B, "heads_q": Hq, "group": P.group, "seqlen_q": Sq, "seqlen_k": P.seqlen_k,
-                  "head_dim": D, "scale_log2": P.scale * _LOG2E}
+                  "head_dim": D, "scale_log2": P.scale * LOG2E}
         o_bsh = (sb, s1, s2) if P.layout == "bshd" else (sb, s2, s1)
         for prefix, st in (("q", P.q_strides), ("k", P.k_strides), ("v", P.v_strides), ("o", o_bsh)):
             values.update({f"{prefix}_stride_{axis}": x for axis, x in zip("bsh", st)})

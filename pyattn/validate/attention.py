@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .options import (INT32_MAX, check_alibi, check_causal, check_fp32, check_mask, check_out, check_scale,
-                      check_softcap, check_window)
+from .options import (INT32_MAX, LOG2E, check_alibi, check_causal, check_fp32, check_mask, check_out,
+                      check_scale, check_softcap, check_window)
 
 __all__ = ["AttentionProblem", "make_problem", "make_varlen_problem", "check_pointers", "check_addresses",
            "SUPPORTED_DTYPES", "FP8", "LAYOUTS", "TENSOR_CORE_ALIGN"]
@@ -163,13 +163,13 @@ def _with_out(problem: AttentionProblem, out, dtype) -> AttentionProblem:
 
 def _check_descale(dtype: str, descale) -> tuple:
     """The (q, k, v) descale factors: positive, finite in fp32, and only for fp8 inputs."""
-    given = [(n, x) for n, x in zip(("descale_q", "descale_k", "descale_v"), descale) if x is not None]
+    named = tuple(zip(("descale_q", "descale_k", "descale_v"), descale))
     if dtype != FP8:
+        given = [n for n, x in named if x is not None]
         if given:
-            raise ValueError(f"{given[0][0]}: descale factors are for {FP8} inputs only, got {dtype} inputs")
+            raise ValueError(f"{given[0]}: descale factors are for {FP8} inputs only, got {dtype} inputs")
         return (1.0, 1.0, 1.0)
-    return tuple(1.0 if x is None else check_fp32(name, x)
-                 for name, x in zip(("descale_q", "descale_k", "descale_v"), descale))
+    return tuple(1.0 if x is None else check_fp32(name, x) for name, x in named)
 
 
 def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi=None, scale=None,
@@ -211,7 +211,7 @@ def make_problem(q, k, v, *, causal=False, mask=None, window=None, softcap=None,
     if fp8:
         _check_fp8(q, mask_info, (qs, ks, vs), Sk)
         # the kernel's score scale (scale * descale_q * descale_k, and its log2(e) form) is a float32
-        check_fp32("descale_q", scale * factors[0] * factors[1] * 1.4426950408889634)
+        check_fp32("descale_q", scale * factors[0] * factors[1] * LOG2E)
     problem = AttentionProblem(B, Hq, Hk, Sq, Sk, D, q.dtype.name, layout, causal, scale, q.on_device, qs, ks, vs,
                                window, softcap, mask_info, alibi_info, allow_tf32=bool(allow_tf32), align=align,
                                descale=factors)

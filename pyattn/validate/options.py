@@ -15,9 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["CAUSAL_CODES", "check_causal", "check_window", "check_softcap", "check_scale", "check_bool",
+__all__ = ["LOG2E", "CAUSAL_CODES", "check_causal", "check_window", "check_softcap", "check_scale", "check_bool",
            "check_int", "check_fp32", "MaskInfo", "check_mask", "AlibiInfo", "check_alibi", "check_out",
            "INT32_MAX"]
+
+# log2(e): the kernels take scores in exp2 form (scale_log2 = scale * LOG2E), which must fit float32 too
+LOG2E = 1.4426950408889634
 
 INT32_MAX = 2**31 - 1
 _FP32_MAX = float(np.finfo(np.float32).max)
@@ -95,7 +98,7 @@ def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     v = check_fp32("scale", scale)
-    check_fp32("scale", v * 1.4426950408889634)  # log2(e): the kernels' exp2 form must fit too
+    check_fp32("scale", v * LOG2E)  # the kernels' exp2 form must fit too
     return v
 
 
