@@ -4,7 +4,8 @@ merge_states (LSE merge of attention states), split_combine (the same kernel mer
 partials of a key-split prefill, or of a decode whose splits are not merged inside its kernel,
 into the output type),
 kv_append (paged-cache writes), attn_sparse (CSR gather attention), mask_bits (a bool mask packed
-to bits for attn_fwd_tma) and fp8_vt (fp8 V transposed for attn_fwd_fp8). No traits struct, so nothing for the rendered unit to assert about shared memory.
+to bits for attn_fwd_tma) and fp8_vt (fp8 V transposed for attn_fwd_fp8). No traits struct, so
+nothing for the rendered unit to assert about shared memory.
 """
 
 from __future__ import annotations

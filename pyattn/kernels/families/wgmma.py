@@ -241,12 +241,18 @@ def _check_tma(spec) -> None:
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
 
 
+def _wide_mods(mask: str, alibi: bool) -> bool:
+    """A mask tensor or ALiBi: the modifiers for which attn_fwd_tma's rows name ``warpgroups_mods``
+    and its short row ``max_keys_mods`` (selection and tiles must agree on them)."""
+    return mask != "none" or bool(alibi)
+
+
 def _tma_spec_tiles(spec, t):
     """q_tiles = 1: the "short" table's row (one m64 row tile a block) instead of the table's; a
     mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names them."""
     if spec.q_tiles:
         return table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).config()
-    if spec.mask != "none" or spec.alibi:
+    if _wide_mods(spec.mask, spec.alibi):
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
         if row.warpgroups_mods:
             return row._replace(warpgroups=row.warpgroups_mods).config()
@@ -315,7 +321,7 @@ def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none", al
     names exactly that bucket, ``keys`` is below its ``max_keys`` (``max_keys_mods`` with a mask
     tensor or ALiBi, where it names one), and the mask rides the dense rows (none, packed bits or
     one row a stage)."""
-    mods = mask != "none" or alibi
+    mods = _wide_mods(mask, alibi)
     return (arch in WGMMA_ARCHS and _table("", 0, mask) == "dense" and mask != "bool" and any(
         r.max_head_dim == head_dim and keys < (r.max_keys_mods if mods and r.max_keys_mods else r.max_keys)
         for r in table_rows(ATTN_FWD_TMA, "short", arch)))
