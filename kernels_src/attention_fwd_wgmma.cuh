@@ -265,6 +265,16 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
     ml.tma_m = {p.mask_stride_q ? m0 : 0, p.mask_stride_h ? head : 0, p.mask_stride_b ? batch : 0};
   }
   ml.set_rows(m0);
+  if constexpr (Mainloop::WG_BOUNDS) {
+    // The tiles up to the last that this warpgroup's own rows see: at least one (rows before 0 or
+    // past the end, or a band that sees no key, compute tile 0 as before: every score -inf). The
+    // broadcast tells ptxas the bound is warp-uniform: a loop bound it cannot prove so made it
+    // compile every shuffle of the softmax twice, for converged and diverged warps.
+    const int r0 = max(ml.wg_row0, 0), r1 = min(ml.wg_row0 + 63, sq - 1);
+    int b = 0, e = 0;
+    if (r0 <= r1) band_key_range<BN>(ml.band, r0, r1, sk, b, e);
+    ml.wg_j1 = __shfl_sync(kFullMask, e > b ? min((e - n_begin + BN - 1) / BN, ml.n_tiles) : 1, 0);
+  }
   ml.set_sl2(p.scale_log2);
   return true;
 }

@@ -43,6 +43,19 @@ struct AttnFwdWgmmaMainloop {
   // of a naive fp8 attention, against 1.0x with the exact max (the fp8 GPU tests' bool-mask case,
   // bit for bit in a NumPy emulation of the kernel).
   static constexpr float kLazyLog2 = Tr::kFp8 ? 0.f : 8.f;
+  // Per-warpgroup tile bounds: a warpgroup computes the key tiles up to the last its own 64 rows
+  // can see, [0, wg_j1) of the block's, and only waits for and frees the rest (skip). The block's
+  // band covers all its rows, so causal, on three warpgroups' 192 rows and 128-key tiles one or two
+  // of them would run a tile of -inf scores a row block, and so would the first of two on 64-key
+  // tiles; so too bottom-right bands with Sq != Sk and windows' right edges. Rows where that is
+  // measured (against the tree without, H200; BENCHMARKS.md): three warpgroups (d = 64;
+  // persistent at 1k causal -8%, a block a tile at 1k -3 to -4%, 16k non-causal +2%) and two on
+  // 64-key tiles without mask tiles (d = 192 / 256; causal -2 to -3%). Two on 128-key tiles never
+  // differ on a square causal call and ran 1-2% slower with the code: left out. A window's left
+  // edge is not skipped so: a leading loop of skips made ptxas duplicate the softmax (+40%
+  // instructions) and spill (NVRTC 13.0).
+  static constexpr bool WG_BOUNDS = Tr::kTma && !SPARSE && !PAGED &&
+                                    (Tr::kWarpgroups == 3 || (Tr::kWarpgroups == 2 && BN < 128 && Tr::kMaskBytes == 0));
 
   // -- invariant
   const T* k;
@@ -57,6 +70,7 @@ struct AttnFwdWgmmaMainloop {
   const unsigned char* mask_smem;  // the same as a generic pointer
   bool staged;                     // the mask tensor's tiles ride in the ring (else read in place)
   int m0, n_tiles, sq, sk, head_dim;
+  int wg_j1;                       // WG_BOUNDS: this warpgroup's key tiles are [0, wg_j1) of the block's
   int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
   int sub_row;                     // this thread's row of 16 x 16 sub-blocks within the query tile
   float sl2;
@@ -458,6 +472,18 @@ struct AttnFwdWgmmaMainloop {
   // with OVERLAP the last P V follows the loop. A persistent block then releases the last stage
   // (its producer refills it for the next query tile; a per-tile block just ends).
   __device__ __forceinline__ void run_tiles() {
+    if constexpr (WG_BOUNDS) {  // the same up to this warpgroup's last tile, then skips
+      step<false>(0);
+      int j = 1;
+      for (; j < wg_j1; ++j) step<OVERLAP>(j);
+      if constexpr (OVERLAP) {  // its stage freed even per tile: the producer may need it for a skipped tile
+        wait_v(prev_stage);
+        pv_now(prev_stage);
+        release(prev_stage);
+      }
+      for (; j < n_tiles; ++j) skip(j);
+      return;
+    }
     step<false>(0);
     for (int j = 1; j < n_tiles; ++j) step<OVERLAP>(j);
     if constexpr (OVERLAP) {  // -- O += P_last V_last
@@ -489,16 +515,32 @@ struct AttnFwdWgmmaMainloop {
     }
   }
 
-  // Key tile j. WITH_PV: also O += P_{j-1} V_{j-1} behind S_j (OVERLAP, j > 0). A compile-time
-  // switch, not `if (j > 0)`: with a run-time condition around the waits ptxas cannot prove the
-  // accumulators idle and serialises every wgmma (C7514).
-  template <bool WITH_PV>
-  __device__ __forceinline__ void step(const int j) {
-    const int n0 = tiles.n0(j);
-    const unsigned long long sub = tiles.mask(j);
-    // Tile j landed (this thread's copies), is visible to the async proxy, and everyone's copies
-    // are done; every warpgroup also finished the wgmmas that read the stage refilled below
-    // (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
+  // WG_BOUNDS: key tile j, which none of this warpgroup's rows can see. Its stage is waited for
+  // before it is freed (an arrival before the producer refilled the slot would count toward the
+  // slot's previous use), and the warpgroup takes and passes its GEMM turn, so the others' turns
+  // and the ring's phases run as if it had computed the tile.
+  __device__ __forceinline__ void skip(const int j) {
+    wait_stage();
+    if constexpr (Tr::kPingPong) {
+      pipe::bar_sync(1 + wgi, 256);
+      pass_turn(j);
+    }
+    release_k(stage);
+    wait_v(stage);  // SPLIT_KV: V_j, outside the turn
+    release(stage);
+    if constexpr (Tr::kPersist)
+      if (j + 1 == n_tiles) arrive_warp(bar_q_empty);
+    prev_stage = stage;
+    if (++stage == STAGES) {
+      stage = 0;
+      if constexpr (!Tr::kPersist) full_parity ^= 1;
+    }
+  }
+
+  // Wait until the tile at `stage` landed (this thread's copies), is visible to the async proxy, and
+  // everyone's copies are done; every warpgroup also finished the wgmmas that read the stage
+  // refilled below (tile j + AHEAD - STAGES: j - 1, or j - 2 with OVERLAP).
+  __device__ __forceinline__ void wait_stage() {
     if constexpr (Tr::kPersist) {  // full_parity: a bit a stage (attention_fwd_tma.cuh says why)
       pipe::wait(bar_full + 8 * stage, (full_parity >> stage) & 1u);
       full_parity ^= 1u << stage;
@@ -509,6 +551,25 @@ struct AttnFwdWgmmaMainloop {
       wg::fence_proxy_async_smem();
       __syncthreads();
     }
+  }
+
+  // The next warpgroup's GEMM turn after this one's at tile j. The last one gave warpgroup 0 its
+  // first turn before the loop, so it skips its last hand-over: every arrival then meets a sync.
+  // (Two warpgroups: the same test and barrier spelled as before, so their code is unchanged.)
+  __device__ __forceinline__ void pass_turn(const int j) const {
+    constexpr int NWG = Tr::kWarpgroups;
+    if ((NWG == 2 ? wgi == 0 : wgi != NWG - 1) || j + 1 < n_tiles)
+      pipe::bar_arrive(1 + (NWG == 2 ? wgi ^ 1 : wgi == NWG - 1 ? 0 : wgi + 1), 256);
+  }
+
+  // Key tile j. WITH_PV: also O += P_{j-1} V_{j-1} behind S_j (OVERLAP, j > 0). A compile-time
+  // switch, not `if (j > 0)`: with a run-time condition around the waits ptxas cannot prove the
+  // accumulators idle and serialises every wgmma (C7514).
+  template <bool WITH_PV>
+  __device__ __forceinline__ void step(const int j) {
+    const int n0 = tiles.n0(j);
+    const unsigned long long sub = tiles.mask(j);
+    wait_stage();  // tile j
 
     if constexpr (WITH_PV) wait_v(prev_stage);  // SPLIT_KV: V_{j-1}, before taking the turn
     // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
@@ -528,14 +589,7 @@ struct AttnFwdWgmmaMainloop {
       pv(prev_stage);
       wg::commit();
     }
-    // The next warpgroup's turn. The last one gave warpgroup 0 its first turn before the loop, so
-    // it skips its last hand-over: every arrival then meets a sync.
-    // (Two warpgroups: the same test and barrier spelled as before, so their code is unchanged.)
-    if constexpr (Tr::kPingPong) {
-      constexpr int NWG = Tr::kWarpgroups;
-      if ((NWG == 2 ? wgi == 0 : wgi != NWG - 1) || j + 1 < n_tiles)
-        pipe::bar_arrive(1 + (NWG == 2 ? wgi ^ 1 : wgi == NWG - 1 ? 0 : wgi + 1), 256);
-    }
+    if constexpr (Tr::kPingPong) pass_turn(j);
     if constexpr (!Tr::kWS) {
       // -- refill the stage freed at the barrier with tile j + AHEAD, while the tensor cores run
       if (j + AHEAD < n_tiles) load<Tr::kThreads>(load_stage, tiles.n0(j + AHEAD), threadIdx.x);
