@@ -315,26 +315,55 @@ def test_persistent_blocks_walk_many_tiles(D, causal):
     _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
 
 
+# Rows of two or three consumer warpgroups: each computes the key tiles up to the last its own
+# 64 rows see and only waits for and frees the rest (per-warpgroup tile bounds).
+MULTI_WG_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.warpgroups >= 2]
+
+
+@pytest.mark.parametrize("D", MULTI_WG_DIMS or [128])
+@pytest.mark.parametrize("band", ["causal", "window", "causal_window"])
+@pytest.mark.parametrize("offset", [0, 13, 64, 77, 200])
+def test_warpgroups_end_at_their_own_last_tile(D, band, offset):
+    """Bottom-right bands whose diagonal (Sk - Sq = offset) falls at and off the warpgroups' 64-row
+    edges, a window's right edge (41 past the diagonal) alike: a warpgroup whose rows end a tile
+    early skips the block's last tiles, the others compute them (GQA 2, 24 heads so that
+    persistent blocks take several tiles, a partial last row block)."""
+    rng = np.random.default_rng(D + offset)
+    Sq = 1000
+    Sk = max(Sq + offset, _tma_row(D).min_keys + offset)
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
+    assert spec.family == "attn_fwd_tma" and spec.tiles.block_m >= 128, spec
+    opts = {"causal": {"causal": True}, "window": {"window": (300, 41)},
+            "causal_window": {"causal": True, "window": (250, 0)}}[band]
+    q, k, v = _inputs(rng, 1, Sq, Sk, 24, 12, D, "bfloat16")
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+
+
 SHORT_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")]
 
 
 @pytest.mark.parametrize("D", SHORT_DIMS or [64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, (100, 7)])
-def test_short_row_two_blocks_an_sm(D, causal, window):
-    """Calls of few keys take the short row: one consumer warpgroup (64 query rows) a block, two
-    persistent blocks an SM. 2 x 48 heads x 6 row blocks = 576 query tiles (GQA 4, the last row
-    block partial) over 264 blocks; odd key count."""
+def test_short_row_and_its_mods_row(D, causal, window):
+    """Calls of few keys take the short row (at d = 64 persistent blocks of three warpgroups; with
+    ALiBi its mods_row: one consumer warpgroup a block, two blocks an SM). 2 x 48 heads of 333
+    queries (GQA 4, the last row block partial: more query tiles than blocks); odd key count."""
     if D not in SHORT_DIMS:
         pytest.skip(f"attn_fwd_tma has no short row for d={D}")
     rng = np.random.default_rng(D + 2 * causal + (window is None))
     Sq, Sk = 333, 1001
-    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
-    assert (spec.family, spec.q_tiles, spec.tiles.block_m, spec.tiles.min_blocks) == ("attn_fwd_tma", 1, 64, 2)
+    row = _tma_row(D, table="short")
+    for alibi, want in ((False, row), (True, row.mods_row or row)):
+        spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk, alibi=alibi)
+        assert (spec.family, spec.q_tiles, spec.tiles) == ("attn_fwd_tma", 1, want.config())
     q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")
-    opts = dict(causal=causal, window=window)
-    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
-    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+    for opts in (dict(causal=causal, window=window),
+                 dict(causal=causal, window=window, alibi_slopes=rng.uniform(0.01, 0.5, 48).astype(np.float32))):
+        on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+        out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)
+        _check(out.numpy(), lse.numpy(), q, k, v, **opts)
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -621,8 +621,9 @@ def test_tma_kernel_selection():
             assert spec.tiles.block_m == 64 * wgs
             if first > 1:  # below: the short row where one serves the mask kind, else cp.async
                 below = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=first - 1)
-                if short:
-                    assert (below.family, below.q_tiles, below.tiles) == ("attn_fwd_tma", 1, short.config())
+                if short:  # its mods_row with a mask tensor (registers)
+                    want = short.mods_row if mask != "none" and short.mods_row else short
+                    assert (below.family, below.q_tiles, below.tiles) == ("attn_fwd_tma", 1, want.config())
                 else:
                     assert below.family == "attn_fwd_wgmma"
             for kw in (dict(sparse=1), dict(sparse=2), dict(tma=False)):
@@ -642,15 +643,19 @@ def test_tma_kernel_selection():
 
 
 def test_short_row_of_the_tma_kernel():
-    """q_tiles = 1 names attn_fwd_tma's short row: one m64 row tile (one consumer warpgroup) a
-    block, two blocks an SM; only buckets with such a row, masks that ride the dense rows, below
-    its max_keys; every score modifier."""
+    """q_tiles = 1 names attn_fwd_tma's short row (persistent blocks of three warpgroups at d = 64) and,
+    with a mask tensor or ALiBi, its mods_row: one m64 row tile (one consumer warpgroup) a block,
+    two blocks an SM; only buckets with such a row, masks that ride the dense rows, below its
+    max_keys; every score modifier."""
     from pyattn.kernels.families import tile_table
 
     (row,) = tile_table("attn_fwd_tma", "sm_90a", table="short")
+    plain = KernelSpec("attn_fwd_tma", "f16", row.max_head_dim, "sm_90a", softcap=True, q_tiles=1)
+    assert plain.tiles == row.config() and (plain.tiles.persistent, plain.tiles.block_m) == (True, 192)
+    assert plain.shared_bytes + 1024 <= 228 * 1024
     spec = KernelSpec("attn_fwd_tma", "f16", row.max_head_dim, "sm_90a", softcap=True, alibi=True, q_tiles=1)
     t = spec.tiles
-    assert (t.block_m, t.warps, t.min_blocks, t.persistent) == (64, 8, 2, True) and t == row.config()
+    assert (t.block_m, t.warps, t.min_blocks, t.persistent) == (64, 8, 2, True) and t == row.mods_row.config()
     assert 2 * (spec.shared_bytes + 1024) <= 228 * 1024  # two blocks an SM (1 KiB reserved a block)
     assert ", 1, 3, true, 0, true, true, true>" in spec.template_id and "_m64n128w8p" in spec.entry_name
     for mask, rows in (("none", False), ("bool", False), ("bf16", True)):

@@ -57,7 +57,7 @@ class KernelSpec:
         Attention and decode: compile in the soft-cap / ALiBi score modifiers.
     q_tiles : int
         Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
-        attn_fwd_tma: 1 for its short row (one m64 row tile a block, calls of few keys), else 0.
+        attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), else 0.
     sparse : int
         Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
         ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).
@@ -276,7 +276,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         # float key-padding mask as one row a stage.
         bucket = -(-head_dim // 64) * 64
         packed = "bits" if mask == "bool" else f"{mask}_row" if mask_rows and mask != "none" else mask
-        # Below a row's number of keys, the short row (one consumer warpgroup a block) where it has one.
+        # Below a row's number of keys, the short row where it has one.
         short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed, bool(alibi))
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)

@@ -44,6 +44,9 @@ class WgmmaTile(NamedTuple):
     # attn_fwd_tma: K and V tiles complete and are freed on barriers of their own (overlap on a
     # 2-stage ring: K_j's slot refills while V_{j-1} is still read)
     split_kv: bool = False
+    # attn_fwd_tma's short table: with a mask tensor or ALiBi, this row (a WgmmaTile) instead of this
+    # one (their own measured best; the three-warpgroup row spills with them)
+    mods_row: tuple = ()
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
@@ -193,17 +196,23 @@ _SM90_TMA = (
 )
 
 
-# attn_fwd_tma below a row's number of keys: one consumer warpgroup (64 query rows), two persistent
-# blocks an SM, whose tiles start and end at different times, so one block's prologue and epilogue
-# run under the other's GEMMs (at 1k keys a query tile has 8 key tiles). Spec q_tiles = 1.
-# Measured on H200 against the dense table (bf16, batch 16k / S, hidden 2048, x cuDNN in one run):
+# attn_fwd_tma below a row's number of keys: persistent blocks of three consumer warpgroups (a block
+# an SM walks the query tiles: at 1k keys a query tile has 8 key tiles, and one tile's prologue and
+# epilogue run under another's GEMMs); with a mask tensor or ALiBi one warpgroup, two blocks an SM.
+# Spec q_tiles = 1. Measured on H200 against the dense table (bf16, batch 16k / S, hidden 2048, x cuDNN
+# in one run; dev/probe_d64_rows.py, 3 runs):
 _SM90_TMA_SHORT = (
-    WgmmaTile(64, 128, 1, 3, True, 2, "S 1k/2k: 0.351/0.633 ms = 0.88/0.93x cuDNN (causal 0.84/0.88x) against "
-                                      "0.394/0.663 ms for the cp.async row (0.78/0.89x); at 1k 0.348 ms (causal "
-                                      "0.240) against 0.339 (0.282) for the three-warpgroup dense row, which is "
-                                      "faster from 2k: below 2048 keys; with a mask tensor or ALiBi (the "
-                                      "dense row's two warpgroups then) below 4096", ws=True,
-              persistent=True, max_keys=2048, max_keys_mods=4096),
+    WgmmaTile(64, 128, 3, 3, True, 1, "S 1k: 0.343-0.346 ms = 0.90x cuDNN (causal 0.226-0.230 = 0.87x) against "
+                                      "0.349-0.351 (0.238-0.241) for the one-warpgroup row and 0.337-0.340 "
+                                      "(0.251-0.252) a block a tile; from 2k a block a tile is faster (causal 2k "
+                                      "0.367 against 0.384: an odd count of row blocks leaves the middle one "
+                                      "alone in its unit): below 2048 keys", ws=True, persistent=True,
+              max_keys=2048, max_keys_mods=4096,
+              mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
+                                                         "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
+                                                         "0.663 ms for the cp.async row; with a mask tensor or "
+                                                         "ALiBi (the dense row's two warpgroups then) below 4096",
+                                 ws=True, persistent=True)),
 )
 
 
@@ -248,10 +257,12 @@ def _wide_mods(mask: str, alibi: bool) -> bool:
 
 
 def _tma_spec_tiles(spec, t):
-    """q_tiles = 1: the "short" table's row (one m64 row tile a block) instead of the table's; a
-    mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names them."""
+    """q_tiles = 1: the "short" table's row instead of the table's (its ``mods_row`` with a mask
+    tensor or ALiBi); a mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names
+    them."""
     if spec.q_tiles:
-        return table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).config()
+        row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
+        return (row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row).config()
     if _wide_mods(spec.mask, spec.alibi):
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
         if row.warpgroups_mods:
