@@ -48,14 +48,17 @@ struct AttnFwdWgmmaMainloop {
   // band covers all its rows, so causal, on three warpgroups' 192 rows and 128-key tiles one or two
   // of them would run a tile of -inf scores a row block, and so would the first of two on 64-key
   // tiles; so too bottom-right bands with Sq != Sk and windows' right edges. Rows where that is
-  // measured (against the tree without, H200; BENCHMARKS.md): three warpgroups (d = 64;
-  // persistent at 1k causal -8%, a block a tile at 1k -3 to -4%, 16k non-causal +2%) and two on
-  // 64-key tiles without mask tiles (d = 192 / 256; causal -2 to -3%). Two on 128-key tiles never
-  // differ on a square causal call and ran 1-2% slower with the code: left out. A window's left
-  // edge is not skipped so: a leading loop of skips made ptxas duplicate the softmax (+40%
-  // instructions) and spill (NVRTC 13.0).
-  static constexpr bool WG_BOUNDS = Tr::kTma && !SPARSE && !PAGED &&
-                                    (Tr::kWarpgroups == 3 || (Tr::kWarpgroups == 2 && BN < 128 && Tr::kMaskBytes == 0));
+  // measured (against the tree without, H200; BENCHMARKS.md): three warpgroups in persistent
+  // blocks (d = 64 below 2k keys: 1k causal -8%, non-causal unchanged; a warpgroup that is done
+  // early goes on to the epilogue) and two on 64-key tiles without mask tiles (d = 192 / 256: causal
+  // -2 to -4%). Left out: three a block a tile (d = 64 from 2k: causal within 1%, non-causal 16k
+  // +2%: the last warpgroup's chain still sets the block's time) and two on 128-key tiles (they never
+  // differ on a square causal call; 1-2% slower with the code). A window's left edge is not skipped
+  // so: a leading loop of skips made ptxas duplicate the softmax (+40% instructions) and spill
+  // (NVRTC 13.0).
+  static constexpr bool WG_BOUNDS =
+      Tr::kTma && !SPARSE && !PAGED &&
+      ((Tr::kWarpgroups == 3 && Tr::kPersist) || (Tr::kWarpgroups == 2 && BN < 128 && Tr::kMaskBytes == 0));
 
   // -- invariant
   const T* k;
