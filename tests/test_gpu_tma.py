@@ -315,8 +315,9 @@ def test_persistent_blocks_walk_many_tiles(D, causal):
     _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
 
 
-# Rows of two or three consumer warpgroups: each computes the key tiles up to the last its own
-# 64 rows see and only waits for and frees the rest (per-warpgroup tile bounds).
+# Rows that bound their warpgroups' tiles (three warpgroups in persistent blocks: d = 64's short
+# row; two on 64-key tiles): each warpgroup computes the key tiles up to the last its own 64 rows
+# see and only waits for and frees the rest. (The other multi-warpgroup rows take the same shapes.)
 MULTI_WG_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.warpgroups >= 2]
 
 
@@ -329,8 +330,7 @@ def test_warpgroups_end_at_their_own_last_tile(D, band, offset):
     early skips the block's last tiles, the others compute them (GQA 2, 24 heads so that
     persistent blocks take several tiles, a partial last row block)."""
     rng = np.random.default_rng(D + offset)
-    Sq = 1000
-    Sk = max(Sq + offset, _tma_row(D).min_keys + offset)
+    Sq, Sk = 1000, 1000 + offset
     spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
     assert spec.family == "attn_fwd_tma" and spec.tiles.block_m >= 128, spec
     opts = {"causal": {"causal": True}, "window": {"window": (300, 41)},
