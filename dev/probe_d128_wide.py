@@ -13,19 +13,15 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import harness  # noqa: E402
 
-import pyattn  # noqa: E402
+from _rows import check, time_shape  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
-from pyattn.reference import attention_ref  # noqa: E402
 
 
 def main() -> int:
     bench = harness.open_bench(need_torch=True)
-    torch = bench.torch
     rows = tile_table("attn_fwd_tma", "sm_90a")
 
     def d128(**kw):
@@ -45,37 +41,12 @@ def main() -> int:
     bad = 0
     for B, Sq, Sk, Hq, Hk, causal, cap in [(2, 333, 1000, 4, 2, False, None), (1, 77, 3001, 8, 1, True, None),
                                           (3, 500, 500, 40, 40, True, 15.0), (1, 1000, 4999, 6, 3, False, 20.0)]:
-        rng = np.random.default_rng(1)
-        hs = [rng.standard_normal((B, s, h, 128)).astype(np.float32) for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk))]
-        ts = [torch.from_numpy(h).to("cuda", torch.bfloat16) for h in hs]
-        ref = attention_ref(*[t.float().cpu().numpy().astype(np.float64) for t in ts], causal=causal, softcap=cap)
-        xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-        errs = {}
-        for n in variants:
-            o = run(n, lambda: pyattn.attention(*xs, causal=causal, softcap=cap, stream=bench.stream))
-            errs[n] = float(np.abs(harness.to_torch(o).float().cpu().numpy() - ref).max())
-        bad += max(errs.values()) > 2 * errs["table"] + 1e-3
-        print(f"check B{B} Sq{Sq} Sk{Sk} causal={causal} cap={cap}: "
-              + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        bad += check(bench, variants, run, (B, Sq, Sk, Hq, Hk, 128), causal=causal, softcap=cap)
     for S in (1024, 4096, 16384):
         for causal in (False, True):
-            for cap in (None, 30.0):
-                B, H = max(1, 16384 // S), 16
-                g = torch.Generator(device="cuda").manual_seed(0)
-                ts = [torch.randn(B, S, H, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-                xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-                fn = lambda: pyattn.attention(*xs, causal=causal, softcap=cap, stream=bench.stream)  # noqa: E731
-                ms = {}
-                for _ in range(2):
-                    for n in variants:
-                        ms.setdefault(n, []).append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
-                cu = 0.0
-                if cap is None:
-                    f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
-                    cu = bench.gpu_ms(f, loop=10, reps=5).ms
-                head = f"S{S} {'causal' if causal else 'full  '} {'cap' if cap else '   '} cuDNN {cu:.3f} | "
-                print(head + " | ".join(
-                    f"{n} {min(t):.3f}" + (f" ({cu / min(t):.2f})" if cu else "") for n, t in ms.items()), flush=True)
+            for cap in (None, 30.0):  # (cuDNN: without the soft-cap only)
+                time_shape(bench, variants, run, f"S{S} {'causal' if causal else 'full  '} {'cap' if cap else '   '}",
+                           max(1, 16384 // S), S, 16, 128, cudnn=cap is None, causal=causal, softcap=cap)
     print("checks:", "ok" if not bad else f"{bad} FAILED")
     return 1 if bad else 0
 

@@ -5,7 +5,7 @@ fp64 reference on odd shapes (GQA, Sq != Sk, causal, a soft-cap), then timed at 
 
 Usage: PYTHONPATH=. python dev/probe_d64_rows.py [--quick]
 
-"table" is the library as it is (the short row below 4096 keys, the dense row from there); the
+"table" is the library as it is (the short row below 2048 keys, the dense row from there); the
 other variants replace the "dense" table's d = 64 row with ``min_keys`` 0 and switch the short row
 off, so they serve every call.
 """
@@ -15,19 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
+from _rows import check, time_shape  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
-from pyattn.reference import attention_ref  # noqa: E402
 
 
 def main() -> int:
     bench = harness.open_bench(need_torch=True)
-    torch = bench.torch
     rows = tile_table("attn_fwd_tma", "sm_90a")
     short = tile_table("attn_fwd_tma", "sm_90a", table="short")
 
@@ -50,36 +47,12 @@ def main() -> int:
     for B, Sq, Sk, Hq, Hk, causal, cap in [(2, 333, 1000, 4, 2, False, None), (1, 77, 3001, 8, 1, True, None),
                                           (3, 500, 500, 2, 2, True, None), (1, 1000, 4999, 6, 3, False, 20.0),
                                           (2, 4100, 4100, 2, 1, True, None)]:
-        rng = np.random.default_rng(1)
-        hs = [rng.standard_normal((B, s, h, 64)).astype(np.float32) for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk))]
-        ts = [torch.from_numpy(h).to("cuda", torch.bfloat16) for h in hs]
-        ref = attention_ref(*[t.float().cpu().numpy().astype(np.float64) for t in ts], causal=causal, softcap=cap)
-        ref = np.asarray(ref[0] if isinstance(ref, tuple) else ref)
-        xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-        errs = {}
-        for n in variants:
-            o = run(n, lambda: pyattn.attention(*xs, causal=causal, softcap=cap, stream=bench.stream))
-            errs[n] = float(np.abs(harness.to_torch(o).float().cpu().numpy() - ref).max())
-        worst = max(errs.values())
-        bad += worst > 2 * errs["table"] + 1e-3
-        print(f"check B{B} Sq{Sq} Sk{Sk} H{Hq}/{Hk} causal={causal} cap={cap}: max err vs fp64 "
-              + " ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+        bad += check(bench, variants, run, (B, Sq, Sk, Hq, Hk, 64), causal=causal, softcap=cap)
     sizes = (1024, 4096) if "--quick" in sys.argv else (1024, 2048, 4096, 16384)
     for S in sizes:
         for causal in (False, True):
-            B, H = max(1, 16384 // S), 32
-            g = torch.Generator(device="cuda").manual_seed(0)
-            ts = [torch.randn(B, S, H, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-            xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-            fn = lambda: pyattn.attention(*xs, causal=causal, stream=bench.stream)  # noqa: E731
-            ms = {}
-            for _ in range(2):  # two rounds, best of each
-                for n in variants:
-                    ms.setdefault(n, []).append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
-            f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
-            cu = bench.gpu_ms(f, loop=10, reps=5).ms
-            print(f"S{S} {'causal' if causal else 'full  '} cuDNN {cu:.3f} | " + " | ".join(
-                f"{n} {min(t):.3f} ({cu / min(t):.2f})" for n, t in ms.items()), flush=True)
+            time_shape(bench, variants, run, f"S{S} {'causal' if causal else 'full  '}", max(1, 16384 // S), S, 32,
+                       64, causal=causal)
     if "--mods" in sys.argv:
         mods_rows(bench, d64)
     print("checks:", "all within 2x the table's error" if not bad else f"{bad} FAILED")

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
+from _rows import time_shape  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def main() -> int:
 
     variants = {"table": rows, "1wg pers": d64(warpgroups=1, min_blocks=2, persistent=True, min_keys=0),
                 "1wg tile": d64(warpgroups=1, min_blocks=2, persistent=False, min_keys=0),
-                "2wg pers": d64(persistent=True, min_keys=0)}
+                "2wg pers": d64(warpgroups=2, warpgroups_mods=0, persistent=True, min_keys=0)}
     no_short = tuple(r._replace(max_keys=0) for r in short)  # the variants above serve every call
 
     def run(name, fn):
@@ -55,19 +56,8 @@ def main() -> int:
         print(f"check B{B} Sq{Sq} Sk{Sk} causal={causal}: max |out|, |lse| difference to the table {diffs}")
     for S in (1024, 2048, 4096, 16384):
         for causal in (False, True):
-            B, H = max(1, 16384 // S), 32
-            g = torch.Generator(device="cuda").manual_seed(0)
-            ts = [torch.randn(B, S, H, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-            xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-            fn = lambda: pyattn.attention(*xs, causal=causal, stream=bench.stream)  # noqa: E731
-            ms = {}
-            for _ in range(2):  # two rounds, best of each
-                for n in variants:
-                    ms.setdefault(n, []).append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
-            f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
-            cu = bench.gpu_ms(f, loop=10, reps=5).ms
-            print(f"S{S} {'causal' if causal else 'full  '} cuDNN {cu:.3f} | " + " | ".join(
-                f"{n} {min(t):.3f} ({cu / min(t):.2f})" for n, t in ms.items()), flush=True)
+            time_shape(bench, variants, run, f"S{S} {'causal' if causal else 'full  '}", max(1, 16384 // S), S, 32,
+                       64, causal=causal)
     return 0
 
 

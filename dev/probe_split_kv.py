@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
+from _rows import check, time_shape  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
-from pyattn.reference import attention_ref  # noqa: E402
 
 
 def _variants():
@@ -57,47 +55,23 @@ def main() -> int:
     bench = harness.open_bench(need_torch=True)
     torch = bench.torch
     variants = _variants()
+
+    def by_name(name, fn):
+        return run(variants[name], fn)
+
     bad = 0
     for B, Sq, Sk, Hq, Hk, D, causal, cap, mask in [
             (2, 333, 1000, 4, 2, 256, False, None, False), (1, 77, 3001, 8, 1, 256, True, None, False),
             (2, 500, 700, 2, 2, 192, True, 20.0, False), (1, 1000, 4999, 6, 3, 128, False, 20.0, False),
             (2, 600, 1100, 4, 2, 128, True, None, True), (1, 300, 2000, 2, 1, 256, False, None, False),
             (3, 400, 400, 40, 40, 256, True, None, False)]:
-        rng = np.random.default_rng(1)
-        hs = [rng.standard_normal((B, s, h, D)).astype(np.float32) for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk))]
-        ts = [torch.from_numpy(h).to("cuda", torch.bfloat16) for h in hs]
-        m = (rng.standard_normal((1, Hq, Sq, Sk)) * 2).astype(np.float32) if mask else None
-        tm = torch.from_numpy(m).to("cuda", torch.bfloat16) if mask else None
-        ref = attention_ref(*[t.float().cpu().numpy().astype(np.float64) for t in ts], causal=causal, softcap=cap,
-                            mask=None if tm is None else tm.float().cpu().numpy().astype(np.float64))
-        xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-        dm = None if tm is None else harness.to_pyattn(tm, bench.stream)
-        errs = {}
-        for n, tables in variants.items():
-            o = run(tables, lambda: pyattn.attention(*xs, causal=causal, softcap=cap, mask=dm, stream=bench.stream))
-            errs[n] = float(np.abs(harness.to_torch(o).float().cpu().numpy() - ref).max())
-        bad += max(errs.values()) > 2 * errs["table"] + 1e-3
-        print(f"check B{B} Sq{Sq} Sk{Sk} H{Hq}/{Hk} d{D} causal={causal} cap={cap} mask={mask}: max err "
-              + " ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+        bad += check(bench, variants, by_name, (B, Sq, Sk, Hq, Hk, D), mask=mask, causal=causal, softcap=cap)
     sizes = (4096,) if "--quick" in sys.argv else (1024, 4096, 16384)
     for D in (256, 192, 128):
         for S in sizes:
-            for causal in (False, True):
-                B, H = max(1, 16384 // S), 2048 // D
-                g = torch.Generator(device="cuda").manual_seed(0)
-                ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-                xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-                fn = lambda: pyattn.attention(*xs, causal=causal, stream=bench.stream)  # noqa: E731
-                ms = {}
-                for _ in range(2):
-                    for n, tables in variants.items():
-                        ms.setdefault(n, []).append(run(tables, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
-                cu = None
-                if D != 192:
-                    f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
-                    cu = bench.gpu_ms(f, loop=10, reps=5).ms
-                print(f"d{D} S{S} {'causal' if causal else 'full  '} cuDNN {cu or 0:.3f} | " + " | ".join(
-                    f"{n} {min(t):.3f}" + (f" ({cu / min(t):.2f})" if cu else "") for n, t in ms.items()), flush=True)
+            for causal in (False, True):  # (SDPA's cuDNN takes no d = 192)
+                time_shape(bench, variants, by_name, f"d{D} S{S} {'causal' if causal else 'full  '}",
+                           max(1, 16384 // S), S, 2048 // D, D, cudnn=D != 192, causal=causal)
     # float mask tiles (d = 128, the mask2 table), S 16k: bf16 zeros / random, against the dense time
     S, H, D = 16384, 16, 128
     g = torch.Generator(device="cuda").manual_seed(0)
