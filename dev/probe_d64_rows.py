@@ -3,7 +3,11 @@ GEMM turns) against the table's rows, through ``override_tiles``: each variant c
 fp64 reference on odd shapes (GQA, Sq != Sk, causal, a soft-cap), then timed at S = 1k / 2k / 4k /
 16k (bf16, batch 16k / S, 32 heads) with SDPA cuDNN in the same run.
 
-Usage: PYTHONPATH=. python dev/probe_d64_rows.py [--quick]
+Usage: PYTHONPATH=. python dev/probe_d64_rows.py [--quick] [--sizes 2048,8192] [--causal] [--softcap]
+       [--variants "3wg tile,3wg pers"] [--no-check]
+
+``--causal`` times causal calls only; ``--softcap`` adds a soft-cap of 30 (no cuDNN then);
+``--variants`` keeps the named ones (comma-separated).
 
 "table" is the library as it is (the short row below 2048 keys, the dense row from there); the
 other variants replace the "dense" table's d = 64 row with ``min_keys`` 0 and switch the short row
@@ -34,7 +38,11 @@ def main() -> int:
     variants = {"table": None, "2wg tile": d64(warpgroups=2, warpgroups_mods=0),
                 "3wg tile": d64(warpgroups=3), "3wg pers": d64(warpgroups=3, persistent=True),
                 "3wg pers s4": d64(warpgroups=3, persistent=True, stages=4)}
-    no_short = tuple(r._replace(max_keys=0) for r in short)
+    # max_keys_causal zeroed where the tree has it (the probe also runs on trees from before it, A/B)
+    no_short = tuple(r._replace(max_keys=0, **{f: 0 for f in ("max_keys_causal",) if f in r._fields}) for r in short)
+    if "--variants" in sys.argv:
+        keep = sys.argv[sys.argv.index("--variants") + 1].split(",")
+        variants = {n: v for n, v in variants.items() if n in keep}
 
     def run(name, fn):
         if variants[name] is None:
@@ -44,15 +52,18 @@ def main() -> int:
             return fn()
 
     bad = 0
-    for B, Sq, Sk, Hq, Hk, causal, cap in [(2, 333, 1000, 4, 2, False, None), (1, 77, 3001, 8, 1, True, None),
-                                          (3, 500, 500, 2, 2, True, None), (1, 1000, 4999, 6, 3, False, 20.0),
-                                          (2, 4100, 4100, 2, 1, True, None)]:
+    checks = [(2, 333, 1000, 4, 2, False, None), (1, 77, 3001, 8, 1, True, None), (3, 500, 500, 2, 2, True, None),
+              (1, 1000, 4999, 6, 3, False, 20.0), (2, 4100, 4100, 2, 1, True, None)]
+    for B, Sq, Sk, Hq, Hk, causal, cap in checks if "--no-check" not in sys.argv and "table" in variants else ():
         bad += check(bench, variants, run, (B, Sq, Sk, Hq, Hk, 64), causal=causal, softcap=cap)
     sizes = (1024, 4096) if "--quick" in sys.argv else (1024, 2048, 4096, 16384)
+    if "--sizes" in sys.argv:
+        sizes = tuple(int(x) for x in sys.argv[sys.argv.index("--sizes") + 1].split(","))
+    cap = dict(softcap=30.0) if "--softcap" in sys.argv else {}
     for S in sizes:
-        for causal in (False, True):
-            time_shape(bench, variants, run, f"S{S} {'causal' if causal else 'full  '}", max(1, 16384 // S), S, 32,
-                       64, causal=causal)
+        for causal in (True,) if "--causal" in sys.argv else (False, True):
+            time_shape(bench, variants, run, f"S{S} {'causal' if causal else 'full  '}{' softcap' if cap else ''}",
+                       max(1, 16384 // S), S, 32, 64, causal=causal, cudnn=not cap, **cap)
     if "--mods" in sys.argv:
         mods_rows(bench, d64)
     print("checks:", "all within 2x the table's error" if not bad else f"{bad} FAILED")

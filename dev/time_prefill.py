@@ -3,11 +3,13 @@ source trees in alternating processes (the GPU's clock drifts as it heats, so tr
 round by round, never a whole run against another).
 
 Usage: PYTHONPATH=<tree> PYATTN_CACHE_DIR=<dir per tree> python dev/time_prefill.py TAG [--cudnn]
+       [--shapes D:S:CAUSAL,...]
 
 Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 64 / 256, S = 1k /
-4k / 16k, causal or not, on torch-made tensors as pyattn arrays. ``--cudnn`` times torch SDPA's
-cuDNN backend on the same shapes instead. A tree is extracted with e.g. ``mkdir .head && git archive
-HEAD | tar -x -C .head`` (``.head/`` kept out of git by .git/info/exclude, carried to the GPU).
+4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``), on torch-made tensors as
+pyattn arrays. ``--cudnn`` times torch SDPA's cuDNN backend on the same shapes instead. A tree is
+extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C .head`` (``.head/`` kept out of
+git by .git/info/exclude, carried to the GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def main() -> int:
     bench = harness.open_bench(need_torch=True)
     torch = bench.torch
     out = {}
-    for D, S, causal in SHAPES:
+    shapes = SHAPES
+    if "--shapes" in sys.argv:
+        shapes = [(int(d), int(s), bool(int(c))) for d, s, c in
+                  (x.split(":") for x in sys.argv[sys.argv.index("--shapes") + 1].split(","))]
+    for D, S, causal in shapes:
         B, H = max(1, 16384 // S), 2048 // D
         g = torch.Generator(device="cuda").manual_seed(0)
         ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]

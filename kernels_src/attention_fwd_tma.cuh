@@ -29,27 +29,52 @@ namespace pyattn {
 // every unit then costs about n_mb + 1 key tiles, so a plain stride over units is balanced (a
 // stride over single causal tiles was 23-34% slower at 16k, longest-first across all heads 7-12%
 // slower at 1k, where the blocks running at once read as many heads' K/V from DRAM).
+// An odd n_mb leaves each (batch, head) a middle row block of half a unit's cost. Alone in its unit
+// it made every (n_mb + 1) / 2-th unit half as long, and a stride that is a multiple of that count
+// (132 SMs, n_mb = 11 or 43: d = 64 at 2k / 8k) gave some blocks only half units and the rest only
+// whole ones (causal 2k 5% slower than a block a tile). So with an odd n_mb two (batch, head)s form
+// a group of n_mb units: the first one's pairs, the second one's, then one unit of both middle
+// blocks; a last group of one (batch, head) is its pairs and its middle block.
 struct PersistentUnits {
-  int n_mb, per_bh, total;  // row blocks, units per (batch, head), units
+  int n_mb, pairs, n_bh, total;  // row blocks, causal pairs a (batch, head), (batch, head)s, units
 
   __device__ __forceinline__ PersistentUnits(const AttnFwdParams& p, int block_m) {
     n_mb = (p.seqlen_q + block_m - 1) / block_m;
-    per_bh = p.causal ? (n_mb + 1) / 2 : n_mb;
-    total = per_bh * p.heads_q * p.batch;
+    pairs = n_mb / 2;
+    n_bh = p.heads_q * p.batch;
+    total = !p.causal ? n_mb * n_bh : !(n_mb & 1) ? pairs * n_bh : (n_bh / 2) * n_mb + (n_bh & 1) * (pairs + 1);
   }
   // Query tile `side` (0, 1: causal) of unit u as (m_block, head, batch); false when the unit has
-  // no such tile (side 1 without causality, or the middle row block of an odd count).
+  // no such tile (side 1 without causality, or a middle-block unit of a last lone (batch, head)).
   __device__ __forceinline__ bool tile(const AttnFwdParams& p, int u, int side, int& m_block, int& head,
                                        int& batch) const {
-    const int rest = u / per_bh, i = u - rest * per_bh;
-    head = rest % p.heads_q;
-    batch = rest / p.heads_q;
+    int bh, i;
     if (!p.causal) {
-      m_block = i;
-      return side == 0;
+      bh = u / n_mb;
+      m_block = u - bh * n_mb;
+    } else if (!(n_mb & 1)) {
+      bh = u / pairs;
+      i = u - bh * pairs;
+      m_block = side == 0 ? n_mb - 1 - i : i;
+    } else {  // a group of two (batch, head)s: n_mb units
+      const int g = u / n_mb;
+      bh = 2 * g;
+      i = u - g * n_mb;
+      if (bh + 1 == n_bh && i >= pairs) i = 2 * pairs;  // a lone last (batch, head): its middle unit
+      if (i == 2 * pairs) {  // both middle blocks, one a side
+        bh += side;
+        m_block = pairs;
+      } else {
+        if (i >= pairs) {
+          ++bh;
+          i -= pairs;
+        }
+        m_block = side == 0 ? n_mb - 1 - i : i;
+      }
     }
-    m_block = side == 0 ? n_mb - 1 - i : i;
-    return side == 0 || i != n_mb - 1 - i;
+    head = bh % p.heads_q;
+    batch = bh / p.heads_q;
+    return p.causal ? bh < n_bh : side == 0;
   }
 };
 

@@ -136,7 +136,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
                                  tma=maps is not None and (P.mask is None or P.mask.kind == "bool"
                                                            or mask_map_layout is not None),
-                                 keys=P.seqlen_k, mask_rows=P.mask is not None and P.mask.strides[2] == 0)
+                                 keys=P.seqlen_k, mask_rows=P.mask is not None and P.mask.strides[2] == 0,
+                                 causal=P.causal)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
@@ -251,7 +252,7 @@ def persistent_slots(P, tiles, held: int) -> int:
     problem ``P`` when the GPU holds ``held`` of them at once.
 
     A block walks work units (kernels_src/attention_fwd_tma.cuh, ``PersistentUnits``): a query
-    tile, or for causal calls a pair of row blocks of about equal total cost. ``held`` blocks save
+    tile, or for causal calls a pair of row blocks (or two middle ones) of equal total cost. ``held`` blocks save
     each unit's start and end (measured on H200 at d=128: about two key steps of a query tile) but
     split the units statically, in whole rounds. Without causality the per-tile launch rounds the
     same way, so persistence always wins. A causal per-tile launch is balanced by the hardware
@@ -264,7 +265,9 @@ def persistent_slots(P, tiles, held: int) -> int:
         return held
     bm, bn = tiles.block_m, tiles.block_n
     n_mb = -(-P.seqlen_q // bm)
-    units = (n_mb + 1) // 2 * P.heads_q * P.batch
+    n_bh = P.heads_q * P.batch
+    # as PersistentUnits counts them: with an odd n_mb two (batch, head)s share a unit of middle blocks
+    units = n_mb // 2 * n_bh if n_mb % 2 == 0 else n_bh // 2 * n_mb + n_bh % 2 * (n_mb // 2 + 1)
     if units <= held:  # one round: nothing to balance
         return held
     rounding = -(-units // held) * held / units - 1
