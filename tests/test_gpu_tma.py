@@ -296,21 +296,25 @@ def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
 
 # Persistent blocks (one an SM) walk work units (a query tile, or a causal pair of row blocks):
 # these shapes have more units than any GPU has SMs, so each block carries its ring's phase bits,
-# its query tile's barriers and its ping-pong turns from one tile to the next.
+# its query tile's barriers and its ping-pong turns from one tile to the next. 601 keys: d = 64 takes
+# its short row (persistent), the other buckets their table's row.
 PERSISTENT_DIMS = [d for d in (64, 128, 192, 256)
-                   if select_attention_spec("bfloat16", d, "sm_90a", keys=1 << 20).tiles.persistent]
+                   if select_attention_spec("bfloat16", d, "sm_90a", keys=601).tiles.persistent]
 
 
 @pytest.mark.parametrize("D", PERSISTENT_DIMS or [128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_blocks_walk_many_tiles(D, causal):
-    """2 x 48 heads x 3 row blocks = 288 query tiles (GQA 4, the last row block partial); causal
-    units pair row blocks 2 and 0, and 1 goes alone."""
-    rng = np.random.default_rng(D + causal)
-    Sq, Sk = 320, max(333, _tma_row(D).min_keys + 5)
-    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk)
+@pytest.mark.parametrize("B, H, Hkv", [(2, 48, 12), (1, 45, 15)])
+def test_persistent_blocks_walk_many_tiles(D, causal, B, H, Hkv):
+    """B x H heads of 550 queries: an odd count of row blocks (3 of 192 rows, 5 of 128, the last
+    partial), so causal units pair row blocks (n - 1 - i, i) of one (batch, head) and the middle
+    blocks of two; with 45 (batch, head)s the last one's middle block goes alone (GQA 4 / 3)."""
+    rng = np.random.default_rng(D + causal + H)
+    Sq, Sk = 550, 601
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk, causal=causal)
     assert spec.family == "attn_fwd_tma" and spec.tiles.persistent
-    q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")
+    assert -(-Sq // spec.tiles.block_m) % 2 == 1
+    q, k, v = _inputs(rng, B, Sq, Sk, H, Hkv, D, "bfloat16")
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), causal=causal, return_lse=True)
     _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
 

@@ -667,6 +667,14 @@ def test_short_row_of_the_tma_kernel():
     if row.max_keys_mods > row.max_keys:
         for kw, q_tiles in ((dict(alibi=True), 1), (dict(softcap=True), 0)):
             assert select_attention_spec("float16", 64, "sm_90a", keys=row.max_keys, **kw).q_tiles == q_tiles
+    # causal calls without a mask tensor or ALiBi: up to max_keys_causal (its units balance causal rows)
+    assert row.max_keys_causal > row.max_keys
+    for kw, limit in (({}, row.max_keys_causal), (dict(softcap=True), row.max_keys_causal),
+                      (dict(alibi=True), row.max_keys_mods or row.max_keys), (dict(mask="bool"), row.max_keys_mods)):
+        for keys, q_tiles in ((limit - 1, 1), (limit, 0)):
+            got = select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=keys, causal=True, **kw)
+            assert got.q_tiles == q_tiles, (kw, keys)
+    assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=row.max_keys_causal - 1).q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, mask="bf16").q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, tma=False).q_tiles == 0
     for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=2), "takes 0"),
@@ -829,4 +837,6 @@ def test_persistent_slots_weigh_rounding_against_block_starts():
     assert persistent_slots(P(16384, 16, 1, True), tiles, 132) == 1024  # 3.1% > 4 / 129: one unit a block
     assert persistent_slots(P(16384, 16, 1, True), tiles, 128) == 128  # 1024 units in 8 whole rounds
     assert persistent_slots(P(300, 3, 1, True), tiles, 132) == 132  # 6 units: one round
+    # an odd count of row blocks (127): two (batch, head)s a group of 127 units, a lone last one 64
+    assert persistent_slots(P(16256, 3, 1, True), tiles, 132) == 127 + 64
     assert persistent_slots(P(0, 3, 1, True), tiles, 132) == 132

@@ -222,7 +222,7 @@ def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
                           softcap: bool = False, alibi: bool = False, allow_tf32: bool = False,
                           sparse: int = 0, tma: bool = True, keys: int = 1 << 20,
-                          mask_rows: bool = False) -> KernelSpec:
+                          mask_rows: bool = False, causal: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -251,6 +251,9 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     mask_rows : bool
         The mask is broadcast over the query rows (query stride 0, a key-padding mask): the TMA
         kernel then takes a float mask as one row a stage on its dense rows (mask ``"<kind>_row"``).
+    causal : bool
+        The call is causal: the TMA kernel's short row may serve causal calls of more keys than
+        others (``max_keys_causal``: persistent blocks balance causal row blocks by pairing them).
 
     Raises
     ------
@@ -277,7 +280,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         bucket = -(-head_dim // 64) * 64
         packed = "bits" if mask == "bool" else f"{mask}_row" if mask_rows and mask != "none" else mask
         # Below a row's number of keys, the short row where it has one.
-        short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed, bool(alibi))
+        short = tma and not sparse and tma_serves_short(arch, bucket, keys, packed, bool(alibi), causal)
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
         q_tiles = int(short)

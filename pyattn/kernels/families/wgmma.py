@@ -18,7 +18,7 @@ from .tables import row as table_row
 from .tables import rows as table_rows
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "ATTN_FWD_FP8", "wgmma_shapes",
-           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short"]
+           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short", "short_limit"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -37,6 +37,7 @@ class WgmmaTile(NamedTuple):
     min_keys: int = 0  # attn_fwd_tma: the row serves calls of at least this many keys (seqlen_k)
     max_keys: int = 0  # attn_fwd_tma's "short" table: the row serves calls of fewer keys than this
     max_keys_mods: int = 0  # ... and this many with a mask tensor or ALiBi (0: max_keys)
+    max_keys_causal: int = 0  # ... and this many for causal calls without those (0: max_keys)
     persistent: bool = False  # attn_fwd_tma: one block per SM walks the query tiles
     # attn_fwd_tma: with a mask tensor or ALiBi, this many warpgroups instead (0: the row's): three
     # warpgroups run at 160 registers a thread, where those modifiers spill (spec_tiles applies it)
@@ -199,15 +200,20 @@ _SM90_TMA = (
 # attn_fwd_tma below a row's number of keys: persistent blocks of three consumer warpgroups (a block
 # an SM walks the query tiles: at 1k keys a query tile has 8 key tiles, and one tile's prologue and
 # epilogue run under another's GEMMs); with a mask tensor or ALiBi one warpgroup, two blocks an SM.
+# Causal calls keep it longer (max_keys_causal): there its units pair a row block of many keys with
+# one of few, and a warpgroup whose rows end early goes on to the next tile (per-warpgroup bounds).
 # Spec q_tiles = 1. Measured on H200 against the dense table (bf16, batch 16k / S, hidden 2048, x cuDNN
 # in one run; dev/probe_d64_rows.py, 3 runs):
 _SM90_TMA_SHORT = (
     WgmmaTile(64, 128, 3, 3, True, 1, "S 1k: 0.343-0.346 ms = 0.90x cuDNN (causal 0.226-0.230 = 0.87x) against "
                                       "0.349-0.351 (0.238-0.241) for the one-warpgroup row and 0.337-0.340 "
                                       "(0.251-0.252) a block a tile; from 2k a block a tile is faster (causal 2k "
-                                      "0.367 against 0.384: an odd count of row blocks leaves the middle one "
-                                      "alone in its unit): below 2048 keys", ws=True, persistent=True,
-              max_keys=2048, max_keys_mods=4096,
+                                      "0.367 against 0.384 while an odd count of row blocks left the middle one "
+                                      "alone in its unit, since paired): below 2048 keys. Causal calls below "
+                                      "8192 (causal 2k/3k/4k 0.355/0.454/0.620 ms against 0.374/0.467/0.615-"
+                                      "0.641 a block a tile; 8k/16k 1.190/2.314 against 1.164/2.216; soft-cap "
+                                      "2k/4k 0.530/0.920 against 0.558/0.959)", ws=True, persistent=True,
+              max_keys=2048, max_keys_mods=4096, max_keys_causal=8192,
               mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
                                                          "0.663 ms for the cp.async row; with a mask tensor or "
@@ -326,16 +332,24 @@ def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:
         r.max_head_dim == head_dim and keys >= r.min_keys for r in table_rows(ATTN_FWD_TMA, _table("", 0, mask), arch))
 
 
-def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none", alibi: bool = False) -> bool:
+def tma_serves_short(arch: str, head_dim: int, keys: int, mask: str = "none", alibi: bool = False,
+                     causal: bool = False) -> bool:
     """Whether attn_fwd_tma's "short" table (spec ``q_tiles=1``) runs a call of ``keys`` keys at
-    bucket ``head_dim`` with a ``mask`` tensor kind (as :func:`tma_serves`) and ``alibi``: a row
-    names exactly that bucket, ``keys`` is below its ``max_keys`` (``max_keys_mods`` with a mask
-    tensor or ALiBi, where it names one), and the mask rides the dense rows (none, packed bits or
-    one row a stage)."""
-    mods = _wide_mods(mask, alibi)
+    bucket ``head_dim`` with a ``mask`` tensor kind (as :func:`tma_serves`), ``alibi`` and
+    ``causal``: a row names exactly that bucket, ``keys`` is below its :func:`short_limit`, and the
+    mask rides the dense rows (none, packed bits or one row a stage)."""
     return (arch in WGMMA_ARCHS and _table("", 0, mask) == "dense" and mask != "bool" and any(
-        r.max_head_dim == head_dim and keys < (r.max_keys_mods if mods and r.max_keys_mods else r.max_keys)
+        r.max_head_dim == head_dim and keys < short_limit(r, _wide_mods(mask, alibi), causal)
         for r in table_rows(ATTN_FWD_TMA, "short", arch)))
+
+
+def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
+    """The keys below which a "short" table ``row`` serves a call: ``max_keys_mods`` with a mask
+    tensor or ALiBi (``mods``, where the row names it), else ``max_keys_causal`` for a causal call
+    (where it names it), else ``max_keys``."""
+    if mods and row.max_keys_mods:
+        return row.max_keys_mods
+    return row.max_keys_causal if causal and not mods and row.max_keys_causal else row.max_keys
 
 
 def wgmma_shapes(tables=None) -> tuple:
