@@ -1,11 +1,14 @@
 """Dev probe (GPU): ``pyattn.decode`` over bf16 caches of small pages (the cp.async kernel, attn_decode).
 
     PYTHONPATH=. python dev/probe_small_pages.py [--points 8x32768,1x32768,64x4096] [--pages 1,8,16]
+                                                 [--rows 16x4x2x3,...] [--q-len 1]
 
 Hq 32, Hkv 8, D 128, random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
 caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V. Pages of
 16 and more take the TMA kernel on sm_90a; smaller ones (and every page on other archs) attn_decode,
-whose per-row page-table reads this probe exists to time.
+whose per-row page-table reads this probe exists to time. ``--rows KEYSxWARPSxSTAGESxBLOCKS,...``:
+the same calls again with each of these in the d <= 128 row of attn_decode's table, alternating
+with the table as it is (two rounds); ``--q-len``: query tokens a sequence (speculative rows).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ sys.path.insert(0, "scripts")
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
+from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 HQ, HKV, D, CHUNK = 32, 8, 128, 2048
 
@@ -27,11 +31,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="8x32768,1x32768,64x4096")
     ap.add_argument("--pages", default="1,8,16")
+    ap.add_argument("--rows", default="")
+    ap.add_argument("--q-len", type=int, default=1)
     args = ap.parse_args()
     bench = harness.Bench(torch)
+    base = tile_table("attn_decode", "sm_90a")
+    variants = {"table": base}
+    for spec in filter(None, args.rows.split(",")):
+        keys, warps, stages, blocks = (int(x) for x in spec.split("x"))
+        variants[spec] = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
+                               if r.max_head_dim == 128 else r for r in base)
     for point in args.points.split(","):
         B, L = (int(x) for x in point.split("x"))
-        q = pyattn.asarray(torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        q = pyattn.asarray(torch.randn(B, args.q_len, HQ, D, device="cuda", dtype=torch.bfloat16),
+                           stream=bench.stream)
         cells = []
         for ps in (int(x) for x in args.pages.split(",")):
             cache = pyattn.PagedKVCache(B * -(-L // ps) + 8, ps, HKV, D, "bfloat16")
@@ -41,8 +54,15 @@ def main() -> int:
                         for _ in range(2))
                 cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(v, bench.stream),
                              stream=bench.stream)
-            us = bench.gpu_ms([lambda: pyattn.decode(q, cache, ids, stream=bench.stream)], loop=10, reps=5).ms * 1e3
-            cells.append(f"page {ps}: {us:.1f} us {B * L * HKV * D * 4 / us / 1e6:.2f} TB/s")
+            best: dict = {}
+            for _ in range(2 if len(variants) > 1 else 1):
+                for name, rows in variants.items():
+                    with override_tiles("attn_decode", "sm_90a", rows):
+                        fn = lambda: pyattn.decode(q, cache, ids, stream=bench.stream)  # noqa: E731
+                        best[name] = min(best.get(name, 1e9), bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3)
+            for name, us in best.items():
+                cells.append(f"page {ps}{'' if len(variants) == 1 else ' ' + name}: {us:.1f} us "
+                             f"{B * L * HKV * D * 4 / us / 1e6:.2f} TB/s")
             del cache
             torch.cuda.empty_cache()
         print(f"B{B} x {L}: " + " | ".join(cells), flush=True)

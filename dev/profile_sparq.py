@@ -10,7 +10,9 @@ an exact decode over the same cache. Then the decode over the chosen keys alone 
 select stage left them, the same keys sorted by position, and each row's first k keys: page-size-1
 gathers against runs of rows), at forced split counts (``--splits``). ``--ncu``: one call between
 ``cudaProfilerStart`` / ``Stop`` for ``ncu --profile-from-start off`` (no timing loop);
-``--min-blocks``: the sparq kernel's launch bounds (its tile row's ``min_blocks``) for the whole run.
+``--min-blocks``: the sparq kernel's launch bounds (its tile row's ``min_blocks``) for the whole run;
+``--decode-rows KEYSxWARPSxSTAGESxBLOCKS,...``: the decode-alone timings again with each of these
+in the d <= 128 row of attn_decode's table (the cp.async kernel the chosen keys run on).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _timed(fn, name_of):
     return wrapper
 
 
-def gathers(bench, cache, ids, call, run_decode, splits, select) -> None:
+def gathers(bench, cache, ids, call, run_decode, splits, select, rows="") -> None:
     """Time the decode over the chosen keys alone: as chosen, sorted, and each row's first k keys."""
     _, pos = pyattn.sparq_decode(*call.args, **call.keywords, return_indices=True)
     Pd, device, qx, kp, vp, tables, k_max, alibi, s, ret = _decode_args
@@ -72,6 +74,21 @@ def gathers(bench, cache, ids, call, run_decode, splits, select) -> None:
             fn = lambda P=P, tab=tab: run_decode(P, device, qx, kp, vp, tab, k_max, alibi, s, ret)  # noqa: E731
             cells.append(f"{n or 'rule'}: {bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3:.1f}")
         print(f"  decode alone, {name:9s} splits " + " | ".join(cells), flush=True)
+    base = tile_table("attn_decode", "sm_90a")
+    for spec in filter(None, rows.split(",")):
+        keys, warps, stages, blocks = (int(x) for x in spec.split("x"))
+        new = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
+                    if r.max_head_dim == 128 else r for r in base)
+        cells = []
+        with override_tiles("attn_decode", "sm_90a", new):
+            for n in splits:
+                P = dataclasses.replace(Pd, num_splits=n or None)
+                fn = lambda P=P: run_decode(P, device, qx, kp, vp, tables, k_max, alibi, s, ret)  # noqa: E731
+                try:
+                    cells.append(f"{n or 'rule'}: {bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3:.1f}")
+                except Exception as exc:  # noqa: BLE001 - a row that does not fit is reported, not fatal
+                    cells.append(f"{n or 'rule'}: {type(exc).__name__}")
+        print(f"  decode alone, row {spec:9s} splits " + " | ".join(cells), flush=True)
 
 
 def main() -> int:
@@ -82,6 +99,7 @@ def main() -> int:
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--splits", default="0,2,4,8,16", help="decode-alone split counts (0: the rule's)")
     ap.add_argument("--min-blocks", type=int, default=0, help="the sparq kernel's __launch_bounds__ blocks (sm_90a)")
+    ap.add_argument("--decode-rows", default="", help="attn_decode d <= 128 rows to time the decode alone on")
     args = ap.parse_args()
     if args.min_blocks:
         rows = [r._replace(min_blocks=args.min_blocks) for r in tile_table("sparq", "sm_90a")]
@@ -136,7 +154,8 @@ def run(args) -> int:
         t_s = bench.gpu_ms([call], loop=10, reps=5).ms * 1e3
         t_e = bench.gpu_ms([lambda: pyattn.decode(q, cache, ids, stream=bench.stream)], loop=10, reps=5).ms * 1e3
         print(f"  harness: sparq {t_s:.1f} us, exact decode {t_e:.1f} us, x {t_e / t_s:.2f}", flush=True)
-        gathers(bench, cache, ids, call, run_decode, [int(x) for x in args.splits.split(",")], args.select)
+        gathers(bench, cache, ids, call, run_decode, [int(x) for x in args.splits.split(",")], args.select,
+                args.decode_rows)
         del cache
         torch.cuda.empty_cache()
     return 0

@@ -43,10 +43,13 @@ class DecodeTile(NamedTuple):
 # 16-bit caches: smem = max(ring, warp merge) with ring = (16 q_tiles + 2 stages block_n) (d + 8) * 2
 # and merge = warps * 16 q_tiles * (d + 10) * 4.
 _227K = (  # sm_90a / sm_100a
-    DecodeTile(128, 32, 2, 3, 2, 2, "v3, H200 (scripts/tune_decode.py, bf16 Hq32 Hkv8): 3.50-3.60 TB/s at B8 L32k "
-                                    "/ B64 L4k; 2 warps x 32 keys, 3 stages, 2 blocks/SM (106 KiB); 4 warps x 16 "
-                                    "keys at 3 blocks/SM: 3.45-3.55; v1 (4 warps, 4 stages, 1 block/SM) 2.0 TB/s, "
-                                    "latency-bound at 6% occupancy"),
+    DecodeTile(128, 16, 4, 2, 2, 3, "pages below 16 slots (the TMA kernel takes the rest) and SparQ's one-slot "
+                                    "gathers, H200, bf16 Hq32 Hkv8 (dev/probe_small_pages.py --rows): page 1 B8 x "
+                                    "32k / B1 x 32k / B64 x 4k 266 / 48.3 / 281 us against 325 / 55.8 / 324 for "
+                                    "2 warps x 32 keys x 3 stages at 2 blocks/SM (the row from when this kernel "
+                                    "also took page 16: 3.50-3.60 TB/s there); page 8 272 / 47.8 / 278 against "
+                                    "313 / 54.4 / 312; q_len 4 alike; 3 stages at 2 blocks/SM 309 / 50.3 / 302 at "
+                                    "page 1; SparQ's decode stage 52 us against 59 (dev/profile_sparq.py)"),
     DecodeTile(256, 16, 4, 2, 1, 1, "143 KiB at d=256; one row tile (the accumulator is 128 registers); "
                                     "unmeasured"),
 )
@@ -128,8 +131,17 @@ def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") ->
             and page_size & (page_size - 1) == 0)
 
 
+# Shared memory an SM has for blocks (each block also reserves 1 KiB), per arch.
+_SM_SHARED = {"sm_80": 164 << 10, "sm_86": 100 << 10, "sm_89": 100 << 10, "sm_90a": 228 << 10, "sm_100a": 228 << 10}
+
+
 def _spec_tiles(spec, t: TileConfig) -> TileConfig:
-    return t._replace(block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+    """The row at the spec's row tiles, its launch bounds asking for no more blocks an SM than
+    shared memory lets in: more would only cap registers (sm_90a, two row tiles: 3 blocks asked,
+    2 fit, 92 bytes of spill at 168 registers)."""
+    t = t._replace(block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+    fit = _SM_SHARED.get(spec.arch, 0) // (_smem_bytes(spec, t) + 1024)
+    return t._replace(min_blocks=max(1, min(t.min_blocks, fit))) if fit else t
 
 
 def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
