@@ -207,9 +207,9 @@ _SM90_TMA = (
 _SM90_TMA_SHORT = (
     WgmmaTile(64, 128, 3, 3, True, 1, "S 1k: 0.343-0.346 ms = 0.90x cuDNN (causal 0.226-0.230 = 0.87x) against "
                                       "0.349-0.351 (0.238-0.241) for the one-warpgroup row and 0.337-0.340 "
-                                      "(0.251-0.252) a block a tile; from 2k a block a tile is faster (causal 2k "
-                                      "0.367 against 0.384 while an odd count of row blocks left the middle one "
-                                      "alone in its unit, since paired): below 2048 keys. Causal calls below "
+                                      "(0.251-0.252) a block a tile; from 2k a block a tile is faster: below 2048 "
+                                      "keys. Causal calls (once an odd count of row blocks had its middle blocks "
+                                      "paired: causal 2k 0.384 -> 0.354) below "
                                       "8192 (causal 2k/3k/4k 0.355/0.454/0.620 ms against 0.374/0.467/0.615-"
                                       "0.641 a block a tile; 8k/16k 1.190/2.314 against 1.164/2.216; soft-cap "
                                       "2k/4k 0.530/0.920 against 0.558/0.959)", ws=True, persistent=True,
