@@ -533,6 +533,11 @@ struct AttnFwdWgmmaMainloop {
     release(stage);
     if constexpr (Tr::kPersist)
       if (j + 1 == n_tiles) arrive_warp(bar_q_empty);
+    advance();
+  }
+
+  // The ring moves on from the tile at `stage` (step and skip end so).
+  __device__ __forceinline__ void advance() {
     prev_stage = stage;
     if (++stage == STAGES) {
       stage = 0;
@@ -760,11 +765,7 @@ struct AttnFwdWgmmaMainloop {
       pv_now(stage);
       release(stage);
     }
-    prev_stage = stage;
-    if (++stage == STAGES) {
-      stage = 0;
-      if constexpr (!Tr::kPersist) full_parity ^= 1;
-    }
+    advance();
   }
 };
 
