@@ -1,6 +1,7 @@
 """What the tile-row probes share (probe_d64_rows, probe_short_rows, probe_short_d128,
 probe_split_kv, probe_d128_wide): each variant's outputs against the fp64 reference, and its
-time on a prefill shape beside SDPA cuDNN. A variant is a name; ``run(name, fn)`` calls ``fn``
+time on a prefill shape beside SDPA cuDNN; and (probe_small_pages, profile_sparq) attn_decode rows
+named on the command line. A variant is a name; ``run(name, fn)`` calls ``fn``
 with that variant's tile tables in force (``override_tiles``) and returns what it returns; the
 variant named "table" is the library as it is.
 
@@ -67,3 +68,17 @@ def time_shape(bench, names, run, head: str, B: int, S: int, H: int, D: int, *, 
         cu = bench.gpu_ms(f, loop=10, reps=5).ms
     print(f"{head} cuDNN {cu or 0:.3f} | " + " | ".join(
         f"{n} {min(t):.3f}" + (f" ({cu / min(t):.2f})" if cu else "") for n, t in ms.items()), flush=True)
+
+
+def decode_rows(names: str) -> dict:
+    """attn_decode's sm_90a table with its d <= 128 row replaced by each of ``names``
+    (``KEYSxWARPSxSTAGESxBLOCKS``, comma-separated: keys a warp, warps, stages, launch-bound blocks),
+    by name, for ``override_tiles("attn_decode", "sm_90a", rows)``."""
+    from pyattn.kernels.families import tile_table
+
+    base, out = tile_table("attn_decode", "sm_90a"), {}
+    for name in filter(None, names.split(",")):
+        keys, warps, stages, blocks = (int(x) for x in name.split("x"))
+        out[name] = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
+                          if r.max_head_dim == 128 else r for r in base)
+    return out

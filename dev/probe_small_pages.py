@@ -22,6 +22,7 @@ sys.path.insert(0, "scripts")
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
+from _rows import decode_rows  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 HQ, HKV, D, CHUNK = 32, 8, 128, 2048
@@ -35,12 +36,7 @@ def main() -> int:
     ap.add_argument("--q-len", type=int, default=1)
     args = ap.parse_args()
     bench = harness.Bench(torch)
-    base = tile_table("attn_decode", "sm_90a")
-    variants = {"table": base}
-    for spec in filter(None, args.rows.split(",")):
-        keys, warps, stages, blocks = (int(x) for x in spec.split("x"))
-        variants[spec] = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
-                               if r.max_head_dim == 128 else r for r in base)
+    variants = {"table": tile_table("attn_decode", "sm_90a"), **decode_rows(args.rows)}
     for point in args.points.split(","):
         B, L = (int(x) for x in point.split("x"))
         q = pyattn.asarray(torch.randn(B, args.q_len, HQ, D, device="cuda", dtype=torch.bfloat16),

@@ -32,6 +32,7 @@ import harness  # noqa: E402
 import pyattn  # noqa: E402
 import pyattn.ops._decode as dmod  # noqa: E402
 import pyattn.ops.sparq as smod  # noqa: E402
+from _rows import decode_rows  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 _marks: list = []
@@ -74,11 +75,7 @@ def gathers(bench, cache, ids, call, run_decode, splits, select, rows="") -> Non
             fn = lambda P=P, tab=tab: run_decode(P, device, qx, kp, vp, tab, k_max, alibi, s, ret)  # noqa: E731
             cells.append(f"{n or 'rule'}: {bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3:.1f}")
         print(f"  decode alone, {name:9s} splits " + " | ".join(cells), flush=True)
-    base = tile_table("attn_decode", "sm_90a")
-    for spec in filter(None, rows.split(",")):
-        keys, warps, stages, blocks = (int(x) for x in spec.split("x"))
-        new = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
-                    if r.max_head_dim == 128 else r for r in base)
+    for spec, new in decode_rows(rows).items():
         cells = []
         with override_tiles("attn_decode", "sm_90a", new):
             for n in splits:
