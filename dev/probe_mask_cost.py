@@ -1,13 +1,17 @@
 """Dev probe: what a mask tensor costs the sm_90a prefill, (1, 16k, 2048 / D, D) bf16.
 
 Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] [--kinds bool bf16 f32]
+       [--no-cp] [--row D,BLOCK_N,WARPGROUPS,STAGES,OVERLAP,SPLIT_KV ...]
 
 Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
 visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
 (1, 1, 1, S); bool also causal) the mask call on attn_fwd_tma (its table as it is: a bool mask
 packed to bits on the dense row, float masks' tiles in the ring) and on attn_fwd_wgmma (the
 bucket's row taken out of attn_fwd_tma's table with ``override_tiles``, so the cp.async kernel
-copies the tiles), each against the dense (or causal) time.
+copies the tiles), each against the dense (or causal) time timed again right after it (the clock
+drifts down as the GPU heats: 10% over a run). ``--row`` adds a column per row given: the float-mask
+call on attn_fwd_tma with that row in its table (e.g. ``128,128,2,2,0,0`` for 2 stages without
+overlap); ``--no-cp`` drops the cp.async column.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import harness  # noqa: E402
 
 import pyattn  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
+from pyattn.kernels.families.wgmma import WgmmaTile  # noqa: E402
 
 
 def main() -> None:
@@ -30,13 +35,18 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--dims", type=int, nargs="*", default=[128])
     ap.add_argument("--kinds", nargs="*", default=["bool", "bf16", "f32"])
+    ap.add_argument("--no-cp", action="store_true", help="skip the attn_fwd_wgmma (cp.async) column")
+    ap.add_argument("--row", nargs="*", default=[], help="float-mask rows to time as well: D,BLOCK_N,WARPGROUPS,"
+                    "STAGES,OVERLAP,SPLIT_KV (warp-specialized)")
     args = ap.parse_args()
+    rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp))
+            for d, n, w, st, ov, sp in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
-        probe(bench, args.seqlen, D, args.kinds)
+        probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D])
 
 
-def probe(bench, S: int, D: int, kinds) -> None:
+def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=()) -> None:
     H = 2048 // D
     rng = np.random.default_rng(0)
     import ml_dtypes
@@ -62,15 +72,22 @@ def probe(bench, S: int, D: int, kinds) -> None:
         else:
             masks = {"zeros": np.zeros((S, S), dtype), "random normal": (random * 4 - 2).astype(dtype),
                      "key padding (1,1,1,S) 90%": np.where(np.arange(S) < 0.9 * S, 0, -np.inf)[None, None, None, :]
-                     .astype(dtype)}
+                     .astype(dtype), "causal + random normal": (random * 4 - 2).astype(dtype)}
         for name, host in masks.items():
             m = pyattn.asarray(host, stream=bench.stream)
-            opts, base = ({"mask": m, "causal": True}, causal) if name.startswith("causal") else ({"mask": m}, dense)
-            tma = run(opts)
-            with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
-                cp = run(opts)
-            print(f"{kind + ' ' + name:40} tma {tma:8.3f} ms {tma / base:5.2f}x | cp.async {cp:8.3f} ms "
-                  f"{cp / base:5.2f}x", flush=True)
+            is_causal = name.startswith("causal")
+            opts, base_opts = ({"mask": m, "causal": True}, {"causal": True}) if is_causal else ({"mask": m}, {})
+            cols = [("tma", run(opts), run(base_opts))]
+            if cp_column:
+                with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
+                    cols.append(("cp.async", run(opts), run(base_opts)))
+            for row in rows if kind != "bool" else ():
+                tab = tuple(row if r.max_head_dim == D else r for r in tile_table("attn_fwd_tma", "sm_90a", table))
+                with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):
+                    cols.append((f"{row.block_n}x{row.stages}{'+ov' if row.overlap else ''}"
+                                 f"{'+split' if row.split_kv else ''}", run(opts), run(base_opts)))
+            print(f"{kind + ' ' + name:40} " + " | ".join(f"{c} {t:8.3f} ms {t / b:5.2f}x" for c, t, b in cols),
+                  flush=True)
             del m
 
 

@@ -3,10 +3,11 @@ source trees in alternating processes (the GPU's clock drifts as it heats, so tr
 round by round, never a whole run against another).
 
 Usage: PYTHONPATH=<tree> PYATTN_CACHE_DIR=<dir per tree> python dev/time_prefill.py TAG [--cudnn]
-       [--shapes D:S:CAUSAL,...]
+       [--shapes D:S:CAUSAL[:SOFTCAP],...]
 
 Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 64 / 256, S = 1k /
-4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``), on torch-made tensors as
+4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``, or ``128:16384:1:30`` with a
+soft-cap of 30; a soft-capped shape's key ends in its cap), on torch-made tensors as
 pyattn arrays. ``--cudnn`` times torch SDPA's cuDNN backend on the same shapes instead. A tree is
 extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C .head`` (``.head/`` kept out of
 git by .git/info/exclude, carried to the GPU).
@@ -33,18 +34,21 @@ def main() -> int:
     out = {}
     shapes = SHAPES
     if "--shapes" in sys.argv:
-        shapes = [(int(d), int(s), bool(int(c))) for d, s, c in
+        shapes = [(int(d), int(s), bool(int(c)), *map(float, cap)) for d, s, c, *cap in
                   (x.split(":") for x in sys.argv[sys.argv.index("--shapes") + 1].split(","))]
-    for D, S, causal in shapes:
+    for D, S, causal, *cap in shapes:
+        opts = {"causal": causal, "softcap": cap[0]} if cap else {"causal": causal}
         B, H = max(1, 16384 // S), 2048 // D
         g = torch.Generator(device="cuda").manual_seed(0)
         ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
         if cudnn:
+            if cap:
+                raise SystemExit("--cudnn: torch SDPA takes no soft-cap")
             fn = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=causal)
         else:
             xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-            fn = lambda: pyattn.attention(*xs, causal=causal, stream=bench.stream)  # noqa: E731
-        out[f"{D} {S} {int(causal)}"] = round(bench.gpu_ms(fn, loop=20, reps=5).ms, 4)
+            fn = lambda: pyattn.attention(*xs, stream=bench.stream, **opts)  # noqa: E731
+        out[f"{D} {S} {int(causal)}" + (f" {cap[0]:g}" if cap else "")] = round(bench.gpu_ms(fn, loop=20, reps=5).ms, 4)
     print("RESULT", tag, json.dumps(out), flush=True)
     return 0
 
