@@ -385,10 +385,21 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
 
   Mainloop ml;
   wgmma_fwd_block<Tr>(ml, p, maps, smem_raw, sm.kv, sm.mask);
+  // Blocks start in the order of x, then y. A full float mask shared by the heads (head stride 0)
+  // is read heads-fastest: the heads of a query tile then run side by side, and its mask tiles come
+  // from DRAM once and from L2 for the other heads (x fastest, each head swept the whole mask: 2
+  // bytes a score from DRAM, 8 GiB at (1, 16k, 16) bf16), at the price of each head's K / V read
+  // once per set of query tiles in flight instead of once.
+  int m_block = blockIdx.x, head = blockIdx.y;
+  if constexpr (FastMods<Mods>::kFloatMask && !Tr::kMaskRowOnly)
+    if (p.mask_stride_h == 0) {
+      const int lin = blockIdx.y * gridDim.x + blockIdx.x;
+      m_block = lin / gridDim.y, head = lin % gridDim.y;
+    }
   // Causal blocks near the end of the sequence do the most work: start them first.
-  const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  if (p.causal) m_block = gridDim.x - 1 - m_block;
   FwdTileAt<Tr> at;
-  if (!wgmma_fwd_tile<Tr>(ml, p, m_block, blockIdx.y, blockIdx.z, at)) return;  // whole block exits
+  if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
   if (!wgmma_block_run<Tr>(ml, sm.q, sm.bars, at.q, p.q_stride_s, [&] {

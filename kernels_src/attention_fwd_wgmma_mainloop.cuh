@@ -396,6 +396,25 @@ struct AttnFwdWgmmaMainloop {
       // chunk (w / 16) ^ ((r * SWZ / 128) % (SWZ / 16)) of the row; a MASK_ROW row is row 0.
       constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz, blk = kMaskBlockStride;
       const char* tile = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes;
+      if constexpr (MB == 2 && !Tr::kMaskRowOnly) {
+        // 16-bit words: an 8 x 8 block of the tile (8 rows, keys 8 i .. 8 i + 7: one 16-byte chunk
+        // a row) is what ldmatrix hands out in the accumulator's layout (lane 4 g + t: row g, keys
+        // 2 t, 2 t + 1). So one ldmatrix.x4 gives four words (n8 blocks 2 q, 2 q + 1, row halves
+        // 0, 1), where a word a load took four; lane l names row l % 8 of block l / 8.
+        const int lane = threadIdx.x % 32, m = lane >> 3;
+        const int r = row_a - m0 - lane / 4 + 8 * (m & 1) + (lane & 7);
+        const char* row = tile + r * SWZ;
+        const int x = (r * SWZ >> 7) & (SWZ / 16 - 1);
+#pragma unroll
+        for (int q = 0; q < BN / 16; ++q) {
+          const int w = (2 * q + (m >> 1)) * 16;  // the block's chunk in the tile row
+          unsigned quad[4];
+          ldmatrix_x4(quad, row + (w / SWZ) * blk + ((((w % SWZ) >> 4) ^ x) << 4));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mw[4 * q + e] = quad[e];
+        }
+        return;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = Tr::kMaskRowOnly ? 0 : row_a - m0 + 8 * h;
@@ -655,7 +674,9 @@ struct AttnFwdWgmmaMainloop {
 #pragma unroll
           for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) mods.terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1]);
+            for (int h = 0; h < 2; ++h)
+              mods.terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h],
+                         s[4 * i + 2 * h + 1]);
       if (full && rows_in && plain) {  // as without the mask: raw scores, or the other modifiers'
         if constexpr (!FastMods<Mods>::kMaskOnly)
 #pragma unroll

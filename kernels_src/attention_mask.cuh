@@ -95,8 +95,8 @@ __device__ __forceinline__ float score_mod(const AttnFwdParams& p, const ModStat
 // A bool mask is a visibility predicate, not a term: its key pairs are gathered as 16-bit words
 // (byte e nonzero = key 2u + e visible) and folded into the band test, so with a bool mask alone
 // the scores stay raw and the softmax scales them as without modifiers (kScoresFinal false).
-// A float mask alone keeps them raw too: its terms are gathered divided by the scale (`mscale`)
-// and added to the raw dot products, one add a score, and a tile whose terms are all 0 needs no
+// A float mask alone keeps them raw too: its terms divided by the scale (times `mscale`) are added
+// to the raw dot products, one fma a score, and a tile whose terms are all 0 needs no
 // work at all. (A term whose quotient exceeds float32, |m| > 3.4e38 * scale, becomes -inf; so did
 // the log2 form's |m| > 2.4e38, such as finfo(float32).min.)
 // A packed bool mask (kBits) is a predicate too; its words are read straight from global memory
@@ -187,28 +187,30 @@ struct FastMods {
     }
   }
 
-  // A float mask's raw pair as the terms score() adds (times mscale).
-  __device__ __forceinline__ void terms(unsigned word, float& a, float& b) const {
+  // A float mask's raw pair as fp32 terms (a, b). With the mask alone (kMaskOnly) they go onto
+  // the raw scores s0, s1 here, times mscale: one fma a score in place, before the main loop's
+  // branches on the tile (an fma in score(), inside them, cost a register move a score to merge
+  // them: SASS). Otherwise score() adds them after the other modifiers.
+  __device__ __forceinline__ void terms(unsigned word, float& a, float& b, float& s0, float& s1) const {
     if constexpr (Mods::kMask == kMaskF16) {
       const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
-      a = f.x * mscale, b = f.y * mscale;
+      a = f.x, b = f.y;
     } else if constexpr (Mods::kMask == kMaskBF16) {
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
-      a = f.x * mscale, b = f.y * mscale;
-    } else if constexpr (Mods::kMask == kMaskF32) {
-      a *= mscale, b *= mscale;
+      a = f.x, b = f.y;
     }
+    if constexpr (kMaskOnly) s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
   }
 
   // The score of a visible (row, key) from its raw dot product and a float mask's term `m`: final
-  // (log2 units), or, when !kScoresFinal, raw plus the term (the softmax scales it), or
-  // tanh(raw * pre) when kCapScale (the softmax scales that too).
+  // (log2 units), or, when !kScoresFinal, raw (a float mask's term is on it already: terms(); the
+  // softmax scales it), or tanh(raw * pre) when kCapScale (the softmax scales that too).
   __device__ __forceinline__ float score(float raw, int row, int key, float m) const {
-    if constexpr (!kScoresFinal) return kFloatMask ? raw + m : raw;
+    if constexpr (!kScoresFinal) return raw;
     if constexpr (kCapScale) return tanh_approx(raw * pre);
     float y = Mods::kSoftcap ? tanh_approx(raw * pre) * post : raw * pre;
     if constexpr (Mods::kAlibi) y -= slope * fabsf(static_cast<float>(row + diag - key));
-    if constexpr (kFloatMask) y += m;  // -inf for a -inf float mask
+    if constexpr (kFloatMask) y = fmaf(m, mscale, y);  // -inf for a -inf float mask
     return y;
   }
 };

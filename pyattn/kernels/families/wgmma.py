@@ -229,10 +229,17 @@ _SM90_TMA_SHORT = (
 # from the tile shape alone; packed to bits they run the dense rows.)
 _SM90_TMA_MASK2 = (
     WgmmaTile(64, 128, 2, 3, True, 1, "16-bit mask: 209 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
-    WgmmaTile(128, 128, 2, 2, False, 1, "16-bit mask: 225 KiB; bf16 zeros / random 4.41 / 4.94 ms against "
-                                        "4.76 / 5.30 with 64-key tiles, 4 stages, overlap", ws=True),
-    WgmmaTile(192, 64, 2, 2, False, 1, "16-bit mask: 177 KiB", ws=True),
-    WgmmaTile(256, 64, 2, 2, False, 1, "16-bit mask: 225 KiB", ws=True),
+    WgmmaTile(128, 128, 2, 2, True, 1, "16-bit mask, 225 KiB: K and V on barriers of their own, so overlap on 2 "
+                                       "stages: (1, 16k, 16) bf16 zeros / random / causal random 3.46 / 3.87 / "
+                                       "1.96 ms = 0.99 / 1.15 / 1.15x the dense time against 4.24 / 4.73 / 2.34 "
+                                       "ms without overlap (dev/probe_mask_cost.py --row, H200); persistent "
+                                       "blocks spill 88 bytes", ws=True, split_kv=True),
+    WgmmaTile(192, 64, 2, 2, True, 1, "16-bit mask, 177 KiB, overlap as d = 128: (1, 16k, 10) zeros / random / "
+                                      "causal random 3.16 / 3.68 / 1.79 ms = 0.99 / 1.14 / 1.11x against 3.60 / "
+                                      "4.03 / 1.97 ms without", ws=True, split_kv=True),
+    WgmmaTile(256, 64, 2, 2, True, 1, "16-bit mask, 225 KiB, overlap as d = 128: (1, 16k, 8) zeros / random / "
+                                      "causal random 3.22 / 3.34 / 1.65 ms = 1.00 / 1.07 / 1.12x against 3.70 / "
+                                      "4.08 / 2.10 ms without; ptxas: 20 bytes of spill", ws=True, split_kv=True),
 )
 _SM90_TMA_MASK4 = (
     WgmmaTile(64, 64, 2, 4, True, 1, "f32 mask: 209 KiB (128-key tiles: 305 KiB); from 2048 keys as dense",
