@@ -1,7 +1,7 @@
 """What the tile-row probes share (probe_d64_rows, probe_short_rows, probe_short_d128,
 probe_split_kv, probe_d128_wide): each variant's outputs against the fp64 reference, and its
-time on a prefill shape beside SDPA cuDNN; and (probe_small_pages, profile_sparq) attn_decode rows
-named on the command line. A variant is a name; ``run(name, fn)`` calls ``fn``
+time on a prefill shape beside SDPA cuDNN; (probe_small_pages, profile_sparq) attn_decode rows
+named on the command line; and (probe_serving, probe_mask_cost) a table with one bucket's row swapped. A variant is a name; ``run(name, fn)`` calls ``fn``
 with that variant's tile tables in force (``override_tiles``) and returns what it returns; the
 variant named "table" is the library as it is.
 
@@ -82,3 +82,8 @@ def decode_rows(names: str) -> dict:
         out[name] = tuple(r._replace(keys_per_warp=keys, warps=warps, stages=stages, min_blocks=blocks)
                           if r.max_head_dim == 128 else r for r in base)
     return out
+
+
+def rows_with(table, d, row) -> tuple:
+    """``table`` (a tile table's rows) with the row of head-dim bucket ``d`` replaced by ``row``."""
+    return tuple(row if r.max_head_dim == d else r for r in table)

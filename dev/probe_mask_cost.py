@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import harness  # noqa: E402
+from _rows import rows_with  # noqa: E402
 
 import pyattn  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
@@ -82,7 +83,7 @@ def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=()) -> None
                 with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
                     cols.append(("cp.async", run(opts), run(base_opts)))
             for row in rows if kind != "bool" else ():
-                tab = tuple(row if r.max_head_dim == D else r for r in tile_table("attn_fwd_tma", "sm_90a", table))
+                tab = rows_with(tile_table("attn_fwd_tma", "sm_90a", table), D, row)
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):
                     cols.append((f"{row.block_n}x{row.stages}{'+ov' if row.overlap else ''}"
                                  f"{'+split' if row.split_kv else ''}", run(opts), run(base_opts)))

@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, "scripts")
 import harness  # noqa: E402
+from _rows import rows_with  # noqa: E402
 import pyattn  # noqa: E402
 from pyattn.kernels.families import WgmmaTile, override_tiles, tile_table  # noqa: E402
 
@@ -42,10 +43,6 @@ def cache_of(bench, lens, page=16, kv=None):
         cache.append(ids, harness.to_pyattn(k, bench.stream), harness.to_pyattn(v, bench.stream), counts=counts,
                      stream=bench.stream)
     return cache, ids[:len(lens)]
-
-
-def rows_with(table, d, row):
-    return tuple(row if r.max_head_dim == d else r for r in table)
 
 
 def main() -> int:
