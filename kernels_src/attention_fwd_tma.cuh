@@ -106,6 +106,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     pipe::init(bar_q_full, 1);
     pipe::init(ml.bar_q_empty, Tr::kConsumerThreads / 32);
   }
+  ml.init_ones(sm.ones);
   ml.init_ring(bar_full);  // fences the query tile's barriers too
   __syncthreads();
   const PersistentUnits units(p, BM);

@@ -148,12 +148,17 @@ struct AttnFwdWgmmaTraits {
 template <class Tr>
 struct FwdSmem {
   unsigned q, kv, mask, bars;
+  unsigned ones;  // 256 bytes for a constant operand (Mainloop::init_ones), in the alignment slack
 
   __device__ __forceinline__ explicit FwdSmem(const unsigned char* raw) {
-    q = (wg::smem_u32(raw) + 1023u) & ~1023u;
+    const unsigned base = wg::smem_u32(raw);
+    q = (base + 1023u) & ~1023u;
     kv = q + Tr::kQBytes;
     mask = kv + Tr::kStages * Tr::kStageBytes;
     bars = mask + Tr::kStages * Tr::kMaskTileBytes;
+    // The +1024 of kSmemBytes is split between the gap before q (q - base) and the bytes after the
+    // barriers (1024 - that gap): one of the two holds 256 bytes.
+    ones = q - base >= 256 ? (base + 15u) & ~15u : (bars + Tr::kBarrierBytes + 15u) & ~15u;
   }
 };
 
@@ -344,7 +349,7 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
     const bool row_in = row < ml.sq && (!Tr::kBottomAlign || row >= 0);
     const bool empty = sum == 0.f;
     // FP8: V's per-tensor descale folds into the normalisation (the scores' is in scale_log2).
-    const float inv = empty ? 0.f : (Tr::kFp8 ? p.o_scale : 1.f) / sum;
+    const float inv = empty ? 0.f : (Tr::kFp8 ? p.o_scale : 1.f) / ml.normaliser(h, sum);
     T* orow = at.o + static_cast<long long>(row) * p.o_stride_s;
     if (wide) {
 #pragma unroll
@@ -402,6 +407,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
   if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, blockIdx.z, at)) return;  // whole block exits
 
   // -- descriptors, barriers, the main loop; the producer warpgroup's work ends there
+  ml.init_ones(sm.ones);
   if (!wgmma_block_run<Tr>(ml, sm.q, sm.bars, at.q, p.q_stride_s, [&] {
         wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sm.q, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
       }))

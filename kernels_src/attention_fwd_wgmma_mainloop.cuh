@@ -43,6 +43,22 @@ struct AttnFwdWgmmaMainloop {
   // of a naive fp8 attention, against 1.0x with the exact max (the fp8 GPU tests' bool-mask case,
   // bit for bit in a NumPy emulation of the kernel).
   static constexpr float kLazyLog2 = Tr::kFp8 ? 0.f : 8.f;
+  // A bounded soft-cap (ScoreMods' SOFTCAP 2: bf16, cap <= 51, nothing added after it) needs no
+  // row max: the scores are t = tanh(.) in [-1, 1], c = cap log2 e, and against the fixed reference
+  // cref = min(c, 124 - c) every P = exp2(t c - cref) lies in [2^-124, 2^(2c - 124)] (at most 2^24),
+  // normal in bf16 (fp32's exponent range): no row underflows and the sums stay finite (O overflows
+  // fp32 only where |v| times the keys exceeds 2^104). That drops the max's FMNMX a score, its
+  // shuffles and every O rescale. O is then normalised by sums from the tensor cores, P (as packed
+  // for P V) times a k16 x n8 block of ones, one m64n8k16 wgmma a k16 step beside P V's: against a
+  // fixed reference no P is exactly 1, and a sum of unrounded P beside P V's rounded weights puts
+  // P's rounding (2^-9) into the output in full (one query and key, cap 0.5: twice the naive error;
+  // BENCHMARKS.md, twentieth session), while the sum of the same rounded P cancels it. The LSE
+  // keeps the fp32 sum of unrounded P: from the rounded one it was off by up to 2^-9 (the GPU
+  // tests' bound is 1e-3). (An mma.sync for the rounded sum waits for the tensor core that the
+  // other warpgroups' wgmmas hold: the dense kernel ran 7-13% slower with one; BENCHMARKS.md,
+  // twenty-first session.) FP16's exponent range has no room for a fixed reference.
+  static constexpr bool FIXED_REF = FastMods<Mods>::kCapScale && Mods::kCapBounded;
+  static_assert(!FIXED_REF || (kIsBf16<T> && !PAGED), "a bounded soft-cap: bf16, the dense kernels (FwdSmem::ones)");
   // Per-warpgroup tile bounds: a warpgroup computes the key tiles up to the last its own 64 rows
   // can see, [0, wg_j1) of the block's, and only waits for and frees the rest (skip). The block's
   // band covers all its rows, so causal, on three warpgroups' 192 rows and 128-key tiles one or two
@@ -77,9 +93,12 @@ struct AttnFwdWgmmaMainloop {
   int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
   int sub_row;                     // this thread's row of 16 x 16 sub-blocks within the query tile
   float sl2;
+  float cref;                      // FIXED_REF: the softmax's fixed reference (log2 units)
+  unsigned long long ones_desc;    // FIXED_REF: the tile of ones (B of the row sums' wgmma)
   // -- running state
   float acc[O_REGS];
   float row_max[2], row_sum[2];
+  float rsum[4];                   // FIXED_REF: rounded P's row sums, an m64n8 accumulator (rows g, g + 8)
   unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP; pack_p)
   int stage, prev_stage, load_stage;
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
@@ -327,6 +346,7 @@ struct AttnFwdWgmmaMainloop {
   // except a soft-cap's alone, whose factor softcap * log2(e) the softmax applies (FastMods::kCapScale).
   __device__ __forceinline__ void set_sl2(float scale_log2) {
     sl2 = FastMods<Mods>::kCapScale ? mods.post : FastMods<Mods>::kScoresFinal ? 1.f : scale_log2;
+    if constexpr (FIXED_REF) cref = fminf(sl2, 124.f - sl2);
   }
 
   // A query tile's running state before its first key tile: O, row maxima and sums.
@@ -335,6 +355,37 @@ struct AttnFwdWgmmaMainloop {
     for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
     row_max[0] = row_max[1] = -inf();
     row_sum[0] = row_sum[1] = 0.f;
+    if constexpr (FIXED_REF) rsum[0] = rsum[1] = rsum[2] = rsum[3] = 0.f;
+  }
+
+  // FIXED_REF: fill the 256-byte tile of ones at shared address `ones` (FwdSmem::ones) and make its
+  // descriptor; before the block's barrier that precedes the first wgmma.
+  __device__ __forceinline__ void init_ones(unsigned ones) {
+    if constexpr (FIXED_REF) {
+      if (threadIdx.x < 64) {
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ones + 4 * threadIdx.x), "r"(ones2<T>()) : "memory");
+        wg::fence_proxy_async_smem();
+      }
+      ones_desc = wg::make_desc_plain(ones, 128, 128);
+    }
+  }
+
+  // Pin the wgmma accumulators (O, and FIXED_REF's row sums) at this point in program order.
+  __device__ __forceinline__ void fence_acc() {
+    wg::fence_operands(acc);
+    if constexpr (FIXED_REF) wg::fence_operands(rsum);
+  }
+
+  // FIXED_REF's reference as a row max (the LSE is row_max * sl2 + log2(sum)).
+  __device__ __forceinline__ void finish_sums() {
+    if constexpr (FIXED_REF) row_max[0] = row_max[1] = cref / sl2;
+  }
+
+  // What O's row half h is divided by, given its whole fp32 row sum `sum`: FIXED_REF's sum of the
+  // rounded P that weighed V, else `sum` itself.
+  __device__ __forceinline__ float normaliser(int h, float sum) const {
+    if constexpr (FIXED_REF) return rsum[2 * h];
+    return sum;
   }
 
   // One arrival per consumer warp on `bar`, once every lane is done with what it guards.
@@ -504,6 +555,7 @@ struct AttnFwdWgmmaMainloop {
         release(prev_stage);
       }
       for (; j < n_tiles; ++j) skip(j);
+      finish_sums();
       return;
     }
     step<false>(0);
@@ -513,16 +565,17 @@ struct AttnFwdWgmmaMainloop {
       pv_now(prev_stage);
       if constexpr (Tr::kPersist) release(prev_stage);
     }
+    finish_sums();
   }
 
   // O += P V with V in `st`'s stage, issued and waited for (nothing else in flight).
   __device__ __forceinline__ void pv_now(int st) {
-    wg::fence_operands(acc);
+    fence_acc();
     wg::fence();
     pv(st);
     wg::commit();
     wg::wait<0>();
-    wg::fence_operands(acc);
+    fence_acc();
   }
 
   // O += P V with V in `st`'s stage.
@@ -535,6 +588,9 @@ struct AttnFwdWgmmaMainloop {
       else
         wg::Mma<T, D, 1>::rs(acc, pf[kk], wg::desc_add(v_desc, kk * 2048), 1);
     }
+    if constexpr (FIXED_REF)
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) wg::Mma<T, 8, 0>::rs(rsum, pf[kk], ones_desc, 1);
   }
 
   // WG_BOUNDS: key tile j, which none of this warpgroup's rows can see. Its stage is waited for
@@ -553,6 +609,19 @@ struct AttnFwdWgmmaMainloop {
     if constexpr (Tr::kPersist)
       if (j + 1 == n_tiles) arrive_warp(bar_q_empty);
     advance();
+  }
+
+  // Row half h's scores to P = exp2(s sl2 - ref) in place; returns their sum over this thread's
+  // keys (quad-partial, reduced in the epilogue), as four interleaved chains.
+  __device__ __forceinline__ float exp_row(float (&s)[S_REGS], int h, float ref) const {
+    float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
+      s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
+      s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+    }
+    return (s4[0] + s4[1]) + (s4[2] + s4[3]);
   }
 
   // The ring moves on from the tile at `stage` (step and skip end so).
@@ -602,7 +671,7 @@ struct AttnFwdWgmmaMainloop {
     // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
     float s[S_REGS];
     if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
-    wg::fence_operands(acc);
+    fence_acc();
     wg::fence();
     const unsigned long long k_desc = wg::desc_add(k_desc0, stage * Tr::kStageBytes);
 #pragma unroll
@@ -741,6 +810,10 @@ struct AttnFwdWgmmaMainloop {
     // warpgroup's GEMMs there; BENCHMARKS.md).
     float corr[2];
     bool moved = false;
+    if constexpr (FIXED_REF) {  // P = exp2(t sl2 - cref); masked -inf -> 0
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_sum[h] += exp_row(s, h, cref);  // for the LSE
+    } else
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Four independent running maxima / sums (4 x shorter dependency chains than one).
@@ -757,24 +830,17 @@ struct AttnFwdWgmmaMainloop {
       if (move) row_max[h] = mx;
       moved = moved || move;
       const float ref = row_max[h] == -inf() ? 0.f : row_max[h] * sl2;
-      float s4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
-        s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
-        s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
-      }
-      row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));  // quad-partial; reduced in the epilogue
+      row_sum[h] = row_sum[h] * corr[h] + exp_row(s, h, ref);
     }
 
     // -- O (tiles < j, under the old reference) *= corr, once P_{j-1} V_{j-1} has landed; only
     // where a row of the warp moved its reference (a warp-uniform branch)
     if constexpr (WITH_PV) {
       wg::wait<0>();
-      wg::fence_operands(acc);
+      fence_acc();
       release(prev_stage);  // V_{j-1} read
     }
-    if (__any_sync(kFullMask, moved)) {
+    if (!FIXED_REF && __any_sync(kFullMask, moved)) {
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
         acc[4 * i] *= corr[0], acc[4 * i + 1] *= corr[0];

@@ -36,12 +36,15 @@ enum MaskKind { kMaskNone = 0, kMaskBool = 1, kMaskF16 = 2, kMaskBF16 = 3, kMask
 
 // Compile-time score modifiers. kAny: scores go through score_mod() instead of the fused
 // scale-and-exp2 path.
-template <int MASK_, bool SOFTCAP_, bool ALIBI_>
+// SOFTCAP_: 0 none, 1 a soft-cap, 2 a bounded one (bf16 inputs, cap <= 51, no ALiBi or float mask
+// after it: the wgmma forward's softmax then needs no row max; AttnFwdWgmmaMainloop::FIXED_REF).
+template <int MASK_, int SOFTCAP_, bool ALIBI_>
 struct ScoreMods {
   static constexpr int kMask = MASK_;
-  static constexpr bool kSoftcap = SOFTCAP_;
+  static constexpr bool kSoftcap = SOFTCAP_ != 0;
+  static constexpr bool kCapBounded = SOFTCAP_ == 2;
   static constexpr bool kAlibi = ALIBI_;
-  static constexpr bool kAny = MASK_ != kMaskNone || SOFTCAP_ || ALIBI_;
+  static constexpr bool kAny = MASK_ != kMaskNone || SOFTCAP_ != 0 || ALIBI_;
 };
 
 // Additive mask value at element index `idx`: 0 / -inf for bool masks (True = may attend).

@@ -10,6 +10,13 @@
 
 namespace pyattn {
 
+// Two 1.0s of T, packed as pack2 would (a tile of ones: row sums on the tensor cores).
+template <typename T> __device__ __forceinline__ constexpr unsigned ones2();
+template <> __device__ __forceinline__ constexpr unsigned ones2<__half>() { return 0x3C003C00u; }
+template <> __device__ __forceinline__ constexpr unsigned ones2<__nv_bfloat16>() { return 0x3F803F80u; }
+template <typename T> constexpr bool kIsBf16 = false;
+template <> constexpr bool kIsBf16<__nv_bfloat16> = true;
+
 // Two floats -> one register of two 16-bit values (low half = first).
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
 template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {

@@ -75,6 +75,14 @@ __device__ __forceinline__ unsigned long long make_desc_sw128(unsigned saddr, un
          (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// An unswizzled descriptor (layout type 0: 8-row x 16-byte core matrices, 128 contiguous bytes
+// each; LBO / SBO the byte distances between core matrices along K / along M or N). Used for a
+// constant operand only (a tile of ones), where any reading of the fields stays inside its bytes.
+__device__ __forceinline__ unsigned long long make_desc_plain(unsigned saddr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32);
+}
 // The same descriptor with its start address moved by `bytes` (a multiple of 16; no carry out
 // of the 14-bit field: shared addresses stay below 256 KiB).
 __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {
@@ -90,7 +98,31 @@ __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, 
 // scale_d == 0 overwrites D instead of accumulating.
 template <typename T, int N, int TRANS_B> struct Mma;
 
-// Generated for N = 64, 128, 192, 256, fp8 N = 128, 256 (instantiating another N fails to compile).
+// Generated for N = 8, 64, 128, 192, 256, fp8 N = 128, 256 (instantiating another N fails to compile).
+
+template <int TRANS_B> struct Mma<__half, 8, TRANS_B> {
+  template <int TRANS_A = 0>
+  static __device__ __forceinline__ void ss(float (&d)[4], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
+        "%0, %1, %2, %3"
+        "}, %4, %5, p, 1, 1, %8, %7;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
+  }
+  static __device__ __forceinline__ void rs(float (&d)[4], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
+        "%0, %1, %2, %3"
+        "}, {%4, %5, %6, %7}, %8, p, 1, 1, %10;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+  }
+};
 
 template <int TRANS_B> struct Mma<__half, 64, TRANS_B> {
   template <int TRANS_A = 0>
@@ -288,6 +320,30 @@ template <int TRANS_B> struct Mma<__half, 256, TRANS_B> {
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+  }
+};
+
+template <int TRANS_B> struct Mma<__nv_bfloat16, 8, TRANS_B> {
+  template <int TRANS_A = 0>
+  static __device__ __forceinline__ void ss(float (&d)[4], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, %4, %5, p, 1, 1, %8, %7;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
+  }
+  static __device__ __forceinline__ void rs(float (&d)[4], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, {%4, %5, %6, %7}, %8, p, 1, 1, %10;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
   }
 };

@@ -138,7 +138,7 @@ def test_broadcast_sequence_axis_takes_the_cp_async_kernel():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("cap", [15.0, 50.0])
+@pytest.mark.parametrize("cap", [15.0, 50.0, 51.0])
 def test_softcap_at_its_range_ends(cap, dtype):
     """Rows whose logits all lie far below / above the cap (tanh saturated: every score at -cap or
     +cap, so the row max ties across keys) next to ordinary rows, causal so that rows see 1..S keys,

@@ -81,7 +81,7 @@ def test_allow_tf32_selects_the_tf32_family_for_float32_only():
     spec = select_attention_spec("float32", 100, "sm_80", allow_tf32=True)
     assert spec == KernelSpec("attn_fwd_tf32", "f32", 128, "sm_80") and spec in standard_specs("sm_80")
     assert spec.template_id == ("pyattn::attn_fwd_tf32<pyattn::AttnFwdTf32Traits<128, 32, 4, 1>, "
-                                "pyattn::ScoreMods<0, false, false>>")
+                                "pyattn::ScoreMods<0, 0, false>>")
     assert select_attention_spec("float16", 64, "sm_90a", allow_tf32=True).family == "attn_fwd_tma"
     assert select_attention_spec("float16", 64, "sm_80", allow_tf32=True).family == "attn_fwd_mma"
     with pytest.raises(ValueError, match="^dtype: the TF32 family takes f32"):
@@ -102,16 +102,16 @@ def test_select_spot_values_and_ptx_flag():
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool")  # packed to bits, on the dense row
     assert spec == KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bits")
     assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__nv_bfloat16, 128, 128, 128, 2, 3, "
-                                "true, 0, true, true, true>, pyattn::ScoreMods<5, false, false>>")
+                                "true, 0, true, true, true>, pyattn::ScoreMods<5, 0, false>>")
     assert spec.shared_bytes == select_attention_spec("bfloat16", 72, "sm_90a").shared_bytes
     spec = select_attention_spec("bfloat16", 72, "sm_90a", mask="bool", tma=False)
     assert spec == KernelSpec("attn_fwd_wgmma", "bf16", 128, "sm_90a", mask="bool")
     spec = select_attention_spec("float16", 200, "sm_90a", mask="f32", softcap=True, alibi=True)
-    assert spec.template_id.endswith("pyattn::ScoreMods<4, true, true>, false>")
+    assert spec.template_id.endswith("pyattn::ScoreMods<4, 1, true>, false>")
     assert spec.entry_name.endswith("_maskf32_softcap_alibi")
     spec = select_attention_spec("float16", 100, "sm_90a")
     assert spec.template_id == ("pyattn::attn_fwd_tma<pyattn::AttnFwdWgmmaTraits<__half, 128, 128, 128, 2, 3, "
-                                "true, 0, true, true, true>, pyattn::ScoreMods<0, false, false>>")
+                                "true, 0, true, true, true>, pyattn::ScoreMods<0, 0, false>>")
     # 2 consumer + 1 producer warpgroups, persistent ("p")
     assert spec.tiles.warps == 12 and spec.entry_name.endswith("_m128n128w12p")
     # + the stages' mbarriers and the query tile's two
@@ -562,9 +562,9 @@ def test_template_id_encodes_the_spec():
     spec = KernelSpec("attn_fwd_simt", "bf16", 160, "sm_80")
     t = spec.tiles
     assert spec.template_id == (f"pyattn::attn_fwd_simt<pyattn::AttnFwdSimtTraits<__nv_bfloat16, 160, "
-                                f"{t.block_m}, {t.block_n}, {t.warps}>, pyattn::ScoreMods<0, false, false>>")
+                                f"{t.block_m}, {t.block_n}, {t.warps}>, pyattn::ScoreMods<0, 0, false>>")
     mods = KernelSpec("attn_fwd_simt", "f32", 32, "sm_80", mask="bf16", softcap=True, alibi=True)
-    assert mods.template_id.endswith(", pyattn::ScoreMods<3, true, true>>")
+    assert mods.template_id.endswith(", pyattn::ScoreMods<3, 1, true>>")
     assert mods.entry_name.endswith("_maskbf16_softcap_alibi")
     assert "float, 32," in KernelSpec("attn_fwd_simt", "f32", 32, "sm_80").template_id
     assert "__half, 64," in KernelSpec("attn_fwd_simt", "f16", 64, "sm_80").template_id
@@ -578,7 +578,7 @@ def test_mma_template_id_encodes_the_spec(arch):
             t = spec.tiles
             # AttnFwdMmaTraits<T, HEAD_DIM, BLOCK_N, WARPS, M_TILES>: BLOCK_M is derived, not passed
             assert spec.template_id == (f"pyattn::attn_fwd_mma<pyattn::AttnFwdMmaTraits<{ctype}, {d}, "
-                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>, pyattn::ScoreMods<0, false, false>, false>")
+                                        f"{t.block_n}, {t.warps}, {t.m_tiles}>, pyattn::ScoreMods<0, 0, false>, false>")
             assert spec.entry_name == f"pyattn_attn_fwd_mma_{dtype}_d{d}_m{t.block_m}n{t.block_n}w{t.warps}"
 
 
@@ -721,7 +721,7 @@ def test_key_padding_float_masks_take_one_row_a_stage():
             assert spec.mask == f"{kind}_row" and spec.tiles == dense.tiles
             assert spec.shared_bytes == dense.shared_bytes + r.stages * r.block_n * size <= 227 * 1024
             assert spec.template_id.endswith(f"{'true' if r.persistent else 'false'}, true>, "
-                                             f"pyattn::ScoreMods<{MASK_KINDS[kind]}, false, false>>")
+                                             f"pyattn::ScoreMods<{MASK_KINDS[kind]}, 0, false>>")
             assert select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind).mask == kind
     assert select_attention_spec("bfloat16", 128, "sm_80", mask="f32", mask_rows=True).mask == "f32"
     short = select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100)
@@ -841,3 +841,33 @@ def test_persistent_slots_weigh_rounding_against_block_starts():
     # an odd count of row blocks (127): two (batch, head)s a group of 127 units, a lone last one 64
     assert persistent_slots(P(16256, 3, 1, True), tiles, 132) == 127 + 64
     assert persistent_slots(P(0, 3, 1, True), tiles, 132) == 132
+
+
+def test_bounded_softcap_is_chosen_by_value_dtype_and_modifiers():
+    """KernelSpec.softcap 2 (the wgmma kernels' softmax without a row max) exactly for bf16 calls on
+    sm_90a with 0 < cap <= SOFTCAP_BOUNDED_MAX and nothing added after the cap (a bool mask is a
+    predicate and may come along); any other soft-cap keeps 1, none 0."""
+    from pyattn.kernels.specs import SOFTCAP_BOUNDED_MAX
+
+    def kind(dtype="bfloat16", arch="sm_90a", **kw):
+        return select_attention_spec(dtype, 128, arch, **kw).softcap
+
+    assert kind(softcap=0.0) == 0 and kind() == 0
+    assert kind(softcap=0.5) == kind(softcap=SOFTCAP_BOUNDED_MAX) == kind(softcap=50.0, mask="bool") == 2
+    assert select_attention_spec("bfloat16", 64, "sm_90a", softcap=30.0, keys=512).softcap == 1  # the short row
+    assert select_attention_spec("bfloat16", 128, "sm_90a", softcap=30.0, tma=False).softcap == 2  # attn_fwd_wgmma
+    assert kind(softcap=SOFTCAP_BOUNDED_MAX + 0.01) == 1
+    for kw in (dict(dtype="float16"), dict(alibi=True), dict(mask="bf16"), dict(mask="f32"), dict(arch="sm_89"),
+               dict(tma=False, mask="bf16")):
+        assert kind(**{"softcap": 30.0, **kw}) == 1, kw
+    spec = select_attention_spec("bfloat16", 128, "sm_90a", softcap=30.0)
+    assert spec.template_id.endswith(", pyattn::ScoreMods<0, 2, false>>") and spec.entry_name.endswith("_softcapb")
+    assert KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", softcap=True).softcap == 1  # a bool is 0 / 1
+    for bad in (dict(dtype="f16"), dict(alibi=True), dict(mask="bf16"), dict(family="attn_fwd_mma", arch="sm_80"),
+                dict(family="attn_decode", q_tiles=1), dict(family="attn_prefill_wgmma"),
+                dict(head_dim=64, q_tiles=1)):
+        args = {"family": "attn_fwd_tma", "dtype": "bf16", "head_dim": 128, "arch": "sm_90a", "softcap": 2, **bad}
+        with pytest.raises(ValueError, match="bounded soft-cap"):
+            KernelSpec(**args)
+    with pytest.raises(ValueError, match="softcap: expected 0"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", softcap=3)

@@ -18,7 +18,8 @@ def test_checked_in_header_is_current():
 
 
 def test_header_holds_exactly_the_shapes_in_use():
-    assert wgmma_shapes() == (64, 128, 192, 256)  # the tables' block_n (64, 128) and head dims 64..256
+    # the tables' block_n (64, 128), head dims 64..256, and 8 (a bounded soft-cap's row sums: P times ones)
+    assert wgmma_shapes() == (8, 64, 128, 192, 256)
     text = (kernel_source_dir() / "wgmma.cuh").read_text()
     for ctype in ("__half", "__nv_bfloat16"):
         assert [int(n) for n in re.findall(rf"struct Mma<{ctype}, (\d+), TRANS_B>", text)] == list(wgmma_shapes())
@@ -36,7 +37,7 @@ def test_header_holds_exactly_the_shapes_in_use():
 def test_shapes_follow_the_tables():
     tables = dict(FAMILIES["attn_fwd_wgmma"].tables)
     tables["extra"] = {"sm_90a": (WgmmaTile(256, 96, 1, 2, False, 1, "test"),)}
-    assert wgmma_shapes(tables) == (64, 96, 128, 192, 256)
+    assert wgmma_shapes(tables) == (8, 64, 96, 128, 192, 256)
     assert "struct Mma<__half, 96, TRANS_B>" in wgmma_header(wgmma_shapes(tables))
 
 

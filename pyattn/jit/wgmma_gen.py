@@ -97,6 +97,14 @@ __device__ __forceinline__ unsigned long long make_desc_sw128(unsigned saddr, un
          (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// An unswizzled descriptor (layout type 0: 8-row x 16-byte core matrices, 128 contiguous bytes
+// each; LBO / SBO the byte distances between core matrices along K / along M or N). Used for a
+// constant operand only (a tile of ones), where any reading of the fields stays inside its bytes.
+__device__ __forceinline__ unsigned long long make_desc_plain(unsigned saddr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32);
+}
 // The same descriptor with its start address moved by `bytes` (a multiple of 16; no carry out
 // of the 14-bit field: shared addresses stay below 256 KiB).
 __device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, unsigned bytes) {

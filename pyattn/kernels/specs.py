@@ -19,9 +19,14 @@ from .families.base import (DTYPES, FP8_DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK
 __all__ = ["KernelSpec", "TileConfig", "DTYPES", "HEAD_DIM_BUCKETS", "KV_HEAD_DIM_BUCKETS", "MAX_HEAD_DIM",
            "MASK_KINDS", "KV_KINDS", "FAMILIES", "WGMMA_ARCHS", "select_attention_spec", "standard_specs",
            "warmup_specs", "decode_specs", "decode_max_q_tiles", "tile_config", "select_backward_specs",
-           "row_pass_rows_per_warp", "backward_specs", "fp8_specs"]
+           "row_pass_rows_per_warp", "backward_specs", "fp8_specs", "softcap_kind", "SOFTCAP_BOUNDED_MAX"]
 
 FAMILIES = tuple(_REGISTRY)  # the family names; the records are pyattn.kernels.families.FAMILIES
+
+# The largest soft-cap of the bounded form (softcap_kind): with c = cap * log2(e), P against the fixed
+# reference min(c, 124 - c) spans [2^-124, 2^(2c - 124)]; 51 keeps the top at 2^23.2 (Gemma 2's 50 and
+# Grok's 30 fit).
+SOFTCAP_BOUNDED_MAX = 51.0
 
 
 def decode_max_q_tiles(arch: str, head_dim: int, kv: str = "") -> int:
@@ -53,8 +58,11 @@ class KernelSpec:
         Emit PTX for ``compute_XX`` instead of a cubin (the opt-in fallback; see ``pyattn.jit.nvrtc``).
     mask : str
         Attention only: element type of the mask tensor, one of :data:`MASK_KINDS` (``"none"``).
-    softcap, alibi : bool
-        Attention and decode: compile in the soft-cap / ALiBi score modifiers.
+    softcap : int
+        Attention and decode: 0 without a soft-cap, 1 with one (a bool is taken as 0 / 1), 2 a
+        bounded one (:func:`softcap_kind`: the wgmma kernels' softmax without a row max).
+    alibi : bool
+        Attention and decode: compile in the ALiBi score modifier.
     q_tiles : int
         Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
         attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), else 0.
@@ -76,8 +84,9 @@ class KernelSpec:
     FIELDS = _FIELDS
 
     def __init__(self, family: str, dtype: str, head_dim: int, arch: str, ptx: bool = False, mask: str = "none",
-                 softcap: bool = False, alibi: bool = False, q_tiles: int = 0, sparse: int = 0, kv: str = "",
+                 softcap: int = 0, alibi: bool = False, q_tiles: int = 0, sparse: int = 0, kv: str = "",
                  key_channel: bool = False):
+        softcap = int(softcap) if isinstance(softcap, bool) else softcap
         key = (family, dtype, head_dim, arch, ptx, mask, softcap, alibi, q_tiles, sparse, kv, key_channel)
         for name, value in zip(_FIELDS, key):
             object.__setattr__(self, name, value)
@@ -201,7 +210,8 @@ class KernelSpec:
 
     def describe(self) -> str:
         mods = "".join(f", {m}" for m, on in ((f"mask={self.mask}", self.mask != "none"),
-                                               ("softcap", self.softcap), ("alibi", self.alibi),
+                                               ("softcap" + ("<=51" if self.softcap == 2 else ""), self.softcap),
+                                               ("alibi", self.alibi),
                                                (f"q_tiles={self.q_tiles}", self.q_tiles),
                                                (f"sparse={self.sparse}", self.sparse),
                                                (f"kv={self.kv}", self.kv),
@@ -219,8 +229,26 @@ def _tag_and_bucket(dtype_name: str, head_dim: int) -> tuple:
     return DTYPES[dtype_name][0], bucket
 
 
+def softcap_kind(softcap: float, tag: str, family: str, mask: str = "none", alibi: bool = False,
+                 q_tiles: int = 0) -> int:
+    """``KernelSpec.softcap`` for a call's soft-cap value ``softcap`` (0 or False: none) on ``family``.
+
+    2, the bounded form, where the family takes it (``"softcap_bounded"`` in its record's mods), the
+    inputs are bf16, ``0 < softcap <=`` :data:`SOFTCAP_BOUNDED_MAX` and nothing is added to the capped
+    score (no ALiBi, no float mask): every score is then within ``softcap`` of 0 and the softmax runs
+    against a fixed reference instead of a row max (``attention_fwd_wgmma_mainloop.cuh``,
+    FIXED_REF). Not on attn_fwd_tma's short row (``q_tiles`` 1): its three warpgroups spilled 244
+    bytes with it (NVRTC 13.0). Otherwise 1 with a soft-cap, 0 without.
+    """
+    if not softcap:
+        return 0
+    bounded = (softcap <= SOFTCAP_BOUNDED_MAX and tag == "bf16" and not alibi and mask in ("none", "bool", "bits")
+               and not q_tiles and "softcap_bounded" in get_family(family).mods)
+    return 2 if bounded else 1
+
+
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
-                          softcap: bool = False, alibi: bool = False, allow_tf32: bool = False,
+                          softcap: float = 0.0, alibi: bool = False, allow_tf32: bool = False,
                           sparse: int = 0, tma: bool = True, keys: int = 1 << 20,
                           mask_rows: bool = False, causal: bool = False) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
@@ -235,8 +263,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     ptx : bool
     mask : str
         Mask tensor element type (:data:`MASK_KINDS`), ``"none"`` without a mask tensor.
-    softcap, alibi : bool
-        Whether the call uses a soft-cap / ALiBi slopes.
+    softcap : float
+        The call's soft-cap, 0 (or False) without one; True counts as a cap of 1 (:func:`softcap_kind`).
+    alibi : bool
+        Whether the call uses ALiBi slopes.
     allow_tf32 : bool
         float32 inputs may run on TF32 tensor cores (10-bit mantissa products) instead of exact FMA.
     sparse : int
@@ -286,7 +316,9 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         q_tiles = int(short)
     else:
         family = "attn_fwd_mma"
-    return KernelSpec(family, tag, bucket, arch, ptx, mask, bool(softcap), bool(alibi), q_tiles=q_tiles, sparse=sparse)
+    return KernelSpec(family, tag, bucket, arch, ptx, mask,
+                      softcap_kind(softcap, tag, family, mask, bool(alibi), q_tiles), bool(alibi), q_tiles=q_tiles,
+                      sparse=sparse)
 
 
 def _fp8_spec(dtype_name: str, head_dim: int, arch: str, *, ptx, mask, softcap, alibi, sparse, tma) -> KernelSpec:

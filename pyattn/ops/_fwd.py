@@ -132,7 +132,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     maps = _tma_layouts(P) if tma else None
     mask_map_layout = mask_layout(P)
     spec = select_attention_spec(P.dtype, P.head_dim, device.arch, ptx=ptx_requested(),
-                                 mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap > 0,
+                                 mask=P.mask.kind if P.mask is not None else "none", softcap=P.softcap,
                                  alibi=P.alibi is not None, allow_tf32=P.allow_tf32, sparse=sparse,
                                  tma=maps is not None and (P.mask is None or P.mask.kind == "bool"
                                                            or mask_map_layout is not None),

@@ -135,6 +135,13 @@ def check_spec(spec) -> None:
         takers = " / ".join(f.name for f in FAMILIES.values() if "tma_masks" in f.mods)
         raise ValueError(f"mask: {spec.mask} masks (bool packed to bits, float rows broadcast over queries) are "
                          f"read by {takers} only, got {spec.family}")
+    if spec.softcap not in (0, 1, 2):
+        raise ValueError(f"softcap: expected 0 (none), 1 or 2 (bounded), got {spec.softcap!r}")
+    if spec.softcap == 2 and ("softcap_bounded" not in record.mods or spec.dtype != "bf16" or spec.alibi
+                              or spec.mask not in ("none", "bool", "bits")):
+        takers = " / ".join(f.name for f in FAMILIES.values() if "softcap_bounded" in f.mods)
+        raise ValueError(f"softcap: the bounded soft-cap (2) is read by {takers} on bf16 without ALiBi or a float "
+                         f"mask, got {spec}")
     bad_mods = ((spec.mask != "none" and "mask" not in record.mods) or (spec.softcap and "softcap" not in record.mods)
                 or (spec.alibi and "alibi" not in record.mods))
     bad_dtype = spec.dtype not in record.dtypes

@@ -190,7 +190,7 @@ def bwd_wgmma_shapes() -> set:
 
 
 def _mods(spec) -> str:
-    return f"pyattn::BwdMods<{str(spec.softcap).lower()}, {str(spec.alibi).lower()}>"
+    return f"pyattn::BwdMods<{str(bool(spec.softcap)).lower()}, {str(spec.alibi).lower()}>"
 
 
 def _simt_traits(spec, t) -> str:

@@ -124,7 +124,7 @@ def table_tiles(spec, t: TileConfig) -> TileConfig:
 
 def score_mods(spec) -> str:
     """The ``pyattn::ScoreMods<mask kind, softcap, alibi>`` argument of the attention kernels."""
-    return f"pyattn::ScoreMods<{MASK_KINDS[spec.mask]}, {str(spec.softcap).lower()}, {str(spec.alibi).lower()}>"
+    return f"pyattn::ScoreMods<{MASK_KINDS[spec.mask]}, {spec.softcap}, {str(spec.alibi).lower()}>"
 
 
 def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
@@ -133,7 +133,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     ``stages``: name the ring depth too (decode, whose tables differ in it at equal tiles), and
     a producer warp's bulk copies (``tma``).
     """
-    mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("_softcap" if spec.softcap else "") \
+    mods = (f"_mask{spec.mask}" if spec.mask != "none" else "") + ("", "_softcap", "_softcapb")[spec.softcap] \
         + ("_alibi" if spec.alibi else "")
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
     mods += "_kch" if spec.key_channel else ""
@@ -167,9 +167,10 @@ class Family:
     dtypes : tuple of str
         The dtype tags it takes.
     mods : tuple of str
-        Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``, and
+        Score modifiers it compiles in: some of ``"mask"``, ``"softcap"``, ``"alibi"``,
         ``"tma_masks"`` when it also reads the :data:`TMA_MASK_KINDS` (bool masks packed by the
-        ``mask_bits`` kernel, float masks broadcast over the query rows as one row a stage).
+        ``mask_bits`` kernel, float masks broadcast over the query rows as one row a stage), and
+        ``"softcap_bounded"`` when it takes ``KernelSpec.softcap`` 2 (``specs.softcap_kind``).
     alignment : Alignment
         What its loads and stores need of the caller's arrays.
     traits : callable, optional

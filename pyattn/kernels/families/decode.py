@@ -198,7 +198,7 @@ def _check(spec) -> None:
 ATTN_DECODE = Family(
     name="attn_decode", label="attn_decode", header="attention_decode.cuh", params=DECODE_PARAMS,
     tables={"dense": _by_smem(_227K, _163K, _99K), "kv8": _by_smem(_Q8_227K, _Q8_163K, _Q8_99K)},
-    template_id=lambda spec, t: (f"pyattn::attn_decode<{_traits(spec, t)}, {str(spec.softcap).lower()}, "
+    template_id=lambda spec, t: (f"pyattn::attn_decode<{_traits(spec, t)}, {str(bool(spec.softcap)).lower()}, "
                                  f"{str(spec.alibi).lower()}>"),
     dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT, traits=_traits,
     smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,

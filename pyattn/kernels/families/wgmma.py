@@ -161,8 +161,8 @@ ATTN_FWD_WGMMA = Family(
                for n, rows in ((1, _SM90_MASK1), (2, _SM90_MASK2), (4, _SM90_MASK4))}},
     template_id=lambda spec, t: (f"pyattn::attn_fwd_wgmma<{_traits(spec, t)}, {score_mods(spec)}, "
                                  f"{str(bool(spec.sparse)).lower()}>"),
-    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi"), alignment=TENSOR_CORE_ALIGNMENT, traits=_traits,
-    smem_bytes=_smem_bytes,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "softcap_bounded"), alignment=TENSOR_CORE_ALIGNMENT,
+    traits=_traits, smem_bytes=_smem_bytes,
     table_for=_table, takes=_TAKES, check=_check, sparse=True,
 )
 
@@ -255,6 +255,9 @@ def _check_tma(spec) -> None:
         raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
     if spec.q_tiles not in (0, 1):
         raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row) or 1 (the short row), got {spec}")
+    if spec.q_tiles and spec.softcap == 2:
+        raise ValueError(f"softcap: the bounded soft-cap (2) is not compiled on attn_fwd_tma's short row (it spills "
+                         f"there; specs.softcap_kind), got {spec}")
     if spec.q_tiles and not tma_serves_short(spec.arch, spec.head_dim, keys=0, mask=spec.mask):
         raise ValueError(f"q_tiles: attn_fwd_tma has no short row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
@@ -291,7 +294,8 @@ ATTN_FWD_TMA = Family(
             **{f"mask{n}": {arch: rows for arch in WGMMA_ARCHS}
                for n, rows in ((2, _SM90_TMA_MASK2), (4, _SM90_TMA_MASK4))}},
     template_id=lambda spec, t: f"pyattn::attn_fwd_tma<{_traits(spec, t)}, {score_mods(spec)}>",
-    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "tma_masks"), alignment=TENSOR_CORE_ALIGNMENT,
+    dtypes=("f16", "bf16"), mods=("mask", "softcap", "alibi", "tma_masks", "softcap_bounded"),
+    alignment=TENSOR_CORE_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_table, spec_tiles=_tma_spec_tiles, takes=_TAKES,
     check=_check_tma, q_tiles=True,
 )
@@ -362,8 +366,9 @@ def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
 def wgmma_shapes(tables=None) -> tuple:
     """The N of every ``m64nNk16`` instruction the wgmma kernel instantiates, ascending.
 
-    Q K^T runs at N = block_n, P V at N = head_dim (each bucket the family takes); the wgmma
-    backward's shapes (``backward.bwd_wgmma_shapes``) are added.
+    Q K^T runs at N = block_n, P V at N = head_dim (each bucket the family takes), a bounded
+    soft-cap's row sums at N = 8 (P times ones); the wgmma backward's shapes
+    (``backward.bwd_wgmma_shapes``) are added.
 
     Parameters
     ----------
@@ -374,7 +379,7 @@ def wgmma_shapes(tables=None) -> tuple:
 
     tables = ATTN_FWD_WGMMA.tables if tables is None else tables
     block_ns = {row.block_n for by_arch in tables.values() for rows in by_arch.values() for row in rows}
-    return tuple(sorted(block_ns | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0} | bwd_wgmma_shapes()))
+    return tuple(sorted(block_ns | {8} | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0} | bwd_wgmma_shapes()))
 
 
 def wgmma_fp8_shapes(tables=None) -> tuple:
