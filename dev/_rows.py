@@ -1,9 +1,10 @@
 """What the tile-row probes share (probe_d64_rows, probe_short_rows, probe_short_d128,
 probe_split_kv, probe_d128_wide): each variant's outputs against the fp64 reference, and its
 time on a prefill shape beside SDPA cuDNN; (probe_small_pages, profile_sparq) attn_decode rows
-named on the command line; and (probe_serving, probe_mask_cost) a table with one bucket's row swapped. A variant is a name; ``run(name, fn)`` calls ``fn``
-with that variant's tile tables in force (``override_tiles``) and returns what it returns; the
-variant named "table" is the library as it is.
+named on the command line; and (probe_serving, probe_mask_cost) a table with one bucket's row
+swapped. A variant is a name; ``run(name, fn)`` calls ``fn`` with that variant's tile tables in
+force (``override_tiles``) and returns what it returns; the variant named "table" is the library
+as it is.
 
 Imported by those scripts from their own directory (``python dev/<probe>.py`` puts dev/ on the path).
 """

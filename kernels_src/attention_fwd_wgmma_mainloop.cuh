@@ -377,7 +377,7 @@ struct AttnFwdWgmmaMainloop {
   }
 
   // FIXED_REF's reference as a row max (the LSE is row_max * sl2 + log2(sum)).
-  __device__ __forceinline__ void finish_sums() {
+  __device__ __forceinline__ void finish_max() {
     if constexpr (FIXED_REF) row_max[0] = row_max[1] = cref / sl2;
   }
 
@@ -555,7 +555,7 @@ struct AttnFwdWgmmaMainloop {
         release(prev_stage);
       }
       for (; j < n_tiles; ++j) skip(j);
-      finish_sums();
+      finish_max();
       return;
     }
     step<false>(0);
@@ -565,7 +565,7 @@ struct AttnFwdWgmmaMainloop {
       pv_now(prev_stage);
       if constexpr (Tr::kPersist) release(prev_stage);
     }
-    finish_sums();
+    finish_max();
   }
 
   // O += P V with V in `st`'s stage, issued and waited for (nothing else in flight).

@@ -10,9 +10,9 @@
 
 namespace pyattn {
 
-// Two 1.0s of T, packed as pack2 would (a tile of ones: row sums on the tensor cores).
+// Two 1.0s of T, packed as pack2 would (a tile of ones: row sums on the tensor cores; bf16 only
+// so far, the bounded soft-cap's).
 template <typename T> __device__ __forceinline__ constexpr unsigned ones2();
-template <> __device__ __forceinline__ constexpr unsigned ones2<__half>() { return 0x3C003C00u; }
 template <> __device__ __forceinline__ constexpr unsigned ones2<__nv_bfloat16>() { return 0x3F803F80u; }
 template <typename T> constexpr bool kIsBf16 = false;
 template <> constexpr bool kIsBf16<__nv_bfloat16> = true;

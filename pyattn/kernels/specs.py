@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from .families import FAMILIES as _REGISTRY
-from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, tile_config
+from .families import KV_HEAD_DIM_BUCKETS, WGMMA_ARCHS, check_spec, get_family, takes_bounded_softcap, tile_config
 from .families.backward import row_pass_rows_per_warp
 from .families.base import (DTYPES, FP8_DTYPES, HEAD_DIM_BUCKETS, KV_KINDS, MASK_KINDS, MAX_HEAD_DIM,
                             WGMMA_BWD_MAX_HEAD_DIM, TileConfig)
@@ -233,17 +233,14 @@ def softcap_kind(softcap: float, tag: str, family: str, mask: str = "none", alib
                  q_tiles: int = 0) -> int:
     """``KernelSpec.softcap`` for a call's soft-cap value ``softcap`` (0 or False: none) on ``family``.
 
-    2, the bounded form, where the family takes it (``"softcap_bounded"`` in its record's mods), the
-    inputs are bf16, ``0 < softcap <=`` :data:`SOFTCAP_BOUNDED_MAX` and nothing is added to the capped
-    score (no ALiBi, no float mask): every score is then within ``softcap`` of 0 and the softmax runs
-    against a fixed reference instead of a row max (``attention_fwd_wgmma_mainloop.cuh``,
-    FIXED_REF). Not on attn_fwd_tma's short row (``q_tiles`` 1): its three warpgroups spilled 244
-    bytes with it (NVRTC 13.0). Otherwise 1 with a soft-cap, 0 without.
+    2, the bounded form, where ``0 < softcap <=`` :data:`SOFTCAP_BOUNDED_MAX` and the spec fields take
+    it (``families.takes_bounded_softcap``: bf16, nothing added to the capped score, ...): every
+    score is then within ``softcap`` of 0 and the softmax runs against a fixed reference instead of a
+    row max (``attention_fwd_wgmma_mainloop.cuh``, FIXED_REF). Otherwise 1 with a soft-cap, 0 without.
     """
     if not softcap:
         return 0
-    bounded = (softcap <= SOFTCAP_BOUNDED_MAX and tag == "bf16" and not alibi and mask in ("none", "bool", "bits")
-               and not q_tiles and "softcap_bounded" in get_family(family).mods)
+    bounded = softcap <= SOFTCAP_BOUNDED_MAX and takes_bounded_softcap(family, tag, mask, alibi, q_tiles)
     return 2 if bounded else 1
 
 

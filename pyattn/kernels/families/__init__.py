@@ -22,7 +22,8 @@ from .base import (CTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KV_KINDS, MASK
 
 __all__ = ["FAMILIES", "Family", "TileConfig", "MmaTile", "WgmmaTile", "DecodeTile", "BwdTile", "BwdWgmmaTile",
            "KV_HEAD_DIM_BUCKETS",
-           "WGMMA_ARCHS", "get_family", "check_spec", "tile_config", "tile_table", "override_tiles",
+           "WGMMA_ARCHS", "get_family", "check_spec", "takes_bounded_softcap", "tile_config", "tile_table",
+           "override_tiles",
            "decode_row", "wgmma_shapes", "wgmma_fp8_shapes"]
 
 # family name -> (module beside this one, record name in it). A record's module is imported when
@@ -112,6 +113,17 @@ def _able(flag: str) -> str:
     return " / ".join(f.name for f in FAMILIES.values() if getattr(f, flag))
 
 
+def takes_bounded_softcap(family: str, dtype: str, mask: str = "none", alibi: bool = False,
+                          q_tiles: int = 0) -> bool:
+    """Whether ``KernelSpec.softcap`` 2 (a bounded soft-cap: the wgmma forward's softmax against a
+    fixed reference) compiles for these spec fields: a family with ``"softcap_bounded"`` in its mods,
+    bf16, nothing added to the capped score (no ALiBi, no float mask; a bool mask is a predicate),
+    and not attn_fwd_tma's short row (``q_tiles`` 1: its three warpgroups spilled 244 bytes with it,
+    NVRTC 13.0). ``specs.softcap_kind`` selects by it and :func:`check_spec` checks by it."""
+    return ("softcap_bounded" in get_family(family).mods and dtype == "bf16" and not alibi
+            and mask in ("none", "bool", "bits") and not q_tiles)
+
+
 def check_spec(spec) -> None:
     """Raise ``ValueError`` (naming the field) unless ``spec``'s family can compile it.
 
@@ -137,11 +149,10 @@ def check_spec(spec) -> None:
                          f"read by {takers} only, got {spec.family}")
     if spec.softcap not in (0, 1, 2):
         raise ValueError(f"softcap: expected 0 (none), 1 or 2 (bounded), got {spec.softcap!r}")
-    if spec.softcap == 2 and ("softcap_bounded" not in record.mods or spec.dtype != "bf16" or spec.alibi
-                              or spec.mask not in ("none", "bool", "bits")):
+    if spec.softcap == 2 and not takes_bounded_softcap(spec.family, spec.dtype, spec.mask, spec.alibi, spec.q_tiles):
         takers = " / ".join(f.name for f in FAMILIES.values() if "softcap_bounded" in f.mods)
-        raise ValueError(f"softcap: the bounded soft-cap (2) is read by {takers} on bf16 without ALiBi or a float "
-                         f"mask, got {spec}")
+        raise ValueError(f"softcap: the bounded soft-cap (2) is read by {takers} on bf16 without ALiBi, a float "
+                         f"mask or the short row (q_tiles), got {spec}")
     bad_mods = ((spec.mask != "none" and "mask" not in record.mods) or (spec.softcap and "softcap" not in record.mods)
                 or (spec.alibi and "alibi" not in record.mods))
     bad_dtype = spec.dtype not in record.dtypes

@@ -255,9 +255,6 @@ def _check_tma(spec) -> None:
         raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
     if spec.q_tiles not in (0, 1):
         raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row) or 1 (the short row), got {spec}")
-    if spec.q_tiles and spec.softcap == 2:
-        raise ValueError(f"softcap: the bounded soft-cap (2) is not compiled on attn_fwd_tma's short row (it spills "
-                         f"there; specs.softcap_kind), got {spec}")
     if spec.q_tiles and not tma_serves_short(spec.arch, spec.head_dim, keys=0, mask=spec.mask):
         raise ValueError(f"q_tiles: attn_fwd_tma has no short row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
