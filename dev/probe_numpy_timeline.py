@@ -1,12 +1,14 @@
 """Dev probe: the timeline of one NumPy ``attention`` call, (1, 4096, 16, 128) fp16 (issue 11).
 
-Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal] [--pinned]
+Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal] [--pinned] [--ab ROUNDS]
 
 Prints, in ms from the call's start: each staging piece's host copy (thread, start, end, GB/s)
 and its H2D issue, the calling thread's own H2D copies (pinned pieces); each chunk's launch (host time, and GPU start/end of its kernel and its result
 copy from timing events); the call's end. Then the bounds of the same run: pinned H2D of 48 MiB and
 D2H of 16 MiB alone and together (full duplex), and 48 MiB staged by the workers with and without
-a DMA reading host memory at the same time; and a cProfile of the calling thread.
+a DMA reading host memory at the same time; and a cProfile of the calling thread. ``--ab N``
+first times the upload's two orderings (``host._SIGNALS``: flags the workers set, or each worker
+queueing its own copy) and piece sizes against each other, N alternating rounds, and the floor.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--pinned", action="store_true", help="q, k, v in pinned_empty arrays (sent in place)")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="time the upload variants first")
     a = ap.parse_args()
     dev = pyattn.get_device()
     dev.activate()
@@ -49,10 +52,13 @@ def main():
             d[...] = x
         q, k, v = pinned
     call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
-    print(f"uninstrumented call: median {med(call, 9):.3f} ms")
+    if a.ab:
+        ab(call, a.ab)
+    print(f"uninstrumented call (signals {H._SIGNALS}, pieces {H._PIECE_BYTES >> 20} MiB): median "
+          f"{med(call, 9):.3f} ms")
 
     pieces, launches, h2ds = [], [], []
-    orig_send, orig_launch, orig_h2d = H._send, C._Call._launch, H.h2d
+    orig_send, orig_stage, orig_launch, orig_h2d = H._send, H._stage, C._Call._launch, H.h2d
 
     def send(device, dst, src, stage_ptr, dev_ptr, n, s):
         device.activate()
@@ -61,6 +67,13 @@ def main():
         t1 = T()
         orig_h2d(dev_ptr, stage_ptr, n, s)
         pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
+
+    def stage(dst, src, flags, i):  # the flag path: "h2d issued" reads as the flag's time
+        t0 = T()
+        H._copy(dst, src)
+        t1 = T()
+        orig_stage(dst[:0], src[:0], flags, i)
+        pieces.append((threading.get_ident() % 1000, t0, t1, T(), dst.nbytes))
 
     def h2d(dev_ptr, src_ptr, n, s):  # the calling thread's own H2D copies (pinned pieces, small uploads)
         t = T()
@@ -74,7 +87,7 @@ def main():
         orig_launch(self, i, devs, shared, width)
         launches.append((i, t, T(), e0, st.record(timing=True)))
 
-    H._send, C._Call._launch, H.h2d = send, launch, h2d
+    H._send, H._stage, C._Call._launch, H.h2d = send, stage, launch, h2d
     call()
     pieces.clear(), launches.clear(), h2ds.clear()
     s0 = pyattn.Stream()
@@ -82,7 +95,7 @@ def main():
     t0 = T()
     call()
     t_end = T()
-    H._send, C._Call._launch, H.h2d = orig_send, orig_launch, orig_h2d
+    H._send, H._stage, C._Call._launch, H.h2d = orig_send, orig_stage, orig_launch, orig_h2d
     ms = lambda t: (t - t0) * 1e3  # noqa: E731
     print(f"instrumented call: {ms(t_end):.3f} ms; {len(pieces)} staged pieces, {len(h2ds)} H2D copies by the "
           f"calling thread, {len(launches)} chunks")
@@ -185,6 +198,39 @@ def main():
         return dt
     stage_under_dma()
     print(f"staging 48 MiB under a DMA: {np.median([stage_under_dma() for _ in range(5)]) * 1e3:.3f} ms")
+
+
+def ab(call, rounds):
+    """The upload variants in alternating rounds (median of 5 calls each), against the floor."""
+    from pyattn.runtime.pinned import PinnedBuffer as PB
+
+    from cuda.bindings import driver as drv
+    n_in, n_out = 48 << 20, 16 << 20
+    pin_in, pin_out = PB(n_in), PB(n_out)
+    d_in, d_out = pyattn.empty((n_in,), np.uint8), pyattn.empty((n_out,), np.uint8)
+    st = pyattn.Stream()
+
+    def floor():
+        drv.cuMemcpyHtoDAsync(d_in.ptr, pin_in.ptr, n_in, st.handle)
+        drv.cuMemcpyDtoHAsync(pin_out.ptr, d_out.ptr, n_out, st.handle)
+        st.synchronize()
+    variants = {"workers send, 4 MiB": (False, 4 << 20), "flags, 4 MiB": (True, 4 << 20),
+                "flags, 2 MiB": (True, 2 << 20), "flags, 1 MiB": (True, 1 << 20)}
+    keep = H._SIGNALS, H._PIECE_BYTES
+    times = {name: [] for name in variants}
+    fl = []
+    for _ in range(rounds):
+        fl.append(med(floor, 5))
+        for name, (sig, piece) in variants.items():
+            H._SIGNALS, H._PIECE_BYTES = sig, piece
+            times[name].append(med(call, 5))
+    H._SIGNALS, H._PIECE_BYTES = keep
+    f = float(np.median(fl))
+    print(f"A/B, {rounds} alternating rounds, median of 5 calls each; floor (pinned H2D 48 MiB then D2H 16 MiB) "
+          f"{f:.3f} ms")
+    for name, ts in times.items():
+        print(f"  {name:22} {min(ts):.3f}-{max(ts):.3f} ms, median {np.median(ts):.3f} = "
+              f"{np.median(ts) / f:.2f}x the floor")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ class _Fake:
     def cuMemcpyDtoHAsync(self, dst, src, n, s):
         return (OK,)
 
+    def cuStreamWaitValue32(self, s, addr, value, flags):
+        return (OK,)
+
     def cuMemcpyDtoDAsync(self, dst, src, n, s):
         return (OK,)
 

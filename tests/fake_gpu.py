@@ -8,6 +8,7 @@ Test code only: it views fake device memory through ctypes.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -29,6 +30,20 @@ class FakeDevice:
 DEV = FakeDevice()
 
 
+def _ready(op, block: bool) -> bool:
+    """Whether stream op ``op`` may run now; with ``block``, wait (up to 10 s) until it may."""
+    test = getattr(op, "ready", None)
+    if test is None or test():
+        return True
+    if not block:
+        return False
+    deadline = time.monotonic() + 10
+    while not test():
+        assert time.monotonic() < deadline, "a stream waited on something that never happened"
+        time.sleep(1e-4)
+    return True
+
+
 class FakeStream:
     eager_every = 0  # with n > 0, every n-th stream made is eager
     made = 0
@@ -42,13 +57,18 @@ class FakeStream:
     def enqueue(self, fn):
         self.ops.append(fn)
         if self.eager:
-            self.flush()
+            self.flush(block=False)
 
-    def flush(self, upto=None):
+    def flush(self, upto=None, block=True):
+        """Run the queued ops up to ``upto``. An op with a ``ready`` test (a wait) that fails stops the
+        stream there: a host wait (``block``) retries until it passes, an eager enqueue leaves it for later."""
         upto = len(self.ops) if upto is None else upto
         while self.done < upto:
+            op = self.ops[self.done]
+            if not _ready(op, block):
+                return
             self.done += 1
-            self.ops[self.done - 1]()
+            op()
 
     def record(self, event=None, *, timing=False):
         event = event if event is not None else FakeEvent()
@@ -58,7 +78,11 @@ class FakeStream:
     def wait(self, event):
         if event.stream is not None:
             other, pos = event.stream, event.pos
-            self.enqueue(lambda: other.flush(pos))
+
+            def run():
+                other.flush(pos)
+            run.ready = lambda: other.flush(pos, block=False) or other.done >= pos
+            self.enqueue(run)
 
     def synchronize(self):
         self.flush()
@@ -156,6 +180,17 @@ def _memcpy(kind):
     return copy
 
 
+def _wait_flag(stream, flag_ptr):
+    """``cuStreamWaitValue32(>= 1)``: the stream stops there until a host thread sets the flag."""
+    COPIES.append("wait")
+    flag = np.ndarray((1,), np.uint32, buffer=(ctypes.c_char * 4).from_address(flag_ptr))
+
+    def run():
+        assert flag[0], "a stream passed a flag that nothing set"
+    run.ready = lambda: bool(flag[0])
+    stream.enqueue(run)
+
+
 def _memcpy_2d(dst, dpitch, src, spitch, width, height, stream):
     COPIES.append("d2h_2d")
 
@@ -203,12 +238,13 @@ def fake_pipeline(monkeypatch, eager_every=0):
     monkeypatch.setattr(FakeStream, "eager_every", eager_every)
     monkeypatch.setattr(FakeStream, "made", 0)
     caller = FakeStream(DEV, "caller")  # made first, lazy; then pipeline streams 0, 1, 2: lazy, eager, lazy
-    fake, staging = FakeAttention(), FakeStaging()
+    fake, staging, signals = FakeAttention(), FakeStaging(), FakeStaging()
     as_stream = (lambda stream, device: caller if stream is None else stream)
     for name, value in {"Stream": FakeStream, "get_device": lambda: DEV, "as_stream": as_stream,
                         "pinned_empty": np.empty, "_device_attention": fake, "_pipelines": {}}.items():
         monkeypatch.setattr(chunks, name, value)
     for name, value in {"get_device": lambda: DEV, "as_stream": as_stream, "get_staging": lambda device: staging,
+                        "get_signals": lambda device: signals, "wait_flag": _wait_flag,
                         "get_pool": lambda device: FakePool(), "pinned_empty": np.empty, "h2d": _memcpy("h2d"),
                         "d2h": _memcpy("d2h"), "_d2h_2d": _memcpy_2d}.items():
         monkeypatch.setattr(host, name, value)

@@ -168,9 +168,12 @@ from fake_gpu import DEV, FakeAttention, fake_pipeline  # noqa: E402
 from pyattn.runtime import memory
 
 
-@pytest.fixture(params=["lazy", "mixed"])
+@pytest.fixture(params=["lazy", "mixed", "lazy, workers send", "mixed, workers send"])
 def fake_gpu(monkeypatch, request):
-    return fake_pipeline(monkeypatch, eager_every=3 if request.param == "mixed" else 0)
+    """Both ways an upload orders its copies (``host._SIGNALS``): flags set by the workers (x86-64), or
+    each worker queueing its own piece's copy (elsewhere)."""
+    monkeypatch.setattr(host, "_SIGNALS", not request.param.endswith("workers send"))
+    return fake_pipeline(monkeypatch, eager_every=3 if request.param.startswith("mixed") else 0)
 
 
 def _qkv(rng, B, Sq, Sk, Hq, Hkv, D, layout, dtype=np.float32):
@@ -253,6 +256,56 @@ def test_pipeline_error_leaves_it_usable(fake_gpu, monkeypatch):
     out, _ = chunks.attention_numpy(P, q, k, v, mask=None, alibi_slopes=None, options={}, return_lse=False,
                                     stream=None)
     np.testing.assert_allclose(out, attention_ref(q, k, v), rtol=2e-5, atol=2e-5)
+
+
+def test_failed_staging_copy_raises_and_frees_the_stream(fake_gpu, monkeypatch):
+    """A worker's copy that fails (here the 5th piece of several waves) raises from the call; with
+    flags, every flag is then set, so no stream is left waiting for a piece nobody stages; the
+    next call works."""
+    caller, _ = fake_gpu
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((1, 400, 3, 8)).astype(np.float32)
+    real_copy, n = host._copy, [0]
+
+    def copy(dst, src):
+        n[0] += 1
+        if n[0] == 5:
+            raise MemoryError("staging copy failed")
+        real_copy(dst, src)
+    monkeypatch.setattr(host, "_copy", copy)
+
+    def fn(dev, s):
+        (da,), out = dev, FakeAttention.array(a.shape, a.dtype, s)
+        s.enqueue(lambda: host_view(out).__setitem__(..., host_view(da) + 1))
+        return (out,)
+
+    from fake_gpu import host_view
+    with pytest.raises(MemoryError, match="staging copy failed"):
+        host.call(fn, [a], [], caller)
+    caller.synchronize()  # would fail (a flag never set) if the stream were left waiting
+    monkeypatch.setattr(host, "_copy", real_copy)
+    (res,) = host.call(fn, [a], [], caller)
+    np.testing.assert_array_equal(res, a + 1)
+
+
+def test_signalled_upload_workers_make_no_driver_call(fake_gpu, monkeypatch):
+    """With flags (x86-64), every H2D copy of a staged piece is queued by the calling thread, behind
+    a wait on that piece's flag; the workers only copy."""
+    caller, _ = fake_gpu
+    if not host._SIGNALS:
+        pytest.skip("the workers queue their own copies on this path")
+    from fake_gpu import COPIES
+    import threading
+    callers = set()
+    real_h2d = host.h2d
+    monkeypatch.setattr(host, "h2d", lambda *a: callers.add(threading.get_ident()) or real_h2d(*a))
+    a = np.random.default_rng(13).standard_normal((1, 400, 3, 8)).astype(np.float32)
+    COPIES.clear()
+    (res,) = host.call(lambda dev, s: dev, [a], [], caller)
+    np.testing.assert_array_equal(res, a)
+    assert callers == {threading.get_ident()}
+    sent = [c for c in COPIES if c in ("wait", "h2d")]
+    assert len(sent) >= 2 * (a.nbytes // 1024) and sent == ["wait", "h2d"] * (len(sent) // 2)
 
 
 def test_device_mask_is_passed_through_in_one_chunk(fake_gpu, monkeypatch):

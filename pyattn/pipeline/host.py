@@ -1,21 +1,31 @@
 """The NumPy ending shared by every op: host inputs in, host results out, at PCIe speed.
 
-Inputs go through pinned staging memory. Worker threads copy pieces of ~2 MiB into it and each
-worker issues its own piece's H2D copy right after, so the DMA engine starts on the first piece
-and never waits for a thread hand-off: measured on an H200 host, eight threads stage at ~45 GB/s
-(one at ~12), and a main thread that issued the H2D copies itself waited up to 0.15 ms for the
-GIL on every driver call while eight workers copied. Staging is bounded: pieces are grouped in
-waves of ``_WAVE_BYTES``, at most ``_WAVES_IN_FLIGHT`` waves in flight, a wave's buffer reused once its H2D copies
-are done. Small uploads skip the threads. Results are copied device-to-host straight into NumPy
-arrays in pooled pinned memory (``runtime.pinned.pinned_empty``): no host copy after the DMA and
-no page faults on a fresh array. ``call`` returns when the results are on the host; work the
-caller queued on ``stream`` before the call runs first.
+Inputs go through pinned staging memory. Worker threads copy pieces of ~4 MiB into it; the DMA
+engine sends each piece as soon as its copy is done. How it learns that depends on the CPU:
+
+- x86-64: the calling thread queues every piece's H2D copy (and every chunk's kernel) at once,
+  each behind ``cuStreamWaitValue32`` on a flag in pinned memory that the worker sets after its
+  copy. The workers make no driver call: on an H200 host a worker's ``cuMemcpyHtoDAsync`` returned
+  in 2 us alone but waited 30-120 us for the GIL while seven other workers copied, and each chunk's
+  launch by the calling thread waited 0.11-0.38 ms for it (``dev/probe_numpy_timeline.py``).
+  The flag is set after a locked instruction (x86's write-combined stores drain at one), and x86
+  keeps stores in order, so the device sees the staged bytes before the flag.
+- Elsewhere (Arm: GH200): each worker issues its own piece's H2D copy right after the copy
+  (Python reaches no full memory fence there that would order the staged bytes before a flag).
+
+Staging is bounded: pieces are grouped in waves of ``_WAVE_BYTES``, at most ``_WAVES_IN_FLIGHT``
+waves in flight, a wave's buffer reused once its H2D copies are done. Small uploads skip the
+threads. Results are copied device-to-host straight into NumPy arrays in pooled pinned memory
+(``runtime.pinned.pinned_empty``): no host copy after the DMA and no page faults on a fresh array.
+``call`` returns when the results are on the host; work the caller queued on ``stream`` before
+the call runs first.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
@@ -27,11 +37,11 @@ from ..array import DeviceArray, c_strides
 from ..runtime.device import get_device
 from ..runtime.errors import check
 from ..runtime.memory import get_pool
-from ..runtime.pinned import get_staging, is_pinned, pinned_empty
+from ..runtime.pinned import get_signals, get_staging, is_pinned, pinned_empty
 from ..runtime.stream import as_stream
 
 __all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split_range", "h2d", "d2h",
-           "d2h_region", "addr", "cuts"]
+           "d2h_region", "addr", "cuts", "wait_flag"]
 
 # Tuning constants (read at call time, so tests and benchmarks may change them).
 # Measured on an H200 host (dev/probe_upload.py): 4 MiB pieces beat 2 MiB ones by ~15% (fewer GIL
@@ -42,6 +52,8 @@ _SMALL_BYTES = 1 << 20  # uploads up to this size: one copy and one H2D on the c
 _WAVE_BYTES = 16 << 20  # staged bytes per pinned buffer: the granularity of on_ready
 _WAVES_IN_FLIGHT = 3  # buffers staged ahead of the DMA
 _ALIGN = 256  # offset of each array in a device block (the kernels need 16 bytes)
+# Whether uploads order their H2D copies by flags (see the module notes): None = on x86-64.
+_SIGNALS = None
 
 _executor = None  # (ThreadPoolExecutor, worker count), made on the first big copy
 _executor_lock = threading.Lock()
@@ -123,6 +135,15 @@ def h2d(dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
 
     if nbytes:
         check(driver.cuMemcpyHtoDAsync(dst_ptr, src_ptr, nbytes, stream.handle), "cuMemcpyHtoDAsync")
+
+
+def wait_flag(stream, flag_ptr: int) -> None:
+    """Make later work on ``stream`` wait until the pinned uint32 at ``flag_ptr`` is non-zero (a
+    cyclic ``>= 1``; under unified addressing a pinned host address is its device address)."""
+    from cuda.bindings import driver
+
+    check(driver.cuStreamWaitValue32(stream.handle, flag_ptr, 1, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+          "cuStreamWaitValue32")
 
 
 def d2h(dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
@@ -272,7 +293,9 @@ def upload(arrays, device, s, on_ready=None, held=None) -> list:
     ready = None if on_ready is None else (lambda i: on_ready(i, views))
     if total:
         if total > _SMALL_BYTES:
-            _upload_waves(_plan_pieces(items, offs), len(arrays), device, alloc.ptr, s, ready)
+            pieces = _plan_pieces(items, offs)
+            signals = platform.machine() in ("x86_64", "AMD64") if _SIGNALS is None else _SIGNALS
+            (_upload_signalled if signals else _upload_by_workers)(pieces, len(arrays), device, alloc.ptr, s, ready)
             return views
         _upload_here(items, offs, total, device, alloc.ptr, s, held)
     if ready is not None:
@@ -302,9 +325,107 @@ def _upload_here(items, offs, total, device, dev_ptr, s, held) -> None:
         staging.release(buf, s)  # reusable once s has read it
 
 
-def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
-    """Stage ``pieces`` in waves, one worker task per piece, and signal each array once its last
-    piece's H2D copy is queued.
+class _Signaller:
+    """Calls ``on_ready`` for each array in order, once the queue of pieces has reached its last."""
+
+    def __init__(self, pieces, on_ready):
+        last_of = {p.array: i for i, p in enumerate(pieces)}  # (arrays are planned in order)
+        self.ends = {i: a for a, i in last_of.items()}  # piece index -> the array it completes
+        self.on_ready, self.signalled = on_ready, 0
+
+    def through(self, i) -> None:
+        """Piece ``i`` (in order) is queued: signal the array it completes, and every one before."""
+        a = self.ends.get(i)
+        if a is not None:
+            self.upto(a + 1)
+
+    def upto(self, n) -> None:
+        if self.on_ready is not None:
+            while self.signalled < n:
+                self.on_ready(self.signalled)
+                self.signalled += 1
+
+
+def _stage(dst, src, flags, i) -> None:
+    """Worker: copy one piece into staging, then set its flag (the stream's copy of it waits on it)."""
+    _copy(dst, src)
+    with _FENCE:  # a locked instruction: the staged bytes (write-combined stores) drain before the flag
+        flags[i] = 1
+
+
+_FENCE = threading.Lock()
+
+
+def _upload_signalled(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
+    """Stage ``pieces`` on the workers while this thread queues the whole device side at once:
+    each staged piece's H2D copy behind a wait on its flag, and each array's ``on_ready`` (a chunk's
+    kernel) right after its last piece. Later waves reuse the buffers of the waves ``depth`` before
+    them, once those waves' copies are done.
+
+    If anything fails, every flag is set before the buffers go back, so the stream never waits for
+    a piece that no worker will stage (it then sends stale bytes to results nobody returns).
+    """
+    staging, signals = get_staging(device), get_signals(device)
+    ex, _ = _executor_get()
+    waves = _waves(pieces)
+    depth = min(_WAVES_IN_FLIGHT, len(waves))
+    sizes = [0] * depth  # each buffer slot big enough for every wave it takes
+    for w, (_, used) in enumerate(waves):
+        sizes[w % depth] = max(sizes[w % depth], used)
+    flag_buf = signals.acquire(4 * len(pieces))
+    flags = flag_buf.raw[:4 * len(pieces)].view(np.uint32)
+    flags[:] = 0
+    bufs, futures, ok = [], [[] for _ in waves], False
+    jobs = []  # per wave: the workers' (staging view, source, flag index)
+
+    def submit(w):
+        futures[w] = [ex.submit(_stage, dst, src, flags, i) for dst, src, i in jobs[w]]
+
+    try:
+        bufs = [staging.acquire(n) if n else None for n in sizes]
+        i = 0
+        for w, (wp, _) in enumerate(waves):
+            buf, jobs_w = bufs[w % depth], []
+            for p, off in wp:
+                if not p.pinned:
+                    jobs_w.append((buf.raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, i))
+                i += 1
+            jobs.append(jobs_w)
+        for w in range(depth):  # the workers start now; the device side is queued meanwhile
+            submit(w)
+        sig, events, i = _Signaller(pieces, on_ready), {}, 0
+        flag0 = addr(flags)
+        for w, (wp, _) in enumerate(waves):
+            for p, off in wp:
+                if p.pinned:  # the DMA reads the caller's page-locked array itself
+                    h2d(dev_ptr + p.dev_off, addr(p.src), p.nbytes, s)
+                else:
+                    wait_flag(s, flag0 + 4 * i)
+                    h2d(dev_ptr + p.dev_off, bufs[w % depth].ptr + off, p.nbytes, s)
+                sig.through(i)
+                i += 1
+            if w + depth < len(waves):
+                events[w] = s.record()
+        sig.upto(n_arrays)  # arrays without pieces (None, empty) after the last one
+        for w in range(depth, len(waves)):  # refill a buffer once the DMA has read it
+            finish_copies(futures[w - depth])  # (a failed piece's flag is never set: raise first)
+            events.pop(w - depth).synchronize()
+            submit(w)
+        finish_copies([f for fs in futures for f in fs])
+        ok = True
+    finally:
+        _wait_futures([f for fs in futures for f in fs])  # nothing may write a buffer once released
+        if not ok:
+            flags[:] = 1
+        for buf in bufs:
+            if buf is not None:
+                staging.release(buf, s)  # reusable once s has read it
+        signals.release(flag_buf, s)
+
+
+def _upload_by_workers(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
+    """Stage ``pieces`` in waves, one worker task per piece, each worker queueing its own piece's
+    H2D copy, and signal each array once its last piece's H2D copy is queued.
 
     Every wave that has a buffer is submitted at once (the workers take pieces in order), and the
     main thread waits for the pieces in order, signalling arrays as they land: a wave is never held
@@ -319,25 +440,19 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
     waves = _waves(pieces)
     # In order: (wave, piece, future or None for a pinned piece); arrays are planned in order.
     queue, done = [], 0
-    last_of = {p.array: i for i, p in enumerate(pieces)}  # (waves keep the pieces' order)
-    ends = {i: a for a, i in last_of.items()}  # queue index -> the array its piece completes
+    sig = _Signaller(pieces, on_ready)
     wave_end = []  # index in ``queue`` past each wave's last piece
-    signalled = 0
     bufs, events = {}, {}
 
     def wait_through(n):
         """Wait for the first ``n`` queued pieces in order, signalling every array they complete."""
-        nonlocal done, signalled
+        nonlocal done
         while done < n:
             _, _, fut = queue[done]
             if fut is not None:  # (None: a pinned piece, its H2D queued by this thread)
                 fut.result()
-            a = ends.get(done)
+            sig.through(done)
             done += 1
-            if a is not None and on_ready is not None:
-                while signalled <= a:
-                    on_ready(signalled)
-                    signalled += 1
 
     def complete(w):
         """Every piece of wave ``w`` sent; its buffer reusable once ``events[w]`` is reached."""
@@ -372,10 +487,7 @@ def _upload_waves(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
             wave_end.append(len(queue))
         for w in range(max(0, len(waves) - depth), len(waves)):
             complete(w)
-        if on_ready is not None:
-            while signalled < n_arrays:  # arrays without pieces (None, empty) after the last one
-                on_ready(signalled)
-                signalled += 1
+        sig.upto(n_arrays)  # arrays without pieces (None, empty) after the last one
     finally:
         _wait_futures([f for _, _, f in queue if f is not None])  # nothing may write a buffer once released
         for buf in bufs.values():

@@ -21,10 +21,11 @@ from ._resource import per_device, release_quietly
 from .device import Device, get_device
 from .errors import check
 
-__all__ = ["PinnedBuffer", "StagingPool", "get_staging", "pinned_empty", "is_pinned", "copy_to_device",
-           "copy_to_host"]
+__all__ = ["PinnedBuffer", "StagingPool", "get_staging", "get_signals", "pinned_empty", "is_pinned",
+           "copy_to_device", "copy_to_host"]
 
 _staging: dict[int, "StagingPool"] = {}
+_signals: dict[int, "StagingPool"] = {}
 _results = None  # the process's _ResultBlocks, made on first use
 _results_lock = threading.Lock()
 _driver = None
@@ -154,6 +155,18 @@ class StagingPool:
 def get_staging(device: Device) -> StagingPool:
     """Return the process's staging pool for ``device``."""
     return per_device(_staging, device, StagingPool)
+
+
+def _signal_pool(device: Device) -> StagingPool:
+    return StagingPool(device, write_combined=False)
+
+
+def get_signals(device: Device) -> StagingPool:
+    """Return the process's pool of small cached (not write-combined) pinned buffers for ``device``:
+    the flags that host threads set and a stream waits on (``cuStreamWaitValue32``). Cached, so a
+    flag's store is ordered after the thread's earlier stores (x86-64) and the device's reads of it
+    snoop the CPU's caches; write-combined stores could linger in the core's buffers."""
+    return per_device(_signals, device, _signal_pool)
 
 
 class _Lease:
