@@ -1,6 +1,6 @@
 """Dev probe: the timeline of one NumPy ``attention`` call, (1, 4096, 16, 128) fp16 (issue 11).
 
-Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal] [--pinned] [--ab ROUNDS]
+Usage: PYTHONPATH=. python dev/probe_numpy_timeline.py [--causal] [--pinned] [--ab ROUNDS] [--piece-mib N]
 
 Prints, in ms from the call's start: each staging piece's host copy (thread, start, end, GB/s)
 and its H2D issue, the calling thread's own H2D copies (pinned pieces); each chunk's launch (host time, and GPU start/end of its kernel and its result
@@ -8,7 +8,8 @@ copy from timing events); the call's end. Then the bounds of the same run: pinne
 D2H of 16 MiB alone and together (full duplex), and 48 MiB staged by the workers with and without
 a DMA reading host memory at the same time; and a cProfile of the calling thread. ``--ab N``
 first times the upload's two orderings (``host._SIGNALS``: flags the workers set, or each worker
-queueing its own copy) and piece sizes against each other, N alternating rounds, and the floor.
+queueing its own copy) and piece sizes against each other, N alternating rounds, and the floor;
+``--piece-mib N`` takes the timeline at pieces of N MiB.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--pinned", action="store_true", help="q, k, v in pinned_empty arrays (sent in place)")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="time the upload variants first")
+    ap.add_argument("--piece-mib", type=int, default=0, help="the timeline with pieces of this many MiB")
     a = ap.parse_args()
     dev = pyattn.get_device()
     dev.activate()
@@ -54,6 +56,7 @@ def main():
     call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
     if a.ab:
         ab(call, a.ab)
+    H._PIECE_BYTES = a.piece_mib << 20 or H._PIECE_BYTES
     print(f"uninstrumented call (signals {H._SIGNALS}, pieces {H._PIECE_BYTES >> 20} MiB): median "
           f"{med(call, 9):.3f} ms")
 
@@ -127,7 +130,7 @@ def main():
         undo.append((mod, name, f))
     for mod, name in ((C, "pinned_empty"), (C, "plan_chunks"), (H, "_plan_pieces"), (H, "_waves"), (H, "get_pool"),
                       (H, "get_staging"), (OA, "read_args"), (OA, "signature"), (C, "attention_numpy"),
-                      (H, "_upload_waves"), (H, "upload"), (C, "get_device"), (C, "per_device"),
+                      (H, "_upload_signalled"), (H, "upload"), (C, "get_device"), (C, "per_device"),
                       (H, "_executor_get")):
         wrap(mod, name)
     M.DevicePool.allocate, real_alloc = (lambda self, *a, _f=M.DevicePool.allocate, **k: (

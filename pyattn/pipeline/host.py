@@ -391,7 +391,9 @@ def _upload_signalled(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
                     jobs_w.append((buf.raw[off:off + p.nbytes].view(p.dtype).reshape(p.shape), p.src, i))
                 i += 1
             jobs.append(jobs_w)
-        for w in range(depth):  # the workers start now; the device side is queued meanwhile
+        # The workers start first, the device side is queued meanwhile: queueing it all first (chunk
+        # launches included) started the copies ~1 ms later and measured 10-15% slower (H200 host).
+        for w in range(depth):
             submit(w)
         sig, events, i = _Signaller(pieces, on_ready), {}, 0
         flag0 = addr(flags)
