@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--pinned", action="store_true", help="q, k, v in pinned_empty arrays (sent in place)")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="time the upload variants first")
+    ap.add_argument("--variants", default="w4,f4,f2,f1", help="--ab's variants: w (workers send) or f (flags), "
+                    "then the piece size in MiB")
     ap.add_argument("--piece-mib", type=int, default=0, help="the timeline with pieces of this many MiB")
     a = ap.parse_args()
     dev = pyattn.get_device()
@@ -55,7 +57,7 @@ def main():
         q, k, v = pinned
     call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
     if a.ab:
-        ab(call, a.ab)
+        ab(call, a.ab, a.variants.split(","))
     H._PIECE_BYTES = a.piece_mib << 20 or H._PIECE_BYTES
     print(f"uninstrumented call (signals {H._SIGNALS}, pieces {H._PIECE_BYTES >> 20} MiB): median "
           f"{med(call, 9):.3f} ms")
@@ -203,7 +205,7 @@ def main():
     print(f"staging 48 MiB under a DMA: {np.median([stage_under_dma() for _ in range(5)]) * 1e3:.3f} ms")
 
 
-def ab(call, rounds):
+def ab(call, rounds, names):
     """The upload variants in alternating rounds (median of 5 calls each), against the floor."""
     from pyattn.runtime.pinned import PinnedBuffer as PB
 
@@ -217,8 +219,8 @@ def ab(call, rounds):
         drv.cuMemcpyHtoDAsync(d_in.ptr, pin_in.ptr, n_in, st.handle)
         drv.cuMemcpyDtoHAsync(pin_out.ptr, d_out.ptr, n_out, st.handle)
         st.synchronize()
-    variants = {"workers send, 4 MiB": (False, 4 << 20), "flags, 4 MiB": (True, 4 << 20),
-                "flags, 2 MiB": (True, 2 << 20), "flags, 1 MiB": (True, 1 << 20)}
+    variants = {f"{'flags' if n[0] == 'f' else 'workers send'}, {n[1:]} MiB": (n[0] == "f", int(n[1:]) << 20)
+                for n in names}
     keep = H._SIGNALS, H._PIECE_BYTES
     times = {name: [] for name in variants}
     fl = []
