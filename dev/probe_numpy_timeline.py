@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--variants", default="w4,f4,f2,f1", help="--ab's variants: w (workers send) or f (flags), "
                     "then the piece size in MiB")
     ap.add_argument("--piece-mib", type=int, default=0, help="the timeline with pieces of this many MiB")
+    ap.add_argument("--ab-only", action="store_true", help="stop after --ab (A/B runs of two source trees)")
     a = ap.parse_args()
     dev = pyattn.get_device()
     dev.activate()
@@ -58,6 +59,8 @@ def main():
     call = lambda: pyattn.attention(q, k, v, causal=a.causal)  # noqa: E731
     if a.ab:
         ab(call, a.ab, a.variants.split(","))
+        if a.ab_only:
+            return
     H._PIECE_BYTES = a.piece_mib << 20 or H._PIECE_BYTES
     print(f"uninstrumented call (signals {H._SIGNALS}, pieces {H._PIECE_BYTES >> 20} MiB): median "
           f"{med(call, 9):.3f} ms")

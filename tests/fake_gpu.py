@@ -240,7 +240,7 @@ def fake_pipeline(monkeypatch, eager_every=0):
     caller = FakeStream(DEV, "caller")  # made first, lazy; then pipeline streams 0, 1, 2: lazy, eager, lazy
     fake, staging, signals = FakeAttention(), FakeStaging(), FakeStaging()
     as_stream = (lambda stream, device: caller if stream is None else stream)
-    for name, value in {"Stream": FakeStream, "get_device": lambda: DEV, "as_stream": as_stream,
+    for name, value in {"Stream": FakeStream, "Event": FakeEvent, "get_device": lambda: DEV, "as_stream": as_stream,
                         "pinned_empty": np.empty, "_device_attention": fake, "_pipelines": {}}.items():
         monkeypatch.setattr(chunks, name, value)
     for name, value in {"get_device": lambda: DEV, "as_stream": as_stream, "get_staging": lambda device: staging,

@@ -35,7 +35,7 @@ from ..array import DeviceArray
 from ..runtime._resource import per_device
 from ..runtime.device import get_device
 from ..runtime.pinned import get_staging, pinned_empty
-from ..runtime.stream import Stream, as_stream
+from ..runtime.stream import Event, Stream, as_stream
 from . import host
 
 __all__ = ["attention_numpy", "Chunk", "plan_chunks", "row_chunkable", "prepare_mask"]
@@ -107,11 +107,14 @@ def _rows(layout: str, s0: int, s1: int):
 
 
 class _Pipeline:
-    """One device's two chunk streams, reused by every call (one call at a time)."""
+    """One device's two chunk streams and the event they wait on, reused by every call (one call at
+    a time): a wait takes the event's state when it is queued, so one event re-recorded per chunk
+    serves them all (a new one per chunk cost two more driver calls and a finalizer)."""
 
     def __init__(self, device):
         self.lock = threading.Lock()
         self.streams = [Stream(device) for _ in range(_STREAMS)]
+        self.ready = Event(device)
 
 
 def _device_attention(q, k, v, **kwargs):
@@ -151,11 +154,11 @@ def attention_numpy(P, q, k, v, *, mask, alibi_slopes, options: dict, return_lse
     return out_host, lse_host
 
 
-def _slice(x: DeviceArray, axis: int, a: int, b: int) -> DeviceArray:
-    """``x[..., a:b, ...]`` along ``axis``: a view."""
+def _slice(x: DeviceArray, axis: int, a: int, b: int, stream) -> DeviceArray:
+    """``x[..., a:b, ...]`` along ``axis``: a view, ordered on ``stream``."""
     shape = x.shape[:axis] + (b - a,) + x.shape[axis + 1:]
     return DeviceArray(x.ptr + a * x.strides[axis], shape, x.dtype, x.device, strides=x.strides, owner=x.owner,
-                       stream=x.stream)
+                       stream=stream)
 
 
 class _Call:
@@ -166,6 +169,7 @@ class _Call:
         self.return_lse, self.results = return_lse, results
         self.rows = len(chunks) > 1 and P.batch == 1  # query-row chunks, shared K/V
         self.streams = pipe.streams if len(chunks) > 1 else [s]
+        self.ready = pipe.ready
         self.seq_axis = 1 if P.layout == "bshd" else 2
 
     def run(self, q, k, v, mask, slopes) -> None:
@@ -204,20 +208,22 @@ class _Call:
         c, P, ax = self.chunks[i], self.P, self.seq_axis
         st = self.streams[i % len(self.streams)]
         if st is not self.s:
-            st.wait(self.s.record())
-        dmask, dslopes = dev[0], dev[1]
+            st.wait(self.s.record(self.ready))
+        # The chunk's views name its stream, which now waits for their copies: the op then adds no
+        # wait of its own for a producer on another stream.
+        dmask, dslopes = (None if x is None else _slice(x, 0, 0, x.shape[0], st) for x in dev[:2])
         if self.rows:
-            dq = dev[shared + i]
-            dk, dv = (_slice(x, ax, 0, c.kv_len) for x in dev[2:4])
+            dq = _slice(dev[shared + i], 0, 0, 1, st)  # (the whole of row chunk i's q)
+            dk, dv = (_slice(x, ax, 0, c.kv_len, st) for x in dev[2:4])
         else:
-            dq, dk, dv = dev[shared + 3 * i: shared + 3 * i + 3]
+            dq, dk, dv = (_slice(x, 0, 0, x.shape[0], st) for x in dev[shared + 3 * i: shared + 3 * i + 3])
         opts = dict(self.opts, causal=_CAUSAL_ARG[c.causal])
         if dmask is not None:
-            m = _slice(dmask, 0, c.b0, c.b1) if dmask.shape[0] > 1 else dmask
-            m = _slice(m, 2, c.s0, c.s1) if m.shape[2] > 1 else m
-            opts["mask"] = _slice(m, 3, 0, c.kv_len) if m.shape[3] > 1 else m
+            m = _slice(dmask, 0, c.b0, c.b1, st) if dmask.shape[0] > 1 else dmask
+            m = _slice(m, 2, c.s0, c.s1, st) if m.shape[2] > 1 else m
+            opts["mask"] = _slice(m, 3, 0, c.kv_len, st) if m.shape[3] > 1 else m
         if dslopes is not None:
-            opts["alibi_slopes"] = _slice(dslopes, 0, c.b0, c.b1) if dslopes.ndim == 2 else dslopes
+            opts["alibi_slopes"] = _slice(dslopes, 0, c.b0, c.b1, st) if dslopes.ndim == 2 else dslopes
         res = _device_attention(dq, dk, dv, stream=st, layout=P.layout, return_lse=self.return_lse, **opts)
         out, lse = res if self.return_lse else (res, None)
         b = slice(c.b0, c.b1)
