@@ -229,6 +229,7 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(stream, "_order_events", type(stream._order_events)())
     monkeypatch.setattr(memory, "_pools", {})
     monkeypatch.setattr(pinned, "_staging", {})
+    monkeypatch.setattr(pinned, "_signals", {})
     monkeypatch.setattr(pinned, "_results", None)  # (its pinned blocks would be fake ones)
     monkeypatch.setattr(memory, "POISON_ALLOC", False)
     monkeypatch.setattr(registry, "_kernels", {})

@@ -161,6 +161,11 @@ def _slice(x: DeviceArray, axis: int, a: int, b: int, stream) -> DeviceArray:
                        stream=stream)
 
 
+def _on(x: DeviceArray, stream) -> DeviceArray:
+    """All of ``x``, ordered on ``stream``."""
+    return _slice(x, 0, 0, x.shape[0], stream)
+
+
 class _Call:
     """One host call: sends its inputs, launches each chunk once its inputs are queued, collects."""
 
@@ -211,12 +216,12 @@ class _Call:
             st.wait(self.s.record(self.ready))
         # The chunk's views name its stream, which now waits for their copies: the op then adds no
         # wait of its own for a producer on another stream.
-        dmask, dslopes = (None if x is None else _slice(x, 0, 0, x.shape[0], st) for x in dev[:2])
+        dmask, dslopes = (None if x is None else _on(x, st) for x in dev[:2])
         if self.rows:
-            dq = _slice(dev[shared + i], 0, 0, 1, st)  # (the whole of row chunk i's q)
+            dq = _on(dev[shared + i], st)
             dk, dv = (_slice(x, ax, 0, c.kv_len, st) for x in dev[2:4])
         else:
-            dq, dk, dv = (_slice(x, 0, 0, x.shape[0], st) for x in dev[shared + 3 * i: shared + 3 * i + 3])
+            dq, dk, dv = (_on(x, st) for x in dev[shared + 3 * i: shared + 3 * i + 3])
         opts = dict(self.opts, causal=_CAUSAL_ARG[c.causal])
         if dmask is not None:
             m = _slice(dmask, 0, c.b0, c.b1, st) if dmask.shape[0] > 1 else dmask

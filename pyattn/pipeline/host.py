@@ -44,9 +44,9 @@ __all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split
            "d2h_region", "addr", "cuts", "wait_flag"]
 
 # Tuning constants (read at call time, so tests and benchmarks may change them).
-# Measured on an H200 host (dev/probe_upload.py): 4 MiB pieces beat 2 MiB ones by ~15% (fewer GIL
-# hand-offs, which is what a worker's H2D call mostly waits for: ~2 us alone, 30-120 us while seven
-# other workers copy).
+# Measured on an H200 host: 4 MiB pieces beat 2 MiB ones by ~15% when each worker queued its own
+# H2D (fewer GIL hand-offs; dev/probe_upload.py), and with flags too (dev/probe_numpy_timeline.py
+# --ab: 1-3 MiB 0.2-2.5 ms slower a (1, 4096, 16, 128) fp16 call, 6 MiB a tie, 8 MiB 2-8% slower).
 _PIECE_BYTES = 4 << 20  # a worker's unit: one host copy (~0.7 ms at ~6 GB/s per thread), then its H2D
 _SMALL_BYTES = 1 << 20  # uploads up to this size: one copy and one H2D on the calling thread
 _WAVE_BYTES = 16 << 20  # staged bytes per pinned buffer: the granularity of on_ready
@@ -382,7 +382,8 @@ def _upload_signalled(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
         futures[w] = [ex.submit(_stage, dst, src, flags, i) for dst, src, i in jobs[w]]
 
     try:
-        bufs = [staging.acquire(n) if n else None for n in sizes]
+        for n in sizes:  # (appended one by one: the ones acquired before a failure go back)
+            bufs.append(staging.acquire(n) if n else None)
         i = 0
         for w, (wp, _) in enumerate(waves):
             buf, jobs_w = bufs[w % depth], []
