@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -263,6 +264,8 @@ def test_failed_staging_copy_raises_and_frees_the_stream(fake_gpu, monkeypatch):
     flags, every flag is then set, so no stream is left waiting for a piece nobody stages; the
     next call works."""
     caller, _ = fake_gpu
+    from fake_gpu import host_view
+
     rng = np.random.default_rng(12)
     a = rng.standard_normal((1, 400, 3, 8)).astype(np.float32)
     real_copy, n = host._copy, [0]
@@ -279,7 +282,6 @@ def test_failed_staging_copy_raises_and_frees_the_stream(fake_gpu, monkeypatch):
         s.enqueue(lambda: host_view(out).__setitem__(..., host_view(da) + 1))
         return (out,)
 
-    from fake_gpu import host_view
     with pytest.raises(MemoryError, match="staging copy failed"):
         host.call(fn, [a], [], caller)
     caller.synchronize()  # would fail (a flag never set) if the stream were left waiting
@@ -295,7 +297,7 @@ def test_signalled_upload_workers_make_no_driver_call(fake_gpu, monkeypatch):
     if not host._SIGNALS:
         pytest.skip("the workers queue their own copies on this path")
     from fake_gpu import COPIES
-    import threading
+
     callers = set()
     real_h2d = host.h2d
     monkeypatch.setattr(host, "h2d", lambda *a: callers.add(threading.get_ident()) or real_h2d(*a))

@@ -3,13 +3,14 @@
 Inputs go through pinned staging memory. Worker threads copy pieces of ~4 MiB into it; the DMA
 engine sends each piece as soon as its copy is done. How it learns that depends on the CPU:
 
-- x86-64: the calling thread queues every piece's H2D copy (and every chunk's kernel) at once,
-  each behind ``cuStreamWaitValue32`` on a flag in pinned memory that the worker sets after its
-  copy. The workers make no driver call: on an H200 host a worker's ``cuMemcpyHtoDAsync`` returned
-  in 2 us alone but waited 30-120 us for the GIL while seven other workers copied, and each chunk's
-  launch by the calling thread waited 0.11-0.38 ms for it (``dev/probe_numpy_timeline.py``).
-  The flag is set after a locked instruction (x86's write-combined stores drain at one), and x86
-  keeps stores in order, so the device sees the staged bytes before the flag.
+- x86-64: while the workers copy, the calling thread queues every piece's H2D copy (and each
+  chunk's kernel once its arrays' copies are queued), each copy behind ``cuStreamWaitValue32`` on
+  a flag in pinned memory that the worker sets after its copy. The workers make no driver call: on
+  an H200 host a worker's ``cuMemcpyHtoDAsync`` returned in 2 us alone but waited 30-120 us for the
+  GIL while seven other workers copied. (The calling thread still waits for the GIL between its
+  own calls while the workers copy: BENCHMARKS.md, twenty-second session.) The flag is set after a
+  locked instruction (x86's write-combined stores drain at one), and x86 keeps stores in order, so
+  the device sees the staged bytes before the flag.
 - Elsewhere (Arm: GH200): each worker issues its own piece's H2D copy right after the copy
   (Python reaches no full memory fence there that would order the staged bytes before a flag).
 
@@ -346,14 +347,14 @@ class _Signaller:
                 self.signalled += 1
 
 
+_FENCE = threading.Lock()  # taken by _stage only for the locked instruction it executes
+
+
 def _stage(dst, src, flags, i) -> None:
     """Worker: copy one piece into staging, then set its flag (the stream's copy of it waits on it)."""
     _copy(dst, src)
     with _FENCE:  # a locked instruction: the staged bytes (write-combined stores) drain before the flag
         flags[i] = 1
-
-
-_FENCE = threading.Lock()
 
 
 def _upload_signalled(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
