@@ -23,6 +23,13 @@ __all__ = ["PageBook", "AppendPlan", "AcceptPlan", "OutOfPagesError", "MAX_PAGE_
 
 MAX_PAGE_SIZE = 256
 _INT32_MAX = 2**31 - 1
+# Exact types (not subclasses: np.bool_ can be subclassed) of the sequence ids that
+# PageBook.seq_list may look up without a per-id bool check.
+_ID_TYPES = frozenset({int, *(np.dtype(c).type for c in "bBhHiIlLqQ")})
+# PageBook.plan_append's fast path for small counts (the decode loop's); the tests switch it off
+# to compare it with the general path.
+_FAST_APPEND = True
+_INT_ONLY = frozenset({int})
 
 
 def longest_first(lens) -> np.ndarray | None:
@@ -146,6 +153,15 @@ class PageBook:
         ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"{name}: expected distinct sequence ids, got {ids}")
+        # Called several times per decode step: when every id is of a plain integer type (so no
+        # bool, which would hash as sequence 0 or 1), one C-level pass of dict lookups does it.
+        # Anything else, or a lookup that fails, takes the per-id path below, which raises the
+        # error of the first bad id exactly as before.
+        if _ID_TYPES.issuperset(map(type, ids)):
+            try:
+                return list(map(self._seqs.__getitem__, ids))
+            except KeyError:
+                pass
         return [self._seq(i, name) for i in ids]
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -216,6 +232,14 @@ class PageBook:
         :class:`OutOfPagesError` without changing anything when the pages do not suffice.
         """
         seqs = self.seq_list(seq_ids)
+        # The serving loop's call (one token, or a few, for each of many sequences) takes the fast
+        # path when every count is a plain int in [0, page_size]: those are valid as they are, and
+        # each sequence then takes at most one new page. Anything else (NumPy ints, bools, an
+        # iterator, a prefill longer than a page, a bad count) goes the general way, which
+        # validates and raises as always.
+        if (_FAST_APPEND and type(counts) in (list, tuple) and len(counts) == len(seqs)
+                and _INT_ONLY == set(map(type, counts)) and min(counts) >= 0 and max(counts) <= self.page_size):
+            return self._append_small(seqs, counts)
         if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
             raise TypeError(f"counts: expected ints, got {list(counts)}")
         counts = [int(c) for c in counts]
@@ -264,6 +288,75 @@ class PageBook:
         cat = (lambda parts: np.concatenate([np.atleast_1d(x) for x in parts]).astype(np.int32, copy=False)
                if parts else np.empty(0, np.int32))
         return AppendPlan(cat(dst), cat(copy_src), cat(copy_dst))
+
+    def _append_small(self, seqs: list, counts) -> AppendPlan:
+        """:meth:`plan_append` for valid counts, each a plain int in [0, page_size]: the same plan and
+        the same book afterwards (pages taken in the same order, the same free list and reference
+        counts), in plain Python ints. The decode loop calls this for up to hundreds of sequences a
+        step, where the general path's per-sequence NumPy scalars and small arrays cost more than
+        the rest of the step's host work.
+        """
+        ps, rc, free = self.page_size, self.refcount, self._free
+        # Pass 1 changes nothing (running out of pages must leave the book untouched). A sequence
+        # whose tokens all fit in its private, partly filled last page (the decode loop's case:
+        # page_size - 1 steps in page_size) gets its slots now; the others (an empty sequence or a
+        # full last page, a shared last page, a spill into a new page: at most one, as counts are
+        # <= page_size) get placeholders, filled once pages are taken. Copy-on-write is decided on
+        # the reference counts at the call's start, as in the general path.
+        dst, later, need = [], [], 0
+        for seq, c in zip(seqs, counts):
+            off = seq.length % ps
+            if off and c:
+                p = seq.pages.item(seq.n_pages - 1)  # .item: a Python int, no NumPy scalar
+                cow = rc.item(p) > 1
+                if not cow and off + c <= ps:
+                    slot = p * ps + off
+                    if c == 1:
+                        dst.append(slot)
+                    else:
+                        dst.extend(range(slot, slot + c))
+                    continue
+                need += cow + (off + c > ps)
+            elif c:
+                p, cow = -1, False
+                need += 1
+            else:
+                continue
+            later.append((len(dst), seq, c, off, p, cow))
+            dst.extend(range(c))  # placeholders
+        if need > len(free):
+            raise OutOfPagesError(need, len(free), f"appending {sum(counts)} token(s)")
+
+        for seq, c in zip(seqs, counts):
+            seq.length += c
+        copy_src, copy_dst, orphans = [], [], []
+        # In call order, so pages leave the free list in the general path's order: per sequence
+        # its copy first, then its new page.
+        for i, seq, c, off, p, cow in later:
+            if cow:
+                old, p = p, free.pop()
+                copy_src.extend(range(old * ps, old * ps + off))
+                copy_dst.extend(range(p * ps, p * ps + off))
+                r = rc.item(old) - 1
+                rc[old] = r
+                if r == 0:  # all its sharers copied away: freed after the call (no slot reused in a launch)
+                    orphans.append(old)
+                rc[p] = 1
+                seq.pages[seq.n_pages - 1] = p
+            if off:  # the rest of the last page (its copy, if shared) first
+                k = min(c, ps - off)
+                dst[i: i + k] = range(p * ps + off, p * ps + off + k)
+                i, c = i + k, c - k
+            if c:
+                page, n = free.pop(), seq.n_pages
+                rc[page] = 1
+                seq.reserve(n + 1)
+                seq.pages[n] = page
+                seq.n_pages = n + 1
+                dst[i: i + c] = range(page * ps, page * ps + c)
+        free.extend(orphans)
+        self.version += 1
+        return AppendPlan(np.array(dst, np.int32), np.array(copy_src, np.int32), np.array(copy_dst, np.int32))
 
     def _cow_needed(self, seq: _Seq) -> bool:
         """True when the next write to ``seq`` lands in a shared, partly filled last page."""
