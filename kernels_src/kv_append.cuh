@@ -1,7 +1,7 @@
 // Paged KV-cache append: one launch writes the new tokens of several sequences into their pool
 // slots and performs the copy-on-write page copies of the same call (see KvAppendParams). The
 // host guarantees that no slot is both read and written, or written twice, by one launch, so
-// items are independent.
+// items are independent. The same launch patches the decode's page table (n_patches writes).
 //
 // KV == 0 (fp16/bf16 pools, T = the pool type): one thread per 16-byte chunk of one (item, kv head)
 // row, a plain copy.
@@ -60,6 +60,11 @@ __device__ __forceinline__ void kv_quantize_row(const uint4& raw, unsigned char*
 template <typename T, int KV>
 __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
   static_assert(KV >= 0 && KV <= 2, "KV: 0 = 16-bit pool, 1 = int8, 2 = fp8 e4m3");
+  // The decode table's patches (its new lengths and page entries, pyattn/paged/decode_table.py):
+  // distinct int32 entries the decode reads only after this kernel (stream order), so any thread.
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < p.n_patches;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    p.table[p.patch[i]] = p.patch[p.n_patches + i];
   if constexpr (KV == 0) {
     const int chunks = p.head_dim / 8;  // head_dim is a multiple of 8: rows are whole 16-byte chunks
     const long long total = static_cast<long long>(p.n_items) * p.heads_kv * chunks;

@@ -151,6 +151,9 @@ class _Fake:
         self.host.pop(int(ptr), None)
         return (OK,)
 
+    def cuMemHostGetDevicePointer(self, ptr, flags):
+        return OK, int(ptr)  # unified addressing: the device reads pinned memory at its host address
+
     def cuPointerGetAttribute(self, attr, ptr):
         return OK, 0  # every pointer is on device 0
 

@@ -657,9 +657,10 @@ def test_decode_specs_list(arch):
     assert len(both) == 12 + (10 if tma else 0)  # q_tiles 2 only where it fits: d=64 and d=128
 
 
-CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "u64_cptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i32_ptr": "Q", "u64_cptr": "Q",
+         "i64": "q", "i32": "i", "f32": "f"}
 C_TYPES = {"ptr": "const void*", "mut_ptr": "void*", "f32_ptr": "float*", "f32_cptr": "const float*",
-           "i32_cptr": "const int*", "u64_cptr": "const unsigned long long*",
+           "i32_cptr": "const int*", "i32_ptr": "int*", "u64_cptr": "const unsigned long long*",
            "i64": "long long", "i32": "int", "f32": "float"}
 
 

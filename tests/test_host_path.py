@@ -368,7 +368,7 @@ def test_numpy_calls_validate_once_and_stage_without_events(gpu, cache, monkeypa
 
 def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
     """batch_order (DecodeParams field 11) is null for an even batch and, for a ragged one, the
-    device copy of the entries longest first, uploaded with the cache's tables."""
+    device copy of the entries longest first, uploaded with the cache's decode table."""
     from pyattn.paged.book import longest_first
 
     c, ids = cache
@@ -381,7 +381,7 @@ def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
     c.append([ids[1]], kv, kv)
     fake_driver.LAUNCHES.clear()
     pyattn.decode(q, c, ids)
-    tables = c.device_tables(ids, c._stream)[0]
+    tables = c.decode_tables(ids, c._stream)[0]
     assert tables[4] is not None and fake_driver.LAUNCHES[-1][3][11] == tables[4].ptr
     assert longest_first(c.book.lengths(ids)).tolist() == [1, 0]
 

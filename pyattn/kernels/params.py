@@ -213,11 +213,16 @@ DECODE_PARAMS = ParamStruct(
 # a copy-on-write copy moves codes and scales unchanged.
 KV_APPEND_PARAMS = ParamStruct(
     "KvAppendParams",
-    (("k_src", "ptr"), ("v_src", "ptr"), ("k", "mut_ptr"), ("v", "mut_ptr"), ("dst", "i32_cptr"),
-     ("src", "i32_cptr"), ("k_scale", "f32_ptr"), ("v_scale", "f32_ptr"))
+    # per call first (a cache pre-packs the rest once: ParamStruct.partial); the decode table's
+    # patches (pyattn.paged.decode_table): table[patch[i]] = patch[n_patches + i]
+    (("k_src", "ptr"), ("v_src", "ptr"), ("dst", "i32_cptr"), ("src", "i32_cptr"), ("patch", "i32_cptr"),
+     ("table", "i32_ptr"))
     + (("k_src_stride_t", "i64"), ("k_src_stride_h", "i64"), ("v_src_stride_t", "i64"), ("v_src_stride_h", "i64"))
+    + (("n_items", "i32"), ("n_patches", "i32"))
+    # per cache
+    + (("k", "mut_ptr"), ("v", "mut_ptr"), ("k_scale", "f32_ptr"), ("v_scale", "f32_ptr"))
     + _pool_strides("k") + _pool_strides("v") + _pool_strides("ks") + _pool_strides("vs")
-    + (("n_items", "i32"), ("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
+    + (("heads_kv", "i32"), ("head_dim", "i32"), ("page_size", "i32")),
 )
 
 # CSR sparse attention (attention_sparse.cuh): query row i of (batch b, query head h) attends to the

@@ -209,7 +209,7 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
 
     def launch_fn(device, s, dq, alibi_ptr):
         cache.order(s)
-        tables, max_len, total_len = cache.device_tables(ids, s)
+        tables, max_len, total_len = cache.decode_tables(ids, s)
         return run_decode(P, device, dq.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, alibi_ptr, s, return_lse,
                           scales, total_len)
 
@@ -230,7 +230,7 @@ def _repeat(bound, cache, ids, arrays, stream, return_lse):
     P, device = bound.problem, bound.device
     s, (q, alibi) = begin(bound, stream, arrays)  # (q's address checked: _check)
     cache.order(s)
-    tables, max_len, total_len = cache.device_tables(ids, s)
+    tables, max_len, total_len = cache.decode_tables(ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)
     out, lse = run_decode(P, device, q, cache.k.ptr, cache.v.ptr, tables, max_len, alibi, s, return_lse, scales,
                           total_len)

@@ -19,25 +19,22 @@ import numpy as np
 from ..array import DeviceArray, empty
 from ..interop.inputs import numpy_dtype, read
 from ..interop.streams import note_use
-from ..kernels.registry import get_kernel
-from ..kernels.specs import DTYPES, KernelSpec
 from ..pipeline.device import finish, start
 from ..pipeline.host import upload
-from ..pipeline.plans import ptx_requested
 from ..quant import KEPT_CHANNELS, code_dtype, kind_of
 from ..runtime.device import Device, get_device
-from ..runtime.launch import launch
 from ..runtime.stream import as_stream, check_stream_arg, order_after
 from ..validate.paged import (DECODE_DTYPES, PoolInfo, check_append, check_cache_options,
                               check_token_rows)
 from .book import PageBook, longest_first
 from . import side_state
+from .appender import Appender
+from .decode_table import DecodeTable
 from .keypages import KeyStager
 from .sparq_state import SparqRows
 
 __all__ = ["PagedKVCache"]
 
-_APPEND_BLOCKS_PER_SM = 8
 _layout_tokens: dict = {}  # PoolInfo -> a number naming that layout in memo keys (see layout_key)
 _token_counter = itertools.count()
 
@@ -173,7 +170,9 @@ class PagedKVCache:
         if token is None:
             token = _layout_tokens.setdefault(self.pool_info, next(_token_counter))
         self.layout_key = (token, device.ordinal)
-        self._tables = None  # (key, tables, max_len): the last decode's device page table
+        self._tables = None  # (key, tables, max_len): the last CSR device page table (prefill, SparQ)
+        self._dtab = None  # the last decode's DecodeTable, patched by one-token appends
+        self._appender = Appender(self)  # kv_append's kernels, struct and mailbox for this cache
         self._stream = self.k.stream  # the stream of the last op on the cache (see order)
 
     # -- bookkeeping (host only) -------------------------------------------------------------
@@ -285,7 +284,7 @@ class PagedKVCache:
         """
         check_stream_arg(stream)
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-        self.book.seq_list(seq_ids)  # ids first: an unknown id is the likelier mistake than a shape
+        seqs = self.book.seq_list(seq_ids)  # ids first: an unknown id is the likelier mistake than a shape
         ki, vi = read("k", k), read("v", v)
         counts = check_append(ki, vi, counts, len(seq_ids), self.num_kv_heads, self.head_dim, self._kv, self.dtype)
         total = sum(counts)
@@ -302,25 +301,47 @@ class PagedKVCache:
             s = as_stream(stream, self.device)
         self.order(s)
         rows = self._token_rows(ki, total, s), self._token_rows(vi, total, s)
-        # The spec's dtype is the new tokens' type (the pool's, for a 16-bit cache).
-        spec = KernelSpec("kv_append", DTYPES[ki.dtype.name][0], 32, self.device.arch, ptx_requested(), kv=self._kv)
-        kernel = get_kernel(spec, self.device)
+        kernel, spec = self._appender.kernel(ki.dtype.name)
         before = self._keys.before(self.book, seq_ids, counts) if self._keys is not None else None
         grown = [(sid, self.book.length(sid), c) for sid, c in zip(seq_ids, counts)] if self._sq is not None else None
+        table = self._dtab if self._dtab is not None and self._dtab.version == self.book.version else None
+        lengths = [q.length for q in seqs] if table is not None else None
         plan = self.book.plan_append(seq_ids, counts)  # raises before any change when pages run out
-        n_items = len(plan.dst) + len(plan.copy_dst)
-        if n_items == 0:
+        patches = table.patches(seq_ids, lengths, counts, plan.dst, self.page_size) if table is not None else None
+        n_items, n_patches = len(plan.dst) + len(plan.copy_dst), 0 if patches is None else patches[0]
+        if n_items == 0:  # nothing written (every count 0): the book's version moved all the same
+            if table is not None:
+                table.version = self.book.version
             return
-        dst = np.concatenate([plan.dst, plan.copy_dst])
-        src = np.concatenate([np.arange(total, dtype=np.int32), -1 - plan.copy_src])
-        (d_items,) = upload([np.stack([dst, src]).astype(np.int32)], self.device, s)
+        parts = [plan.dst, np.arange(total, dtype=np.int32)]  # destinations, then sources (row s of the new tokens)
+        if len(plan.copy_dst):  # copy-on-write: pool slot x as source -1 - x
+            parts = [plan.dst, plan.copy_dst, parts[1], -1 - plan.copy_src]
+        if n_patches:
+            parts.append(patches[1])
+        # The items go to the kernels through the cache's mailbox (read in place from pinned host
+        # memory) when they fit a slot, as a decode step's do; else uploaded.
+        n = 2 * n_items + (2 * n_patches if n_patches else 0)
+        posted = self._appender.box().take(n)
+        if posted is not None:
+            items, view, slot = posted
+            np.concatenate(parts, out=view)
+        else:
+            (d_items,) = upload([np.concatenate(parts)], self.device, s)
+            items = d_items.ptr
         (dk, ks), (dv, vs) = rows
-        self._launch_copy(spec, kernel, s, d_items.ptr, n_items, (dk.ptr if dk is not None else 0, ks),
-                          (dv.ptr if dv is not None else 0, vs))
+        patch = (items + 8 * n_items, table.buf.ptr, n_patches) if n_patches else (0, 0, 0)
+        self._appender.launch(spec, kernel, s, items, n_items, (dk.ptr if dk is not None else 0, ks),
+                          (dv.ptr if dv is not None else 0, vs), patch)
+        if patches is not None:  # the decode table followed this append (its patches ride in this launch)
+            table.version = self.book.version
+            if n_patches:
+                table.use(s)
         if self._keys is not None:
             self._append_key_pages(spec.dtype, dk, ks, counts, before, plan.dst, s)
         if self._sq is not None:
-            self._append_sparq(grown, d_items.ptr, n_items, s)
+            self._append_sparq(grown, items, n_items, s)
+        if posted is not None:  # (after every kernel that reads the items)
+            self._appender.box().sent(slot, s)
         finish(s, [ki, vi])
 
     def accept(self, seq_ids, paths, tree_sizes, *, stream=None) -> None:
@@ -365,41 +386,16 @@ class PagedKVCache:
         self.book.seq_list(seq_ids)
         self.device.activate()
         s = as_stream(stream, self.device)
-        spec = KernelSpec("kv_append", DTYPES["bfloat16" if self._kv else self.dtype.name][0], 32, self.device.arch,
-                          ptx_requested(), kv=self._kv)
-        kernel = get_kernel(spec, self.device)  # before the plan: a compile error leaves the cache as it was
+        # The kernel before the plan: a compile error leaves the cache as it was.
+        kernel, spec = self._appender.kernel("bfloat16" if self._kv else self.dtype.name)
         plan = self.book.plan_accept(seq_ids, paths, tree_sizes)
         n_items = len(plan.copy_dst)
         if n_items == 0:
             return
         self.order(s)
         (d_items,) = upload([np.stack([plan.copy_dst, -1 - plan.copy_src]).astype(np.int32)], self.device, s)
-        self._launch_copy(spec, kernel, s, d_items.ptr, n_items)  # pool slots only: no new tokens
+        self._appender.launch(spec, kernel, s, d_items.ptr, n_items)  # pool slots only: no new tokens
         finish(s, [d_items])
-
-    def _launch_copy(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0))) -> None:
-        """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
-        ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
-        tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x."""
-        H, D = self.num_kv_heads, self.head_dim
-        pi = self.pool_info
-        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
-        k_scale = self.k_scale.ptr if self._kv else 0
-        if self._keys is not None:  # per-channel keys: kv_key_pages rewrites them; per-token K scales go nowhere
-            k_scale, pks = self._kscratch.ptr, (0, 0, 0)
-        (k_src, ks), (v_src, vs) = k_new, v_new
-        values = {"k_src": k_src, "v_src": v_src, "k": self.k.ptr, "v": self.v.ptr, "dst": items,
-                  "src": items + 4 * n_items, "k_scale": k_scale, "v_scale": self.v_scale.ptr if self._kv else 0,
-                  "k_src_stride_t": ks[0], "k_src_stride_h": ks[1], "v_src_stride_t": vs[0], "v_src_stride_h": vs[1],
-                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
-                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
-                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
-                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
-                  "n_items": n_items, "heads_kv": H, "head_dim": D, "page_size": self.page_size}
-        # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
-        threads = n_items * H * (32 if self._kv else D // 8)
-        grid = max(1, min(-(-threads // spec.threads), self.device.sm_count * _APPEND_BLOCKS_PER_SM))
-        launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), 0, s, spec.params.pack(values))
 
     def _token_rows(self, i, total: int, s) -> tuple:
         """(device pointer holder, (token stride, head stride)) of new tokens as rows; host data is uploaded."""
@@ -434,6 +430,21 @@ class PagedKVCache:
         tables = (views[2], views[0], 0, views[1], views[3] if order is not None else None)
         self._tables = (key, tables, int(lens.max(initial=0)), int(lens.sum(dtype=np.int64)))
         return self._tables[1:]
+
+    def decode_tables(self, seq_ids, s) -> tuple:
+        """The decode's device page table of ``seq_ids`` (block-table form), kept current by one-token
+        appends (:class:`~pyattn.paged.decode_table.DecodeTable`); built anew after any other change.
+
+        Returns ``((pages, None, row stride, kv_len, order), max_len, total_len)`` as
+        :meth:`device_tables` does.
+        """
+        ids = tuple(seq_ids)
+        t = self._dtab
+        if t is None or t.version != self.book.version or t.ids != ids:
+            t = self._dtab = DecodeTable(self.book, ids, self.device, s)
+        else:
+            t.use(s)
+        return (t.tables, *t.span)
 
     # -- per-channel key scales and SparQ state (pyattn.paged.side_state) ---------------------
     def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:

@@ -1,0 +1,82 @@
+"""A cache's ``kv_append`` launches: its kernels, its parameter struct packed once, its mailbox.
+
+A serving loop appends one token to each sequence per step, so everything an append needs that
+does not change between calls is made once per cache: the kernel for each new-token dtype (a
+spec and a registry lookup cost ~10 us of a step), the parameter struct with the cache's own
+fields packed (:meth:`pyattn.kernels.params.ParamStruct.partial`), and the
+:class:`~pyattn.runtime.mailbox.Mailbox` that hands each append's items to its kernel.
+"""
+
+from __future__ import annotations
+
+from ..kernels.registry import get_kernel
+from ..kernels.specs import DTYPES, KernelSpec
+from ..pipeline.plans import ptx_requested
+from ..runtime.launch import launch
+from ..runtime.mailbox import Mailbox
+
+__all__ = ["Appender"]
+
+_BLOCKS_PER_SM = 8
+
+
+class Appender:
+    """The append launches of one :class:`~pyattn.paged.cache.PagedKVCache` (not thread-safe, as the
+    cache is not)."""
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._kernels: dict = {}  # new tokens' dtype name -> (kernel, spec)
+        self._packer = None  # (struct with the cache's fields packed, threads an item, threads a block)
+        self._mailbox = None
+
+    def box(self) -> Mailbox:
+        """The mailbox for the appends' items (made at the first append)."""
+        if self._mailbox is None:
+            self._mailbox = Mailbox()
+        return self._mailbox
+
+    def kernel(self, dtype: str) -> tuple:
+        """(kernel, spec) of kv_append for new tokens of ``dtype`` (a NumPy dtype name)."""
+        hit = self._kernels.get(dtype)
+        if hit is None:
+            c = self._cache
+            # The spec's dtype is the new tokens' type (the pool's, for a 16-bit cache).
+            spec = KernelSpec("kv_append", DTYPES[dtype][0], 32, c.device.arch, ptx_requested(), kv=c.kv)
+            hit = self._kernels[dtype] = (get_kernel(spec, c.device), spec)
+        return hit
+
+    def launch(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)),
+               patch=(0, 0, 0)) -> None:
+        """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
+        ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
+        tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
+        ``patch`` = (address of n int32 offsets then n values, int32 block they index, n): the
+        decode table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too."""
+        (k_src, ks), (v_src, vs) = k_new, v_new
+        packer, threads_per_item, block = self._packer or self._pack_cache_fields(spec)
+        params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
+                             n_items, patch[2])
+        threads = max(n_items * threads_per_item, patch[2])
+        grid = max(1, min(-(-threads // block), self._cache.device.sm_count * _BLOCKS_PER_SM))
+        launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
+
+    def _pack_cache_fields(self, spec) -> tuple:
+        """The struct with the cache's fields packed, threads an item, threads a block (every
+        kv_append variant has one struct and one block size)."""
+        c = self._cache
+        H, D = c.num_kv_heads, c.head_dim
+        pi = c.pool_info
+        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
+        k_scale = c.k_scale.ptr if c.kv else 0
+        if c.key_scales == "channel":  # kv_key_pages rewrites them; per-token K scales go nowhere
+            k_scale, pks = c._kscratch.ptr, (0, 0, 0)
+        static = {"k": c.k.ptr, "v": c.v.ptr, "k_scale": k_scale, "v_scale": c.v_scale.ptr if c.kv else 0,
+                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
+                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
+                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
+                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
+                  "heads_kv": H, "head_dim": D, "page_size": c.page_size}
+        # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
+        self._packer = (spec.params.partial(static), H * (32 if c.kv else D // 8), spec.threads)
+        return self._packer
