@@ -1,5 +1,6 @@
 """Dev probe: per-stage host cost of a tiny device attention call (the repeat-call path), and the NumPy
-path's timeline. ``torch`` as an argument adds torch tensors."""
+path's timeline. ``torch`` as an argument adds torch tensors; ``decode`` times the tiny decode of
+bench_boundary stage by stage instead of the NumPy timeline, and lists one repeat call's C calls."""
 import time, sys
 import numpy as np
 import pyattn
@@ -24,8 +25,10 @@ d = pyattn.asarray(h)
 dev = pyattn.get_device()
 print("total DeviceArray attention", round(us(lambda: pyattn.attention(d, d, d)), 2)); dev.synchronize()
 # The repeat-call path, stage by stage (each stage timed alone).
-params = dict(q=d, k=d, v=d, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
-              layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None)
+import inspect
+# the call's locals() as attention sees them: every parameter in signature order, defaults but q, k, v
+params = {n: p.default for n, p in inspect.signature(pyattn.attention).parameters.items()}
+params.update(q=d, k=d, v=d)
 key = quick_key(params)
 bound = A._quick.get(key)
 arrays = (d, d, d, None, None, None)
@@ -39,13 +42,8 @@ print("get_plan", round(us(lambda: get_plan(build_fwd_plan, P, dev)), 2))
 s = begin(bound, None, arrays)[0]
 plan = get_plan(build_fwd_plan, P, dev)
 print("allocate (+ free of the previous)", round(us(lambda: allocate(dev, s, *plan.out_layout)), 2)); dev.synchronize()
-print("pack", round(us(lambda: plan.packer.pack(d.ptr, d.ptr, d.ptr, d.ptr, 0, 0, 0, 0, 0, 0, 0, 0)), 2))
 print("run_fwd", round(us(lambda: run_fwd(plan, dev, s, d.ptr, d.ptr, d.ptr)), 2)); dev.synchronize()
 print("_repeat (the whole repeat path)", round(us(lambda: A._repeat(bound, arrays, None, False)), 2)); dev.synchronize()
-from pyattn.runtime.launch import launch
-o = allocate(dev, s, *plan.out_layout)
-params_b = plan.packer.pack(d.ptr, d.ptr, d.ptr, o.ptr, 0, 0, 0, 0, 0, 0, 0, 0)
-print("launch only", round(us(lambda: launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params_b)), 2)); dev.synchronize()
 print("activate only", round(us(lambda: dev.activate()), 2))
 from pyattn.runtime.stream import Event
 e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
@@ -64,25 +62,82 @@ if "torch" in sys.argv:
     print("begin torch", round(us(lambda: begin(tbound, None, (t, t, t, None, None, None))), 2))
     print("torch current stream read", round(us(lambda: torch_current_stream(dev)), 2))
 
-# NumPy path timeline
-import os
-import pyattn.pipeline.host as H, pyattn.pipeline.chunks as C
-q, k, v = (np.random.default_rng(i).standard_normal((1, 4096, 16, 128)).astype(np.float16) for i in range(3))
-for _ in range(3): pyattn.attention(q, k, v)
-ts = []
-for _ in range(9):
-    t0 = time.perf_counter(); pyattn.attention(q, k, v); ts.append((time.perf_counter() - t0) * 1e3)
-print("numpy attention median ms", round(float(np.median(ts)), 3), "min", round(min(ts), 3))
-stamps = []
-def wrap(mod, name, tag):
-    f = getattr(mod, name)
-    def w(*a, **kw):
-        t = time.perf_counter(); r = f(*a, **kw); stamps.append((tag, t, time.perf_counter())); return r
-    setattr(mod, name, w)
-for m, n in ((H, "finish_copies"), (H, "d2h_region"), (C, "_device_attention")):
-    wrap(m, n, n)
-wrap(C._Call, "_launch", "_launch")
-t0 = time.perf_counter(); pyattn.attention(q, k, v); t1 = time.perf_counter()
-print("numpy attention (instrumented) ms", round((t1 - t0) * 1e3, 3))
-for tag, a, b in stamps:
-    print(f"  {tag:18} start {1e3*(a-t0):7.3f}  dur {1e3*(b-a):7.3f}")
+if "decode" not in sys.argv:  # the NumPy path's timeline
+    # NumPy path timeline
+    import os
+    import pyattn.pipeline.host as H, pyattn.pipeline.chunks as C
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 4096, 16, 128)).astype(np.float16) for i in range(3))
+    for _ in range(3): pyattn.attention(q, k, v)
+    ts = []
+    for _ in range(9):
+        t0 = time.perf_counter(); pyattn.attention(q, k, v); ts.append((time.perf_counter() - t0) * 1e3)
+    print("numpy attention median ms", round(float(np.median(ts)), 3), "min", round(min(ts), 3))
+    stamps = []
+    def wrap(mod, name, tag):
+        f = getattr(mod, name)
+        def w(*a, **kw):
+            t = time.perf_counter(); r = f(*a, **kw); stamps.append((tag, t, time.perf_counter())); return r
+        setattr(mod, name, w)
+    for m, n in ((H, "finish_copies"), (H, "d2h_region"), (C, "_device_attention")):
+        wrap(m, n, n)
+    wrap(C._Call, "_launch", "_launch")
+    t0 = time.perf_counter(); pyattn.attention(q, k, v); t1 = time.perf_counter()
+    print("numpy attention (instrumented) ms", round((t1 - t0) * 1e3, 3))
+    for tag, a, b in stamps:
+        print(f"  {tag:18} start {1e3*(a-t0):7.3f}  dur {1e3*(b-a):7.3f}")
+
+# ``decode`` as an argument: the tiny decode of bench_boundary, stage by stage, and the C functions
+# (driver calls among them) one repeat call makes.
+if "decode" in sys.argv:
+    import collections
+    import ml_dtypes
+    from pyattn.ops import decode as Dm
+    from pyattn.ops._decode import run_decode, _build
+    rng = np.random.default_rng(0)
+    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
+    ids = [cache.add_sequence() for _ in range(2)]
+    kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
+    cache.append(ids, kv, kv)
+    qd = pyattn.asarray(rng.standard_normal((2, 1, 8, 64)).astype(ml_dtypes.bfloat16))
+    print("decode DeviceArray q", round(us(lambda: pyattn.decode(qd, cache, ids)), 2)); dev.synchronize()
+    dparams = {n: p.default for n, p in inspect.signature(pyattn.decode).parameters.items()}
+    dparams.update(q=qd, cache=cache.layout_key, seq_ids=2)
+    dkey = quick_key(dparams)
+    dbound = Dm._quick.get(dkey)
+    print("  bound found", dbound is not None)
+    print("  check_ids", round(us(lambda: cache.check_ids(ids)), 2))
+    print("  dict(params) + quick_key", round(us(lambda: quick_key(dict(dparams))), 2))
+    print("  begin", round(us(lambda: begin(dbound, None, (qd, None))), 2))
+    ds = begin(dbound, None, (qd, None))[0]
+    print("  cache.order", round(us(lambda: cache.order(ds)), 2))
+    print("  device_tables", round(us(lambda: cache.device_tables(ids, ds)), 2))
+    tables, max_len, total_len = cache.device_tables(ids, ds)
+    DP = dbound.problem
+    print("  get_plan", round(us(lambda: get_plan(_build, DP, dev)), 2))
+    print("  run_decode", round(us(lambda: run_decode(DP, dev, qd.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, 0,
+                                                       ds, False, (0, 0), total_len)), 2)); dev.synchronize()
+    print("  _repeat", round(us(lambda: Dm._repeat(dbound, cache, ids, (qd, None), None, False)), 2)); dev.synchronize()
+    seen = collections.Counter()
+    def prof(frame, event, arg):
+        if event == "c_call":
+            seen[getattr(arg, "__qualname__", getattr(arg, "__name__", "?"))] += 1
+        elif event == "call":
+            seen["(python) " + frame.f_code.co_name] += 1
+    for _ in range(3): pyattn.decode(qd, cache, ids)
+    sys.setprofile(prof); pyattn.decode(qd, cache, ids); sys.setprofile(None)
+    print("  one repeat decode's calls:", ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
+    seen.clear()
+    for _ in range(3): pyattn.attention(d, d, d)
+    sys.setprofile(prof); pyattn.attention(d, d, d); sys.setprofile(None)
+    print("  one repeat attention's calls:", ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
+    e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
+    s.record(e0)
+    for _ in range(1000): pyattn.decode(qd, cache, ids)
+    s.record(e1); e1.synchronize()
+    print("  GPU-side us per tiny decode (events)", round(e0.elapsed_ms(e1), 3))
+    import cProfile, pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5000): pyattn.decode(qd, cache, ids)
+    pr.disable(); dev.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(22)

@@ -1,6 +1,6 @@
 """Serving benchmark (issue 13): chunked prefill over pages and token-tree verification, one GPU, one run.
 
-Usage: PYTHONPATH=. python scripts/bench_serving.py [--json out.json] [--quick] [--parts chunk,batch,tree]
+Usage: PYTHONPATH=. python scripts/bench_serving.py [--json out.json] [--quick] [--parts chunk,batch,tree,step]
        [--pages 16,64] [--budget 200]
 
 Shapes: bf16, D 128, Hq 32, Hkv 8 (GQA 4). Caches are filled by appends of several sequences at a
@@ -17,6 +17,12 @@ time, so a sequence's pages interleave with others' (the chunk's one sequence wi
   pyattn.verify_tree against pyattn.decode with q_len = n (causal) over the same cache (the same
   keys and queries), and torch SDPA with an explicit boolean mask (its default backend choice).
   Target: verify / decode <= 1.3.
+- step: a serving loop's decode step as users write it, B = 1 / 8 / 64 sequences over ~1k-token
+  prefixes: torch writes each sequence's new K / V (a model's projection stands in: ``normal_``)
+  just before ``cache.append(ids, k, v)``, then ``pyattn.decode(q, cache, ids)`` handed back with
+  ``torch.from_dlpack``. Host us per step (a loop of steps, one sync) against the decode alone on
+  an unchanged cache, and the decode's GPU us: the step's host cost over the decode's is what an
+  engine's loop pays for the cache's bookkeeping.
 - GPU ms: harness.Bench.gpu_ms (pre-roll, median of repeats); caches under 4x the L2 are
   replicated and rotated. TFLOP/s count 4 * Hq * D per visible (query, key) pair. Outputs are
   checked against an fp32 torch reference on sampled rows and against the anchor's output
@@ -246,6 +252,53 @@ def part_tree(bench, args, result) -> None:
             bench.torch.cuda.empty_cache()
 
 
+def step_config(bench, args, B: int, L: int = 1024) -> dict:
+    torch = bench.torch
+    steps = args.reps * args.step_loop + 64
+    cache = pyattn.PagedKVCache(B * (-(-(L + 64 + steps) // 16) + 1) + 8, 16, HKV, D, "bfloat16")
+    ids = [cache.add_sequence() for _ in range(B)]
+    lens = [L - 32 + 64 * i // max(B, 1) for i in range(B)]  # a slightly ragged batch
+    for sid, n in zip(ids, lens):
+        kv = torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+        cache.append([sid], kv, kv)
+    q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.empty(B, 1, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = []
+
+    def step():
+        k_new.normal_()  # torch writes the new token's K / V right before the call
+        v_new.normal_()
+        cache.append(ids, k_new, v_new)
+        out.append(torch.from_dlpack(pyattn.decode(q, cache, ids)))
+        del out[:-2]  # (the results are kept a little, as a model's next layer would hold them)
+
+    decode = lambda: torch.from_dlpack(pyattn.decode(q, cache, ids))  # noqa: E731
+    row = {"batch": B, "prefix": L}
+    row["step_us"] = bench.wall_ms(step, loop=args.step_loop, reps=args.reps) * 1e3
+    row["decode_us"] = bench.wall_ms(decode, loop=args.step_loop, reps=args.reps) * 1e3
+    row["decode_gpu_us"] = bench.gpu_ms(decode, loop=args.loop, reps=args.reps).ms * 1e3
+    # correct against torch SDPA over the gathered keys (one sequence, the last step's tokens)
+    o = torch.from_dlpack(pyattn.decode(q, cache, ids)).float()
+    ptr, idx, _ = cache.page_table(ids[:1])
+    pages = torch.from_dlpack(cache.k)[torch.as_tensor(idx[ptr[0]:ptr[1]], device="cuda").long()]
+    kk = pages.reshape(-1, HKV, D)[: cache.length(ids[0])].float()
+    pages = torch.from_dlpack(cache.v)[torch.as_tensor(idx[ptr[0]:ptr[1]], device="cuda").long()]
+    vv = pages.reshape(-1, HKV, D)[: cache.length(ids[0])].float()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:1].float().transpose(1, 2), kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], enable_gqa=True)
+    row["err"] = float((o[:1].transpose(1, 2) - ref).abs().max())
+    row["flagged"] = row["err"] > TOL
+    return row
+
+
+def part_step(bench, args, result) -> None:
+    for B in (1, 8, 64):
+        row = {"batch": B, "prefix": 1024}
+        got = attempt(row, "step", lambda: step_config(bench, args, B))
+        result["step"].append(got or row)
+        gc.collect()
+
+
 def targets(result) -> list:
     res = []
     for r in result["chunk"]:
@@ -291,8 +344,16 @@ def report(result) -> int:
                                        fmt(r.get("ratio"), ".2f"), fmt(r.get("sdpa_us"), ".1f"),
                                        fmt(r.get("err"), ".1e") + (" !" if r.get("flagged") else ""))
                                       for r in result["tree"]])))
+    print("\n".join(harness.md_table("\nstep: append one token a sequence (torch K / V), then decode (us)",
+                                     ("batch", "prefix", "step, host", "decode alone, host", "decode, GPU",
+                                      "step / decode", "err"),
+                                     [(r["batch"], r["prefix"], fmt(r.get("step_us"), ".1f"),
+                                       fmt(r.get("decode_us"), ".1f"), fmt(r.get("decode_gpu_us"), ".1f"),
+                                       fmt(r["step_us"] / r["decode_us"] if r.get("decode_us") else None, ".2f"),
+                                       fmt(r.get("err"), ".1e") + (" !" if r.get("flagged") else ""))
+                                      for r in result.get("step", [])])))
     failures = 0
-    for part in ("chunk", "batch", "tree"):
+    for part in ("chunk", "batch", "tree", "step"):
         for r in result[part]:
             for e in r.get("errors", []):
                 print(f"  error {part}: {e}")
@@ -304,20 +365,21 @@ def report(result) -> int:
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__)
-    p.add_argument("--parts", default="chunk,batch,tree", help="comma list of chunk, batch, tree")
+    p.add_argument("--parts", default="chunk,batch,tree,step", help="comma list of chunk, batch, tree, step")
     p.add_argument("--pages", default="16,64", help="page sizes for the chunk (the first serves batch and tree)")
     p.add_argument("--budget", type=float, default=200.0, help="skip tree configurations after this many s")
     args = p.parse_args(argv)
     args.reps, args.loop = (3, 5) if args.quick else (7, 10)
+    args.step_loop = 50 if args.quick else 200
     args.pages = [int(x) for x in args.pages.split(",") if x]
     args.tree_batches = (1, 8) if args.quick else (1, 8, 32)
     bench = harness.open_bench(need_torch=True)
     if bench is None:
         return 1
-    result = {"args": {k: v for k, v in vars(args).items()}, "chunk": [], "batch": [], "tree": [],
+    result = {"args": {k: v for k, v in vars(args).items()}, "chunk": [], "batch": [], "tree": [], "step": [],
               "t0": time.perf_counter(), "ceilings": bench.ceilings(reps=args.reps)}
     print(f"== pyattn serving benchmark; ceilings {result['ceilings']}", flush=True)
-    for part, fn in (("chunk", part_chunk), ("batch", part_batch), ("tree", part_tree)):
+    for part, fn in (("chunk", part_chunk), ("batch", part_batch), ("tree", part_tree), ("step", part_step)):
         if part in args.parts:
             try:
                 fn(bench, args, result)
