@@ -1,5 +1,6 @@
 """A serving loop on the GPU: one-token appends then a decode, step after step, with sequences that
-cross page boundaries, fork (copy-on-write), join and leave. The decode's page table is patched by
+cross page boundaries, fork (copy-on-write), join and leave, on every cache kind (8-bit with per-token
+and per-channel key scales, and SparQ's, whose appends read the same items). The decode's page table is patched by
 the appends' own launches (pyattn.paged.decode_table): each step's output must match the fp64
 reference over the tokens the loop appended, and be bit-identical to the same decode over a table
 built fresh from the book (every cache kind, 8-bit ones included). Marked ``gpu``."""
@@ -21,13 +22,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUD
 H, HKV, D = 8, 2, 64
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", ["bfloat16", "float16", "int8", "fp8_e4m3", "int8 channel", "bfloat16 sparq"])
 @pytest.mark.parametrize("page", [1, 16])
 def test_a_serving_loop_decodes_over_the_patched_table(kind, page):
+    kind, _, extra = kind.partition(" ")
+    if page == 1 and extra:
+        pytest.skip("per-channel key scales and SparQ state need pages of 16 / 8 tokens")
     rng = np.random.default_rng(page)
     tok = "bfloat16" if kind in ("int8", "fp8_e4m3") else kind
     dt = DTYPES[tok]
-    c = pyattn.PagedKVCache(4096 // page * 4, page, HKV, D, kind)
+    c = pyattn.PagedKVCache(4096 // page * 4, page, HKV, D, kind, key_scales="channel" if extra == "channel" else "token",
+                            sparq=extra == "sparq")
     ks, vs = {}, {}  # the host model: every token appended to each sequence
 
     def append(ids, k, v, counts=None, device=False):
