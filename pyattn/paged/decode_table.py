@@ -9,7 +9,8 @@ So the cache keeps the last decode's table on the device in vLLM's block-table f
 append of one token to each of its sequences patches it inside its own ``kv_append`` launch: for
 every appended sequence of the table, its new length and the page its token landed in (a fresh
 page, a copy-on-write replacement, or the same page again: always written, so no case is missed),
-two int32 writes riding on the upload the append makes anyway. A host mirror takes the same
+two int32 writes riding with the items the append hands its kernel anyway (through the cache's
+:class:`~pyattn.runtime.mailbox.Mailbox`). A host mirror takes the same
 patches, so the host always knows what the device holds (the split choice reads the lengths; the
 tests compare the mirror against a table built fresh from the book).
 
