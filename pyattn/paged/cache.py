@@ -407,7 +407,8 @@ class PagedKVCache:
         return i, ((st[1], st[2]) if len(i.shape) == 4 else (st[0], st[1]))
 
     def device_tables(self, seq_ids, s) -> tuple:
-        """Device CSR page table of ``seq_ids`` for the decode kernel, reused while nothing changed.
+        """Device CSR page table of ``seq_ids`` (paged prefill, tree verification, SparQ), reused while
+        nothing changed (the decode reads :meth:`decode_tables`).
 
         Returns ``((indices, indptr, 0, kv_len), max_len, total_len)``: the lengths of the longest
         sequence and of all together (the split choice of a ragged batch needs both).
