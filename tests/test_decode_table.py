@@ -161,3 +161,29 @@ def test_a_decode_step_uploads_nothing_and_the_mailbox_waits_before_reusing_a_sl
     fake_driver.CALLS.clear()
     c.append(ids[:1], kv, kv)
     assert "cuMemcpyHtoDAsync" in fake_driver.CALLS
+
+
+def test_a_repeat_append_skips_validation_but_not_its_address_check(gpu, monkeypatch):
+    """The second append of device arrays of one layout is found by its quick key: no Arg is read
+    and nothing validated again, but a misaligned address is still refused before any change."""
+    from pyattn.array import DeviceArray
+
+    c = pyattn.PagedKVCache(256, PS, 2, 32, "bfloat16")
+    ids = [c.add_sequence() for _ in range(2)]
+    k = _kv(2)
+    calls = []
+    real = cache_mod.check_append
+    monkeypatch.setattr(cache_mod, "check_append", lambda *a: calls.append(a) or real(*a))
+    c.append(ids, k, k)
+    c.append(ids, k, k)
+    c.append(ids, k, k)
+    assert len(calls) == 1 and [c.length(s) for s in ids] == [3, 3]
+    bad = DeviceArray(k.ptr + 8, k.shape, k.dtype, k.device, owner=k)  # same layout, 8-byte aligned
+    version = c.book.version
+    with pytest.raises(ValueError, match="k: .*16-byte aligned"):
+        c.append(ids, bad, k)
+    assert c.book.version == version and [c.length(s) for s in ids] == [3, 3] and len(calls) == 1
+    c.append(ids, _kv(2, 2), _kv(2, 2))  # another layout: validated (then keyed) on its own
+    assert len(calls) == 2 and [c.length(s) for s in ids] == [5, 5]
+    with pytest.raises(ValueError, match="k: expected shape"):
+        c.append(ids[:1], k, k)  # another sequence count: validated, and refused

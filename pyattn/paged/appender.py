@@ -1,4 +1,5 @@
-"""A cache's ``kv_append`` launches: its kernels, its parameter struct packed once, its mailbox.
+"""A cache's ``kv_append`` launches: its kernels, its parameter struct packed once, its mailbox,
+and each append's plan, decode-table patches, items and launches (:meth:`Appender.write`).
 
 A serving loop appends one token to each sequence per step, so everything an append needs that
 does not change between calls is made once per cache: the kernel for each new-token dtype (a
@@ -9,8 +10,11 @@ fields packed (:meth:`pyattn.kernels.params.ParamStruct.partial`), and the
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
+from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 from ..runtime.mailbox import Mailbox
@@ -45,6 +49,52 @@ class Appender:
             spec = KernelSpec("kv_append", DTYPES[dtype][0], 32, c.device.arch, ptx_requested(), kv=c.kv)
             hit = self._kernels[dtype] = (get_kernel(spec, c.device), spec)
         return hit
+
+    def write(self, seq_ids, seqs, counts, total, s, rows, kernel, spec, dk=None) -> None:
+        """An append's plan and launches: the book's slots, the decode table's patches, the items
+        (through the mailbox), kv_append, and the per-channel key pages / SparQ rows that follow.
+        ``rows``: ((address, (token stride, head stride)) of the new K and V tokens); ``dk``: the
+        device K tokens (per-channel keys re-read them)."""
+        cache = self._cache
+        book = cache.book
+        before = cache._keys.before(book, seq_ids, counts) if cache._keys is not None else None
+        grown = [(sid, book.length(sid), c) for sid, c in zip(seq_ids, counts)] if cache._sq is not None else None
+        table = cache._dtab if cache._dtab is not None and cache._dtab.version == book.version else None
+        lengths = [q.length for q in seqs] if table is not None else None
+        plan = book.plan_append(seq_ids, counts)  # raises before any change when pages run out
+        patches = table.patches(seq_ids, lengths, counts, plan.dst, cache.page_size) if table is not None else None
+        n_items, n_patches = len(plan.dst) + len(plan.copy_dst), 0 if patches is None else patches[0]
+        if n_items == 0:  # nothing written (every count 0): the book's version moved all the same
+            if table is not None:
+                table.version = book.version
+            return
+        parts = [plan.dst, np.arange(total, dtype=np.int32)]  # destinations, then sources (row s of the new tokens)
+        if len(plan.copy_dst):  # copy-on-write: pool slot x as source -1 - x
+            parts = [plan.dst, plan.copy_dst, parts[1], -1 - plan.copy_src]
+        if n_patches:
+            parts.append(patches[1])
+        # The items go to the kernels through the cache's mailbox (read in place from pinned host
+        # memory) when they fit a slot, as a decode step's do; else uploaded.
+        n = 2 * n_items + (2 * n_patches if n_patches else 0)
+        posted = self.box().take(n)
+        if posted is not None:
+            items, view, slot = posted
+            np.concatenate(parts, out=view)
+        else:
+            (d_items,) = upload([np.concatenate(parts)], cache.device, s)
+            items = d_items.ptr
+        patch = (items + 8 * n_items, table.buf.ptr, n_patches) if n_patches else (0, 0, 0)
+        self.launch(spec, kernel, s, items, n_items, rows[0], rows[1], patch)
+        if patches is not None:  # the decode table followed this append (its patches ride in this launch)
+            table.version = book.version
+            if n_patches:
+                table.use(s)
+        if cache._keys is not None:
+            cache._append_key_pages(spec.dtype, dk, rows[0][1], counts, before, plan.dst, s)
+        if cache._sq is not None:
+            cache._append_sparq(grown, items, n_items, s)
+        if posted is not None:  # (after every kernel that reads the items)
+            self.box().sent(slot, s)
 
     def launch(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)),
                patch=(0, 0, 0)) -> None:
