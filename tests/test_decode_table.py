@@ -187,3 +187,18 @@ def test_a_repeat_append_skips_validation_but_not_its_address_check(gpu, monkeyp
     assert len(calls) == 2 and [c.length(s) for s in ids] == [5, 5]
     with pytest.raises(ValueError, match="k: expected shape"):
         c.append(ids[:1], k, k)  # another sequence count: validated, and refused
+
+
+@pytest.mark.parametrize("host_q", [False, True])
+def test_an_empty_batch_decodes_to_empty_results_without_a_launch(gpu, host_q):
+    """A serving step with no sequence to decode (every request in prefill) returns empty results;
+    it raised ZeroDivisionError in the split choice before."""
+    c = pyattn.PagedKVCache(64, PS, 2, 32, "bfloat16")
+    q = np.zeros((0, 1, 4, 32), ml_dtypes.bfloat16) if host_q else _q(0)
+    gpu.record_launches = True
+    fake_driver.LAUNCHES.clear()
+    out, lse = pyattn.decode(q, c, [], return_lse=True)
+    assert out.shape == (0, 1, 4, 32) and lse.shape == (0, 4, 1)
+    pools = pyattn.empty((4, PS, 2, 32), ml_dtypes.bfloat16)
+    out = pyattn.paged_decode(q, pools, pools, block_table=np.zeros((0, 1), np.int32), seq_lens=np.zeros(0, np.int32))
+    assert out.shape == (0, 1, 4, 32) and not fake_driver.LAUNCHES

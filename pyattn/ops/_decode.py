@@ -179,6 +179,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     (out, lse or None) as DeviceArrays
     """
     plan = get_plan(_build, P, device)
+    if plan.n_rows == 0:  # an empty batch (a serving step with no sequence to decode): empty results
+        return allocate(device, s, *plan.out_layout), (allocate(device, s, *plan.lse_layout) if return_lse else None)
     if P.num_splits:
         splits = P.num_splits
     else:
