@@ -1,4 +1,5 @@
-"""Serving benchmark (issue 13): chunked prefill over pages and token-tree verification, one GPU, one run.
+"""Serving benchmark (issues 13, 11): chunked prefill over pages, token-tree verification and a
+decode loop's step, one GPU, one run.
 
 Usage: PYTHONPATH=. python scripts/bench_serving.py [--json out.json] [--quick] [--parts chunk,batch,tree,step]
        [--pages 16,64] [--budget 200]

@@ -31,8 +31,8 @@ def test_a_serving_loop_decodes_over_the_patched_table(kind, page):
     rng = np.random.default_rng(page)
     tok = "bfloat16" if kind in ("int8", "fp8_e4m3") else kind
     dt = DTYPES[tok]
-    c = pyattn.PagedKVCache(4096 // page * 4, page, HKV, D, kind, key_scales="channel" if extra == "channel" else "token",
-                            sparq=extra == "sparq")
+    c = pyattn.PagedKVCache(4096 // page * 4, page, HKV, D, kind, sparq=extra == "sparq",
+                            key_scales="channel" if extra == "channel" else "token")
     ks, vs = {}, {}  # the host model: every token appended to each sequence
 
     def append(ids, k, v, counts=None, device=False):

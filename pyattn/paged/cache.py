@@ -17,9 +17,8 @@ import itertools
 import numpy as np
 
 from ..array import DeviceArray, empty
-from ..interop.inputs import numpy_dtype, read
+from ..interop.inputs import numpy_dtype, quick_key, read
 from ..interop.streams import note_use
-from ..interop.inputs import quick_key
 from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.host import upload
 from ..quant import KEPT_CHANNELS, code_dtype, kind_of
