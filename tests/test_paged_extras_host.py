@@ -116,3 +116,20 @@ def test_sparq_decode_needs_a_sparq_cache_and_live_tokens(gpu):
         pyattn.sparq_decode(np.ones((1, 1, 64, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)
     with pytest.raises(ValueError, match="^q: SparQ decodes one new token"):
         pyattn.sparq_decode(np.ones((1, 2, 4, 64), ml_dtypes.bfloat16), cache, [s], r=8, k=4)
+
+
+def test_packed_append_counts_may_be_any_iterable_of_ints(gpu):
+    """counts as a generator or a NumPy array append what a list does (a generator used to be used
+    up by the type check, and the append then refused its own shape); a non-iterable is refused."""
+    c = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
+    ids = [c.add_sequence() for _ in range(3)]
+    kv = np.zeros((6, 2, 64), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv, counts=[1, 2, 3])
+    c.append(ids, kv, kv, counts=(n for n in (3, 2, 1)))
+    c.append(ids, kv, kv, counts=np.array([2, 2, 2]))
+    assert [c.length(s) for s in ids] == [6, 6, 6]
+    with pytest.raises(TypeError, match="counts: expected a sequence of ints, got int"):
+        c.append(ids, kv, kv, counts=6)
+    with pytest.raises(TypeError, match="counts: expected ints"):
+        c.append(ids, kv, kv, counts=[1.0, 2, 3])
+    assert [c.length(s) for s in ids] == [6, 6, 6]

@@ -297,6 +297,10 @@ def check_append(ki, vi, counts, n_seqs: int, heads: int, head_dim: int, kv: str
     if len(ki.shape) == 3:
         if counts is None:
             raise ValueError("counts: required for packed (total, heads, dim) k/v")
+        try:  # once, as a list: a generator would be used up by the checks below
+            counts = list(counts)
+        except TypeError:
+            raise TypeError(f"counts: expected a sequence of ints, got {type(counts).__name__}") from None
         if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
             raise TypeError(f"counts: expected ints, got {list(counts)}")
         counts = [int(c) for c in counts]
