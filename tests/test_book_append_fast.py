@@ -355,9 +355,14 @@ def test_empty_call():
 
 # -- seq_list -------------------------------------------------------------------------------------
 def seq_list_reference(book, seq_ids, name="seq_ids"):
-    """seq_list as it was before the fast lookup."""
+    """seq_list as it was before the fast lookup (an unhashable id named as the argument since:
+    it used to be a bare ``TypeError: unhashable type``, found by tests/test_append_validation.py)."""
     ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-    if len(set(ids)) != len(ids):
+    try:
+        distinct = len(set(ids)) == len(ids)
+    except TypeError:
+        raise TypeError(f"{name}: expected int sequence ids, got {ids!r}") from None
+    if not distinct:
         raise ValueError(f"{name}: expected distinct sequence ids, got {ids}")
     return [book._seq(i, name) for i in ids]
 

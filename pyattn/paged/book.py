@@ -151,7 +151,11 @@ class PageBook:
     def seq_list(self, seq_ids, name: str = "seq_ids") -> list:
         """Validate ``seq_ids`` (live, no repeats) and return their records."""
         ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-        if len(set(ids)) != len(ids):
+        try:
+            distinct = len(set(ids)) == len(ids)
+        except TypeError:  # an unhashable id (a list, an array): no sequence id at all
+            raise TypeError(f"{name}: expected int sequence ids, got {ids!r}") from None
+        if not distinct:
             raise ValueError(f"{name}: expected distinct sequence ids, got {ids}")
         # Called several times per decode step: when every id is of a plain integer type (so no
         # bool, which would hash as sequence 0 or 1), one C-level pass of dict lookups does it.
