@@ -125,3 +125,27 @@ def test_the_valid_bases_reach_the_driver(cache, data):
     ids, k, v, kwargs = _base(data.draw)
     with pytest.raises(Reached):
         cache.append(ids, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("paths, sizes, error", [
+    ([[5, 2]], 4, "paths: expected ascending tree indices"),
+    ("x", 4, "paths: expected a 1-D sequence of ints"),
+    ([[0]], 99, "tree_sizes: expected 0 <= tree size"),
+    ([[0], [1]], 4, "paths, tree_sizes: expected one per sequence"),
+    ([[0.5]], 4, "paths: expected a 1-D sequence of ints"),
+])
+def test_accept_checks_everything_before_device_work(cache, paths, sizes, error):
+    """accept used to activate the device and look its kernel up before its paths were checked."""
+    cache.book.plan_append([0], [8])
+    version = cache.book.version
+    with pytest.raises((ValueError, TypeError), match=f"^{re.escape(error)}"):
+        cache.accept([0], paths, sizes)
+    assert cache.book.version == version
+
+
+def test_block_table_pad_must_be_an_int32(cache):
+    with pytest.raises(TypeError, match="^pad: expected an int, got str"):
+        cache.block_table([0], pad="x")
+    with pytest.raises(ValueError, match="^pad: expected an int32"):
+        cache.block_table([0], pad=2**40)
+    assert cache.block_table([0], pad=-7)[0].dtype == np.int32

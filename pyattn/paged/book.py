@@ -382,6 +382,39 @@ class PageBook:
         free of overlaps (no slot is both read and written). Raises before changing anything,
         :class:`OutOfPagesError` included.
         """
+        plans, ps = self.check_accept(seq_ids, paths, tree_sizes), self.page_size
+        src, dst, released = [], [], []
+        for seq, base, p, k, first, fresh in plans:
+            m = p.size
+            end = base + m
+            if fresh:
+                old = seq.page_list()
+                new = np.array([self._free.pop() for _ in range(fresh)], np.int32)
+                self.refcount[new] = 1
+                # new positions [first * ps, end): the kept slots below base + k, then the moved tokens
+                pos = np.arange(first * ps, end, dtype=np.int64)
+                from_pos = np.where(pos < base + k, pos, base + p[np.clip(pos - base, 0, m - 1)])
+                src.append(old[from_pos // ps].astype(np.int64) * ps + from_pos % ps)
+                dst.append(new[pos // ps - first].astype(np.int64) * ps + pos % ps)
+                released.append(old[first:].copy())
+                seq.reserve(first + fresh)
+                seq.pages[first: first + fresh] = new
+                seq.n_pages = first + fresh
+            else:  # everything kept is in place: drop the rest
+                keep = -(-end // ps)
+                released.append(seq.pages[keep: seq.n_pages].copy())
+                seq.n_pages = keep
+            seq.length = end
+        for pages in released:  # after every new page was taken: no slot is reused within the launch
+            self._release(pages)
+        self.version += 1
+        cat = (lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32))
+        return AcceptPlan(cat(src), cat(dst))
+
+    def check_accept(self, seq_ids, paths, tree_sizes) -> list:
+        """:meth:`plan_accept`'s checks, changing nothing: raises as it would (``OutOfPagesError``
+        included), else returns its per-sequence plans. ``PagedKVCache.accept`` calls it before any
+        device work, then plan_accept after its kernel is ready."""
         seqs = self.seq_list(seq_ids)
         try:
             sizes = [tree_sizes] * len(seqs) if isinstance(tree_sizes, (int, np.integer)) else list(tree_sizes)
@@ -417,34 +450,7 @@ class PageBook:
             need += fresh
         if need > len(self._free):
             raise OutOfPagesError(need, len(self._free), f"accepting the draft tokens of {len(seqs)} sequence(s)")
-
-        src, dst, released = [], [], []
-        for seq, base, p, k, first, fresh in plans:
-            m = p.size
-            end = base + m
-            if fresh:
-                old = seq.page_list()
-                new = np.array([self._free.pop() for _ in range(fresh)], np.int32)
-                self.refcount[new] = 1
-                # new positions [first * ps, end): the kept slots below base + k, then the moved tokens
-                pos = np.arange(first * ps, end, dtype=np.int64)
-                from_pos = np.where(pos < base + k, pos, base + p[np.clip(pos - base, 0, m - 1)])
-                src.append(old[from_pos // ps].astype(np.int64) * ps + from_pos % ps)
-                dst.append(new[pos // ps - first].astype(np.int64) * ps + pos % ps)
-                released.append(old[first:].copy())
-                seq.reserve(first + fresh)
-                seq.pages[first: first + fresh] = new
-                seq.n_pages = first + fresh
-            else:  # everything kept is in place: drop the rest
-                keep = -(-end // ps)
-                released.append(seq.pages[keep: seq.n_pages].copy())
-                seq.n_pages = keep
-            seq.length = end
-        for pages in released:  # after every new page was taken: no slot is reused within the launch
-            self._release(pages)
-        self.version += 1
-        cat = (lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32))
-        return AcceptPlan(cat(src), cat(dst))
+        return plans
 
     # -- exports -----------------------------------------------------------------------------
     def csr(self, seq_ids) -> tuple:
@@ -469,6 +475,10 @@ class PageBook:
         padded with ``pad``; ``lengths[i]`` is its token count.
         """
         seqs = self.seq_list(seq_ids)
+        if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, (int, np.integer)):
+            raise TypeError(f"pad: expected an int, got {type(pad).__name__}")
+        if not -2**31 <= pad < 2**31:
+            raise ValueError(f"pad: expected an int32, got {pad}")
         width = max((s.n_pages for s in seqs), default=0)
         table = np.full((len(seqs), width), pad, np.int32)
         for row, s in zip(table, seqs):

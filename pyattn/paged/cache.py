@@ -370,7 +370,7 @@ class PagedKVCache:
             raise ValueError(f"accept: not supported on caches made with key_scales='channel' or sparq=True, got "
                              f"key_scales={self.key_scales!r}, sparq={self.kt is not None}")
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-        self.book.seq_list(seq_ids)
+        self.book.check_accept(seq_ids, paths, tree_sizes)  # every check before any device work
         self.device.activate()
         s = as_stream(stream, self.device)
         # The kernel before the plan: a compile error leaves the cache as it was.
