@@ -25,7 +25,7 @@ from ..quant import KEPT_CHANNELS, code_dtype, kind_of
 from ..runtime.device import Device, get_device
 from ..runtime.stream import as_stream, check_stream_arg, order_after
 from ..validate.paged import (DECODE_DTYPES, PoolInfo, check_append, check_cache_options,
-                              check_token_rows)
+                              check_token_address, check_token_rows)
 from .book import PageBook, longest_first
 from . import side_state
 from .appender import Appender
@@ -37,11 +37,9 @@ __all__ = ["PagedKVCache"]
 
 
 def _check_rows(problem, ptrs) -> None:
-    """A repeat append's per-call check (check_token_rows' address part): 16-byte aligned tokens."""
-    for name, ptr in zip(("k", "v"), ptrs):
-        if ptr % 16:
-            raise ValueError(f"{name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
-                             f"strides multiples of 8 elements and a 16-byte aligned address; got address {ptr:#x}")
+    """A repeat append's per-call check: its tokens' addresses (the layout was checked at the first call)."""
+    check_token_address("k", ptrs[0])
+    check_token_address("v", ptrs[1])
 
 _layout_tokens: dict = {}  # PoolInfo -> a number naming that layout in memo keys (see layout_key)
 _token_counter = itertools.count()

@@ -311,13 +311,24 @@ def check_append(ki, vi, counts, n_seqs: int, heads: int, head_dim: int, kv: str
     raise ValueError(f"k: expected (batch, t, {H}, {D}) or packed (total, {H}, {D}), got {ki.shape}")
 
 
+def _chunks_error(name: str, got: str) -> ValueError:
+    return ValueError(f"{name}: the append kernel copies 16-byte chunks: head_dim contiguous, other strides "
+                      f"multiples of 8 elements and a 16-byte aligned address; got {got}")
+
+
+def check_token_address(name: str, ptr: int) -> None:
+    """The per-call part of :func:`check_token_rows`: a 16-byte aligned address (a repeat append,
+    whose layout was checked at its first call, checks only this)."""
+    if ptr % 16:
+        raise _chunks_error(name, f"address {ptr:#x}")
+
+
 def check_token_rows(i) -> None:
     """A device token array (an Arg) the append kernel can read: 16-byte chunks, collapsible rows."""
     st = i.strides
-    if st[-1] != 1 or any(x % 8 for x in st[:-1]) or i.ptr % 16:
-        raise ValueError(f"{i.name}: the append kernel copies 16-byte chunks: head_dim contiguous, other "
-                         f"strides multiples of 8 elements and a 16-byte aligned address; got element "
-                         f"strides {st}")
+    if st[-1] != 1 or any(x % 8 for x in st[:-1]):
+        raise _chunks_error(i.name, f"element strides {st}")
+    check_token_address(i.name, i.ptr)
     if len(i.shape) == 4 and i.shape[0] > 1 and i.shape[1] > 0 and st[0] != i.shape[1] * st[1]:
         # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
         raise ValueError(f"{i.name}: (batch, t) must collapse into one token axis (stride_b == t * "
