@@ -17,6 +17,23 @@ import pyattn
 from pyattn.runtime.stream import Event, default_stream
 
 
+def per_call_us(fn, n: int, sync, *, warmup: int = 20, host_only: bool = False) -> float:
+    """Wall us per call of a loop of ``n`` calls of ``fn`` after ``warmup`` more and a ``sync()``;
+    the final ``sync()`` is inside the timed span unless ``host_only`` (then the figure is the
+    loop's submit time alone, with the launch queue far from full)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if not host_only:
+        sync()
+    r = (time.perf_counter() - t) / n * 1e6
+    sync()
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
@@ -40,15 +57,7 @@ def main():
             cache.append(ids, kn, kn)
             return pyattn.decode(q, cache, ids)
 
-        def timed(fn, n):
-            for _ in range(20):
-                fn()
-            dev.synchronize()
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            dev.synchronize()
-            return (time.perf_counter() - t) / n * 1e6
+        timed = lambda fn, n: per_call_us(fn, n, dev.synchronize)  # noqa: E731
 
         def gpu(fn, n):
             e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
@@ -91,16 +100,7 @@ def micro():
     items = np.arange(48, dtype=np.int32)
     ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
 
-    def us(fn, n=3000):
-        for _ in range(200):
-            fn()
-        dev.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        r = (time.perf_counter() - t) / n * 1e6
-        dev.synchronize()
-        return r
+    us = lambda fn: per_call_us(fn, 3000, dev.synchronize, warmup=200, host_only=True)  # noqa: E731
 
     pool = get_pool(dev)
     print(f"upload of 192 bytes {us(lambda: upload([items], dev, s)):.2f} us | pool allocate + free "
@@ -125,17 +125,11 @@ def torch_costs():
     dev.synchronize()
     torch.cuda.synchronize()
 
-    def us(fn, n=600):
-        for _ in range(50):
-            fn()
+    def sync():
         torch.cuda.synchronize()
         dev.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        dev.synchronize()
-        return (time.perf_counter() - t) / n * 1e6
+
+    us = lambda fn: per_call_us(fn, 600, sync, warmup=50)  # noqa: E731
 
     out = pyattn.decode(dq, cache, ids)
     rows = [("tk.normal_()", lambda: tk.normal_()),
