@@ -367,7 +367,7 @@ class PageBook:
         return seq.length % self.page_size != 0 and self.refcount[seq.pages[seq.n_pages - 1]] > 1
 
     # -- speculative decoding: keep an accepted branch of a draft tree ---------------------
-    def plan_accept(self, seq_ids, paths, tree_sizes) -> AcceptPlan:
+    def plan_accept(self, seq_ids, paths, tree_sizes, *, checked=None) -> AcceptPlan:
         """Keep the accepted tokens ``paths[i]`` of the draft tree at the end of each ``seq_ids[i]``.
 
         Sequence ``i`` ends with a tree of ``tree_sizes[i]`` tokens (appended in tree order);
@@ -380,9 +380,11 @@ class PageBook:
         (the plan) from its old pages, which it then releases. Fresh pages make copy-on-write
         automatic (a page shared with a fork is never written) and keep the copies of one launch
         free of overlaps (no slot is both read and written). Raises before changing anything,
-        :class:`OutOfPagesError` included.
+        :class:`OutOfPagesError` included. ``checked``: :meth:`check_accept`'s result for these
+        arguments on the book as it is now (its checks are then not repeated).
         """
-        plans, ps = self.check_accept(seq_ids, paths, tree_sizes), self.page_size
+        plans = checked if checked is not None else self.check_accept(seq_ids, paths, tree_sizes)
+        ps = self.page_size
         src, dst, released = [], [], []
         for seq, base, p, k, first, fresh in plans:
             m = p.size
@@ -414,7 +416,7 @@ class PageBook:
     def check_accept(self, seq_ids, paths, tree_sizes) -> list:
         """:meth:`plan_accept`'s checks, changing nothing: raises as it would (``OutOfPagesError``
         included), else returns its per-sequence plans. ``PagedKVCache.accept`` calls it before any
-        device work, then plan_accept after its kernel is ready."""
+        device work, then hands them to plan_accept once its kernel is ready."""
         seqs = self.seq_list(seq_ids)
         try:
             sizes = [tree_sizes] * len(seqs) if isinstance(tree_sizes, (int, np.integer)) else list(tree_sizes)

@@ -308,6 +308,7 @@ class PagedKVCache:
         for i in (ki, vi):
             if i.on_device:
                 check_token_rows(i)
+        strides = self._row_strides(ki), self._row_strides(vi)
         if ki.on_device:
             device, s, (ki, vi) = start(stream, [ki, vi])
             if device is not self.device:
@@ -316,7 +317,7 @@ class PagedKVCache:
             if qkey is not None:
                 if len(self._quick) >= 64:
                     self._quick.clear()
-                problem = (counts, total, self._row_strides(ki), self._row_strides(vi), ki.dtype.name)
+                problem = (counts, total, *strides, ki.dtype.name)
                 self._quick[qkey] = bind(problem, device, [ki, vi], _check_rows)
         else:
             self.device.activate()
@@ -324,8 +325,7 @@ class PagedKVCache:
         self.order(s)
         dk, dv = self._token_rows(ki, total, s), self._token_rows(vi, total, s)  # (host tokens are uploaded)
         kernel, spec = self._appender.kernel(ki.dtype.name)
-        rows = ((dk.ptr if dk is not None else 0, self._row_strides(ki)),
-                (dv.ptr if dv is not None else 0, self._row_strides(vi)))
+        rows = (dk.ptr if dk is not None else 0, strides[0]), (dv.ptr if dv is not None else 0, strides[1])
         self._appender.write(seq_ids, seqs, counts, total, s, rows, kernel, spec, dk)
         finish(s, [ki, vi])
 
@@ -368,12 +368,12 @@ class PagedKVCache:
             raise ValueError(f"accept: not supported on caches made with key_scales='channel' or sparq=True, got "
                              f"key_scales={self.key_scales!r}, sparq={self.kt is not None}")
         seq_ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-        self.book.check_accept(seq_ids, paths, tree_sizes)  # every check before any device work
+        checked = self.book.check_accept(seq_ids, paths, tree_sizes)  # every check before any device work
         self.device.activate()
         s = as_stream(stream, self.device)
         # The kernel before the plan: a compile error leaves the cache as it was.
         kernel, spec = self._appender.kernel("bfloat16" if self._kv else self.dtype.name)
-        plan = self.book.plan_accept(seq_ids, paths, tree_sizes)
+        plan = self.book.plan_accept(seq_ids, paths, tree_sizes, checked=checked)
         n_items = len(plan.copy_dst)
         if n_items == 0:
             return
