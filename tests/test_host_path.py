@@ -215,6 +215,145 @@ def test_fast_path_follows_the_stream_rule(gpu):
     assert fake_driver.CALLS["cuStreamWaitEvent"] == 1
 
 
+# -- CUDA array interfaces (CuPy, Numba, ...) on the fast path ------------------------------------------
+class _Cai:
+    """A CuPy-like array: its interface dict built on each access (with the stream current now),
+    its device told by ``__dlpack_device__``. ``reads`` counts the interface's reads."""
+
+    def __init__(self, da, stream=0x5000, typestr=None, strides=None, ordinal=0, **extra):
+        self.da, self.stream, self.ordinal, self.extra, self.reads = da, stream, ordinal, extra, 0
+        self.typestr = typestr or da.dtype.str
+        self.strides = strides
+
+    def __dlpack_device__(self):
+        return (2, self.ordinal)
+
+    @property
+    def dtype(self):  # (names bfloat16, whose interface typestr is the opaque '<V2')
+        return self.da.dtype
+
+    @property
+    def __cuda_array_interface__(self):
+        self.reads += 1
+        cai = {"shape": self.da.shape, "typestr": self.typestr, "data": (self.da.ptr, False),
+               "strides": self.strides, "version": 3, "stream": self.stream}
+        cai.update(self.extra)
+        return cai
+
+
+def test_cai_repeat_calls_take_the_fast_path(gpu, full):
+    """A repeat call on interface arrays reads each interface once, and follows its new pointer
+    and its new producer stream; the driver calls are those of a DeviceArray call plus the wait
+    for the producer (rule 3: pyattn's stream waits for the interface's stream)."""
+    gpu.record_launches = True
+    a, b = _Cai(_da()), _Cai(_da())
+    pyattn.attention(a, a, a)
+    assert len(full) == 1
+    a.reads = 0
+    fake_driver.LAUNCHES.clear()
+    fake_driver.CALLS.clear()
+    o = pyattn.attention(a, b, a)
+    assert len(full) == 1 and a.reads == 2 and b.reads == 1
+    assert fake_driver.LAUNCHES[0][3][:4] == (a.da.ptr, b.da.ptr, a.da.ptr, o.ptr)
+    del o  # (in a steady loop the previous result's block is reused)
+    assert _repeat_calls(lambda: pyattn.attention(a, b, a)) == {  # one wait: a and b name the same stream
+        "cuCtxGetCurrent": 1, "cuEventRecord": 1, "cuStreamWaitEvent": 1, "cuLaunchKernel": 1}
+    b.stream = 0x6000  # the user switched streams: the op waits for the new one too
+    fake_driver.CALLS.clear()
+    pyattn.attention(a, b, a)
+    assert fake_driver.CALLS["cuStreamWaitEvent"] == 2 and len(full) == 1
+    b.stream = None  # CAI v3 without a stream: the legacy default stream wrote it
+    fake_driver.CALLS.clear()
+    pyattn.attention(a, b, a)
+    assert fake_driver.CALLS["cuStreamWaitEvent"] == 2 and len(full) == 1
+    out = _Cai(_da())
+    pyattn.attention(a, a, a, out=out)
+    assert pyattn.attention(a, a, a, out=out) is out and len(full) == 2
+
+
+@pytest.mark.parametrize("what", ["shape", "strides", "typestr", "device", "type"])
+def test_cai_layout_changes_miss_the_fast_path(gpu, full, what):
+    x = _Cai(_da())
+    pyattn.attention(x, x, x)
+    pyattn.attention(x, x, x)
+    assert len(full) == 1
+    swapped = (x.da.strides[0], x.da.strides[2], x.da.strides[1], x.da.strides[3])  # bytes: a transposed view
+
+    class Other(_Cai):
+        pass
+
+    y = {"shape": lambda: _Cai(_da((1, 32, 2, 64))), "strides": lambda: _Cai(_da(), strides=swapped),
+         "typestr": lambda: _Cai(_da(dtype=np.float32)), "device": lambda: _Cai(_da(device=pyattn.get_device(1)),
+                                                                                  ordinal=1),
+         "type": lambda: Other(_da())}[what]()
+    pyattn.attention(y, y, y)
+    assert len(full) == 2
+    pyattn.attention(y, y, y)
+    assert len(full) == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(data=(0x10000, True)), r"^k: the array is read-only"),
+    (dict(mask=(1,)), r"^k: masked arrays are not supported"),
+    (dict(stream=0), r"^k: __cuda_array_interface__ stream must be None or a nonzero int"),
+    (dict(stream="7"), r"^k: __cuda_array_interface__ stream must be None or a nonzero int"),
+    (dict(data=(-1, False)), r"^k: __cuda_array_interface__ data must be"),
+])
+def test_cai_fields_the_full_path_refuses_are_refused_after_a_hit(gpu, full, bad, match):
+    """The key holds the layout only: an interface of the same layout whose other fields are bad
+    leaves the fast path and is refused there, naming the argument."""
+    x = _Cai(_da())
+    pyattn.attention(x, x, x)
+    pyattn.attention(x, x, x)
+    y = _Cai(x.da)
+    stream = bad.pop("stream", "keep")
+    if stream != "keep":
+        y.stream = stream
+    y.extra = bad
+    with pytest.raises((ValueError, TypeError), match=match):
+        pyattn.attention(x, y, x)
+
+
+def test_cai_fast_path_checks_addresses(gpu, full):
+    x = _Cai(_da())
+    pyattn.attention(x, x, x)
+    y = _Cai(_da(ptr=x.da.ptr + 2))
+    with pytest.raises(ValueError, match=r"^k: .*16-byte aligned"):
+        pyattn.attention(x, y, x)
+    assert len(full) == 1  # refused on the fast path
+
+
+def test_cai_without_a_told_device_has_no_fast_path(gpu, full):
+    """Without ``__dlpack_device__`` the device is asked of the driver each call: no key."""
+    import types
+
+    x = _da()
+    cai = {"shape": x.shape, "typestr": "<f2", "data": (x.ptr, False), "version": 3}
+    ns = types.SimpleNamespace(__cuda_array_interface__=cai)
+    for _ in range(3):
+        pyattn.attention(ns, ns, ns)
+    assert len(full) == 3
+
+
+def test_cai_decode_and_append_repeat_calls(gpu, cache, full_decode):
+    c, ids = cache
+    gpu.record_launches = True
+    q = _Cai(_da((2, 1, 8, 64), ml_dtypes.bfloat16))
+    pyattn.decode(q, c, ids)
+    q2 = _Cai(_da((2, 1, 8, 64), ml_dtypes.bfloat16))
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q2, c, ids)
+    assert len(full_decode) == 1 and q2.reads == 1
+    assert fake_driver.LAUNCHES[0][3][:4] == (q2.da.ptr, c.k.ptr, c.v.ptr, out.ptr)
+    k = _Cai(_da((2, 1, 2, 64), ml_dtypes.bfloat16))
+    c.append(ids, k, k)
+    assert k.reads == 4  # the full path: the key's read and the Arg's, as k and as v
+    k2 = _Cai(_da((2, 1, 2, 64), ml_dtypes.bfloat16))
+    c.append(ids, k2, k2)
+    assert k2.reads == 2  # a repeat append: the key's reads only
+    assert [c.length(i) for i in ids] == [258, 258]
+
+
 # -- decode ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def cache(gpu):

@@ -119,10 +119,11 @@ def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, al
     """
     params = locals()
     check_stream_arg(stream)
-    qkey = quick_key(params)
+    reads = {}  # (the pointers and producers of CUDA array interfaces, read with the key)
+    qkey = quick_key(params, reads)
     bound = _quick.get(qkey)
     if bound is not None:  # a repeat call: only pointers and producer streams are read
-        return _repeat(bound, (q, k, v, mask, alibi_slopes, out), stream, return_lse)
+        return _repeat(bound, (q, k, v, mask, alibi_slopes, out), stream, return_lse, reads)
     # (a separate function: its closures and many locals would slow every call of this one)
     return _full(qkey, params, **params)
 
@@ -168,11 +169,12 @@ def _full(qkey, params, *, q, k, v, causal, mask, window, softcap, alibi_slopes,
     return (o, lse) if return_lse else o
 
 
-def _repeat(bound, arrays, stream, return_lse):
-    """A call whose quick key was seen: the problem is known, its arrays are DeviceArrays or torch
-    tensors (device ones), so masks and slopes are read in place and nothing is uploaded."""
+def _repeat(bound, arrays, stream, return_lse, reads):
+    """A call whose quick key was seen: the problem is known, its arrays are DeviceArrays, torch
+    tensors (device ones) or CUDA array interfaces, so masks and slopes are read in place and
+    nothing is uploaded."""
     P, device = bound.problem, bound.device
-    s, (q, k, v, mask, alibi, out) = begin(bound, stream, arrays)  # (addresses checked: _check)
+    s, (q, k, v, mask, alibi, out) = begin(bound, stream, arrays, reads)  # (addresses checked: _check)
     given = arrays[5] is not None
     plan = get_plan(build_fwd_plan, P, device)
     o, lse = run_fwd(plan, device, s, q, k, v, out=out if given else None, return_lse=return_lse,

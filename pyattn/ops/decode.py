@@ -180,10 +180,11 @@ def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_s
     # The problem depends on the cache's layout and device and on how many sequences, not which (a
     # copy: the frame's own locals() must not change, and keys must not hold the cache alive).
     keyed = dict(params, cache=cache.layout_key, seq_ids=len(ids))
-    qkey = quick_key(keyed)
+    reads = {}  # (the pointers and producers of CUDA array interfaces, read with the key)
+    qkey = quick_key(keyed, reads)
     bound = _quick.get(qkey)
     if bound is not None:  # a repeat call: only pointers and producer streams are read
-        return _repeat(bound, cache, ids, (q, alibi_slopes), stream, return_lse)
+        return _repeat(bound, cache, ids, (q, alibi_slopes), stream, return_lse, reads)
     return _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse)
 
 
@@ -224,11 +225,11 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _repeat(bound, cache, ids, arrays, stream, return_lse):
-    """A decode whose quick key was seen: q (and the slopes) are DeviceArrays or torch tensors on the
-    cache's device; the cache's own order and tables are kept by the cache."""
+def _repeat(bound, cache, ids, arrays, stream, return_lse, reads):
+    """A decode whose quick key was seen: q (and the slopes) are DeviceArrays, torch tensors or CUDA
+    array interfaces on the cache's device; the cache's own order and tables are kept by the cache."""
     P, device = bound.problem, bound.device
-    s, (q, alibi) = begin(bound, stream, arrays)  # (q's address checked: _check)
+    s, (q, alibi) = begin(bound, stream, arrays, reads)  # (q's address checked: _check)
     cache.order(s)
     tables, max_len, total_len = cache.decode_tables(ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)

@@ -293,10 +293,11 @@ class PagedKVCache:
         # A repeat of a device-array append (a decode loop's) is found by its quick key, as an op's
         # repeat call is (pyattn.pipeline.device.begin): only pointers and producer streams are read.
         plain = self._keys is None and self._sq is None and counts is None
-        qkey = quick_key({"k": k, "v": v, "n": len(seq_ids), "stream": stream}) if plain else None
+        reads = {}  # (the pointers and producers of CUDA array interfaces, read with the key)
+        qkey = quick_key({"k": k, "v": v, "n": len(seq_ids), "stream": stream}, reads) if plain else None
         bound = self._quick.get(qkey) if qkey is not None else None
         if bound is not None:
-            s, (kp, vp) = begin(bound, stream, (k, v))  # (addresses checked: _check_rows)
+            s, (kp, vp) = begin(bound, stream, (k, v), reads)  # (addresses checked: _check_rows)
             self.order(s)
             counts, total, ks, vs, dtype = bound.problem
             kernel, spec = self._appender.kernel(dtype)

@@ -2,8 +2,9 @@
 
 Two ways in: :func:`start` for a call read into Args (any array kind), and :func:`begin` for a
 repeat call found by its quick key (:func:`pyattn.interop.inputs.quick_key`), whose arrays are
-DeviceArrays or torch tensors of a known layout: it reads only their pointers and producer
-streams. Both apply the same stream-order rule (``pyattn.interop.streams``).
+DeviceArrays, torch tensors or CUDA array interfaces of a known layout: it reads only their
+pointers and producer streams (an interface's, read with the key). Both apply the same
+stream-order rule (``pyattn.interop.streams``).
 """
 
 # No ``from __future__ import annotations`` here: typing.NamedTuple would compile every string
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
-from ..interop.inputs import DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
+from ..interop.inputs import CAI, DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
 from ..interop.streams import choose_stream, note_use, order_inputs, wait_for
 from ..runtime.stream import default_stream
 
@@ -51,12 +52,13 @@ def start(stream, args, recheck=None):
 
 class Bound(NamedTuple):
     """What the repeat calls of one quick key share: the problem validation made, the device, per
-    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``), and the op's per-call address
-    checks, ``check(problem, pointers)``."""
+    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``; ``CAI``) and name, and the op's
+    per-call address checks, ``check(problem, pointers)``."""
 
     problem: object
     device: object
     kinds: tuple
+    names: tuple
     check: object
     torch_in: bool  # a torch tensor among them (stream rule 2)
     own: object  # pyattn's own stream of the device (rule 3), looked up once
@@ -68,21 +70,23 @@ def bind(problem, device, args, check):
     read, or its device was not told by the array (then the driver is asked per call)."""
     kinds = []
     for a in args:
-        if a is not None and (a.kind not in (DEVICE, TORCH) or a.ordinal != device.ordinal):
+        if a is not None and (a.kind not in (DEVICE, TORCH, CAI) or a.ordinal != device.ordinal):
             return None
         kinds.append(None if a is None else a.kind)
-    return Bound(problem, device, tuple(kinds), check, TORCH in kinds, default_stream(device))
+    names = tuple(None if a is None else a.name for a in args)
+    return Bound(problem, device, tuple(kinds), names, check, TORCH in kinds, default_stream(device))
 
 
-def begin(bound: Bound, stream, arrays) -> tuple:
+def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
     """:func:`start` and :func:`finish`'s bookkeeping for a repeat call: ``arrays`` are the call's
-    array parameters (the user's objects, in the order of ``bound.kinds``). Reads their pointers
-    and runs the op's address checks (before any device work, as on the full path), then activates
+    array parameters (the user's objects, in the order of ``bound.kinds``), ``reads`` the pointers
+    and producers :func:`~pyattn.interop.inputs.quick_key` read of its CUDA array interfaces. Reads
+    their pointers and runs the op's address checks (before any device work, as on the full path), then activates
     the device, picks the stream (the rule), orders it after the arrays' producers, and notes the
     stream's use of pyattn's pool blocks among them (now rather than after the launches: their
     frees cannot run before this call returns). Returns ``(stream, pointers)``, 0 for absent arrays."""
     ptrs, producers, owned = [], [], []
-    for kind, x in zip(bound.kinds, arrays):
+    for kind, x, name in zip(bound.kinds, arrays, bound.names):
         if kind is DEVICE:
             ptrs.append(x.ptr)
             producers.append(x.stream)
@@ -90,6 +94,10 @@ def begin(bound: Bound, stream, arrays) -> tuple:
         elif kind is TORCH:
             ptrs.append(x.data_ptr())
             producers.append(TORCH_PRODUCER)
+        elif kind is CAI:
+            ptr, producer = reads[name]
+            ptrs.append(ptr)
+            producers.append(producer)
         else:
             ptrs.append(0)
     bound.check(bound.problem, ptrs)
