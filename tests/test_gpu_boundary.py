@@ -41,6 +41,14 @@ class CaiOnly:
         self.t, self.__cuda_array_interface__ = t, t.__cuda_array_interface__
 
 
+class CaiWithDevice(CaiOnly):
+    """:class:`CaiOnly` that tells its device (``__dlpack_device__``), so that its repeat calls take
+    the fast path (``interop.inputs.quick_key``): the legacy rule must hold there too."""
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
 class DlpackOnly:
     """A torch tensor seen through DLPack only: the consumer stream is handed to torch."""
 
@@ -98,6 +106,7 @@ def test_no_stale_reads_of_torch_tensors(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])  # torch's interface has no typestr for bfloat16
 def test_no_stale_reads_through_the_cuda_array_interface(dtype):
     assert _stale_reads(dtype, CaiOnly) == 0
+    assert _stale_reads(dtype, CaiWithDevice) == 0
 
 
 def test_the_race_is_real_without_ordering():
@@ -129,6 +138,21 @@ def test_no_stale_reads_of_cupy_arrays_on_their_stream():
             stale += np.abs(got - ref_old).max() < np.abs(got - ref_new).max()
         producer.synchronize()
     assert stale == 0
+
+
+def test_cupy_takes_results_through_dlpack_without_waiting_for_them():
+    """``cupy.from_dlpack(out)`` returns while the call's kernels still run (its stream waits on the
+    device), and reads the values those kernels wrote; the README recommends it over
+    ``cupy.asarray``, which synchronizes the host with the interface's stream."""
+    cupy = pytest.importorskip("cupy")
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 8192, 16, 128)).astype(np.float16))
+    outs = [pyattn.attention(x, x, x) for _ in range(5)]  # ~5 ms of queued work on an H200
+    o = cupy.from_dlpack(outs[-1])
+    pending = not cupy.cuda.ExternalStream(outs[-1].stream.ptr).done
+    first = cupy.from_dlpack(outs[0])
+    same = bool(cupy.array_equal(o, first))  # queued on CuPy's stream: after pyattn's work
+    assert pending, "cupy.from_dlpack waited for the call's kernels"
+    assert o.data.ptr == outs[-1].ptr and same
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
