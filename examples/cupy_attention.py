@@ -2,7 +2,9 @@
 
 1. CuPy float16 (and bfloat16, where this CuPy supports ``ml_dtypes.bfloat16``: CuPy >= 14 with
    NumPy >= 2.1.2) arrays go into ``pyattn.attention`` as they are; the result, a
-   ``pyattn.DeviceArray``, comes back with ``cupy.asarray(out)`` without a copy (same pointer).
+   ``pyattn.DeviceArray``, comes back with ``cupy.from_dlpack(out)`` without a copy (same pointer),
+   ordered after pyattn's stream on the device. (``cupy.asarray(out)`` also works, but CuPy then
+   synchronizes the host with the stream the array interface names: the host waits for the call.)
    Checked against the float64 reference ``pyattn.reference.attention_ref`` with the tolerance
    rule ``pyattn.reference.error_bound`` (2x a naive same-precision attention, plus a floor).
 2. Streams: inputs written on a non-blocking ``cupy.cuda.Stream`` and ``pyattn.attention(...,
@@ -63,7 +65,7 @@ def main():
         host = [rng.standard_normal((B, S, h, D), dtype=np.float32).astype(dt) for h in (HQ, HKV, HKV)]
         q, k, v = (cupy.asarray(x) for x in host)  # copied on CuPy's current stream
         out = pyattn.attention(q, k, v, causal=True)  # stream=None: pyattn's stream, after CuPy's copies
-        o = cupy.asarray(out)  # zero-copy (bfloat16 through DLPack); CuPy is ordered after pyattn's stream
+        o = cupy.from_dlpack(out)  # zero-copy; CuPy's current stream waits for pyattn's on the device
         check(isinstance(out, pyattn.DeviceArray) and o.data.ptr == out.ptr and o.dtype == dt,
               f"{dt.name:8s} {o.shape} result imported zero-copy (ptr 0x{out.ptr:x})")
         check_against_reference(o, host, f"{dt.name:8s} causal GQA attention")
@@ -74,8 +76,8 @@ def main():
         q = cupy.random.standard_normal((B, S, HQ, D), dtype=cupy.float32).astype(cupy.float16)
         k = cupy.random.standard_normal((B, S, HKV, D), dtype=cupy.float32).astype(cupy.float16)
         v = cupy.random.standard_normal((B, S, HKV, D), dtype=cupy.float32).astype(cupy.float16)
-        o1 = cupy.asarray(pyattn.attention(q, k, v, causal=True, stream=s))  # s via __cuda_stream__
-        o2 = cupy.asarray(pyattn.attention(q, k, v, causal=True, stream=s.ptr))  # or the raw handle
+        o1 = cupy.from_dlpack(pyattn.attention(q, k, v, causal=True, stream=s))  # s via __cuda_stream__
+        o2 = cupy.from_dlpack(pyattn.attention(q, k, v, causal=True, stream=s.ptr))  # or the raw handle
         same = cupy.array_equal(o1, o2)  # queued on s too
     s.synchronize()
     check(bool(same), "stream=s and stream=s.ptr give the same result on a non-blocking CuPy stream")
