@@ -44,6 +44,23 @@ for name, fn in rows:
     print(f"{name:45} {us(fn):7.2f} us")
     keep.clear()
 
+# The same with the cyclic GC off (a fresh result per call allocates objects that trigger it), and
+# what the driver's pointer query (torch's from_blob may ask it the device of the pointer) costs
+# on a fresh result against one it has seen.
+import gc  # noqa: E402
+
+from cuda.bindings import driver as _drv  # noqa: E402
+
+gc.disable()
+for name, fn in rows[2:]:
+    print(f"GC off: {name:37} {us(fn):7.2f} us")
+    keep.clear()
+gc.enable()
+_attr = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+print(f"{'cuPointerGetAttribute, same pointer':45} {us(lambda: _drv.cuPointerGetAttribute(_attr, out.ptr)):7.2f} us")
+print(f"{'attention + cuPointerGetAttribute(result)':45} "
+      f"{us(lambda: _drv.cuPointerGetAttribute(_attr, pyattn.attention(t, t, t).ptr)):7.2f} us")
+
 # Where a fresh result's export goes: cProfile of the loop, and the driver calls it makes.
 import cProfile
 import collections

@@ -5,7 +5,9 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
 1. Host time per tiny call, (1, 16, 2, 64) fp16: a loop of calls and one synchronisation, wall time
    per call (the kernels are shorter than the host work, so the host is what is timed), median of
    repeats; for ``DeviceArray``, torch (torch's current stream; an explicit stream; ``out=`` a torch
-   tensor; the result taken back with ``torch.from_dlpack``), CuPy, and torch SDPA's own tiny call
+   tensor, given or allocated with ``torch.empty_like`` a call; the result taken back with
+   ``torch.from_dlpack``), CuPy (also its result taken back with
+   ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's own tiny call
    in the same run (the host is shared and noisy: compare within a run). Targets: <= 20 us;
    ``decode(q, cache, ids)`` <= 25 us.
 2. NumPy in/out against the pinned-copy floor of the same run: (1, 4096, 16, 128) fp16 attention
@@ -53,15 +55,23 @@ def host_costs(bench, loop: int) -> dict:
         res["torch, explicit pyattn stream"] = us(lambda: pyattn.attention(t, t, t, stream=s))
         s.synchronize()
         res["torch in, torch.from_dlpack(out)"] = us(lambda: torch.from_dlpack(pyattn.attention(t, t, t)))
+        res["torch in, out=torch.empty_like(q) a call"] = us(lambda: pyattn.attention(t, t, t, out=torch.empty_like(t)))
         res["torch SDPA tiny (same run)"] = us(lambda: torch.nn.functional.scaled_dot_product_attention(tb, tb, tb))
     try:
         import cupy
-
+    except ImportError:
+        cupy = None
+    if cupy is not None:
         c = cupy.asarray(h)
         res["CuPy (CUDA array interface v3)"] = us(lambda: pyattn.attention(c, c, c))
+        res["CuPy in, cupy.from_dlpack(out)"] = us(lambda: cupy.from_dlpack(pyattn.attention(c, c, c)))
+        half = pyattn.PagedKVCache(64, 16, 2, 64, "float16")  # (CuPy has no bfloat16)
+        hids = [half.add_sequence() for _ in range(2)]
+        kv16 = rng.standard_normal((2, 256, 2, 64)).astype(np.float16)
+        half.append(hids, kv16, kv16)
+        cq = cupy.asarray(rng.standard_normal((2, 1, 8, 64)).astype(np.float16))
+        res["decode(q, cache, ids), CuPy q (fp16 cache)"] = us(lambda: pyattn.decode(cq, half, hids))
         cupy.cuda.Device().synchronize()
-    except ImportError:
-        pass
     cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
     ids = [cache.add_sequence() for _ in range(2)]
     kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
