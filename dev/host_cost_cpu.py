@@ -8,9 +8,9 @@ what is timed is pyattn's own Python plus the fake's (tiny) stubs; the real driv
 host time per repeat call, Python function calls and C calls per call (``sys.setprofile``), and
 driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch tensors with
 ``stream=None`` (torch's current stream, rule 2), on CuPy-like CUDA-array-interface objects with a
-stream, and ``decode(q, cache, ids)`` with a DeviceArray q or a torch q. The per-stage times of
-the attention call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU
-host).
+stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
+``decode(q, cache, ids)`` with a DeviceArray q or a torch q. The per-stage times of the attention
+call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
 """
 
 from __future__ import annotations
@@ -85,6 +85,19 @@ class CaiArray:
                 "strides": None, "version": 3, "stream": self._stream}
 
 
+class DlpackArray:
+    """A JAX-like array: DLPack only, with shape and dtype attributes (dense, no strides)."""
+
+    def __init__(self, da):
+        self.da, self.shape, self.dtype = da, da.shape, da.dtype
+
+    def __dlpack_device__(self):
+        return self.da.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        return self.da.__dlpack__(**kwargs)
+
+
 def calls():
     """The calls of ``scripts/bench_boundary.py``'s host-cost table, on the fake driver."""
     import ml_dtypes
@@ -94,6 +107,7 @@ def calls():
     torch = sys.modules["torch"]
     t, t_out = torch.Tensor(shape, d.ptr), torch.Tensor(shape, d.ptr + 4096)
     c = CaiArray(shape, d.ptr, 0x5000)
+    j = DlpackArray(d)
     s = pyattn.Stream()
     cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
     ids = [cache.add_sequence() for _ in range(2)]
@@ -114,6 +128,7 @@ def calls():
         "attention torch, out=torch": run(lambda: pyattn.attention(t, t, t, out=t_out)),
         "attention torch, pyattn Stream": run(lambda: pyattn.attention(t, t, t, stream=s)),
         "attention CAI v3 (own stream)": run(lambda: pyattn.attention(c, c, c)),
+        "attention DLPack only": run(lambda: pyattn.attention(j, j, j)),
         "decode DeviceArray q": run(lambda: pyattn.decode(qd, cache, ids)),
         "decode torch q": run(lambda: pyattn.decode(tq, cache, ids)),
     }, d

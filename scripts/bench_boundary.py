@@ -6,9 +6,9 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
    per call (the kernels are shorter than the host work, so the host is what is timed), median of
    repeats; for ``DeviceArray``, torch (torch's current stream; an explicit stream; ``out=`` a torch
    tensor, given or allocated with ``torch.empty_like`` a call; the result taken back with
-   ``torch.from_dlpack``), CuPy (also its result taken back with
-   ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's own tiny call
-   in the same run (the host is shared and noisy: compare within a run). Targets: <= 20 us;
+   ``torch.from_dlpack``; torch seen through ``__dlpack__`` only, as JAX arrays are), CuPy (also
+   its result taken back with ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's
+   own tiny call in the same run (the host is shared and noisy: compare within a run). Targets: <= 20 us;
    ``decode(q, cache, ids)`` <= 25 us.
 2. NumPy in/out against the pinned-copy floor of the same run: (1, 4096, 16, 128) fp16 attention
    (floor: pinned H2D of q, k, v plus D2H of out; also with q, k, v in ``pyattn.pinned_empty`` arrays,
@@ -35,6 +35,22 @@ import pyattn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class _DlpackOnly:
+    """A torch tensor seen through DLPack only, as a JAX array is: shape, dtype, ``__dlpack__``."""
+
+    def __init__(self, t):
+        self.t, self.shape, self.dtype = t, tuple(t.shape), str(t.dtype)
+
+    def stride(self):
+        return self.t.stride()
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
 def host_costs(bench, loop: int) -> dict:
     """Microseconds of host time per tiny call, per input kind."""
     import ml_dtypes
@@ -56,6 +72,7 @@ def host_costs(bench, loop: int) -> dict:
         s.synchronize()
         res["torch in, torch.from_dlpack(out)"] = us(lambda: torch.from_dlpack(pyattn.attention(t, t, t)))
         res["torch in, out=torch.empty_like(q) a call"] = us(lambda: pyattn.attention(t, t, t, out=torch.empty_like(t)))
+        res["torch via __dlpack__ only (a JAX stand-in)"] = us(lambda: pyattn.attention(*[_DlpackOnly(t)] * 3))
         res["torch SDPA tiny (same run)"] = us(lambda: torch.nn.functional.scaled_dot_product_attention(tb, tb, tb))
     try:
         import cupy

@@ -354,6 +354,49 @@ def test_cai_decode_and_append_repeat_calls(gpu, cache, full_decode):
     assert [c.length(i) for i in ids] == [258, 258]
 
 
+class _Dl:
+    """A JAX-like array: DLPack only, its shape and dtype as attributes (no strides: dense). Records
+    the consumer stream of each export."""
+
+    def __init__(self, da):
+        self.da, self.shape, self.dtype, self.streams = da, da.shape, da.dtype, []
+
+    def __dlpack_device__(self):
+        return self.da.__dlpack_device__()
+
+    def __dlpack__(self, stream=None, **kw):
+        self.streams.append(stream)
+        return self.da.__dlpack__(stream=stream, **kw)
+
+
+def test_dlpack_repeat_calls_take_the_fast_path_and_import_on_the_calls_stream(gpu, full):
+    gpu.record_launches = True
+    a, b = _Dl(_da()), _Dl(_da())
+    pyattn.attention(a, a, a)
+    assert len(full) == 1
+    fake_driver.LAUNCHES.clear()
+    o = pyattn.attention(a, b, a)
+    assert len(full) == 1
+    (_, _, stream, p), = fake_driver.LAUNCHES
+    assert p[:4] == (a.da.ptr, b.da.ptr, a.da.ptr, o.ptr)
+    assert b.streams == [stream]  # imported once, with the call's stream as the consumer
+    with pyattn.Stream() as s:
+        pyattn.attention(a, b, a, stream=s)
+        assert b.streams[-1] == s.ptr
+
+
+def test_dlpack_fast_path_checks_the_export_and_addresses(gpu, full):
+    a = _Dl(_da())
+    pyattn.attention(a, a, a)
+    liar = _Dl(_da((1, 8, 2, 64)))
+    liar.shape = a.shape  # its attributes say one shape, its export another
+    with pytest.raises(ValueError, match=r"^k: its DLPack export has shape \(1, 8, 2, 64\)"):
+        pyattn.attention(a, liar, a)
+    with pytest.raises(ValueError, match=r"^k: .*16-byte aligned"):
+        pyattn.attention(a, _Dl(_da(ptr=a.da.ptr + 2)), a)
+    assert len(full) == 1  # both refused on the fast path
+
+
 # -- decode ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def cache(gpu):

@@ -339,13 +339,15 @@ def _quick_kind(tp):
 
 def _quick_cai(name, x, add, reads):
     """The key entry of a CUDA array interface argument, or False when the call must take the full
-    path: no interface, a mask, read-only data, or any field the full path would refuse or read
-    differently. An opaque ``V`` type (bfloat16, fp8) is keyed with the object's ``dtype``
-    attribute, from which the full path took the dtype. Its pointer and producer
-    stream go to ``reads[name]`` (the interface is read once a call: CuPy builds its dict, and looks
-    its current stream up, on every access)."""
+    path: a mask, read-only data, or any field the full path would refuse or read differently. An
+    object without the interface is keyed by :func:`_quick_dlpack`. An opaque ``V`` type (bfloat16,
+    fp8) is keyed with the object's ``dtype`` attribute, from which the full path took the dtype.
+    Its pointer and producer stream go to ``reads[name]`` (the interface is read once a call: CuPy
+    builds its dict, and looks its current stream up, on every access)."""
     try:
         cai = x.__cuda_array_interface__
+    except AttributeError:
+        return _quick_dlpack(x, add)
     except Exception:
         return False
     if type(cai) is not dict:
@@ -373,6 +375,27 @@ def _quick_cai(name, x, add, reads):
     return True
 
 
+def _quick_dlpack(x, add):
+    """The key entry of a DLPack-only CUDA array (JAX, ...): what :func:`_read_dlpack` reads of it,
+    raw (type, shape, dtype, strides as its attributes give them, device ordinal); False when the
+    full path must read it. It is imported per call, with the call's stream as the consumer
+    (:func:`pyattn.pipeline.device.begin`)."""
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None or getattr(x, "__dlpack__", None) is None:
+        return False
+    try:
+        kind, ordinal = dev()
+    except Exception:
+        return False
+    shape, dt = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if kind not in (_KDL_CUDA, _KDL_CUDA_MANAGED) or type(ordinal) is not int or shape is None or dt is None:
+        return False
+    stride = getattr(x, "stride", None)
+    strides = stride() if callable(stride) else getattr(x, "strides", None)
+    add((type(x), DLPACK, shape, dt, strides, ordinal))
+    return True
+
+
 def quick_key(params: dict, reads: dict = None):
     """The repeat-call key of an op's call, or None when it has none.
 
@@ -382,8 +405,9 @@ def quick_key(params: dict, reads: dict = None):
     Arrays with a CUDA array interface (CuPy, Numba, ...) are keyed by its shape, typestr and
     strides, their type and their ``__dlpack_device__`` ordinal; their pointer and producer stream,
     read from the same interface dict, go to ``reads`` (name -> ``(ptr, producer)``) for
-    :func:`pyattn.pipeline.device.begin`; without ``reads`` such calls have no key. Option values
-    are keyed by type and value. Any other array kind (NumPy, DLPack only), a CPU tensor, an
+    :func:`pyattn.pipeline.device.begin`. DLPack-only arrays (JAX) are keyed by their type, shape,
+    dtype, strides and device, and imported by ``begin``. Without ``reads`` neither has a key.
+    Option values are keyed by type and value. Any other array kind (NumPy), a CPU tensor, an
     interface the full path would refuse or read otherwise, or an option of another type gives
     None: such calls take the full path every time. ``stream`` (per call) is left out unless it is a
     plain value (None, an int), where keeping it only splits the cache. Pointers and producer

@@ -27,7 +27,7 @@ from ..runtime.memory import Allocation
 from ..runtime.stream import LEGACY_STREAM, Stream, as_stream, borrowed, default_stream, order_after
 from .inputs import DLPACK, HOST, LEGACY_PRODUCER, TORCH_PRODUCER, Arg
 
-__all__ = ["choose_stream", "wait_for", "order_inputs", "note_use", "torch_current_stream"]
+__all__ = ["choose_stream", "wait_for", "order_inputs", "import_dlpack", "note_use", "torch_current_stream"]
 
 
 def torch_current_stream(device) -> Stream:
@@ -95,15 +95,24 @@ def order_inputs(s: Stream, device, args, torch_now=None) -> list:
 
 def _import_dlpack(a: Arg, s: Stream) -> Arg:
     """Import a DLPack-only array with ``s`` as the consumer stream; checks it is what was read."""
+    ptr, view = import_dlpack(a.name, a.obj, a.shape, a.strides, s)
+    return a._replace(ptr=ptr, obj=(view, a.obj), producer=None)
+
+
+def import_dlpack(name: str, obj, shape: tuple, strides: tuple, s: Stream) -> tuple:
+    """``(address, view)`` of DLPack-only array ``obj`` imported with ``s`` as the consumer stream (the
+    producer orders ``s`` after its writes: the protocol's contract). Its export must have the
+    ``shape`` and element ``strides`` its attributes said; the caller keeps ``view`` (it holds the
+    export) until its launches are queued."""
     from cuda.core.utils import StridedMemoryView
 
-    view = StridedMemoryView.from_dlpack(a.obj, stream_ptr=s.ptr)
-    shape = tuple(view.shape)
-    strides = tuple(view.strides) if view.strides is not None else a.strides
-    if shape != a.shape or strides != a.strides:
-        raise ValueError(f"{a.name}: its DLPack export has shape {shape} and element strides {strides}, not the "
-                         f"{a.shape} / {a.strides} its attributes said")
-    return a._replace(ptr=int(view.ptr), obj=(view, a.obj), producer=None)
+    view = StridedMemoryView.from_dlpack(obj, stream_ptr=s.ptr)
+    got_shape = tuple(view.shape)
+    got_strides = tuple(view.strides) if view.strides is not None else strides
+    if got_shape != shape or got_strides != strides:
+        raise ValueError(f"{name}: its DLPack export has shape {got_shape} and element strides {got_strides}, not "
+                         f"the {shape} / {strides} its attributes said")
+    return int(view.ptr), view
 
 
 def note_use(s: Stream, arrays) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
 from ..interop.inputs import CAI, DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
-from ..interop.streams import choose_stream, note_use, order_inputs, wait_for
+from ..interop.streams import choose_stream, import_dlpack, note_use, order_inputs, wait_for
 from ..runtime.stream import default_stream
 
 __all__ = ["start", "Bound", "bind", "begin", "layout", "output", "finish", "fetch_values"]
@@ -52,16 +52,19 @@ def start(stream, args, recheck=None):
 
 class Bound(NamedTuple):
     """What the repeat calls of one quick key share: the problem validation made, the device, per
-    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``; ``CAI``) and name, and the op's
+    array parameter its kind (None: absent; ``DEVICE``; ``TORCH``; ``CAI``; ``DLPACK``), name and,
+    for DLPack-only arrays, the (shape, element strides) their import must have, and the op's
     per-call address checks, ``check(problem, pointers)``."""
 
     problem: object
     device: object
     kinds: tuple
     names: tuple
+    layouts: tuple
     check: object
     torch_in: bool  # a torch tensor among them (stream rule 2)
     own: object  # pyattn's own stream of the device (rule 3), looked up once
+    dlpack: bool  # a DLPack-only array among them: imported per call, on the call's stream
 
 
 def bind(problem, device, args, check):
@@ -70,21 +73,26 @@ def bind(problem, device, args, check):
     read, or its device was not told by the array (then the driver is asked per call)."""
     kinds = []
     for a in args:
-        if a is not None and (a.kind not in (DEVICE, TORCH, CAI) or a.ordinal != device.ordinal):
+        if a is not None and (a.kind not in (DEVICE, TORCH, CAI, DLPACK) or a.ordinal != device.ordinal):
             return None
         kinds.append(None if a is None else a.kind)
     names = tuple(None if a is None else a.name for a in args)
-    return Bound(problem, device, tuple(kinds), names, check, TORCH in kinds, default_stream(device))
+    layouts = tuple((a.shape, a.strides) if a is not None and a.kind == DLPACK else None for a in args)
+    return Bound(problem, device, tuple(kinds), names, layouts, check, TORCH in kinds, default_stream(device),
+                 DLPACK in kinds)
 
 
 def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
     """:func:`start` and :func:`finish`'s bookkeeping for a repeat call: ``arrays`` are the call's
     array parameters (the user's objects, in the order of ``bound.kinds``), ``reads`` the pointers
     and producers :func:`~pyattn.interop.inputs.quick_key` read of its CUDA array interfaces. Reads
-    their pointers and runs the op's address checks (before any device work, as on the full path), then activates
-    the device, picks the stream (the rule), orders it after the arrays' producers, and notes the
-    stream's use of pyattn's pool blocks among them (now rather than after the launches: their
-    frees cannot run before this call returns). Returns ``(stream, pointers)``, 0 for absent arrays."""
+    their pointers and runs the op's address checks (before any device work, as on the full path),
+    then activates the device, picks the stream (the rule), orders it after the arrays' producers,
+    and notes the stream's use of pyattn's pool blocks among them (now rather than after the
+    launches: their frees cannot run before this call returns). DLPack-only arrays are imported
+    once the stream is chosen (it is their consumer stream), and the addresses checked then, as
+    :func:`start` does; their views go to ``reads["views"]``, for the caller to keep until its
+    launches are queued. Returns ``(stream, pointers)``, 0 for absent arrays."""
     ptrs, producers, owned = [], [], []
     for kind, x, name in zip(bound.kinds, arrays, bound.names):
         if kind is DEVICE:
@@ -99,14 +107,22 @@ def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
             ptrs.append(ptr)
             producers.append(producer)
         else:
-            ptrs.append(0)
-    bound.check(bound.problem, ptrs)
+            ptrs.append(0)  # (absent, or a DLPack-only array: imported below)
+    if not bound.dlpack:
+        bound.check(bound.problem, ptrs)
     device = bound.device
     device.activate()
     if stream is None and not bound.torch_in:
         s, torch_now = bound.own, None  # rule 3, as choose_stream would say
     else:
         s, torch_now = choose_stream(stream, device, bound.torch_in)
+    if bound.dlpack:
+        views = reads["views"] = []
+        for i, (kind, x, name, layout) in enumerate(zip(bound.kinds, arrays, bound.names, bound.layouts)):
+            if kind is DLPACK:
+                ptrs[i], view = import_dlpack(name, x, *layout, s)
+                views.append(view)
+        bound.check(bound.problem, ptrs)
     wait_for(s, device, producers, torch_now)
     if owned:
         note_use(s, owned)
