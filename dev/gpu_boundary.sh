@@ -1,7 +1,9 @@
 #!/bin/bash
-# The device call of the array-boundary work (issue 11): boundary GPU tests, bench_boundary on this
-# tree and on the A/B base tree (.ab/base, a `git archive` of the tree before, when present), the
-# DLPack / CuPy probes and the CuPy example. Usage (repository root, on the GPU machine):
+# The device call of the array-boundary work (issue 11): the GPU tests of every op's repeat-call path
+# (attention, decode, a serving loop's append and decode, the boundary), bench_boundary on this tree and on the A/B base
+# tree (.ab/base, a `git archive` of the tree before, when present) in alternating rounds, the
+# transformers decode-step probe, the DLPack / CuPy probes and every example. Usage (repository root,
+# on the GPU machine):
 #   bash dev/gpu_boundary.sh            writes *.log under $OUT
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYATTN_CACHE_DIR=${PYATTN_CACHE_DIR:-/tmp/pc}
@@ -10,21 +12,27 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
 stamp warm
-python -m pyattn warmup --quiet > "$OUT/warm.log" 2>&1
+python -m pyattn warmup --quiet > "$OUT/warm.log" 2>&1 &
+python dev/warm_serving.py >> "$OUT/warm.log" 2>&1 &
+python dev/warm_issue13.py >> "$OUT/warm.log" 2>&1 &
+wait
 stamp tests
 python -m pytest -q -p no:cacheprovider tests/test_gpu_boundary.py tests/test_host_path.py tests/test_gpu_decode_step.py \
+  tests/test_gpu_attention.py tests/test_gpu_decode.py \
   2>&1 | tee "$OUT/tests.log" | tail -4
 for round in 1 2; do
   stamp "bench_boundary, this tree, round $round"
-  python scripts/bench_boundary.py --quick 2>&1 | tee "$OUT/boundary_new_$round.log" | grep -E '^\||us|x ' | head -30
+  python scripts/bench_boundary.py --quick 2>&1 | tee "$OUT/boundary_new_$round.log" | grep -E '^\|' | head -24
   if [[ -d .ab/base ]]; then
     stamp "bench_boundary, base tree, round $round"
     (cd .ab/base && PYTHONPATH=$PWD python scripts/bench_boundary.py --quick 2>&1) | tee "$OUT/boundary_base_$round.log" \
-      | grep -E '^\||us|x ' | head -30
+      | grep -E '^\|' | head -24
   fi
 done
 stamp probes
-python dev/probe_dlpack_cost.py 2>&1 | tee "$OUT/probe_dlpack.log" | head -40
-python dev/probe_cupy_import.py 2>&1 | tee "$OUT/probe_cupy.log"
-for ex in examples/*cupy*.py; do stamp "$ex"; python "$ex" 2>&1 | tail -3; done
+python dev/probe_hf_out.py 2>&1 | tee "$OUT/probe_hf.log" | tail -4
+python dev/probe_dlpack_cost.py > "$OUT/probe_dlpack.log" 2>&1
+python dev/probe_cupy_import.py 2>&1 | tee "$OUT/probe_cupy.log" | tail -3
+for ex in examples/*.py; do stamp "$ex"; python "$ex" > "$OUT/example_$(basename "$ex" .py).log" 2>&1 || echo "FAILED: $ex"
+  tail -3 "$OUT/example_$(basename "$ex" .py).log"; done
 stamp done

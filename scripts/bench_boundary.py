@@ -35,22 +35,6 @@ import pyattn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class _DlpackOnly:
-    """A torch tensor seen through DLPack only, as a JAX array is: shape, dtype, ``__dlpack__``."""
-
-    def __init__(self, t):
-        self.t, self.shape, self.dtype = t, tuple(t.shape), str(t.dtype)
-
-    def stride(self):
-        return self.t.stride()
-
-    def __dlpack__(self, **kw):
-        return self.t.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()
-
-
 def host_costs(bench, loop: int) -> dict:
     """Microseconds of host time per tiny call, per input kind."""
     import ml_dtypes
@@ -72,7 +56,7 @@ def host_costs(bench, loop: int) -> dict:
         s.synchronize()
         res["torch in, torch.from_dlpack(out)"] = us(lambda: torch.from_dlpack(pyattn.attention(t, t, t)))
         res["torch in, out=torch.empty_like(q) a call"] = us(lambda: pyattn.attention(t, t, t, out=torch.empty_like(t)))
-        res["torch via __dlpack__ only (a JAX stand-in)"] = us(lambda: pyattn.attention(*[_DlpackOnly(t)] * 3))
+        res["torch via __dlpack__ only (a JAX stand-in)"] = us(lambda: pyattn.attention(*[harness.DlpackOnly(t)] * 3))
         res["torch SDPA tiny (same run)"] = us(lambda: torch.nn.functional.scaled_dot_product_attention(tb, tb, tb))
     try:
         import cupy

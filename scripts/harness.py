@@ -336,6 +336,23 @@ def to_torch(a):
     return torch.from_dlpack(a)
 
 
+class DlpackOnly:
+    """A torch tensor seen through DLPack only, as a JAX array is (shape, dtype, strides and
+    ``__dlpack__``, no array interface): JAX's stand-in where JAX is not installed."""
+
+    def __init__(self, t):
+        self.t, self.shape, self.dtype = t, tuple(t.shape), str(t.dtype)
+
+    def stride(self):
+        return self.t.stride()
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
 # -- environment and output -----------------------------------------------------------------------
 
 

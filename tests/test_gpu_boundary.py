@@ -24,6 +24,9 @@ import pyattn
 from pyattn.reference import attention_ref
 from test_gpu_attention import _has_gpu
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from harness import DlpackOnly  # noqa: E402  (a torch tensor seen through DLPack only: JAX's stand-in)
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
 torch = pytest.importorskip("torch") if _has_gpu() else None
@@ -44,22 +47,6 @@ class CaiOnly:
 class CaiWithDevice(CaiOnly):
     """:class:`CaiOnly` that tells its device (``__dlpack_device__``), so that its repeat calls take
     the fast path (``interop.inputs.quick_key``): the legacy rule must hold there too."""
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()
-
-
-class DlpackOnly:
-    """A torch tensor seen through DLPack only: the consumer stream is handed to torch."""
-
-    def __init__(self, t):
-        self.t, self.shape, self.dtype = t, tuple(t.shape), str(t.dtype)
-
-    def stride(self):
-        return self.t.stride()
-
-    def __dlpack__(self, **kw):
-        return self.t.__dlpack__(**kw)
 
     def __dlpack_device__(self):
         return self.t.__dlpack_device__()
