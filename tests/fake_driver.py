@@ -26,7 +26,8 @@ from cuda.bindings import driver
 from pyattn import jit
 from pyattn.kernels import registry
 from pyattn.pipeline import plans
-from pyattn.ops import _decode
+from pyattn.ops import _decode, block_sparse
+from pyattn.pipeline import chunks
 from pyattn.runtime import device, memory, pinned, stream, tensormap
 
 OK = driver.CUresult.CUDA_SUCCESS
@@ -240,6 +241,12 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(plans, "_by_id", {})
     monkeypatch.setattr(tensormap, "_memo", {})  # maps and the decode's uploaded map pairs name old addresses
     monkeypatch.setattr(_decode, "_maps", {})
+    # The NumPy path's per-device pipelines (streams, events, staging) and block-sparse tile lists
+    # on the device: made under the fake, a later GPU test in the same process would use their
+    # fake handles and addresses (a NumPy attention crashed in its staging copy after this file's
+    # tests, before these were reset).
+    monkeypatch.setattr(chunks, "_pipelines", {})
+    monkeypatch.setattr(block_sparse, "_lists", {})
     for memo in plans._memos:  # what they hold names the devices replaced above
         monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()

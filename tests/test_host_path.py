@@ -36,6 +36,26 @@ def _repeat_calls(fn) -> dict:
     return dict(fake_driver.CALLS)
 
 
+def test_the_fake_leaves_no_device_state_behind():
+    """What pyattn makes per device under the fake driver (the NumPy path's pipelines, device tile
+    lists) is gone with it: a GPU test later in the same process once ran a NumPy call on a
+    pipeline of fake streams and staging addresses, and crashed."""
+    from pyattn.ops import block_sparse
+    from pyattn.pipeline import chunks
+
+    def state():
+        return chunks._pipelines, dict(chunks._pipelines), block_sparse._lists, dict(block_sparse._lists)
+
+    before = state()
+    with pytest.MonkeyPatch.context() as mp, fake_driver.installed(mp):
+        x = np.zeros((1, 2048, 16, 64), np.float16)  # 4 MiB each: the NumPy path pipelines it (chunks)
+        pyattn.attention(x, x, x)
+        made = dict(chunks._pipelines)
+    assert made  # (the call made one under the fake)
+    after = state()
+    assert all(a is b for a, b in zip(after[::2], before[::2])) and after[1::2] == before[1::2]
+
+
 def test_legacy_stream_is_one_handle(gpu):
     """0 (the NULL stream) and CU_STREAM_LEGACY name the legacy default stream: one ``ptr``, so a
     call on it never waits for itself, and an export never names 0 (refused by the CAI spec)."""
