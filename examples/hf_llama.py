@@ -4,9 +4,8 @@ A small random bf16 Llama (2 layers, hidden 256, 8 query heads sharing 2 KV head
 vocab 1000; from a ``LlamaConfig``, nothing downloaded) gets pyattn as a registered attention
 backend and is checked against the same model on torch SDPA: (a) prefill logits, also for a
 left-padded batch (the mask path); (b) greedy ``generate`` of 16 tokens (decode steps: one query
-over the KV cache, bottom-right causal). A forward pass and greedy decode steps are timed both ways
-(informative only). The backend hands pyattn a torch ``out=`` in transformers' layout, so results
-need no export and no copy.
+over the KV cache, bottom-right causal). A forward pass is timed both ways (informative only). The
+backend hands pyattn a torch ``out=`` in transformers' layout: no export, no copy.
 
 Run (pyattn, torch and transformers >= 5 installed, a CUDA GPU): ``python examples/hf_llama.py``.
 Exit status 0 on success (or ``skipped: ...``), 1 with ``FAILED: ...``.
@@ -28,8 +27,6 @@ SEEN = []  # (query heads, key heads) of each call: proves pyattn ran, and that 
 def pyattn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) as the KV cache holds them (transformers repeats
     GQA heads only inside its own sdpa/eager functions) -> ((B, Sq, Hq, D), None)."""
-    import torch
-
     if dropout:
         raise NotImplementedError("pyattn_attention has no dropout: call model.eval()")
     SEEN.append((query.shape[1], key.shape[1]))
@@ -38,11 +35,9 @@ def pyattn_attention(module, query, key, value, attention_mask, scaling=None, dr
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     else:  # sdpa_mask's bool (B, 1, Sq, Sk), True = attend (or an additive float mask): causality included
         causal, mask = False, attention_mask[..., : key.shape[-2]]
-    # pyattn writes into a torch tensor in transformers' (B, Sq, Hq, D) order, given as out= its (B, Hq,
-    # Sq, D) view: nothing to export (torch.from_dlpack(result) costs ~25 us of host time a call,
-    # most of it torch's import path) and nothing for transformers' reshape to copy.
-    B, Hq, Sq, D = query.shape
-    out = torch.empty(B, Sq, Hq, D, dtype=query.dtype, device=query.device)
+    # The result goes into a torch tensor in transformers' (B, Sq, Hq, D) order through its (B, Hq, Sq, D)
+    # view: no export (torch.from_dlpack costs ~25 us a call) and nothing for the reshape to copy.
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     pyattn.attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, mask=mask,
                      out=out.transpose(1, 2))
     return out, None
@@ -137,17 +132,6 @@ def main():
                 model(x, use_cache=False)
             torch.cuda.synchronize()
         print(f"time  forward (2, 2048) with {impl:6s}: {(time.perf_counter() - t) / 10 * 1e3:.2f} ms")
-    for impl in ("sdpa", "pyattn"):  # decode steps: small calls, where host time per call shows
-        model.set_attn_implementation(impl)
-        gen = dict(attention_mask=torch.ones_like(prompt[:1]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                   pad_token_id=0)
-        model.generate(prompt[:1], **gen)  # warm-up
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(prompt[:1], **gen)
-        torch.cuda.synchronize()
-        per_token = (time.perf_counter() - t) / 32 * 1e3
-        print(f"time  generate 32 tokens (batch 1) with {impl:6s}: {per_token:.2f} ms a token")
 
 
 if __name__ == "__main__":
