@@ -137,7 +137,7 @@ def calls():
 def stages(d, n):
     """Each stage of a repeat DeviceArray attention call timed alone (internals: update when they move)."""
     from pyattn.array import allocate
-    from pyattn.interop.inputs import quick_key
+    from pyattn.interop.quick import quick_key
     from pyattn.ops import attention as A
     from pyattn.ops._fwd import build_fwd_plan, run_fwd
     from pyattn.pipeline.device import begin
@@ -167,7 +167,7 @@ def stages(d, n):
         ("pack", lambda: plan.packer.pack(d.ptr, d.ptr, d.ptr, o.ptr, 0, 0, 0, 0, 0, 0, 0, 0)),
         ("launch", lambda: launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, packed)),
         ("run_fwd (allocate + pack + launch)", lambda: run_fwd(plan, dev, s, d.ptr, d.ptr, d.ptr)),
-        ("the repeat path (_repeat)", lambda: A._repeat(bound, arrays, None, False)),
+        ("the repeat path (_repeat)", lambda: A._repeat(bound, arrays, None, False, {})),
     ]
     for name, fn in rows:
         print(f"  {name:40} {per_call_us(fn, n):6.2f} us")

@@ -5,7 +5,7 @@ import time, sys
 import numpy as np
 import pyattn
 from pyattn.array import allocate
-from pyattn.interop.inputs import quick_key
+from pyattn.interop.quick import quick_key
 from pyattn.interop.streams import torch_current_stream
 from pyattn.pipeline.plans import get_plan
 from pyattn.pipeline.device import begin
@@ -43,7 +43,7 @@ s = begin(bound, None, arrays)[0]
 plan = get_plan(build_fwd_plan, P, dev)
 print("allocate (+ free of the previous)", round(us(lambda: allocate(dev, s, *plan.out_layout)), 2)); dev.synchronize()
 print("run_fwd", round(us(lambda: run_fwd(plan, dev, s, d.ptr, d.ptr, d.ptr)), 2)); dev.synchronize()
-print("_repeat (the whole repeat path)", round(us(lambda: A._repeat(bound, arrays, None, False)), 2)); dev.synchronize()
+print("_repeat (the whole repeat path)", round(us(lambda: A._repeat(bound, arrays, None, False, {})), 2)); dev.synchronize()
 print("activate only", round(us(lambda: dev.activate()), 2))
 from pyattn.runtime.stream import Event
 e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
@@ -116,7 +116,7 @@ if "decode" in sys.argv:
     print("  get_plan", round(us(lambda: get_plan(_build, DP, dev)), 2))
     print("  run_decode", round(us(lambda: run_decode(DP, dev, qd.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, 0,
                                                        ds, False, (0, 0), total_len)), 2)); dev.synchronize()
-    print("  _repeat", round(us(lambda: Dm._repeat(dbound, cache, ids, (qd, None), None, False)), 2)); dev.synchronize()
+    print("  _repeat", round(us(lambda: Dm._repeat(dbound, cache, ids, (qd, None), None, False, {})), 2)); dev.synchronize()
     seen = collections.Counter()
     def prof(frame, event, arg):
         if event == "c_call":

@@ -46,7 +46,7 @@ class CaiOnly:
 
 class CaiWithDevice(CaiOnly):
     """:class:`CaiOnly` that tells its device (``__dlpack_device__``), so that its repeat calls take
-    the fast path (``interop.inputs.quick_key``): the legacy rule must hold there too."""
+    the fast path (``interop.quick.quick_key``): the legacy rule must hold there too."""
 
     def __dlpack_device__(self):
         return self.t.__dlpack_device__()

@@ -1,1 +1,2 @@
-"""The boundary with users' arrays: reading them (``inputs``) and ordering with their producers (``streams``)."""
+"""The boundary with users' arrays: reading them (``inputs``), the repeat-call key (``quick``) and
+ordering with their producers (``streams``)."""

@@ -4,12 +4,13 @@ A thin function over the op pipeline: read the arguments, validate them into a f
 ``AttentionProblem`` (a repeat signature skips this: ``pipeline.plans.Memo``), then run the
 planned kernel on the stream the stream-order rule picks, or take the chunked NumPy path. A repeat
 call on DeviceArrays or torch tensors is found by its quick key before any argument is read
-(``interop.inputs.quick_key``), and reads only pointers and producer streams.
+(``interop.quick.quick_key``), and reads only pointers and producer streams.
 """
 
 from __future__ import annotations
 
-from ..interop.inputs import quick_key, read_args
+from ..interop.inputs import read_args
+from ..interop.quick import quick_key
 from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.plans import Memo, get_plan, signature
 from ..runtime.stream import check_stream_arg

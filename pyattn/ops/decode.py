@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop.inputs import quick_key, read_args
+from ..interop.inputs import read_args
+from ..interop.quick import quick_key
 from ..interop.streams import order_inputs
 from ..paged.book import longest_first
 from ..paged.cache import PagedKVCache

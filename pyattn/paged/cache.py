@@ -17,7 +17,8 @@ import itertools
 import numpy as np
 
 from ..array import DeviceArray, empty
-from ..interop.inputs import numpy_dtype, quick_key, read
+from ..interop.inputs import numpy_dtype, read
+from ..interop.quick import quick_key
 from ..interop.streams import note_use
 from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.host import upload

@@ -1,7 +1,7 @@
 """The device side of a call: its device, its stream (the stream-order rule), outputs, bookkeeping.
 
 Two ways in: :func:`start` for a call read into Args (any array kind), and :func:`begin` for a
-repeat call found by its quick key (:func:`pyattn.interop.inputs.quick_key`), whose arrays are
+repeat call found by its quick key (:func:`pyattn.interop.quick.quick_key`), whose arrays are
 DeviceArrays, torch tensors or CUDA array interfaces of a known layout: it reads only their
 pointers and producer streams (an interface's, read with the key). Both apply the same
 stream-order rule (``pyattn.interop.streams``).
@@ -85,7 +85,7 @@ def bind(problem, device, args, check):
 def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
     """:func:`start` and :func:`finish`'s bookkeeping for a repeat call: ``arrays`` are the call's
     array parameters (the user's objects, in the order of ``bound.kinds``), ``reads`` the pointers
-    and producers :func:`~pyattn.interop.inputs.quick_key` read of its CUDA array interfaces. Reads
+    and producers :func:`~pyattn.interop.quick.quick_key` read of its CUDA array interfaces. Reads
     their pointers and runs the op's address checks (before any device work, as on the full path),
     then activates the device, picks the stream (the rule), orders it after the arrays' producers,
     and notes the stream's use of pyattn's pool blocks among them (now rather than after the

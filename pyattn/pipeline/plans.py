@@ -68,7 +68,7 @@ _memos: list = []  # every Memo made (tests that swap the driver empty them: see
 
 
 class Memo:
-    """A call key (:func:`signature`, or :func:`pyattn.interop.inputs.quick_key`) -> what validation
+    """A call key (:func:`signature`, or :func:`pyattn.interop.quick.quick_key`) -> what validation
     made of it, for one op (bounded; a workload with more keys just validates again). A None key
     (a call that cannot be memoised) is never found or stored, nor is an unhashable one."""
 
