@@ -22,7 +22,7 @@ import numpy as np
 
 from ..array import DeviceArray, c_strides
 
-__all__ = ["Arg", "read", "read_optional", "read_args", "dlpack_ordinal", "HOST", "DEVICE", "TORCH", "CAI", "DLPACK",
+__all__ = ["Arg", "read", "read_optional", "read_args", "type_kind", "dlpack_ordinal", "HOST", "DEVICE", "TORCH", "CAI", "DLPACK",
            "LEGACY_PRODUCER", "TORCH_PRODUCER", "numpy_dtype"]
 
 # Kinds of argument.
@@ -286,7 +286,15 @@ def _read_array_like(name, x):
     return _read_numpy(name, host)
 
 
-_readers: dict = {}
+_readers: dict = {}  # type -> its reader (_choose's answer, made once per type)
+
+
+def _reader(tp):
+    reader = _readers[tp] = _choose(tp)
+    return reader
+
+
+_TYPE_KINDS = {_read_device_array: DEVICE, _read_numpy: HOST, _read_torch: TORCH, _read_generic: CAI}
 
 
 def read(name: str, x) -> Arg:
@@ -298,11 +306,15 @@ def read(name: str, x) -> Arg:
         For anything that is not an array pyattn can read, or a malformed array interface; the
         message starts with ``name``.
     """
-    tp = type(x)
-    reader = _readers.get(tp)
-    if reader is None:
-        reader = _readers[tp] = _choose(tp)
-    return reader(name, x)
+    reader = _readers.get(type(x))
+    return (reader or _reader(type(x)))(name, x)
+
+
+def type_kind(tp) -> str:
+    """What :func:`read` makes of objects of type ``tp``: ``DEVICE``, ``HOST`` (NumPy), ``TORCH``
+    (a CPU tensor among them: host data), or ``CAI`` for any other type, whose objects are looked
+    at one by one (an array interface, DLPack, or an array-like)."""
+    return _TYPE_KINDS[_readers.get(tp) or _reader(tp)]
 
 
 def read_optional(name: str, x):

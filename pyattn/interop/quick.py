@@ -3,12 +3,9 @@ the user's arrays (no :class:`~pyattn.interop.inputs.Arg` built), and the pointe
 streams that are read per call with it.
 """
 
-import sys
-
 import numpy as np
 
-from ..array import DeviceArray
-from .inputs import CAI, DEVICE, DLPACK, LEGACY_PRODUCER, TORCH, dlpack_ordinal
+from .inputs import CAI, DEVICE, DLPACK, HOST, LEGACY_PRODUCER, TORCH, dlpack_ordinal, type_kind
 
 __all__ = ["quick_key"]
 
@@ -19,16 +16,10 @@ _quick_kinds: dict = {}  # type -> DEVICE, TORCH, CAI, or None (read through Arg
 
 
 def _quick_kind(tp):
-    if issubclass(tp, DeviceArray):
-        return DEVICE
-    if issubclass(tp, np.ndarray):
-        return None
-    torch = sys.modules.get("torch")
-    if torch is not None and issubclass(tp, torch.Tensor):
-        return TORCH
-    # Anything else may carry a CUDA array interface, on the class (CuPy, Numba) or per instance
-    # (a SimpleNamespace wrapper): looked for on each object.
-    return CAI
+    # NumPy arrays (host data) have no key; any type read_args looks at object by object may carry
+    # a CUDA array interface, on the class (CuPy, Numba) or per instance (a SimpleNamespace wrapper).
+    kind = type_kind(tp)
+    return None if kind == HOST else kind
 
 
 def _quick_cai(name, x, add, reads):
