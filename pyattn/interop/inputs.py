@@ -22,8 +22,8 @@ import numpy as np
 
 from ..array import DeviceArray, c_strides
 
-__all__ = ["Arg", "read", "read_optional", "read_args", "type_kind", "dlpack_ordinal", "HOST", "DEVICE", "TORCH", "CAI", "DLPACK",
-           "LEGACY_PRODUCER", "TORCH_PRODUCER", "numpy_dtype"]
+__all__ = ["Arg", "read", "read_optional", "read_args", "type_kind", "dlpack_ordinal", "HOST", "DEVICE", "TORCH",
+           "CAI", "DLPACK", "LEGACY_PRODUCER", "TORCH_PRODUCER", "numpy_dtype"]
 
 # Kinds of argument.
 HOST, DEVICE, TORCH, CAI, DLPACK = "host", "device", "torch", "cai", "dlpack"

@@ -61,9 +61,9 @@ def _quick_cai(name, x, add, reads):
 
 
 def _quick_dlpack(x, add):
-    """The key entry of a DLPack-only CUDA array (JAX, ...): what the full path reads of it
-    raw (type, shape, dtype, strides as its attributes give them, device ordinal); False when the
-    full path must read it. It is imported per call, with the call's stream as the consumer
+    """The key entry of a DLPack-only CUDA array (JAX, ...), what the full path reads of it, raw:
+    type, shape, dtype, strides as its attributes give them, device ordinal. False when the full
+    path must read it. It is imported per call, with the call's stream as the consumer
     (:func:`pyattn.pipeline.device.begin`)."""
     if getattr(x, "__dlpack__", None) is None:
         return False
@@ -83,17 +83,16 @@ def quick_key(params: dict, reads: dict = None):
     ``params`` is the op's ``locals()`` taken first thing (every parameter). Arrays that are
     ``DeviceArray``s or CUDA torch tensors are keyed by what an :class:`~pyattn.interop.inputs.Arg`
     of them would say (type, shape, dtype, element strides, device), read straight from their
-    attributes: no Arg is built.
-    Arrays with a CUDA array interface (CuPy, Numba, ...) are keyed by its shape, typestr and
-    strides, their type and their ``__dlpack_device__`` ordinal; their pointer and producer stream,
-    read from the same interface dict, go to ``reads`` (name -> ``(ptr, producer)``) for
-    :func:`pyattn.pipeline.device.begin`. DLPack-only arrays (JAX) are keyed by their type, shape,
-    dtype, strides and device, and imported by ``begin``. Without ``reads`` neither has a key.
-    Option values are keyed by type and value. Any other array kind (NumPy), a CPU tensor, an
-    interface the full path would refuse or read otherwise, or an option of another type gives
-    None: such calls take the full path every time. ``stream`` (per call) is left out unless it is a
-    plain value (None, an int), where keeping it only splits the cache. Pointers and producer
-    streams are not in the key: they are read per call.
+    attributes: no Arg is built. Arrays with a CUDA array interface (CuPy, Numba, ...) are keyed
+    by its shape, typestr and strides, their type and their ``__dlpack_device__`` ordinal; their
+    pointer and producer stream, read from the same interface dict, go to ``reads`` (name ->
+    ``(ptr, producer)``) for :func:`pyattn.pipeline.device.begin`. DLPack-only arrays (JAX) are
+    keyed by their type, shape, dtype, strides and device, and imported by ``begin``. Without
+    ``reads`` neither has a key. Option values are keyed by type and value. Any other array kind
+    (NumPy), a CPU tensor, an interface the full path would refuse or read otherwise, or an option
+    of another type gives None: such calls take the full path every time. ``stream`` (per call) is
+    left out unless it is a plain value (None, an int), where keeping it only splits the cache.
+    Pointers and producer streams are not in the key: they are read per call.
 
     Equal keys mean equal signatures (:func:`pyattn.pipeline.plans.signature`), so a key can stand
     for the problem validation made of the first call that had it.

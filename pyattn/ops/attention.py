@@ -3,8 +3,9 @@
 A thin function over the op pipeline: read the arguments, validate them into a frozen
 ``AttentionProblem`` (a repeat signature skips this: ``pipeline.plans.Memo``), then run the
 planned kernel on the stream the stream-order rule picks, or take the chunked NumPy path. A repeat
-call on DeviceArrays or torch tensors is found by its quick key before any argument is read
-(``interop.quick.quick_key``), and reads only pointers and producer streams.
+call on device arrays (DeviceArrays, torch tensors, CUDA array interfaces, DLPack-only arrays) is
+found by its quick key before any argument is validated (``interop.quick.quick_key``), and reads
+only pointers and producer streams.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Two ways in: :func:`start` for a call read into Args (any array kind), and :func:`begin` for a
 repeat call found by its quick key (:func:`pyattn.interop.quick.quick_key`), whose arrays are
-DeviceArrays, torch tensors or CUDA array interfaces of a known layout: it reads only their
-pointers and producer streams (an interface's, read with the key). Both apply the same
-stream-order rule (``pyattn.interop.streams``).
+DeviceArrays, torch tensors, CUDA array interfaces or DLPack-only arrays of a known layout: it
+reads only their pointers and producer streams (an interface's, read with the key; a DLPack-only
+array is imported on the call's stream). Both apply the same stream-order rule
+(``pyattn.interop.streams``).
 """
 
 # No ``from __future__ import annotations`` here: typing.NamedTuple would compile every string
