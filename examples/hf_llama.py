@@ -36,7 +36,7 @@ def pyattn_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:  # sdpa_mask's bool (B, 1, Sq, Sk), True = attend (or an additive float mask): causality included
         causal, mask = False, attention_mask[..., : key.shape[-2]]
     # The result goes into a torch tensor in transformers' (B, Sq, Hq, D) order through its (B, Hq, Sq, D)
-    # view: no export (torch.from_dlpack costs ~25 us a call) and nothing for the reshape to copy.
+    # view: no export (torch.from_dlpack costs 25-35 us a call) and nothing for the reshape to copy.
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     pyattn.attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, mask=mask,
                      out=out.transpose(1, 2))

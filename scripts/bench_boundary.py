@@ -8,8 +8,8 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
    tensor, given or allocated with ``torch.empty_like`` a call; the result taken back with
    ``torch.from_dlpack``; torch seen through ``__dlpack__`` only, as JAX arrays are), CuPy (also
    its result taken back with ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's
-   own tiny call in the same run (the host is shared and noisy: compare within a run). Targets: <= 20 us;
-   ``decode(q, cache, ids)`` <= 25 us.
+   own tiny call in the same run (the host is shared and noisy: compare within a run). Targets:
+   <= 20 us; ``decode(q, cache, ids)`` <= 25 us.
 2. NumPy in/out against the pinned-copy floor of the same run: (1, 4096, 16, 128) fp16 attention
    (floor: pinned H2D of q, k, v plus D2H of out; also with q, k, v in ``pyattn.pinned_empty`` arrays,
    which the DMA reads in place), and a decode step over a 32k-token bf16 cache
@@ -55,8 +55,10 @@ def host_costs(bench, loop: int) -> dict:
         res["torch, explicit pyattn stream"] = us(lambda: pyattn.attention(t, t, t, stream=s))
         s.synchronize()
         res["torch in, torch.from_dlpack(out)"] = us(lambda: torch.from_dlpack(pyattn.attention(t, t, t)))
-        res["torch in, out=torch.empty_like(q) a call"] = us(lambda: pyattn.attention(t, t, t, out=torch.empty_like(t)))
-        res["torch via __dlpack__ only (a JAX stand-in)"] = us(lambda: pyattn.attention(*[harness.DlpackOnly(t)] * 3))
+        res["torch in, out=torch.empty_like(q) a call"] = us(
+            lambda: pyattn.attention(t, t, t, out=torch.empty_like(t)))
+        jax_like = harness.DlpackOnly(t)
+        res["torch via __dlpack__ only (a JAX stand-in)"] = us(lambda: pyattn.attention(jax_like, jax_like, jax_like))
         res["torch SDPA tiny (same run)"] = us(lambda: torch.nn.functional.scaled_dot_product_attention(tb, tb, tb))
     try:
         import cupy
