@@ -163,13 +163,13 @@ def test_cai_decode_and_append_repeat_calls(gpu, cache, full_decode):
 
 class _Dl:
     """A JAX-like array: DLPack only, its shape and dtype as attributes (no strides: dense). Records
-    the consumer stream of each export."""
+    the consumer stream of each export; ``device`` overrides what ``__dlpack_device__`` says."""
 
     def __init__(self, da):
-        self.da, self.shape, self.dtype, self.streams = da, da.shape, da.dtype, []
+        self.da, self.shape, self.dtype, self.streams, self.device = da, da.shape, da.dtype, [], None
 
     def __dlpack_device__(self):
-        return self.da.__dlpack_device__()
+        return self.da.__dlpack_device__() if self.device is None else self.device
 
     def __dlpack__(self, stream=None, **kw):
         self.streams.append(stream)
@@ -273,3 +273,37 @@ def test_fast_path_agrees_with_the_full_path_on_any_interface(gpu, full, case):
         and (cai.get("version", 0) < 3 or stream is None or (type(stream) is int and stream != 0)))
     if valid_same_layout:
         assert took_fast_path, cai
+
+
+@st.composite
+def _dlpack_arrays(draw):
+    """A DLPack-only array near a valid (1, 16, 2, 64) float16 one, with one to three things changed:
+    its export (another layout or a misaligned address), its shape or dtype attributes, its device."""
+    choices = {
+        "export": [lambda: _da(), lambda: _da((1, 8, 2, 64)), lambda: _da(dtype=np.float32),
+                   lambda: _da(ptr=_da().ptr + 2)],
+        "shape": [(1, 16, 2, 64), [1, 16, 2, 64], (1, 8, 2, 64), None],
+        "dtype": [np.dtype(np.float16), "float16", np.float16, "float32", None, "bogus"],
+        "device": [None, (2, 0), (1, 0), (2, 1), (13, 0)],
+    }
+    changed = draw(st.lists(st.sampled_from(sorted(choices)), min_size=1, max_size=3, unique=True))
+    picks = {k: draw(st.sampled_from(choices[k])) if k in changed else choices[k][0] for k in choices}
+    y = _Dl(picks["export"]())
+    y.shape, y.dtype, y.device = picks["shape"], picks["dtype"], picks["device"]
+    return y
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(y=_dlpack_arrays())
+def test_fast_path_agrees_with_the_full_path_on_any_dlpack_array(gpu, full, y):
+    """As the interface fuzz above, for DLPack-only arrays: after a hit, a changed array gets the full
+    path's outcome."""
+    from pyattn.ops import attention as op
+
+    gpu.record_launches = True
+    x = _Dl(_da())
+    pyattn.attention(x, x, x)  # the fast path now holds _Dl's layout
+    quick = _outcome(lambda: pyattn.attention(x, y, x))
+    op._quick._entries.clear()
+    op._memo._entries.clear()
+    assert quick == _outcome(lambda: pyattn.attention(x, y, x))
