@@ -1,10 +1,10 @@
 #!/bin/bash
-# The device call of the array-boundary work (issue 11): the GPU tests of every op's repeat-call path
-# (attention, decode, a serving loop's append and decode, the boundary), bench_boundary on this tree and on the A/B base
-# tree (.ab/base, a `git archive` of the tree before, when present) in alternating rounds, the
-# transformers decode-step probe, the DLPack / CuPy probes and every example. Usage (repository root,
-# on the GPU machine):
-#   bash dev/gpu_boundary.sh            writes *.log under $OUT
+# The device call of the array-boundary work (issue 11): the GPU tests of every op's repeat-call
+# path (attention, decode, a serving loop's append and decode, the boundary), bench_boundary on
+# this tree and on the A/B base tree (.ab/base, a `git archive` of the tree before, when present)
+# in alternating rounds, the transformers decode-step probe, the DLPack / CuPy probes and every
+# example. Usage (repository root, on the GPU machine):
+#   bash dev/gpu_boundary.sh            writes 8 logs under $OUT (the most the device tool returns)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYATTN_CACHE_DIR=${PYATTN_CACHE_DIR:-/tmp/pc}
 OUT=${OUT:-/tmp/out}
@@ -30,9 +30,13 @@ for round in 1 2; do
   fi
 done
 stamp probes
-python dev/probe_hf_out.py 2>&1 | tee "$OUT/probe_hf.log" | tail -4
-python dev/probe_dlpack_cost.py > "$OUT/probe_dlpack.log" 2>&1
-python dev/probe_cupy_import.py 2>&1 | tee "$OUT/probe_cupy.log" | tail -3
-for ex in examples/*.py; do stamp "$ex"; python "$ex" > "$OUT/example_$(basename "$ex" .py).log" 2>&1 || echo "FAILED: $ex"
-  tail -3 "$OUT/example_$(basename "$ex" .py).log"; done
+python dev/probe_hf_out.py 2>&1 | tee "$OUT/probes.log" | tail -4
+python dev/probe_dlpack_cost.py >> "$OUT/probes.log" 2>&1
+python dev/probe_cupy_import.py 2>&1 | tee -a "$OUT/probes.log" | tail -3
+for ex in examples/*.py; do
+  stamp "$ex"
+  python "$ex" > /tmp/example.log 2>&1 || echo "FAILED: $ex"
+  { echo "== $ex"; cat /tmp/example.log; } >> "$OUT/examples.log"
+  tail -3 /tmp/example.log
+done
 stamp done

@@ -25,9 +25,8 @@ from cuda.bindings import driver
 
 from pyattn import jit
 from pyattn.kernels import registry
-from pyattn.pipeline import plans
 from pyattn.ops import _decode, block_sparse
-from pyattn.pipeline import chunks
+from pyattn.pipeline import chunks, plans
 from pyattn.runtime import device, memory, pinned, stream, tensormap
 
 OK = driver.CUresult.CUDA_SUCCESS
