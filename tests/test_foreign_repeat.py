@@ -2,7 +2,7 @@
 interfaces (CuPy, Numba) keyed by their interface dict and DLPack-only arrays (JAX) by their
 attributes. A repeat reads each array once and follows new pointers and producer streams; a
 changed layout misses; whatever the full path refuses is refused after a hit too, with the same
-error (a hypothesis fuzz of interface dicts).
+error (hypothesis fuzzes of interface dicts and of DLPack-only arrays).
 """
 
 from __future__ import annotations
