@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
@@ -22,11 +21,8 @@ import pyattn  # noqa: E402
 def main() -> None:
     bench = harness.open_bench()
     rng = np.random.default_rng(0)
-    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
-    ids = [cache.add_sequence() for _ in range(2)]
-    kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
-    cache.append(ids, kv, kv)
-    q = pyattn.asarray(rng.standard_normal((2, 1, 8, 64)).astype(ml_dtypes.bfloat16))
+    cache, ids, hq = harness.tiny_decode(rng)
+    q = pyattn.asarray(hq)
     for splits in (None, 1, 2, 4):
         fn = lambda: pyattn.decode(q, cache, ids, num_splits=splits, stream=bench.stream)  # noqa: E731
         wall = bench.wall_ms(fn, loop=200, reps=5) * 1e3

@@ -6,15 +6,19 @@ the floor; each call's kernels (grid, block, shared bytes).
 
 Usage: PYTHONPATH=. python dev/probe_tiny_gpu.py
 """
+import os
 import subprocess
+import sys
 import time
 
-import ml_dtypes
 import numpy as np
 import torch
 
-import pyattn
-from pyattn.runtime.stream import Event
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import harness  # noqa: E402
+
+import pyattn  # noqa: E402
+from pyattn.runtime.stream import Event  # noqa: E402
 
 
 def clocks():
@@ -59,11 +63,8 @@ def main():
     s = default_stream(dev)
     rng = np.random.default_rng(0)
     d = pyattn.asarray(rng.standard_normal((1, 16, 2, 64)).astype(np.float16))
-    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
-    ids = [cache.add_sequence() for _ in range(2)]
-    kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
-    cache.append(ids, kv, kv)
-    qd = pyattn.asarray(rng.standard_normal((2, 1, 8, 64)).astype(ml_dtypes.bfloat16))
+    cache, ids, hq = harness.tiny_decode(rng)
+    qd = pyattn.asarray(hq)
     import cupy
     empty = cupy.RawKernel('extern "C" __global__ void e() {}', "e")
     cs = cupy.cuda.ExternalStream(s.ptr)

@@ -1,9 +1,16 @@
 """Dev probe: per-stage host cost of a tiny device attention call (the repeat-call path), and the NumPy
 path's timeline. ``torch`` as an argument adds torch tensors; ``decode`` times the tiny decode of
 bench_boundary stage by stage instead of the NumPy timeline, and lists one repeat call's C calls."""
-import time, sys
+import os
+import sys
+import time
+
 import numpy as np
-import pyattn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import harness  # noqa: E402
+
+import pyattn  # noqa: E402
 from pyattn.array import allocate
 from pyattn.interop.quick import quick_key
 from pyattn.interop.streams import torch_current_stream
@@ -90,15 +97,11 @@ if "decode" not in sys.argv:  # the NumPy path's timeline
 # (driver calls among them) one repeat call makes.
 if "decode" in sys.argv:
     import collections
-    import ml_dtypes
     from pyattn.ops import decode as Dm
     from pyattn.ops._decode import run_decode, _build
     rng = np.random.default_rng(0)
-    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
-    ids = [cache.add_sequence() for _ in range(2)]
-    kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
-    cache.append(ids, kv, kv)
-    qd = pyattn.asarray(rng.standard_normal((2, 1, 8, 64)).astype(ml_dtypes.bfloat16))
+    cache, ids, hq = harness.tiny_decode(rng)
+    qd = pyattn.asarray(hq)
     print("decode DeviceArray q", round(us(lambda: pyattn.decode(qd, cache, ids)), 2)); dev.synchronize()
     dparams = {n: p.default for n, p in inspect.signature(pyattn.decode).parameters.items()}
     dparams.update(q=qd, cache=cache.layout_key, seq_ids=2)

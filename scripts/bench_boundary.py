@@ -37,8 +37,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def host_costs(bench, loop: int) -> dict:
     """Microseconds of host time per tiny call, per input kind."""
-    import ml_dtypes
-
     torch = bench.torch
     rng = np.random.default_rng(0)
     h = rng.standard_normal((1, 16, 2, 64)).astype(np.float16)
@@ -68,18 +66,12 @@ def host_costs(bench, loop: int) -> dict:
         c = cupy.asarray(h)
         res["CuPy (CUDA array interface v3)"] = us(lambda: pyattn.attention(c, c, c))
         res["CuPy in, cupy.from_dlpack(out)"] = us(lambda: cupy.from_dlpack(pyattn.attention(c, c, c)))
-        half = pyattn.PagedKVCache(64, 16, 2, 64, "float16")  # (CuPy has no bfloat16)
-        hids = [half.add_sequence() for _ in range(2)]
-        kv16 = rng.standard_normal((2, 256, 2, 64)).astype(np.float16)
-        half.append(hids, kv16, kv16)
-        cq = cupy.asarray(rng.standard_normal((2, 1, 8, 64)).astype(np.float16))
+        half, hids, hq = harness.tiny_decode(rng, np.float16)  # (CuPy has no bfloat16)
+        cq = cupy.asarray(hq)
         res["decode(q, cache, ids), CuPy q (fp16 cache)"] = us(lambda: pyattn.decode(cq, half, hids))
         cupy.cuda.Device().synchronize()
-    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
-    ids = [cache.add_sequence() for _ in range(2)]
-    kv = rng.standard_normal((2, 256, 2, 64)).astype(ml_dtypes.bfloat16)
-    cache.append(ids, kv, kv)
-    qd = pyattn.asarray(rng.standard_normal((2, 1, 8, 64)).astype(ml_dtypes.bfloat16))
+    cache, ids, hq = harness.tiny_decode(rng)
+    qd = pyattn.asarray(hq)
     res["decode(q, cache, ids), DeviceArray q"] = us(lambda: pyattn.decode(qd, cache, ids))
     bench.device.synchronize()
     if torch is not None:

@@ -336,6 +336,21 @@ def to_torch(a):
     return torch.from_dlpack(a)
 
 
+def tiny_decode(rng, dtype=None) -> tuple:
+    """bench_boundary's tiny decode: a paged cache (64 pages of 16 tokens, 2 KV heads, head_dim 64)
+    holding 2 sequences of 256 random tokens, and a one-token query of 8 heads for them, as a host
+    array. Returns ``(cache, ids, q)``. ``dtype``: bfloat16 (the default) or float16 (for CuPy,
+    which has no bfloat16)."""
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16 if dtype is None else dtype)
+    cache = pyattn.PagedKVCache(64, 16, 2, 64, dt.name)
+    ids = [cache.add_sequence() for _ in range(2)]
+    kv = rng.standard_normal((2, 256, 2, 64)).astype(dt)
+    cache.append(ids, kv, kv)
+    return cache, ids, rng.standard_normal((2, 1, 8, 64)).astype(dt)
+
+
 class DlpackOnly:
     """A torch tensor seen through DLPack only, as a JAX array is (shape, dtype, strides and
     ``__dlpack__``, no array interface): JAX's stand-in where JAX is not installed."""
