@@ -23,7 +23,8 @@
 namespace pyattn {
 
 // A persistent launch's work units, in order, and which block takes which: unit u goes to block
-// u % gridDim.x (round u / gridDim.x). Without causality a unit is one query tile, and the row
+// u % gridDim.x (round u / gridDim.x), or with three consumer warpgroups to the block that its
+// round's rotation picks (below). Without causality a unit is one query tile, and the row
 // blocks of one (batch, head) are consecutive, so the blocks running at once share their K/V in
 // L2. Causal units pair row block n_mb - 1 - i (the most keys) with row block i (the fewest):
 // every unit then costs about n_mb + 1 key tiles, so a plain stride over units is balanced (a
@@ -35,14 +36,38 @@ namespace pyattn {
 // whole ones (causal 2k 5% slower than a block a tile). So with an odd n_mb two (batch, head)s form
 // a group of n_mb units: the first one's pairs, the second one's, then one unit of both middle
 // blocks; a last group of one (batch, head) is its pairs and its middle block.
+// Rotated rounds (three consumer warpgroups: the short row at d = 64). Round r still holds units
+// [r G, r G + G) (G = gridDim.x), so the blocks running at once still share their heads' K/V in
+// L2, but its blocks rotate by r * shift, which moves a block's unit on by one place (mod `per`,
+// the units of a (batch, head) or of a group of two) from round to round. With the plain stride, a
+// multiple of `per` puts a block on the same place in every round: at d = 64 and 1024 query rows
+// (six row blocks of 192, the last of 64 rows, where one warpgroup of three works; it measured 0.71
+// of a whole block) on 132 SMs, 22 blocks took only those tails, and the kernel lasted as long as
+// the other 110 blocks' 24 whole ones, where 19.4 and 3.9 tails each would do. Rotated: 6% faster.
+// Units of one cost (no causality, window or varlen; whole row blocks) need no rotation (shift 0).
+// The two-warpgroup rows keep the plain stride, in a loop of its own: with the rounds' loop in
+// their code, even unrotated, d = 128 and 256 at 1k keys ran 1.3-2.7% slower (H200, 3-4
+// alternating rounds; ptxas moved their spills), and their last row block is never a third of a
+// block's warpgroups.
 struct PersistentUnits {
   int n_mb, pairs, n_bh, total;  // row blocks, causal pairs a (batch, head), (batch, head)s, units
+  int shift;                     // rotated rounds: the rotation a round adds, in [0, gridDim.x)
 
   __device__ __forceinline__ PersistentUnits(const AttnFwdParams& p, int block_m) {
     n_mb = (p.seqlen_q + block_m - 1) / block_m;
     pairs = n_mb / 2;
     n_bh = p.heads_q * p.batch;
     total = !p.causal ? n_mb * n_bh : !(n_mb & 1) ? pairs * n_bh : (n_bh / 2) * n_mb + (n_bh & 1) * (pairs + 1);
+    const int G = gridDim.x, per = !p.causal || (n_mb & 1) ? n_mb : pairs;
+    const bool even = !p.causal && p.window_left < 0 && p.window_right < 0 && p.cu_seqlens_q == nullptr &&
+                      p.seqlen_q % block_m == 0;
+    shift = even ? 0 : (1 - G % per + per) % per % G;  // (G + shift) % per == 1 where shift < G allows
+  }
+  // The rotation of the round after one rotated by `rot` (the loops below start at rot =
+  // blockIdx.x, base 0, and take unit base + rot of each round when it is below `total`).
+  __device__ __forceinline__ int next_rot(int rot) const {
+    rot += shift;
+    return rot >= static_cast<int>(gridDim.x) ? rot - static_cast<int>(gridDim.x) : rot;
   }
   // Query tile `side` (0, 1: causal) of unit u as (m_block, head, batch); false when the unit has
   // no such tile (side 1 without causality, or a middle-block unit of a last lone (batch, head)).
@@ -79,7 +104,9 @@ struct PersistentUnits {
 };
 
 // Persistent attn_fwd_tma (Tr::kPersist): gridDim.x blocks (one an SM) walk the query tiles
-// (PersistentUnits). The producer thread runs ahead through them, so the next tile's query and
+// (PersistentUnits). Each role's walk is written twice, the rotated rounds and the plain stride:
+// one loop with a compile-time condition in it changed the two-warpgroup rows' PTX (compared with
+// NVRTC 13.0), whose speed the plain stride's code is kept for. The producer thread runs ahead through them, so the next tile's query and
 // K/V stream in under this one's last steps and epilogue. The query tile has its own "full" /
 // "empty" barriers; the consumers' last Q K^T of a tile releases it.
 // Every query tile starts the ring at stage 0, with each stage's phase kept in a bit of its own
@@ -120,16 +147,32 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     ml.prefetch_maps();
     // A fresh barrier's "previous" phase counts as complete (bits 16 + s: SPLIT_KV's V barriers).
     unsigned empty_bits = ((1u << STAGES) - 1) * (Tr::kSplitKV ? 0x10001u : 1u), q_parity = 1;
-    for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+    if constexpr (Tr::kWarpgroups == 3) {  // rotated rounds; else the plain stride (PersistentUnits)
+      for (int base = 0, rot = blockIdx.x; base < units.total; base += gridDim.x, rot = units.next_rot(rot)) {
+        const int u = base + rot;
 #pragma unroll 1
-      for (int side = 0; side < 2; ++side) {
-        if (!units.tile(p, u, side, m_block, head, batch)) continue;
-        if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at) || ml.n_tiles == 0) continue;
-        pipe::wait(ml.bar_q_empty, q_parity);
-        q_parity ^= 1;
-        tma::arrive_expect(bar_q_full, Tr::kQBytes);
-        ml.load_q_tma(sQ, bar_q_full);
-        ml.produce_tma_tiles(empty_bits, sQ, false);
+        for (int side = 0; side < 2; ++side) {
+          if (u >= units.total || !units.tile(p, u, side, m_block, head, batch)) continue;
+          if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at) || ml.n_tiles == 0) continue;
+          pipe::wait(ml.bar_q_empty, q_parity);
+          q_parity ^= 1;
+          tma::arrive_expect(bar_q_full, Tr::kQBytes);
+          ml.load_q_tma(sQ, bar_q_full);
+          ml.produce_tma_tiles(empty_bits, sQ, false);
+        }
+      }
+    } else {
+      for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+#pragma unroll 1
+        for (int side = 0; side < 2; ++side) {
+          if (!units.tile(p, u, side, m_block, head, batch)) continue;
+          if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at) || ml.n_tiles == 0) continue;
+          pipe::wait(ml.bar_q_empty, q_parity);
+          q_parity ^= 1;
+          tma::arrive_expect(bar_q_full, Tr::kQBytes);
+          ml.load_q_tma(sQ, bar_q_full);
+          ml.produce_tma_tiles(empty_bits, sQ, false);
+        }
       }
     }
     return;
@@ -140,21 +183,42 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   ml.make_descs(sQ);
   ml.full_parity = 0;  // PERSIST: a bit a stage
   unsigned q_parity = 0;
-  for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+  if constexpr (Tr::kWarpgroups == 3) {  // the producer's walk, unit for unit
+    for (int base = 0, rot = blockIdx.x; base < units.total; base += gridDim.x, rot = units.next_rot(rot)) {
+      const int u = base + rot;
 #pragma unroll 1
-    for (int side = 0; side < 2; ++side) {
-      if (!units.tile(p, u, side, m_block, head, batch)) continue;
-      if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
-      ml.clear();
-      ml.stage = ml.prev_stage = 0;
-      if (ml.n_tiles > 0) {  // CTA-uniform
-        pipe::wait(bar_q_full, q_parity);
-        q_parity ^= 1;
-        if constexpr (Tr::kPingPong)
-          if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
-        ml.run_tiles();
+      for (int side = 0; side < 2; ++side) {
+        if (u >= units.total || !units.tile(p, u, side, m_block, head, batch)) continue;
+        if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
+        ml.clear();
+        ml.stage = ml.prev_stage = 0;
+        if (ml.n_tiles > 0) {  // CTA-uniform
+          pipe::wait(bar_q_full, q_parity);
+          q_parity ^= 1;
+          if constexpr (Tr::kPingPong)
+            if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+          ml.run_tiles();
+        }
+        wgmma_fwd_store<Tr>(ml, p, at);
       }
-      wgmma_fwd_store<Tr>(ml, p, at);
+    }
+  } else {
+    for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+#pragma unroll 1
+      for (int side = 0; side < 2; ++side) {
+        if (!units.tile(p, u, side, m_block, head, batch)) continue;
+        if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
+        ml.clear();
+        ml.stage = ml.prev_stage = 0;
+        if (ml.n_tiles > 0) {  // CTA-uniform
+          pipe::wait(bar_q_full, q_parity);
+          q_parity ^= 1;
+          if constexpr (Tr::kPingPong)
+            if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
+          ml.run_tiles();
+        }
+        wgmma_fwd_store<Tr>(ml, p, at);
+      }
     }
   }
 }

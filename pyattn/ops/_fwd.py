@@ -255,7 +255,9 @@ def persistent_slots(P, tiles, held: int) -> int:
     tile, or for causal calls a pair of row blocks (or two middle ones) of equal total cost. ``held`` blocks save
     each unit's start and end (measured on H200 at d=128: about two key steps of a query tile) but
     split the units statically, in whole rounds. Without causality the per-tile launch rounds the
-    same way, so persistence always wins. A causal per-tile launch is balanced by the hardware
+    same way, so persistence always wins (on three warpgroups the rounds rotate over the row blocks,
+    so a 64-row last block is shared out: d = 64 at 1k keys 0.327 ms against 0.337-0.340 a block a
+    tile, BENCHMARKS.md, twenty-fifth session). A causal per-tile launch is balanced by the hardware
     block by block, so there the rounding loss ``ceil(U / held) * held / U - 1`` is weighed
     against the start-and-end cost ``2 * 2 / (key steps of a unit)``; when rounding costs more
     (long causal calls: e.g. 16k x 16 heads at d=128, 3.1% against 3.1%) the launch takes one
