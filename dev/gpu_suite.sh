@@ -7,6 +7,8 @@
 # Writes pytest_$PART.log under $OUT and prints its summary (-ra names every failure). Run serially:
 # under pytest-xdist the GPU and timing tests share the machine 6-8 ways, and a run of the whole
 # suite under -n 8 outgrew the call and ended with an unnamed failure (BENCHMARKS.md, 2026-11-28).
+# A test that runs past 90 s gets every thread's stack dumped into the log (faulthandler_timeout):
+# the next serial run stalled after 194 tests with no name to show for it (twenty-fifth session).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYATTN_CACHE_DIR=${PYATTN_CACHE_DIR:-/tmp/pc}
 OUT=${OUT:-/tmp/out}
@@ -18,6 +20,7 @@ if [[ $PART == gpu ]]; then
 else
   marker="not gpu"
 fi
-timeout 560 python -X faulthandler -m pytest -q -p no:cacheprovider -ra -m "$marker" tests > "$OUT/pytest_$PART.log" 2>&1
+timeout 560 python -X faulthandler -m pytest -q -p no:cacheprovider -ra -o faulthandler_timeout=90 -m "$marker" tests \
+  > "$OUT/pytest_$PART.log" 2>&1
 echo "rc=$?"
-grep -v '^Extension modules' "$OUT/pytest_$PART.log" | grep -E '^(FAILED|ERROR)|passed|failed|Fatal' | tail -30
+grep -v '^Extension modules' "$OUT/pytest_$PART.log" | grep -E '^(FAILED|ERROR)|passed|failed|Fatal|Timeout|^  File ' | tail -30
