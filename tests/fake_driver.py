@@ -27,7 +27,7 @@ from pyattn import jit
 from pyattn.kernels import registry
 from pyattn.ops import _decode, block_sparse
 from pyattn.pipeline import chunks, plans
-from pyattn.runtime import device, memory, pinned, stream, tensormap
+from pyattn.runtime import _resource, device, memory, pinned, stream, tensormap
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
@@ -234,6 +234,7 @@ def install(monkeypatch) -> _Fake:
     monkeypatch.setattr(pinned, "_staging", {})
     monkeypatch.setattr(pinned, "_signals", {})
     monkeypatch.setattr(pinned, "_results", None)  # (its pinned blocks would be fake ones)
+    monkeypatch.setattr(_resource, "_deferred", [])  # releases a staging worker left: fake handles
     monkeypatch.setattr(memory, "POISON_ALLOC", False)
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(plans, "_plans", {})

@@ -10,6 +10,8 @@ fields packed (:meth:`pyattn.kernels.params.ParamStruct.partial`), and the
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..kernels.registry import get_kernel
@@ -29,7 +31,10 @@ class Appender:
     cache is not)."""
 
     def __init__(self, cache):
-        self._cache = cache
+        # A weak proxy: cache -> appender -> cache was a cycle, so a dropped cache (its mailbox's
+        # pinned memory, its pool blocks) waited for the garbage collector, whose cuMemFreeHost then
+        # synchronised the device at a moment of its choosing.
+        self._cache = weakref.proxy(cache)
         self._kernels: dict = {}  # new tokens' dtype name -> (kernel, spec)
         self._packer = None  # (struct with the cache's fields packed, threads an item, threads a block)
         self._mailbox = None

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..array import DeviceArray, c_strides
+from ..runtime._resource import STAGING_THREADS, run_deferred
 from ..runtime.device import get_device
 from ..runtime.errors import check
 from ..runtime.memory import get_pool
@@ -100,7 +101,7 @@ def _executor_get() -> tuple:
             if _executor is None:
                 cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
                 n = min(8, max(2, cpus // 2))  # measured: 8 threads 51 GB/s, 12 or 16 slower (memory-bound)
-                _executor = (ThreadPoolExecutor(n, thread_name_prefix="pyattn-host"), n)
+                _executor = (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS), n)
     return _executor
 
 
@@ -279,6 +280,7 @@ def upload(arrays, device, s, on_ready=None, held=None) -> list:
     list, takes a small upload's staging buffer instead of its release: a caller that synchronises
     ``s`` anyway (:func:`call`) releases it then, with no event (four driver calls fewer).
     """
+    run_deferred()  # releases a staging worker's finalizers left: before s waits on any flag here
     # Each entry as (array, staged dtype), once.
     items = [None if a is None else (a[0], np.dtype(a[1])) if isinstance(a, tuple) else (a, a.dtype) for a in arrays]
     offs, total = [], 0

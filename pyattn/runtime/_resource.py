@@ -5,10 +5,47 @@ from __future__ import annotations
 import atexit
 import threading
 
-__all__ = ["Closeable", "release_quietly", "per_device", "exiting", "watch_exit"]
+__all__ = ["Closeable", "release_quietly", "per_device", "exiting", "watch_exit", "STAGING_THREADS",
+           "off_staging_threads", "run_deferred"]
 
 _registry_lock = threading.RLock()
 _exit = {"watched": False, "exiting": False}
+
+# The name prefix of the threads that a stream may be waiting for: pyattn.pipeline.host's staging
+# workers set the flags that its H2D copies wait on (cuStreamWaitValue32), so they must make no
+# driver call that waits for the device. The garbage collector runs finalizers on whichever thread
+# it happens to run on, and some of pyattn's finalizers wait (freeing pinned memory synchronises
+# the device; a mailbox waits for its events): on a staging worker, such a call waits for a stream
+# parked on a flag that the same worker has yet to set, and the process hangs.
+STAGING_THREADS = "pyattn-host"
+_deferred: list = []  # (fn, args) queued by off_staging_threads on a staging worker
+_deferred_lock = threading.Lock()
+
+
+def _on_staging_thread() -> bool:
+    return threading.current_thread().name.startswith(STAGING_THREADS)
+
+
+def off_staging_threads(fn, *args) -> None:
+    """Call ``fn(*args)`` now, or, on a staging worker, queue it for :func:`run_deferred` on another
+    thread: the finalizers of resources whose release may wait for the device go through this."""
+    if _on_staging_thread():
+        with _deferred_lock:
+            _deferred.append((fn, args))
+        return
+    fn(*args)
+
+
+def run_deferred() -> None:
+    """Run the releases that staging workers queued (nothing on a staging worker itself). Called
+    where a thread is about to stage uploads or take pinned memory, before any stream waits on it."""
+    if not _deferred or _on_staging_thread():
+        return
+    with _deferred_lock:
+        calls = _deferred[:]
+        del _deferred[:]
+    for fn, args in calls:
+        fn(*args)
 
 
 def _mark_exit() -> None:

@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from ._resource import release_quietly
+from ._resource import off_staging_threads, release_quietly
 from .errors import check
 from .pinned import PinnedBuffer, _drv
 
@@ -44,7 +44,7 @@ class Mailbox:
         self._dev = int(check(driver.cuMemHostGetDevicePointer(self._buf.ptr, 0), "cuMemHostGetDevicePointer"))
         self._events = [None] * self.SLOTS  # the event behind each slot's last readers, once used
         self._next = 0
-        weakref.finalize(self, _free, self._events, self._buf)
+        weakref.finalize(self, off_staging_threads, _free, self._events, self._buf)  # (_resource says why)
 
     def take(self, n: int):
         """``(device address, int32 view of n elements, slot)`` of the next slot, or None when ``n``

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from .device import Device
-from ._resource import Closeable, release_quietly, watch_exit
+from ._resource import Closeable, off_staging_threads, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Module", "Kernel"]
@@ -39,7 +39,8 @@ class Module(Closeable):
         device.activate()
         watch_exit()
         self.handle = check(_drv().cuModuleLoadData(image), "cuModuleLoadData")
-        self._finalizer = weakref.finalize(self, release_quietly, "cuModuleUnload", self.handle)
+        # Off the staging workers: unloading may wait for the device (see runtime._resource).
+        self._finalizer = weakref.finalize(self, off_staging_threads, release_quietly, "cuModuleUnload", self.handle)
 
     def kernel(self, name: str) -> "Kernel":
         """Return the kernel with the (lowered) symbol ``name``."""

@@ -17,7 +17,7 @@ import weakref
 
 import numpy as np
 
-from ._resource import per_device, release_quietly
+from ._resource import off_staging_threads, per_device, release_quietly, run_deferred
 from .device import Device, get_device
 from .errors import check
 
@@ -44,6 +44,21 @@ class _HostView:
     def __init__(self, ptr: int, nbytes: int, owner):
         self._owner = owner  # keeps the pinned block alive as long as any NumPy view of it
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class _Memory:
+    """A page-locked block, freed when its last holder (its PinnedBuffer, a NumPy view) goes.
+
+    Apart from the PinnedBuffer, so that the buffer's cached view (buffer -> view -> memory) forms no
+    reference cycle: a cycle left the free to the garbage collector, at a time and on a thread of
+    its choosing. The free itself never runs on a staging worker (``off_staging_threads``):
+    ``cuMemFreeHost`` synchronises the device, which may be waiting for that very worker.
+    """
+
+    __slots__ = ("finalizer", "__weakref__")
+
+    def __init__(self, ptr: int):
+        self.finalizer = weakref.finalize(self, off_staging_threads, release_quietly, "cuMemFreeHost", ptr)
 
 
 def _need_context(driver) -> None:
@@ -76,8 +91,9 @@ class PinnedBuffer:
         self.write_combined = bool(write_combined)
         self.nbytes = max(int(nbytes), 1)
         self._raw = None  # the uint8 view of the whole buffer (raw), made on first use
+        run_deferred()  # frees that staging workers left (a good time: nothing waits on this thread)
         self.ptr = int(check(driver.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
-        self._finalizer = weakref.finalize(self, release_quietly, "cuMemFreeHost", self.ptr)
+        self._mem = _Memory(self.ptr)
 
     def array(self, dtype, shape) -> np.ndarray:
         """A NumPy view of the first ``prod(shape) * itemsize`` bytes."""
@@ -92,12 +108,12 @@ class PinnedBuffer:
         """The whole buffer as a NumPy ``uint8`` array, made once (a staging buffer is reused by
         every small NumPy call; making the view cost ~3 us of each)."""
         if self._raw is None:
-            self._raw = np.asarray(_HostView(self.ptr, self.nbytes, self))
+            self._raw = np.asarray(_HostView(self.ptr, self.nbytes, self._mem))
         return self._raw
 
     def close(self) -> None:
         """Free the pinned memory (its NumPy views must not be used afterwards)."""
-        self._finalizer()
+        self._mem.finalizer()
 
 
 class StagingPool:
