@@ -104,3 +104,21 @@ def test_a_dropped_cache_goes_at_once(fake, kind):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_device_memory_dropped_on_a_staging_worker_is_freed_off_it(fake, monkeypatch):
+    """A device array (1 MiB: freed through the driver, not kept by the pool) whose last reference
+    goes on a staging worker: no driver call there (a stream-ordered free waits for nothing, but
+    takes the driver's locks); the next allocation on the calling thread frees it."""
+    calls = []  # (driver entry point, thread ident)
+    for name in ("cuMemFreeAsync", "cuEventDestroy", "cuStreamDestroy"):
+        real = getattr(driver, name)
+        monkeypatch.setattr(driver, name, lambda *a, _n=name, _r=real: (calls.append((_n, threading.get_ident())),
+                                                                       _r(*a))[1])
+    executor, _ = host._executor_get()
+    holder = [pyattn.asarray(np.zeros(1 << 18, np.float32))]
+    worker = executor.submit(lambda: (holder.clear(), threading.get_ident())[1]).result()
+    assert not any(ident == worker for _, ident in calls)
+    assert "cuMemFreeAsync" not in [n for n, _ in calls]
+    pyattn.asarray(np.zeros(4, np.float32))  # an allocation on this thread runs what was left
+    assert ("cuMemFreeAsync", threading.get_ident()) in calls

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..array import DeviceArray, c_strides
-from ..runtime._resource import STAGING_THREADS, run_deferred
+from ..runtime._resource import STAGING_THREADS, register_staging_thread, run_deferred
 from ..runtime.device import get_device
 from ..runtime.errors import check
 from ..runtime.memory import get_pool
@@ -101,7 +101,8 @@ def _executor_get() -> tuple:
             if _executor is None:
                 cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
                 n = min(8, max(2, cpus // 2))  # measured: 8 threads 51 GB/s, 12 or 16 slower (memory-bound)
-                _executor = (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS), n)
+                _executor = (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS,
+                                                initializer=register_staging_thread), n)
     return _executor
 
 

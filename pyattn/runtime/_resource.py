@@ -6,24 +6,32 @@ import atexit
 import threading
 
 __all__ = ["Closeable", "release_quietly", "per_device", "exiting", "watch_exit", "STAGING_THREADS",
-           "off_staging_threads", "run_deferred"]
+           "register_staging_thread", "off_staging_threads", "run_deferred"]
 
 _registry_lock = threading.RLock()
 _exit = {"watched": False, "exiting": False}
 
-# The name prefix of the threads that a stream may be waiting for: pyattn.pipeline.host's staging
-# workers set the flags that its H2D copies wait on (cuStreamWaitValue32), so they must make no
-# driver call that waits for the device. The garbage collector runs finalizers on whichever thread
-# it happens to run on, and some of pyattn's finalizers wait (freeing pinned memory synchronises
-# the device; a mailbox waits for its events): on a staging worker, such a call waits for a stream
-# parked on a flag that the same worker has yet to set, and the process hangs.
-STAGING_THREADS = "pyattn-host"
+# The threads that a stream may be waiting for: pyattn.pipeline.host's staging workers set the
+# flags that its H2D copies wait on (cuStreamWaitValue32), so they make no driver call. The garbage
+# collector runs finalizers on whichever thread it happens to run on, and some of pyattn's wait
+# (freeing pinned memory synchronises the device; a mailbox waits for its events): on a staging
+# worker such a call waits for a stream parked on a flag that the same worker has yet to set, and
+# the process hangs. The others (stream-ordered frees, destroying events and streams) do not wait,
+# but take the driver's locks, which a thread waiting in a synchronising call may hold. So every
+# finalizer that calls the driver goes through off_staging_threads.
+STAGING_THREADS = "pyattn-host"  # the workers' name prefix
+_staging_idents: set = set()  # their thread idents (register_staging_thread, the pool's initializer)
 _deferred: list = []  # (fn, args) queued by off_staging_threads on a staging worker
 _deferred_lock = threading.Lock()
 
 
+def register_staging_thread() -> None:
+    """Mark the calling thread as a staging worker (the workers' pool calls this as each starts)."""
+    _staging_idents.add(threading.get_ident())
+
+
 def _on_staging_thread() -> bool:
-    return threading.current_thread().name.startswith(STAGING_THREADS)
+    return threading.get_ident() in _staging_idents
 
 
 def off_staging_threads(fn, *args) -> None:
@@ -38,7 +46,7 @@ def off_staging_threads(fn, *args) -> None:
 
 def run_deferred() -> None:
     """Run the releases that staging workers queued (nothing on a staging worker itself). Called
-    where a thread is about to stage uploads or take pinned memory, before any stream waits on it."""
+    where a thread is about to stage uploads or take new pinned or device memory."""
     if not _deferred or _on_staging_thread():
         return
     with _deferred_lock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from .device import Device
-from ._resource import exiting, per_device, watch_exit
+from ._resource import exiting, off_staging_threads, per_device, run_deferred, watch_exit
 from .errors import check
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "memset_async", "copy_device"]
@@ -80,7 +80,7 @@ class Allocation:
             pool = self._pool
             if self._used_on is None and pool is not None and pool.keep(ptr, self.nbytes, self.stream):
                 return
-            _free_async(ptr, self.stream, self._used_on)
+            off_staging_threads(_free_async, ptr, self.stream, self._used_on)  # (_resource says why)
 
     # __del__ rather than weakref.finalize: one of these is made per op call, and a finalizer
     # object costs more than the free itself.
@@ -156,6 +156,7 @@ class DevicePool:
                 return Allocation(spare.pop()[0], nbytes, stream, self)
             except IndexError:  # another thread took the last one
                 pass
+        run_deferred()  # frees a staging worker left (see _resource): memory goes back before more is taken
         driver = _driver if _driver is not None else _drv()
         err, ptr = driver.cuMemAllocFromPoolAsync(nbytes, self.handle, stream.handle)
         if err:

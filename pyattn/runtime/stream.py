@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from .device import Device, get_device
-from ._resource import Closeable, per_device, release_quietly, watch_exit
+from ._resource import Closeable, off_staging_threads, per_device, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Stream", "Event", "as_stream", "default_stream", "borrowed", "check_stream_arg", "order_after",
@@ -66,7 +66,8 @@ class Stream(Closeable):
             self.device.activate()
             flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
             self.handle = check(driver.cuStreamCreate(flags), "cuStreamCreate")
-            self._finalizer = weakref.finalize(self, release_quietly, "cuStreamDestroy", self.handle)
+            self._finalizer = weakref.finalize(self, off_staging_threads, release_quietly, "cuStreamDestroy",
+                                               self.handle)
         else:
             # Handle 0 (the NULL stream) is the legacy default stream, as CU_STREAM_LEGACY is (pyattn's
             # documented rule; torch reports its default stream as 0): wrapping it as LEGACY_STREAM
@@ -127,7 +128,7 @@ class Event(Closeable):
         self.device.activate()
         flags = 0 if timing else driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(driver.cuEventCreate(flags), "cuEventCreate")
-        self._finalizer = weakref.finalize(self, release_quietly, "cuEventDestroy", self.handle)
+        self._finalizer = weakref.finalize(self, off_staging_threads, release_quietly, "cuEventDestroy", self.handle)
 
     def synchronize(self) -> None:
         """Block until the work before this event has completed."""
