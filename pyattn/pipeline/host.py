@@ -281,7 +281,7 @@ def upload(arrays, device, s, on_ready=None, held=None) -> list:
     list, takes a small upload's staging buffer instead of its release: a caller that synchronises
     ``s`` anyway (:func:`call`) releases it then, with no event (four driver calls fewer).
     """
-    run_deferred()  # releases a staging worker's finalizers left: before s waits on any flag here
+    run_deferred()  # what finalizers on the staging workers left (runtime._resource), before s waits here
     # Each entry as (array, staged dtype), once.
     items = [None if a is None else (a[0], np.dtype(a[1])) if isinstance(a, tuple) else (a, a.dtype) for a in arrays]
     offs, total = [], 0

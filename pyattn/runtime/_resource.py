@@ -36,7 +36,7 @@ def _on_staging_thread() -> bool:
 
 def off_staging_threads(fn, *args) -> None:
     """Call ``fn(*args)`` now, or, on a staging worker, queue it for :func:`run_deferred` on another
-    thread: the finalizers of resources whose release may wait for the device go through this."""
+    thread: every finalizer that calls the driver goes through this."""
     if _on_staging_thread():
         with _deferred_lock:
             _deferred.append((fn, args))
