@@ -47,8 +47,8 @@ namespace pyattn {
 // Units of one cost (no causality, window or varlen; whole row blocks) need no rotation (shift 0).
 // The two-warpgroup rows keep the plain stride, in a loop of its own: with the rounds' loop in
 // their code, even unrotated, d = 128 and 256 at 1k keys ran 1.3-2.7% slower (H200, 3-4
-// alternating rounds; ptxas moved their spills), and their last row block is never a third of a
-// block's warpgroups.
+// alternating rounds; ptxas moved their spills), and no last row block of theirs leaves two
+// warpgroups of three idle.
 struct PersistentUnits {
   int n_mb, pairs, n_bh, total;  // row blocks, causal pairs a (batch, head), (batch, head)s, units
   int shift;                     // rotated rounds: the rotation a round adds, in [0, gridDim.x)
@@ -106,9 +106,10 @@ struct PersistentUnits {
 // Persistent attn_fwd_tma (Tr::kPersist): gridDim.x blocks (one an SM) walk the query tiles
 // (PersistentUnits). Each role's walk is written twice, the rotated rounds and the plain stride:
 // one loop with a compile-time condition in it changed the two-warpgroup rows' PTX (compared with
-// NVRTC 13.0), whose speed the plain stride's code is kept for. The producer thread runs ahead through them, so the next tile's query and
-// K/V stream in under this one's last steps and epilogue. The query tile has its own "full" /
-// "empty" barriers; the consumers' last Q K^T of a tile releases it.
+// NVRTC 13.0), whose speed the plain stride's code is kept for. The producer thread runs ahead
+// through the units, so the next tile's query and K/V stream in under this one's last steps and
+// epilogue. The query tile has its own "full" / "empty" barriers; the consumers' last Q K^T of a
+// tile releases it.
 // Every query tile starts the ring at stage 0, with each stage's phase kept in a bit of its own
 // (full_parity / empty_bits), so a tile may leave stages unvisited. Why not carry the stage on:
 // past the tile loop's branches ptxas then keeps the stage and every wgmma descriptor formed
