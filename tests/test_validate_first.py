@@ -70,7 +70,8 @@ def _bad_value(draw, name):
         "num_splits": [0, 257, 1.5, True],
         "max_seqlen_q": [2**31, -1, "x", 1.5],
         "alibi_slopes": [np.full(4, np.inf), np.full(4, 1e39), np.ones(3), np.ones(4, np.int32)],
-        "mask": [np.full((1, 1, 1, 1), np.nan), np.full((1, 1, 1, 1), 1e39), np.ones((7, 7), bool)],
+        # (41, 41): broadcastable to no call drawn here (S <= 40); a (7, 7) mask was valid at S = 7
+        "mask": [np.full((1, 1, 1, 1), np.nan), np.full((1, 1, 1, 1), 1e39), np.ones((41, 41), bool)],
         "tensor_layout": ["bsdh"],
         "block_size": [(15, 16), (16,), (0, 16), ("a", 16)],
         "deterministic": ["yes", 1, None],
