@@ -36,7 +36,9 @@ if has repro; then
   done > "$OUT/repro.log" 2>&1
   grep -E 'rc=|PASSED|FAILED|Timeout|File ' "$OUT/repro.log" | head -60
 fi
-if has ab; then
+if has ab && [[ ! -d .ab/base ]]; then
+  echo "ab: no .ab/base here (the run tool carries it only when asked: carry [\".ab\"])"
+elif has ab; then
   {
     for r in $(seq "$ROUNDS"); do
       (cd .ab/base && PYTHONPATH=$PWD PYATTN_CACHE_DIR=/tmp/pc_base python "$here/dev/time_prefill.py" "base$r" "${shapes[@]}")
