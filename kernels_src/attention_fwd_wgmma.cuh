@@ -39,7 +39,7 @@ namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
-          bool MASK_ROW_ = false, bool SPLIT_KV_ = false>
+          bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -91,6 +91,10 @@ struct AttnFwdWgmmaTraits {
   static constexpr bool kPingPong = WS_ && OVERLAP_ && WARPGROUPS_ >= 2;
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
+  // POLY_EXP (soft-capped calls, TileConfig.poly_exp): of every 8 key pairs of a row's exp2s, this
+  // many run on the FMA pipe (poly_exp2) instead of the SFU, which a soft-cap's tanh loads twice.
+  static constexpr int kPolyExp = POLY_EXP_;
+  static_assert(POLY_EXP_ >= 0 && POLY_EXP_ <= 8, "POLY_EXP: 0-8 of every 8 key pairs");
   // SPLIT_KV (TMA): a stage's K and V tiles complete and are freed on barriers of their own, as
   // FlashAttention-3 does: K_j's slot is free once S_j = Q K_j^T is done, V_j's once P_j V_j is. With
   // OVERLAP, V_{j-1} stays in use through tile j's softmax while K_j's slot is already refilled, so

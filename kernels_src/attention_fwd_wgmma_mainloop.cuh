@@ -612,14 +612,31 @@ struct AttnFwdWgmmaMainloop {
   }
 
   // Row half h's scores to P = exp2(s sl2 - ref) in place; returns their sum over this thread's
-  // keys (quad-partial, reduced in the epilogue), as four interleaved chains.
+  // keys (quad-partial, reduced in the epilogue), as four interleaved chains. Tr::kPolyExp of every
+  // 8 key pairs take poly_exp2 (the FMA pipe) instead of the SFU: a loop of its own, because the
+  // dead branch in the SFU-only kernels' loop changed their PTX (a masking block laid out anew,
+  // d = 128 dense; NVRTC 13.0), and those kernels are measured as they are.
   __device__ __forceinline__ float exp_row(float (&s)[S_REGS], int h, float ref) const {
     float s4[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (Tr::kPolyExp == 0) {
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
-      s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
-      s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+      for (int i = 0; i < BN / 8; ++i) {
+        s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
+        s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
+        s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        if (i % 8 < Tr::kPolyExp) {
+          s[4 * i + 2 * h] = poly_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
+          s[4 * i + 2 * h + 1] = poly_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
+        } else {
+          s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -ref));
+          s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -ref));
+        }
+        s4[i % 4] += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+      }
     }
     return (s4[0] + s4[1]) + (s4[2] + s4[3]);
   }

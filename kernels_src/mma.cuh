@@ -55,6 +55,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x without the special-function unit (FlashAttention-4's trick for Blackwell, where that unit
+// did not grow with the tensor cores): x = n + f, n = round(x) by the 1.5 * 2^23 addition (add.rn:
+// the compiler may not fold it away), 2^f on [-0.5, 0.5] by a cubic (relative error 7.5e-5, below
+// bf16 P's rounding of 2^-9), 2^n built in the exponent bits. ~9 FMA / integer instructions
+// against one MUFU op that the SFU (16 lanes an SM a clock) serves at 1/8 of the FMA rate: it pays
+// where the SFU is the busiest pipe, a soft-capped softmax (tanh and exp2 a score) at d = 64.
+// x is clamped at -127, where 2^n's bits are 0: -inf (a masked score) gives 0 exactly.
+__device__ __forceinline__ float poly_exp2(float x) {
+  x = fmaxf(x, -127.f);
+  float t, n;
+  asm("add.rn.f32 %0, %1, 0f4B400000;\n" : "=f"(t) : "f"(x));  // round(x) in t's low mantissa bits
+  asm("sub.rn.f32 %0, %1, 0f4B400000;\n" : "=f"(n) : "f"(t));
+  const float f = x - n;
+  const float p = fmaf(fmaf(fmaf(0x1.c3f6a6p-5f, f, 0x1.f0ddccp-3f), f, 0x1.62f31ap-1f), f, 0x1.fff694p-1f);
+  return p * __int_as_float((__float_as_int(t) << 23) + (127 << 23));
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

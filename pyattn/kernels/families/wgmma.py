@@ -48,10 +48,15 @@ class WgmmaTile(NamedTuple):
     # attn_fwd_tma's short table: with a mask tensor or ALiBi, this row (a WgmmaTile) instead of this
     # one (their own measured best; the three-warpgroup row spills with them)
     mods_row: tuple = ()
+    # attn_fwd_tma, soft-capped calls only: of every 8 key pairs of the softmax's exp2s, this many
+    # on the FMA pipe (poly_exp2 in kernels_src/mma.cuh) instead of the SFU, which the soft-cap's tanh
+    # also loads (_tma_spec_tiles drops it without a soft-cap)
+    poly_exp: int = 0
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
-                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv)
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv,
+                          self.poly_exp)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
@@ -114,11 +119,11 @@ def _traits(spec, t) -> str:
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
     if spec.family in _TMA_FAMILIES:
-        # (PERSIST, MASK_ROW, SPLIT_KV): spelled up to the last that is true
-        flags = [t.persistent, spec.mask.endswith("_row"), t.split_kv]
-        while flags and not flags[-1]:
+        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP): spelled up to the last that is set
+        flags = [str(f).lower() for f in (t.persistent, spec.mask.endswith("_row"), t.split_kv)] + [str(t.poly_exp)]
+        while flags and flags[-1] in ("false", "0"):
             flags.pop()
-        tail = f", {mb}, true, true" + "".join(f", {str(f).lower()}" for f in flags)
+        tail = f", {mb}, true, true" + "".join(f", {f}" for f in flags)
     else:
         tail = f", {mb}, true" if t.ws else f", {mb}" if spec.mask != "none" else ""
     return (f"pyattn::AttnFwdWgmmaTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_m}, {t.block_n}, "
@@ -179,12 +184,20 @@ _SM90_TMA = (
                                       "0.98/1.08x) against 0.669/1.250/4.932 for two warpgroups; persistent "
                                       "blocks 1-8% slower from 2k (dev/probe_d64_rows.py, H200). From 2048 keys "
                                       "(below: the short row). At 160 registers ALiBi spills 228 bytes, packed "
-                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): those keep two warpgroups",
-              ws=True, min_keys=2048, warpgroups_mods=2),
+                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): those keep two warpgroups. "
+                                      "Soft-capped, 1 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 4k/16k "
+                                      "1.598/5.943 ms (causal 0.910/3.043) against 1.678/6.230 (0.896/3.217) on the "
+                                      "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
+                                      "SFU-bound (dev/probe_poly_exp.py, H200)",
+              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
-                                       "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py)", ws=True,
-              persistent=True),
+                                       "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py). Soft-"
+                                       "capped, 2 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 1k/4k/16k 0.274/"
+                                       "0.999/4.006 ms (causal 0.187/0.522/2.021) against 0.299/1.063/4.174 (0.196/"
+                                       "0.572/2.139) on the SFU; 1/3/4 of 8 4.066/4.202/4.305 at 16k "
+                                       "(dev/probe_poly_exp.py, H200)", ws=True,
+              persistent=True, poly_exp=2),
     WgmmaTile(192, 64, 2, 2, True, 1, "K and V on barriers of their own, so overlap and ping-pong on 2 stages: "
                                       "S 1k/4k/16k 0.224/0.806/3.246 ms (causal 0.147/0.421/1.648) against "
                                       "0.230/0.793/3.396 (0.150/0.458/1.722) without overlap (dev/probe_split_kv.py, "
@@ -212,8 +225,11 @@ _SM90_TMA_SHORT = (
                                       "paired: causal 2k 0.384 -> 0.354) below "
                                       "8192 (causal 2k/3k/4k 0.355/0.454/0.620 ms against 0.374/0.467/0.615-"
                                       "0.641 a block a tile; 8k/16k 1.190/2.314 against 1.164/2.216; soft-cap "
-                                      "2k/4k 0.530/0.920 against 0.558/0.959)", ws=True, persistent=True,
-              max_keys=2048, max_keys_mods=4096, max_keys_causal=8192,
+                                      "2k/4k 0.530/0.920 against 0.558/0.959). Soft-capped, every exp2 stays on "
+                                      "the SFU: 1/2/3/4 of 8 on the FMA pipe took cap 30 S 1k 0.474/0.468/0.477/"
+                                      "0.501 ms against 0.469, causal 1k/4k 0.352/0.359/0.371/0.385 and 0.910/"
+                                      "0.892/0.918/0.962 against 0.345 and 0.896 (dev/probe_poly_exp.py, H200)",
+              ws=True, persistent=True, max_keys=2048, max_keys_mods=4096, max_keys_causal=8192,
               mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
                                                          "0.663 ms for the cp.async row; with a mask tensor or "
@@ -275,12 +291,12 @@ def _tma_spec_tiles(spec, t):
     them."""
     if spec.q_tiles:
         row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
-        return (row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row).config()
-    if _wide_mods(spec.mask, spec.alibi):
+        t = (row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row).config()
+    elif _wide_mods(spec.mask, spec.alibi):
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
         if row.warpgroups_mods:
-            return row._replace(warpgroups=row.warpgroups_mods).config()
-    return t
+            t = row._replace(warpgroups=row.warpgroups_mods).config()
+    return t if spec.softcap else t._replace(poly_exp=0)
 
 
 ATTN_FWD_TMA = Family(

@@ -1,0 +1,98 @@
+"""The soft-capped softmax's exp2 on the FMA pipe (CPU only): ``poly_exp2`` in kernels_src/mma.cuh,
+emulated step for step in float32 from the constants the kernel source holds, and the tile rows
+that select it (``poly_exp``). tests/test_gpu_softcap_poly.py runs the kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from pyattn.jit.source import kernel_source_dir, render
+from pyattn.kernels.families import tile_table
+from pyattn.kernels.specs import HEAD_DIM_BUCKETS, select_attention_spec
+
+F32 = np.float32
+
+
+def _poly_exp2_source() -> str:
+    text = (kernel_source_dir() / "mma.cuh").read_text()
+    start = text.index("float poly_exp2(")
+    return text[start:text.index("\n}\n", start)]
+
+
+def _emulate(x: np.ndarray) -> np.ndarray:
+    """poly_exp2 in float32, operation by operation (an fmaf as an exact float64 product and sum,
+    rounded once to float32: exact for these magnitudes but for rare double roundings)."""
+    src = _poly_exp2_source()
+    c3, c2, c1, c0 = (F32(float.fromhex(h[:-1])) for h in re.findall(r"0x[0-9a-f.]+p[-+]?\d+f", src))
+    assert "fmaxf(x, -127.f)" in src and src.count("0f4B400000") == 2 and "(127 << 23)" in src
+    fma = lambda a, b, c: (a.astype(np.float64) * b + c).astype(F32)  # noqa: E731
+    with np.errstate(invalid="ignore"):
+        x = np.maximum(x.astype(F32), F32(-127))
+        t = (x + F32(12582912.0)).astype(F32)  # add.rn 1.5 * 2^23
+        n = (t - F32(12582912.0)).astype(F32)
+        f = (x - n).astype(F32)
+        p = fma(fma(fma(np.full_like(f, c3), f, c2), f, c1), f, c0)
+        bits = (t.view(np.int32).astype(np.int64) << 23) + (127 << 23)
+        scale = (bits & 0xFFFFFFFF).astype(np.uint32).view(F32)
+        return (p * scale).astype(F32)
+
+
+def test_poly_exp2_is_within_its_stated_error_over_the_softmax_range():
+    """Relative error <= 7.5e-5 (the comment's figure, far below bf16 P's rounding of 2^-9) from 2^-126
+    to 2^30 (the lazy reference lets P reach 2^8, the bounded soft-cap 2^24)."""
+    x = np.concatenate([np.linspace(-126.0, 30.0, 400_001), np.arange(-126, 31) + 0.5,
+                        np.arange(-126, 31, dtype=np.float64)]).astype(F32)
+    rel = np.abs(_emulate(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() <= 7.6e-5, f"worst relative error {rel.max():.3e} at x = {x[rel.argmax()]}"
+
+
+def test_poly_exp2_gives_zero_for_masked_scores():
+    """-inf (a masked score) and everything at or below -127 give +0 exactly, as ex2.approx.ftz does:
+    a row that sees no key must sum to 0, never to a tiny positive (its output would be V's mean)."""
+    x = np.array([-np.inf, -1e30, -300.0, -127.0, -126.6], F32)
+    assert (_emulate(x) == 0).all() and not np.signbit(_emulate(x)).any()
+
+
+def test_poly_exp_rows_are_within_the_kernels_range():
+    for table in ("dense", "short", "mask2", "mask4"):
+        for r in tile_table("attn_fwd_tma", "sm_90a", table=table):
+            assert 0 <= r.poly_exp <= 8, r  # AttnFwdWgmmaTraits' static_assert
+
+
+def _tile_token(entry_name: str) -> str:
+    """The entry name's tile part (``m128n128w12pe2``)."""
+    return next(t for t in entry_name.split("_") if re.fullmatch(r"m\d+n\d+w\d+\w*", t))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIM_BUCKETS if d % 64 == 0])
+def test_only_soft_capped_specs_take_the_polynomial(dtype, head_dim):
+    """A row's poly_exp reaches the soft-capped specs it serves (name and traits) and no other: the
+    same row without a soft-cap renders as before the field existed."""
+    rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a")}
+    for keys in (1, 1 << 20):
+        plain = select_attention_spec(dtype, head_dim, "sm_90a", keys=keys)
+        capped = select_attention_spec(dtype, head_dim, "sm_90a", keys=keys, softcap=30.0)
+        assert plain.tiles.poly_exp == 0 and not re.search(r"e\d$", _tile_token(plain.entry_name))
+        if capped.family != "attn_fwd_tma" or capped.q_tiles:
+            assert capped.tiles.poly_exp == 0, capped
+            continue
+        want = rows[capped.head_dim].poly_exp
+        assert capped.tiles.poly_exp == want
+        traits = re.search(r"AttnFwdWgmmaTraits<([^>]*)>", render(capped)).group(1).split(", ")
+        if want:
+            assert traits[-1] == str(want) and _tile_token(capped.entry_name).endswith(f"e{want}"), traits
+        else:
+            assert len(traits) <= 13, traits
+
+
+def test_some_row_takes_the_polynomial():
+    """The measured rows (wgmma.py: d = 64's dense row 1 of 8, d = 128's 2 of 8) keep it; the
+    short row (S < 2k, causal < 8k) measured slower with it and takes none."""
+    rows = {r.max_head_dim: r.poly_exp for r in tile_table("attn_fwd_tma", "sm_90a")}
+    assert rows[64] == 1 and rows[128] == 2
+    assert all(r.poly_exp == 0 for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
