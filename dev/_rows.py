@@ -50,13 +50,13 @@ def check(bench, names, run, shape: tuple, *, mask: bool = False, **opts) -> int
 
 
 def time_shape(bench, names, run, head: str, B: int, S: int, H: int, D: int, *, cudnn: bool = True,
-               **opts) -> None:
-    """``pyattn.attention`` on bf16 (B, S, H, D) inputs (seed 0) with ``opts`` under each variant,
-    two alternating rounds, the best of each; SDPA cuDNN on the same inputs when ``cudnn`` (plain
-    or causal calls only). Prints ``head``, cuDNN's ms and each variant's ms (x cuDNN)."""
+               dtype: str = "bfloat16", **opts) -> None:
+    """``pyattn.attention`` on (B, S, H, D) inputs of ``dtype`` (seed 0) with ``opts`` under each
+    variant, two alternating rounds, the best of each; SDPA cuDNN on the same inputs when ``cudnn``
+    (plain or causal calls only). Prints ``head``, cuDNN's ms and each variant's ms (x cuDNN)."""
     torch = bench.torch
     g = torch.Generator(device="cuda").manual_seed(0)
-    ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    ts = [torch.randn(B, S, H, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3)]
     xs = [harness.to_pyattn(t, bench.stream) for t in ts]
     fn = lambda: pyattn.attention(*xs, stream=bench.stream, **opts)  # noqa: E731
     ms = {}

@@ -5,6 +5,9 @@ is checked against the fp64 reference on odd soft-capped shapes, then timed (bf1
 hidden 2048) with the same call's dense time beside it.
 
 Usage: PYTHONPATH=. python dev/probe_poly_exp.py [--variants 0,2,3,4] [--buckets 64,128] [--no-check]
+       [--dtype float16] [--sizes 4096,16384]
+
+"table" is the library as it is; "eN" sets N on the rows (e0: every exp2 on the SFU).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ def main() -> int:
     buckets = [int(x) for x in arg("--buckets", "64,128").split(",")]
     dense, short = tile_table("attn_fwd_tma", "sm_90a"), tile_table("attn_fwd_tma", "sm_90a", table="short")
     set_poly = lambda rows, n: tuple(r._replace(poly_exp=n) if r.max_head_dim in buckets else r for r in rows)  # noqa: E731
-    names = ["table"] + [f"e{n}" for n in polys if n]
+    names = ["table"] + [f"e{n}" for n in polys]
+    dtype = arg("--dtype", "bfloat16")
+    sizes = [int(x) for x in arg("--sizes", "1024,4096,16384").split(",")]
 
     def run(name, fn):
         if name == "table":
@@ -40,12 +45,13 @@ def main() -> int:
                                                    (2, 4100, 4100, 2, 1, True, 0.5), (1, 77, 3001, 8, 1, False, 50.0)):
                 bad += check(bench, names, run, (B, Sq, Sk, Hq, Hk, D), causal=causal, softcap=cap)
     for D in buckets:
-        for S in (1024, 4096, 16384):
+        for S in sizes:
             for causal in (False, True):
-                head = f"d{D} S{S} causal={int(causal)}"
-                time_shape(bench, ["table"], run, head + " dense", 16384 // S, S, 2048 // D, D, causal=causal)
+                head = f"{dtype} d{D} S{S} causal={int(causal)}"
+                time_shape(bench, ["table"], run, head + " dense", 16384 // S, S, 2048 // D, D, causal=causal,
+                           dtype=dtype)
                 time_shape(bench, names, run, head + " cap30", 16384 // S, S, 2048 // D, D, cudnn=False,
-                           causal=causal, softcap=30.0)
+                           causal=causal, softcap=30.0, dtype=dtype)
     print("BAD" if bad else "checks ok")
     return bad
 

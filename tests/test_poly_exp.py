@@ -60,7 +60,7 @@ def test_poly_exp2_gives_zero_for_masked_scores():
 def test_poly_exp_rows_are_within_the_kernels_range():
     for table in ("dense", "short", "mask2", "mask4"):
         for r in tile_table("attn_fwd_tma", "sm_90a", table=table):
-            assert 0 <= r.poly_exp <= 8, r  # AttnFwdWgmmaTraits' static_assert
+            assert 0 <= r.poly_exp <= 8 and 0 <= r.poly_exp_max <= 8, r  # AttnFwdWgmmaTraits' static_assert
 
 
 def _tile_token(entry_name: str) -> str:
@@ -71,17 +71,20 @@ def _tile_token(entry_name: str) -> str:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [d for d in HEAD_DIM_BUCKETS if d % 64 == 0])
 def test_only_soft_capped_specs_take_the_polynomial(dtype, head_dim):
-    """A row's poly_exp reaches the soft-capped specs it serves (name and traits) and no other: the
-    same row without a soft-cap renders as before the field existed."""
+    """A row's poly_exp reaches the specs with the bounded soft-cap it serves (name and traits), its
+    poly_exp_max those with a row max (fp16, caps over 51), and no other spec: the same row without a
+    soft-cap renders as before the fields existed."""
     rows = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a")}
-    for keys in (1, 1 << 20):
+    for keys, cap in ((1, 30.0), (1 << 20, 30.0), (1 << 20, 60.0)):
         plain = select_attention_spec(dtype, head_dim, "sm_90a", keys=keys)
-        capped = select_attention_spec(dtype, head_dim, "sm_90a", keys=keys, softcap=30.0)
+        capped = select_attention_spec(dtype, head_dim, "sm_90a", keys=keys, softcap=cap)
         assert plain.tiles.poly_exp == 0 and not re.search(r"e\d$", _tile_token(plain.entry_name))
         if capped.family != "attn_fwd_tma" or capped.q_tiles:
             assert capped.tiles.poly_exp == 0, capped
             continue
-        want = rows[capped.head_dim].poly_exp
+        row = rows[capped.head_dim]
+        assert capped.softcap == (2 if dtype == "bfloat16" and cap <= 51 else 1)
+        want = row.poly_exp if capped.softcap == 2 else row.poly_exp_max
         assert capped.tiles.poly_exp == want
         traits = re.search(r"AttnFwdWgmmaTraits<([^>]*)>", render(capped)).group(1).split(", ")
         if want:
@@ -91,8 +94,9 @@ def test_only_soft_capped_specs_take_the_polynomial(dtype, head_dim):
 
 
 def test_some_row_takes_the_polynomial():
-    """The measured rows (wgmma.py: d = 64's dense row 1 of 8, d = 128's 2 of 8) keep it; the
-    short row (S < 2k, causal < 8k) measured slower with it and takes none."""
-    rows = {r.max_head_dim: r.poly_exp for r in tile_table("attn_fwd_tma", "sm_90a")}
-    assert rows[64] == 1 and rows[128] == 2
-    assert all(r.poly_exp == 0 for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
+    """The measured rows (wgmma.py: d = 64's dense row 1 of 8 with either soft-cap, d = 128's 2 of 8
+    with the bounded one only) keep it; the short row (S < 2k, causal < 8k) measured slower with it
+    and takes none."""
+    rows = {r.max_head_dim: (r.poly_exp, r.poly_exp_max) for r in tile_table("attn_fwd_tma", "sm_90a")}
+    assert rows[64] == (1, 1) and rows[128] == (2, 0)
+    assert all(r.poly_exp == r.poly_exp_max == 0 for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))

@@ -50,13 +50,15 @@ class WgmmaTile(NamedTuple):
     mods_row: tuple = ()
     # attn_fwd_tma, soft-capped calls only: of every 8 key pairs of the softmax's exp2s, this many
     # on the FMA pipe (poly_exp2 in kernels_src/mma.cuh) instead of the SFU, which the soft-cap's tanh
-    # also loads (_tma_spec_tiles drops it without a soft-cap)
+    # also loads; poly_exp with the bounded soft-cap (KernelSpec.softcap 2: no row max), poly_exp_max
+    # with a row max (softcap 1: fp16, caps over 51), whose softmax has more instructions to issue
+    # (_tma_spec_tiles puts the one that applies into TileConfig.poly_exp)
     poly_exp: int = 0
+    poly_exp_max: int = 0
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
-                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv,
-                          self.poly_exp)
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
@@ -188,14 +190,17 @@ _SM90_TMA = (
                                       "Soft-capped, 1 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 4k/16k "
                                       "1.598/5.943 ms (causal 0.910/3.043) against 1.678/6.230 (0.896/3.217) on the "
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
-                                      "SFU-bound (dev/probe_poly_exp.py, H200)",
-              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1),
+                                      "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against 1.729/6.423 (3.337) "
+                                      "(dev/probe_poly_exp.py, H200)",
+              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py). Soft-"
                                        "capped, 2 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 1k/4k/16k 0.274/"
                                        "0.999/4.006 ms (causal 0.187/0.522/2.021) against 0.299/1.063/4.174 (0.196/"
-                                       "0.572/2.139) on the SFU; 1/3/4 of 8 4.066/4.202/4.305 at 16k "
+                                       "0.572/2.139) on the SFU; 1/3/4 of 8 4.066/4.202/4.305 at 16k. Not "
+                                       "with a row max (fp16, caps over 51): fp16 S 4k/16k 1.014/4.556 ms with 1 of "
+                                       "8, 1.116/4.491 with 2, against 1.022/4.422 on the SFU "
                                        "(dev/probe_poly_exp.py, H200)", ws=True,
               persistent=True, poly_exp=2),
     WgmmaTile(192, 64, 2, 2, True, 1, "K and V on barriers of their own, so overlap and ping-pong on 2 stages: "
@@ -291,12 +296,13 @@ def _tma_spec_tiles(spec, t):
     them."""
     if spec.q_tiles:
         row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
-        t = (row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row).config()
-    elif _wide_mods(spec.mask, spec.alibi):
+        row = row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row
+        t = row.config()
+    else:
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
-        if row.warpgroups_mods:
+        if _wide_mods(spec.mask, spec.alibi) and row.warpgroups_mods:
             t = row._replace(warpgroups=row.warpgroups_mods).config()
-    return t if spec.softcap else t._replace(poly_exp=0)
+    return t._replace(poly_exp=(0, row.poly_exp_max, row.poly_exp)[spec.softcap])
 
 
 ATTN_FWD_TMA = Family(
