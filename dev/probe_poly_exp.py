@@ -1,8 +1,9 @@
 """Dev probe: the soft-capped softmax's exp2s partly on the FMA pipe (attn_fwd_tma rows' ``poly_exp``:
 of every 8 key pairs, that many through ``poly_exp2`` instead of the SFU, which the soft-cap's tanh
-loads too). Each variant sets ``poly_exp`` on every d <= BUCKETS row of the dense and short tables,
-is checked against the fp64 reference on odd soft-capped shapes, then timed (bf16, batch 16k / S,
-hidden 2048) with the same call's dense time beside it.
+loads too). Each variant sets ``poly_exp`` and ``poly_exp_max`` (the bounded soft-cap's and the one
+with a row max) on the rows of the BUCKETS head dims in the dense and short tables, is checked
+against the fp64 reference on odd soft-capped bf16 shapes, then timed (batch 16k / S, hidden 2048)
+with the same call's dense time beside it.
 
 Usage: PYTHONPATH=. python dev/probe_poly_exp.py [--variants 0,2,3,4] [--buckets 64,128] [--no-check]
        [--dtype float16] [--sizes 4096,16384]
@@ -25,7 +26,10 @@ def main() -> int:
     polys = [int(x) for x in arg("--variants", "0,2,3,4").split(",")]
     buckets = [int(x) for x in arg("--buckets", "64,128").split(",")]
     dense, short = tile_table("attn_fwd_tma", "sm_90a"), tile_table("attn_fwd_tma", "sm_90a", table="short")
-    set_poly = lambda rows, n: tuple(r._replace(poly_exp=n) if r.max_head_dim in buckets else r for r in rows)  # noqa: E731
+
+    def set_poly(rows, n):
+        return tuple(r._replace(poly_exp=n, poly_exp_max=n) if r.max_head_dim in buckets else r for r in rows)
+
     names = ["table"] + [f"e{n}" for n in polys]
     dtype = arg("--dtype", "bfloat16")
     sizes = [int(x) for x in arg("--sizes", "1024,4096,16384").split(",")]

@@ -92,7 +92,7 @@ struct AttnFwdWgmmaTraits {
   static constexpr int kStages = STAGES_;
   static constexpr bool kOverlap = OVERLAP_;
   // POLY_EXP (soft-capped calls, TileConfig.poly_exp): of every 8 key pairs of a row's exp2s, this
-  // many run on the FMA pipe (poly_exp2) instead of the SFU, which a soft-cap's tanh loads twice.
+  // many run on the FMA pipe (poly_exp2) instead of the SFU, which a soft-cap loads twice a score.
   static constexpr int kPolyExp = POLY_EXP_;
   static_assert(POLY_EXP_ >= 0 && POLY_EXP_ <= 8, "POLY_EXP: 0-8 of every 8 key pairs");
   // SPLIT_KV (TMA): a stage's K and V tiles complete and are freed on barriers of their own, as

@@ -59,8 +59,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // did not grow with the tensor cores): x = n + f, n = round(x) by the 1.5 * 2^23 addition (add.rn:
 // the compiler may not fold it away), 2^f on [-0.5, 0.5] by a cubic (relative error 7.5e-5, below
 // bf16 P's rounding of 2^-9), 2^n built in the exponent bits. ~9 FMA / integer instructions
-// against one MUFU op that the SFU (16 lanes an SM a clock) serves at 1/8 of the FMA rate: it pays
-// where the SFU is the busiest pipe, a soft-capped softmax (tanh and exp2 a score) at d = 64.
+// against one MUFU op that the SFU (16 lanes an SM a clock) serves at 1/8 of the FMA rate. A
+// soft-capped softmax loads the SFU twice a score (tanh and exp2), and there 1 or 2 of every 8
+// exp2s taken so measured 3-8% faster; more was slower, as the softmax is bound by its issue and
+// latency too (the tile rows' poly_exp; BENCHMARKS.md, twenty-sixth session).
 // x is clamped at -127, where 2^n's bits are 0: -inf (a masked score) gives 0 exactly.
 __device__ __forceinline__ float poly_exp2(float x) {
   x = fmaxf(x, -127.f);

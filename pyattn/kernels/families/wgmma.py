@@ -190,8 +190,8 @@ _SM90_TMA = (
                                       "Soft-capped, 1 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 4k/16k "
                                       "1.598/5.943 ms (causal 0.910/3.043) against 1.678/6.230 (0.896/3.217) on the "
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
-                                      "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against 1.729/6.423 (3.337) "
-                                      "(dev/probe_poly_exp.py, H200)",
+                                      "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against "
+                                      "1.729/6.423 (3.337) (dev/probe_poly_exp.py, H200)",
               ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
