@@ -184,6 +184,10 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   ml.make_descs(sQ);
   ml.full_parity = 0;  // PERSIST: a bit a stage
   unsigned q_parity = 0;
+  // GEMM turns run on across the block's query tiles (Mainloop::pass_turn): warpgroup 0 gets its
+  // first turn here, once, and takes the last warpgroup's final hand-over after the loop.
+  if constexpr (Tr::kPingPong)
+    if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
   if constexpr (Tr::kWarpgroups == 3) {  // the producer's walk, unit for unit
     for (int base = 0, rot = blockIdx.x; base < units.total; base += gridDim.x, rot = units.next_rot(rot)) {
       const int u = base + rot;
@@ -196,8 +200,6 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
         if (ml.n_tiles > 0) {  // CTA-uniform
           pipe::wait(bar_q_full, q_parity);
           q_parity ^= 1;
-          if constexpr (Tr::kPingPong)
-            if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
           ml.run_tiles();
         }
         wgmma_fwd_store<Tr>(ml, p, at);
@@ -214,14 +216,14 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
         if (ml.n_tiles > 0) {  // CTA-uniform
           pipe::wait(bar_q_full, q_parity);
           q_parity ^= 1;
-          if constexpr (Tr::kPingPong)
-            if (ml.wgi == Tr::kWarpgroups - 1) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
           ml.run_tiles();
         }
         wgmma_fwd_store<Tr>(ml, p, at);
       }
     }
   }
+  if constexpr (Tr::kPingPong)  // the last hand-over (the first turn, where no tile ran): every arrival meets a sync
+    if (ml.wgi == 0) pipe::bar_sync(1, 256);
 }
 
 template <class Tr, class Mods>

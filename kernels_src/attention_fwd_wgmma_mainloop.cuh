@@ -666,12 +666,16 @@ struct AttnFwdWgmmaMainloop {
     }
   }
 
-  // The next warpgroup's GEMM turn after this one's at tile j. The last one gave warpgroup 0 its
-  // first turn before the loop, so it skips its last hand-over: every arrival then meets a sync.
-  // (Two warpgroups: the same test and barrier spelled as before, so their code is unchanged.)
+  // The next warpgroup's GEMM turn after this one's at tile j. A block a tile: the last one gave
+  // warpgroup 0 its first turn before the loop, so it skips its last hand-over: every arrival then
+  // meets a sync. (Two warpgroups: the same test and barrier spelled as before, so their code is
+  // unchanged.) PERSIST: the turns run on from one query tile to the next, so the last warpgroup
+  // hands over at every tile (attn_fwd_tma_persistent gives the first turn once and takes the last
+  // hand-over at its end): warpgroup 0 starts the next tile's Q K^T while the others still finish
+  // this one, their epilogues included, instead of waiting for the last one's.
   __device__ __forceinline__ void pass_turn(const int j) const {
     constexpr int NWG = Tr::kWarpgroups;
-    if ((NWG == 2 ? wgi == 0 : wgi != NWG - 1) || j + 1 < n_tiles)
+    if (Tr::kPersist || (NWG == 2 ? wgi == 0 : wgi != NWG - 1) || j + 1 < n_tiles)
       pipe::bar_arrive(1 + (NWG == 2 ? wgi ^ 1 : wgi == NWG - 1 ? 0 : wgi + 1), 256);
   }
 
