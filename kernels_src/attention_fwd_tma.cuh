@@ -222,7 +222,9 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
       }
     }
   }
-  if constexpr (Tr::kPingPong)  // the last hand-over (the first turn, where no tile ran): every arrival meets a sync
+  // The last warpgroup's final hand-over (or the first turn, where no tile ran): every arrival
+  // meets a sync.
+  if constexpr (Tr::kPingPong)
     if (ml.wgi == 0) pipe::bar_sync(1, 256);
 }
 
