@@ -52,17 +52,21 @@ def check(bench, names, run, shape: tuple, *, mask: bool = False, **opts) -> int
 def time_shape(bench, names, run, head: str, B: int, S: int, H: int, D: int, *, cudnn: bool = True,
                dtype: str = "bfloat16", **opts) -> None:
     """``pyattn.attention`` on (B, S, H, D) inputs of ``dtype`` (seed 0) with ``opts`` under each
-    variant, two alternating rounds, the best of each; SDPA cuDNN on the same inputs when ``cudnn``
-    (plain or causal calls only). Prints ``head``, cuDNN's ms and each variant's ms (x cuDNN)."""
+    variant, two rounds (the second in reverse order), the best of each; SDPA cuDNN on the same
+    inputs when ``cudnn`` (plain or causal calls only). Prints ``head``, cuDNN's ms and each variant's ms (x cuDNN)."""
     torch = bench.torch
     g = torch.Generator(device="cuda").manual_seed(0)
     ts = [torch.randn(B, S, H, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3)]
     xs = [harness.to_pyattn(t, bench.stream) for t in ts]
     fn = lambda: pyattn.attention(*xs, stream=bench.stream, **opts)  # noqa: E731
-    ms = {}
-    for _ in range(2):
-        for n in names:
-            ms.setdefault(n, []).append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
+    ms = {n: [] for n in names}
+    # The second round runs the variants in reverse: under sustained load the GPU's times drift up
+    # as it heats (dev/probe_order.py: the same d = 128 4k call 0.85 -> 0.90-0.97 ms within a
+    # minute), so in forward order only, the first variant read 4-9% faster than identical ones
+    # after it (BENCHMARKS.md, twenty-seventh session).
+    for order in (names, names[::-1]):
+        for n in order:
+            ms[n].append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
     cu = None
     if cudnn:
         f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=bool(opts.get("causal")))
