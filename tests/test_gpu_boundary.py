@@ -135,7 +135,11 @@ def test_cupy_takes_results_through_dlpack_without_waiting_for_them():
     x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 8192, 16, 128)).astype(np.float16))
     outs = [pyattn.attention(x, x, x) for _ in range(5)]  # ~5 ms of queued work on an H200
     o = cupy.from_dlpack(outs[-1])
-    pending = not cupy.cuda.ExternalStream(outs[-1].stream.ptr).done
+    # CuPy 14 takes pyattn's stream through its __cuda_stream__ protocol (ExternalStream of a raw
+    # handle is deprecated there); older CuPy only by handle.
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    stream = outs[-1].stream
+    pending = not (from_external(stream) if from_external else cupy.cuda.ExternalStream(stream.ptr)).done
     first = cupy.from_dlpack(outs[0])
     same = bool(cupy.array_equal(o, first))  # queued on CuPy's stream: after pyattn's work
     assert pending, "cupy.from_dlpack waited for the call's kernels"
