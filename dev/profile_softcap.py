@@ -4,7 +4,7 @@
     /opt/nvidia/nsight-compute/2025.3.1/ncu --clock-control none -k regex:attn_fwd_tma --launch-skip 1 \\
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal] \\
-        [--head-dim 64] [--warpgroups 2]
+        [--head-dim 64] [--warpgroups 2] [--batch 16 --seqlen 1024]
 
 Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torch.
 """
@@ -25,12 +25,13 @@ def main() -> None:
     ap.add_argument("--softcap", type=float, default=None)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=1, help="bench_prefill's shapes: 16384 / seqlen")
     ap.add_argument("--head-dim", type=int, default=128, help="heads are 2048 / head_dim")
     ap.add_argument("--warpgroups", type=int, default=0,
                     help="force the TMA table's row for the bucket to this many consumer warpgroups")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    shape = (1, a.seqlen, 2048 // a.head_dim, a.head_dim)
+    shape = (a.batch, a.seqlen, 2048 // a.head_dim, a.head_dim)
     q, k, v = (pyattn.asarray(rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)) for _ in range(3))
     with contextlib.ExitStack() as stack:
         if a.warpgroups:
