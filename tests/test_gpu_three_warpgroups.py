@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.kernels.families import override_tiles, tile_table
+from pyattn.kernels.families import tile_table
 from pyattn.kernels.specs import select_attention_spec
 
 from test_gpu_attention import _check, _inputs  # noqa: E402
@@ -23,18 +23,9 @@ CASES = ["plain", "causal", "window", "causal_window", "top_left", "softcap", "r
          "alibi", "bool_mask"]
 
 
-@pytest.fixture
-def no_causal_short_row():
-    """The short row serves causal calls below its max_keys only, as others (not up to
-    max_keys_causal: d = 64's 8192 keys), so that the causal cases below run the row under test."""
-    short = tuple(r._replace(max_keys_causal=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
-    with override_tiles("attn_fwd_tma", "sm_90a", short, table="short"):
-        yield
-
-
 @pytest.mark.parametrize("D", sorted(ROWS) or [64])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.usefixtures("no_causal_short_row")
+@pytest.mark.usefixtures("no_causal_short_row")  # its causal cases run the dense row, not the short one
 def test_three_warpgroups_match_the_reference(D, case):
     """1000 query rows (a partial block of 192: the last, or with causal the first, whose rows
     before 0 are computed and not stored) over a few more keys than the row's min_keys; windows and
