@@ -3,8 +3,9 @@
 
 Variants (``override_tiles`` on attn_fwd_tma's dense and short tables): "table" as it is; "tile":
 every row's ``persistent`` off (a block a query tile, longest first); "wg1": the short table's
-d = 64 row replaced by its one-warpgroup ``mods_row`` (64-row tiles, two blocks an SM). Each shape
-bf16, timed beside SDPA cuDNN (``_rows.time_shape``).
+d = 64 row replaced by its one-warpgroup ``mods_row`` (64-row tiles, two blocks an SM); "wg1_any":
+that row at any number of keys (the short table's limits lifted). Each shape bf16, timed beside
+SDPA cuDNN (``_rows.time_shape``).
 
 Usage: PYTHONPATH=. python dev/probe_small_grid.py [--shapes 1x1024x32x128,2x2048x8x64]
 """
@@ -26,9 +27,13 @@ def main() -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in arg("--shapes", _SHAPES).split(",")]
     dense, short = tile_table("attn_fwd_tma", "sm_90a"), tile_table("attn_fwd_tma", "sm_90a", table="short")
     variants = {
-        "tile": (tuple(r._replace(persistent=False) for r in dense), tuple(r._replace(persistent=False) for r in short)),
+        "tile": (tuple(r._replace(persistent=False) for r in dense),
+                 tuple(r._replace(persistent=False) for r in short)),
         "wg1": (dense, tuple(r.mods_row._replace(max_keys=r.max_keys, max_keys_causal=r.max_keys_causal)
                              if r.mods_row else r for r in short)),
+        # the same row at any number of keys (the short table's limits lifted)
+        "wg1_any": (dense, tuple(r.mods_row._replace(max_keys=1 << 30, max_keys_causal=1 << 30)
+                                 if r.mods_row else r for r in short)),
     }
 
     def run(name, fn):
@@ -40,8 +45,8 @@ def main() -> int:
 
     for B, S, H, D in shapes:
         for causal in (True, False):
-            time_shape(bench, ["table", "tile", "wg1"], run, f"B{B} S{S} H{H} d{D} causal={int(causal)}", B, S, H, D,
-                       causal=causal)
+            time_shape(bench, ["table", "tile", "wg1", "wg1_any"], run, f"B{B} S{S} H{H} d{D} causal={int(causal)}",
+                       B, S, H, D, causal=causal)
     return 0
 
 

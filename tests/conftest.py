@@ -97,3 +97,15 @@ def short_row_on_any_grid():
     rows = tuple(r._replace(small_grid_waves=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
     with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
         yield
+
+
+@pytest.fixture
+def no_causal_short_row():
+    """attn_fwd_tma's short rows serve causal calls below their max_keys only, as others (not up to
+    max_keys_causal: d = 64's 8192 keys), so that a GPU test's causal calls run the dense-table row
+    it checks."""
+    from pyattn.kernels.families import override_tiles, tile_table
+
+    rows = tuple(r._replace(max_keys_causal=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
+    with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
+        yield

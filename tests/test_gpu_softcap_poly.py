@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.kernels.families import override_tiles, tile_table
+from pyattn.kernels.families import tile_table
 from pyattn.kernels.specs import select_attention_spec
 
 pytest.importorskip("ml_dtypes")
@@ -26,6 +26,7 @@ POLY_ROWS = [r for r in tile_table("attn_fwd_tma", "sm_90a") if r.poly_exp or r.
 @pytest.mark.parametrize("D", [r.max_head_dim for r in POLY_ROWS] or [128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cap", [0.5, 30.0, 51.0, 60.0])
+@pytest.mark.usefixtures("no_causal_short_row")  # its causal calls run the row under test, not the short row
 def test_soft_capped_rows_with_exp2_on_the_fma_pipe(D, dtype, cap):
     """The rows whose soft-capped calls take some exp2s by polynomial (poly_exp / poly_exp_max; where
     the dtype and cap select neither, the SFU-only kernel is checked the same way): causal bottom-right
@@ -38,17 +39,13 @@ def test_soft_capped_rows_with_exp2_on_the_fma_pipe(D, dtype, cap):
     rng = np.random.default_rng(D + int(cap))
     Sk = max(row.min_keys, 1024) + 77
     Sq = Sk + 200
-    # Causal calls take the short row up to its max_keys_causal (d = 64: 8192 keys), which would
-    # leave the row under test unrun: here the short row serves causal calls as others.
-    short = tuple(r._replace(max_keys_causal=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
-    with override_tiles("attn_fwd_tma", "sm_90a", short, table="short"):
-        spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, softcap=cap, causal=True)
-        # bf16 up to a cap of 51: the bounded soft-cap (row.poly_exp); fp16 and larger caps a row max
-        assert (spec.family, spec.q_tiles) == ("attn_fwd_tma", 0)
-        assert spec.tiles.poly_exp == (0, row.poly_exp_max, row.poly_exp)[spec.softcap]
-        q, k, v = _inputs(rng, 1, Sq, Sk, 4, 2, D, dtype, "bshd")
-        q = (q.astype(np.float32) * 3).astype(q.dtype)  # large scores, so the cap bites
-        opts = dict(causal=True, softcap=cap)
-        out, lse = pyattn.attention(q, k, v, return_lse=True, **opts)
+    spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, softcap=cap, causal=True)
+    # bf16 up to a cap of 51: the bounded soft-cap (row.poly_exp); fp16 and larger caps a row max
+    assert (spec.family, spec.q_tiles) == ("attn_fwd_tma", 0)
+    assert spec.tiles.poly_exp == (0, row.poly_exp_max, row.poly_exp)[spec.softcap]
+    q, k, v = _inputs(rng, 1, Sq, Sk, 4, 2, D, dtype, "bshd")
+    q = (q.astype(np.float32) * 3).astype(q.dtype)  # large scores, so the cap bites
+    opts = dict(causal=True, softcap=cap)
+    out, lse = pyattn.attention(q, k, v, return_lse=True, **opts)
     assert not np.asarray(out)[:, :200].astype(np.float64).any(), "rows that see no key: 0"
     _check(out, lse, q, k, v, **opts)
