@@ -305,6 +305,7 @@ PERSISTENT_DIMS = [d for d in (64, 128, 192, 256)
 @pytest.mark.parametrize("D", PERSISTENT_DIMS or [128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B, H, Hkv", [(2, 48, 12), (1, 45, 15)])
+@pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
 def test_persistent_blocks_walk_many_tiles(D, causal, B, H, Hkv):
     """B x H heads of 550 queries: an odd count of row blocks (3 of 192 rows, 5 of 128, the last
     partial), so causal units pair row blocks (n - 1 - i, i) of one (batch, head) and the middle
@@ -328,6 +329,7 @@ MULTI_WG_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if
 @pytest.mark.parametrize("D", MULTI_WG_DIMS or [128])
 @pytest.mark.parametrize("band", ["causal", "window", "causal_window"])
 @pytest.mark.parametrize("offset", [0, 13, 64, 77, 200])
+@pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
 def test_warpgroups_end_at_their_own_last_tile(D, band, offset):
     """Bottom-right bands whose diagonal (Sk - Sq = offset) falls at and off the warpgroups' 64-row
     edges, a window's right edge (41 past the diagonal) alike: a warpgroup whose rows end a tile
@@ -350,6 +352,7 @@ SHORT_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table
 @pytest.mark.parametrize("D", SHORT_DIMS or [64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, (100, 7)])
+@pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
 def test_short_row_and_its_mods_row(D, causal, window):
     """Calls of few keys take the short row (at d = 64 persistent blocks of three warpgroups; with
     ALiBi its mods_row: one consumer warpgroup a block, two blocks an SM). 2 x 48 heads of 333
@@ -370,8 +373,41 @@ def test_short_row_and_its_mods_row(D, causal, window):
         _check(out.numpy(), lse.numpy(), q, k, v, **opts)
 
 
+SMALL_GRID_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")
+                   if r.mods_row and r.small_grid_waves]
+
+
+@pytest.mark.parametrize("D", SMALL_GRID_DIMS or [64])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse"])
+def test_small_grids_run_the_short_rows_small_grid_row(D, case):
+    """A plain call on the short row whose query tiles would fill under small_grid_waves waves of the
+    GPU runs the row's one-warpgroup mods_row (spec q_tiles 2: 64-row tiles, two blocks an SM):
+    one prompt of 32 heads at 1000 queries (the (B, S, H) that measured 17-21% faster), odd sizes,
+    causal bottom-right over more keys, GQA with a window, a soft-cap, fp16 with the LSE."""
+    if D not in SMALL_GRID_DIMS:
+        pytest.skip(f"attn_fwd_tma's short row has no small-grid row for d={D}")
+    rng = np.random.default_rng(D + len(case))
+    B, Sq, Sk, Hq, Hkv, dtype = 1, 1000, 1000, 32, 32, "bfloat16"
+    opts = {"causal": {"causal": True}, "gqa_window": {"window": (200, 17)}, "softcap": {"softcap": 20.0}}.get(case, {})
+    if case == "causal":
+        Sq, Sk = 777, 1500
+    if case == "gqa_window":
+        Hkv = 4
+    if case == "fp16_lse":
+        dtype, B, Hq, Hkv, Sq = "float16", 2, 8, 2, 1234
+    sm = pyattn.get_device().sm_count
+    spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, causal=bool(opts.get("causal")),
+                                 softcap=opts.get("softcap", 0.0), queries=Sq, batch_heads=B * Hq, sm_count=sm)
+    row = _tma_row(D, table="short")
+    assert (spec.family, spec.q_tiles, spec.tiles) == ("attn_fwd_tma", 2, row.mods_row.config())
+    q, k, v = _inputs(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", [None, (64, 0)])
+@pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
 def test_persistent_blocks_skip_empty_tiles(window, D):
     """Causal bottom-right with 700 queries over 90 keys: the first row blocks see no key (no key
     tiles: stored as 0 / LSE -inf without a query tile loaded), between tiles that do; 40 heads

@@ -208,6 +208,7 @@ def test_tile_lists_large():
 
 class _Arch:
     ordinal = 0
+    sm_count = 132  # an H200's (the spec selection weighs a call's query tiles against it)
 
     def __init__(self, arch):
         self.arch = arch

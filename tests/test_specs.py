@@ -195,21 +195,22 @@ def test_spec_is_frozen_and_hashable():
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
     # sm_90a: the TMA kernel's 4 buckets, and its short row (q_tiles 1) where a short call (under a
-    # dense row's min_keys: d = 64) runs
+    # dense row's min_keys: d = 64) runs, and that row's small-grid row (q_tiles 2)
     short = {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.min_keys > 1}
     assert short == {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")} == {64}
-    assert len(specs) == len(set(specs)) == (26 if arch == "sm_90a" else 32)
+    assert len(specs) == len(set(specs)) == (28 if arch == "sm_90a" else 32)
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
         (*_expected(name, arch, d)[:1], DTYPES[name][0], _expected(name, arch, d)[1])
         for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
         ("attn_fwd_tf32", "f32", d) for d in HEAD_DIM_BUCKETS}  # allow_tf32=True
-    assert {(s.dtype, s.head_dim) for s in specs if s.q_tiles} == (
-        {(tag, d) for tag in ("f16", "bf16") for d in short} if arch == "sm_90a" else set())
+    for q_tiles in (1, 2):
+        assert {(s.dtype, s.head_dim) for s in specs if s.q_tiles == q_tiles} == (
+            {(tag, d) for tag in ("f16", "bf16") for d in short} if arch == "sm_90a" else set())
     by_kind = {}
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
     tc = "attn_fwd_tma" if arch == "sm_90a" else "attn_fwd_mma"
-    n = 5 if arch == "sm_90a" else 8
+    n = 6 if arch == "sm_90a" else 8
     assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
@@ -221,7 +222,7 @@ def test_entry_names_are_unique_c_identifiers(arch):
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
     everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
-    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 6  # sm_90a: 26 variants
+    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 4  # sm_90a: 28 variants
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -229,8 +230,9 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
     for s in standard_specs(arch):
         t = s.tiles
         assert isinstance(t, TileConfig) and t.reason, s.describe()
-        if s.q_tiles:  # attn_fwd_tma's short row
-            assert t == tile_table(s.family, arch, table="short")[0].config()
+        if s.q_tiles:  # attn_fwd_tma's short row, or (2) its small-grid row
+            short = tile_table(s.family, arch, table="short")[0]
+            assert t == (short.mods_row if s.q_tiles == 2 else short).config()
         else:
             assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits
@@ -642,6 +644,42 @@ def test_tma_kernel_selection():
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", sparse=1)
 
 
+def test_small_grids_take_the_short_rows_small_grid_row():
+    """A plain call on attn_fwd_tma's short row whose work units (query tiles of the row; causal:
+    pairs) fill fewer than the row's small_grid_waves waves of the GPU's SMs takes q_tiles 2, the
+    row's mods_row tiles; more units, a mask tensor or ALiBi (their own mods_row at q_tiles 1), an
+    unknown grid (sm_count 0) or a bucket without such a row keep the selection as it was."""
+    from pyattn.kernels.families import tile_table
+    from pyattn.kernels.families.wgmma import short_small_grid
+
+    rows = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.mods_row and r.small_grid_waves]
+    if not rows:
+        pytest.skip("no short row with a small-grid row")
+    row = rows[0]
+    D, bm, sms = row.max_head_dim, 64 * row.warpgroups, 132
+    limit = row.small_grid_waves * sms
+    for causal in (False, True):
+        units = [(bh * -(-1000 // bm) + causal) // (1 + causal) for bh in range(1, 4 * limit)]
+        below = max(bh for bh, u in enumerate(units, 1) if u < limit)  # batch x heads just under the limit
+        for bh, want in ((below, 2), (below + 1, 1)):
+            assert short_small_grid("sm_90a", D, 1000, bh, causal, sms) == (want == 2)
+            got = select_attention_spec("bfloat16", D, "sm_90a", keys=1000, causal=causal, queries=1000,
+                                        batch_heads=bh, sm_count=sms)
+            assert (got.family, got.q_tiles) == ("attn_fwd_tma", want), (causal, bh)
+            if want == 2:
+                assert got.tiles == row.mods_row.config() and "_m64n128w8p" in got.entry_name
+    small = dict(keys=1000, queries=1000, batch_heads=1, sm_count=sms)
+    assert select_attention_spec("bfloat16", D, "sm_90a", **{**small, "sm_count": 0}).q_tiles == 1
+    for mods in ({"alibi": True}, {"mask": "bool"}, {"mask": "bf16", "mask_rows": True}):
+        assert select_attention_spec("bfloat16", D, "sm_90a", **small, **mods).q_tiles == 1, mods
+    assert select_attention_spec("bfloat16", D, "sm_90a", **{**small, "keys": 1 << 20}).q_tiles == 0
+    capped = select_attention_spec("float16", D, "sm_90a", softcap=30.0, **small)
+    assert capped.q_tiles == 2 and capped.softcap == 1  # a row max: the bounded soft-cap is the 3-warpgroup row's
+    with pytest.raises(ValueError, match="q_tiles"):
+        KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", q_tiles=2)
+    assert KernelSpec("attn_fwd_tma", "bf16", D, "sm_90a", q_tiles=2) in standard_specs("sm_90a")
+
+
 def test_short_row_of_the_tma_kernel():
     """q_tiles = 1 names attn_fwd_tma's short row (persistent blocks of three warpgroups at d = 64) and,
     with a mask tensor or ALiBi, its mods_row: one m64 row tile (one consumer warpgroup) a block,
@@ -677,7 +715,7 @@ def test_short_row_of_the_tma_kernel():
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=row.max_keys_causal - 1).q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, mask="bf16").q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, tma=False).q_tiles == 0
-    for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=2), "takes 0"),
+    for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=3), "takes 0"),
                        (dict(mask="f32"), "no short row for bucket 64 on sm_90a with a f32 mask")):
         with pytest.raises(ValueError, match=match):
             KernelSpec(**{**dict(family="attn_fwd_tma", dtype="f16", head_dim=64, arch="sm_90a", q_tiles=1), **bad})

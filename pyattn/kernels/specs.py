@@ -65,7 +65,8 @@ class KernelSpec:
         Attention and decode: compile in the ALiBi score modifier.
     q_tiles : int
         Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
-        attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), else 0.
+        attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), 2 for that row's
+        small-grid row (its ``mods_row``: plain calls whose query tiles would not fill the GPU), else 0.
     sparse : int
         Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
         ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).
@@ -247,7 +248,8 @@ def softcap_kind(softcap: float, tag: str, family: str, mask: str = "none", alib
 def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: bool = False, mask: str = "none",
                           softcap: float = 0.0, alibi: bool = False, allow_tf32: bool = False,
                           sparse: int = 0, tma: bool = True, keys: int = 1 << 20,
-                          mask_rows: bool = False, causal: bool = False) -> KernelSpec:
+                          mask_rows: bool = False, causal: bool = False, queries: int = 0, batch_heads: int = 0,
+                          sm_count: int = 0) -> KernelSpec:
     """Choose the kernel spec for an attention problem.
 
     Parameters
@@ -281,6 +283,11 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     causal : bool
         The call is causal: the TMA kernel's short row may serve causal calls of more keys than
         others (``max_keys_causal``: persistent blocks balance causal row blocks by pairing them).
+    queries, batch_heads, sm_count : int
+        The call's seqlen_q (varlen: the longest), batch x query heads, and the GPU's SM count: a
+        plain call on the TMA kernel's short row whose query tiles would fill few waves of the GPU
+        runs that row's smaller tiles (``q_tiles`` 2; ``short_small_grid``). 0 (the default): not
+        known, never.
 
     Raises
     ------
@@ -300,7 +307,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     elif arch in WGMMA_ARCHS:
         # Calls go to the TMA-fed kernel where its table has the bucket (measured faster); block-
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
-        from .families.wgmma import tma_serves, tma_serves_short  # the wgmma records: sm_90a only (issue 16)
+        from .families.wgmma import (short_small_grid, tma_serves,  # the wgmma records: sm_90a only (issue 16)
+                                     tma_serves_short)
 
         # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call), a
         # float key-padding mask as one row a stage.
@@ -311,6 +319,11 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
         q_tiles = int(short)
+        # A plain call on the short row whose query tiles would not fill the GPU: that row's smaller
+        # tiles (its mods_row) instead.
+        if short and sm_count and packed == "none" and not alibi and short_small_grid(
+                arch, bucket, queries, batch_heads, causal, sm_count):
+            q_tiles = 2
     else:
         family = "attn_fwd_mma"
     return KernelSpec(family, tag, bucket, arch, ptx, mask,
@@ -368,9 +381,12 @@ def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool
 
 def standard_specs(arch: str) -> list:
     """Every variant ``attention`` can select on ``arch`` without score modifiers (for short calls and
-    long ones: the TMA kernel's rows serve from a number of keys on)."""
+    long ones: the TMA kernel's rows serve from a number of keys on; short calls on a small grid)."""
     plain = [select_attention_spec(name, d, arch, keys=keys) for name in DTYPES for d in HEAD_DIM_BUCKETS
              for keys in (1, 1 << 20)]
+    # a call of one query tile on a GPU of one SM: the short row's small-grid row, where it has one
+    plain += [select_attention_spec(name, d, arch, keys=1, queries=1, batch_heads=1, sm_count=1) for name in DTYPES
+              for d in HEAD_DIM_BUCKETS]
     plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
     return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones
 

@@ -137,7 +137,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
                                  tma=maps is not None and (P.mask is None or P.mask.kind == "bool"
                                                            or mask_map_layout is not None),
                                  keys=P.seqlen_k, mask_rows=P.mask is not None and P.mask.strides[2] == 0,
-                                 causal=P.causal)
+                                 causal=P.causal, queries=P.seqlen_q, batch_heads=P.batch * P.heads_q,
+                                 sm_count=device.sm_count)
     kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)

@@ -18,7 +18,7 @@ from .tables import row as table_row
 from .tables import rows as table_rows
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "ATTN_FWD_FP8", "wgmma_shapes",
-           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short", "short_limit"]
+           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short", "short_limit", "short_small_grid"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -48,6 +48,10 @@ class WgmmaTile(NamedTuple):
     # attn_fwd_tma's short table: with a mask tensor or ALiBi, this row (a WgmmaTile) instead of this
     # one (their own measured best; the three-warpgroup row spills with them)
     mods_row: tuple = ()
+    # attn_fwd_tma's short table: plain calls whose work units of this row (query tiles; causal:
+    # pairs of them) fill fewer than this many waves of one block an SM run its mods_row instead,
+    # whose smaller tiles fill the GPU (spec q_tiles 2; short_small_grid)
+    small_grid_waves: int = 0
     # attn_fwd_tma, soft-capped calls only: of every 8 key pairs of the softmax's exp2s, this many
     # on the FMA pipe (poly_exp2 in kernels_src/mma.cuh) instead of the SFU, which the soft-cap's tanh
     # also loads; poly_exp with the bounded soft-cap (KernelSpec.softcap 2: no row max), poly_exp_max
@@ -238,8 +242,14 @@ _SM90_TMA_SHORT = (
               mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
                                                          "0.663 ms for the cp.async row; with a mask tensor or "
-                                                         "ALiBi (the dense row's two warpgroups then) below 4096",
-                                 ws=True, persistent=True)),
+                                                         "ALiBi (the dense row's two warpgroups then) below 4096; "
+                                                         "plain calls on a small grid (small_grid_waves): "
+                                                         "(B, S, H) (1, 1k, 32) 0.027 ms (causal 0.020) against "
+                                                         "0.033 (0.024) for the three-warpgroup row, (1, 2k, 32) "
+                                                         "causal 0.054 against 0.068, (2, 2k, 8) causal 0.029 "
+                                                         "against 0.036 (dev/probe_small_grid.py, H200)",
+                                 ws=True, persistent=True),
+              small_grid_waves=2),
 )
 
 
@@ -274,11 +284,15 @@ def _check_tma(spec) -> None:
     _check(spec)
     if spec.mask == "bool":
         raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
-    if spec.q_tiles not in (0, 1):
-        raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row) or 1 (the short row), got {spec}")
+    if spec.q_tiles not in (0, 1, 2):
+        raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row), 1 (the short row) or 2 (the short "
+                         f"row's small-grid row), got {spec}")
     if spec.q_tiles and not tma_serves_short(spec.arch, spec.head_dim, keys=0, mask=spec.mask):
         raise ValueError(f"q_tiles: attn_fwd_tma has no short row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
+    if spec.q_tiles == 2 and not table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim).mods_row:
+        raise ValueError(f"q_tiles: attn_fwd_tma's short row for bucket {spec.head_dim} on {spec.arch} has no "
+                         f"small-grid row (mods_row); got {spec}")
     if not spec.q_tiles and not tma_serves(spec.arch, spec.head_dim, keys=1 << 62, mask=spec.mask):
         raise ValueError(f"head_dim: attn_fwd_tma has no row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
@@ -292,11 +306,11 @@ def _wide_mods(mask: str, alibi: bool) -> bool:
 
 def _tma_spec_tiles(spec, t):
     """q_tiles = 1: the "short" table's row instead of the table's (its ``mods_row`` with a mask
-    tensor or ALiBi); a mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names
-    them."""
+    tensor or ALiBi); q_tiles = 2: that row's ``mods_row`` (a small grid, ``short_small_grid``); a
+    mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names them."""
     if spec.q_tiles:
         row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
-        row = row.mods_row if row.mods_row and _wide_mods(spec.mask, spec.alibi) else row
+        row = row.mods_row if row.mods_row and (spec.q_tiles == 2 or _wide_mods(spec.mask, spec.alibi)) else row
         t = row.config()
     else:
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
@@ -380,6 +394,19 @@ def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
     if mods and row.max_keys_mods:
         return row.max_keys_mods
     return row.max_keys_causal if causal and not mods and row.max_keys_causal else row.max_keys
+
+
+def short_small_grid(arch: str, head_dim: int, queries: int, batch_heads: int, causal: bool, sm_count: int) -> bool:
+    """Whether a plain call (no mask tensor, no ALiBi) that attn_fwd_tma's short row serves runs that
+    row's ``mods_row`` instead: ``batch_heads`` (batch x query heads) x the row's query tiles of
+    ``queries`` rows (causal: pairs of them, a persistent block's units: half the tiles) fill fewer
+    than the row's ``small_grid_waves`` waves of ``sm_count`` blocks."""
+    row = next((r for r in table_rows(ATTN_FWD_TMA, "short", arch) if r.max_head_dim == head_dim), None)
+    if row is None or not row.mods_row or not row.small_grid_waves:
+        return False
+    tiles = batch_heads * -(-queries // (64 * row.warpgroups))
+    units = (tiles + 1) // 2 if causal else tiles
+    return units < row.small_grid_waves * sm_count
 
 
 def wgmma_shapes(tables=None) -> tuple:

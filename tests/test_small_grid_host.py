@@ -1,0 +1,53 @@
+"""Small grids on the d = 64 short row, through the fake driver of ``fake_driver.py`` (no GPU; an
+sm_90a of 132 SMs): which attn_fwd_tma entry a plain call launches as its query tiles fill fewer or
+more than the row's ``small_grid_waves`` waves (``short_small_grid``)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fake_driver
+import pyattn
+from pyattn.kernels.families import tile_table
+
+ROW = next((r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_waves), None)
+pytestmark = pytest.mark.skipif(ROW is None, reason="no short row with a small-grid row")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    with fake_driver.installed(monkeypatch, torch=False, record_launches=True) as fake:
+        yield fake
+
+
+def _launch(B, Sq, Sk, H, Hkv=None, **opts):
+    q = pyattn.empty((B, Sq, H, 64), ml_dtypes.bfloat16)
+    k, v = (pyattn.empty((B, Sk, Hkv or H, 64), ml_dtypes.bfloat16) for _ in range(2))
+    fake_driver.LAUNCHES.clear()
+    pyattn.attention(q, k, v, **opts)
+    ((name, grid, *_),) = [x for x in fake_driver.LAUNCHES if "attn_fwd_tma" in (x[0] or "")]
+    return name, grid
+
+
+@pytest.mark.parametrize("B, Sq, Sk, H, causal, small", [
+    (1, 1000, 1000, 32, False, True),    # 6 tiles x 32 heads = 192 units < 2 waves
+    (1, 777, 1500, 32, True, True),      # 5 tiles x 32 / 2 = 80 causal units
+    (2, 2048, 2048, 8, True, True),      # a small model's prompt: 11 tiles x 16 / 2 = 88
+    (16, 1000, 1000, 32, False, False),  # bench_prefill's shape: 3072 units
+    (3, 1000, 1000, 32, True, False),    # 6 x 96 / 2 = 288 units: 2.2 waves
+])
+def test_plain_calls_on_few_tiles_launch_the_one_warpgroup_row(gpu, B, Sq, Sk, H, causal, small):
+    name, grid = _launch(B, Sq, Sk, H, causal=causal)
+    tiles = ROW.mods_row if small else ROW
+    assert name.endswith(f"_d64_m{64 * tiles.warpgroups}n{tiles.block_n}w{4 * (tiles.warpgroups + 1)}p"), name
+    assert grid[1:] == (1, 1)  # persistent: a one-dimensional grid of blocks that walk the units
+
+
+def test_alibi_keeps_its_own_row_and_a_softcap_the_small_grid_row(gpu):
+    slopes = pyattn.asarray(np.linspace(0.1, 0.5, 32).astype(np.float32))
+    name, _ = _launch(1, 1000, 1000, 32, alibi_slopes=slopes)
+    assert name.endswith("_d64_m64n128w8p_alibi"), name
+    name, _ = _launch(1, 1000, 1000, 32, softcap=30.0)
+    assert name.endswith("_d64_m64n128w8p_softcap"), name
