@@ -7,7 +7,8 @@ d = 64 row replaced by its one-warpgroup ``mods_row`` (64-row tiles, two blocks 
 that row at any number of keys (the short table's limits lifted). Each shape bf16, timed beside
 SDPA cuDNN (``_rows.time_shape``).
 
-Usage: PYTHONPATH=. python dev/probe_small_grid.py [--shapes 1x1024x32x128,2x2048x8x64]
+Usage: PYTHONPATH=. python dev/probe_small_grid.py [--shapes 1x1024x32x128,2x2048x8x64] [--variants table,wg1_any]
+       [--causal 0,1]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> int:
     bench = harness.open_bench(need_torch=True)
     arg = lambda name, default: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default  # noqa: E731
     shapes = [tuple(int(x) for x in s.split("x")) for s in arg("--shapes", _SHAPES).split(",")]
+    names = arg("--variants", "table,tile,wg1,wg1_any").split(",")
+    modes = [int(c) for c in arg("--causal", "1,0").split(",")]
     dense, short = tile_table("attn_fwd_tma", "sm_90a"), tile_table("attn_fwd_tma", "sm_90a", table="short")
     variants = {
         "tile": (tuple(r._replace(persistent=False) for r in dense),
@@ -45,7 +48,9 @@ def main() -> int:
 
     for B, S, H, D in shapes:
         for causal in (True, False):
-            time_shape(bench, ["table", "tile", "wg1", "wg1_any"], run, f"B{B} S{S} H{H} d{D} causal={int(causal)}",
+            if int(causal) not in modes:
+                continue
+            time_shape(bench, names, run, f"B{B} S{S} H{H} d{D} causal={int(causal)}",
                        B, S, H, D, causal=causal)
     return 0
 
