@@ -4,7 +4,8 @@
 Variants (``override_tiles`` on attn_fwd_tma's dense and short tables): "table" as it is; "tile":
 every row's ``persistent`` off (a block a query tile, longest first); "wg1": the short table's
 d = 64 row replaced by its one-warpgroup ``mods_row`` (64-row tiles, two blocks an SM); "wg1_any":
-that row at any number of keys (the short table's limits lifted). Each shape bf16, timed beside
+that row at any number of keys (the short table's limits lifted); "no_sg": the short rows'
+``small_grid_rate`` 0 (no small-grid switch). Each shape bf16, timed beside
 SDPA cuDNN (``_rows.time_shape``).
 
 Usage: PYTHONPATH=. python dev/probe_small_grid.py [--shapes 1x1024x32x128,2x2048x8x64] [--variants table,wg1_any]
@@ -34,6 +35,8 @@ def main() -> int:
                  tuple(r._replace(persistent=False) for r in short)),
         "wg1": (dense, tuple(r.mods_row._replace(max_keys=r.max_keys, max_keys_causal=r.max_keys_causal)
                              if r.mods_row else r for r in short)),
+        # the tables without the small-grid switch (small_grid_rate 0: the rows as before it)
+        "no_sg": (dense, tuple(r._replace(small_grid_rate=0) for r in short)),
         # the same row at any number of keys (the short table's limits lifted)
         "wg1_any": (dense, tuple(r.mods_row._replace(max_keys=1 << 30, max_keys_causal=1 << 30)
                                  if r.mods_row else r for r in short)),

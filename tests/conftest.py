@@ -89,12 +89,12 @@ def poison_allocations(monkeypatch):
 
 @pytest.fixture
 def short_row_on_any_grid():
-    """attn_fwd_tma's short rows without their small-grid switch (``small_grid_waves`` 0): for GPU
+    """attn_fwd_tma's short rows without their small-grid switch (``small_grid_rate`` 0): for GPU
     tests that name the three-warpgroup short row and call it with few query tiles, which would
     otherwise run its one-warpgroup ``mods_row`` (``short_small_grid``)."""
     from pyattn.kernels.families import override_tiles, tile_table
 
-    rows = tuple(r._replace(small_grid_waves=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
+    rows = tuple(r._replace(small_grid_rate=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
     with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
         yield
 

@@ -374,16 +374,17 @@ def test_short_row_and_its_mods_row(D, causal, window):
 
 
 SMALL_GRID_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")
-                   if r.mods_row and r.small_grid_waves]
+                   if r.mods_row and r.small_grid_rate]
 
 
 @pytest.mark.parametrize("D", SMALL_GRID_DIMS or [64])
-@pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse"])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse", "long_keys", "long_window"])
 def test_small_grids_run_the_short_rows_small_grid_row(D, case):
-    """A plain call on the short row whose query tiles would fill under small_grid_waves waves of the
-    GPU runs the row's one-warpgroup mods_row (spec q_tiles 2: 64-row tiles, two blocks an SM):
+    """A plain call whose query tiles would leave the GPU's SMs a short last round runs the short
+    row's one-warpgroup mods_row (spec q_tiles 2: 64-row tiles, two blocks an SM; short_small_grid):
     one prompt of 32 heads at 1000 queries (the (B, S, H) that measured 17-21% faster), odd sizes,
-    causal bottom-right over more keys, GQA with a window, a soft-cap, fp16 with the LSE."""
+    causal bottom-right over more keys, GQA with a window, a soft-cap, fp16 with the LSE; and past the
+    short row's keys (the dense row's domain), non-causal GQA calls of 8 heads, one with a window."""
     if D not in SMALL_GRID_DIMS:
         pytest.skip(f"attn_fwd_tma's short row has no small-grid row for d={D}")
     rng = np.random.default_rng(D + len(case))
@@ -394,7 +395,10 @@ def test_small_grids_run_the_short_rows_small_grid_row(D, case):
     if case == "gqa_window":
         Hkv = 4
     if case == "fp16_lse":
-        dtype, B, Hq, Hkv, Sq = "float16", 2, 8, 2, 1234
+        dtype, B, Hq, Hkv, Sq = "float16", 2, 6, 2, 1234
+    if case.startswith("long"):
+        Sq, Sk, Hq, Hkv = 2000, 4099, 8, 2
+        opts = {"window": (1000, 300)} if case == "long_window" else {}
     sm = pyattn.get_device().sm_count
     spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, causal=bool(opts.get("causal")),
                                  softcap=opts.get("softcap", 0.0), queries=Sq, batch_heads=B * Hq, sm_count=sm)

@@ -1,6 +1,6 @@
 """Small grids on the d = 64 short row, through the fake driver of ``fake_driver.py`` (no GPU; an
 sm_90a of 132 SMs): which attn_fwd_tma entry a plain call launches as its query tiles fill fewer or
-more than the row's ``small_grid_waves`` waves (``short_small_grid``)."""
+more rounds of the GPU's SMs (``short_small_grid``), below the short row's keys and past them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import fake_driver
 import pyattn
 from pyattn.kernels.families import tile_table
 
-ROW = next((r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_waves), None)
+ROW = next((r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate), None)
+DENSE = next((r for r in tile_table("attn_fwd_tma", "sm_90a") if ROW and r.max_head_dim == ROW.max_head_dim), None)
 pytestmark = pytest.mark.skipif(ROW is None, reason="no short row with a small-grid row")
 
 
@@ -31,18 +32,24 @@ def _launch(B, Sq, Sk, H, Hkv=None, **opts):
     return name, grid
 
 
-@pytest.mark.parametrize("B, Sq, Sk, H, causal, small", [
-    (1, 1000, 1000, 32, False, True),    # 6 tiles x 32 heads = 192 units < 2 waves
-    (1, 777, 1500, 32, True, True),      # 5 tiles x 32 / 2 = 80 causal units
-    (2, 2048, 2048, 8, True, True),      # a small model's prompt: 11 tiles x 16 / 2 = 88
-    (16, 1000, 1000, 32, False, False),  # bench_prefill's shape: 3072 units
-    (3, 1000, 1000, 32, True, False),    # 6 x 96 / 2 = 288 units: 2.2 waves
+@pytest.mark.parametrize("B, Sq, Sk, H, causal, want", [
+    (1, 1000, 1000, 32, False, "small"),    # 192 units of 192 rows, 2 rounds; 512 of 64, 2 rounds
+    (1, 777, 1500, 32, True, "small"),      # 5 x 32 / 2 = 80 causal pairs: 1 round either way
+    (2, 2048, 2048, 8, True, "small"),      # a small model's prompt: 11 x 16 / 2 = 88 pairs
+    (16, 1000, 1000, 32, False, "short"),   # bench_prefill's shape: 3072 units
+    (1, 1000, 1000, 40, False, "short"),    # 240 units, 2 rounds; 640 small ones take 3
+    (2, 2048, 2048, 8, False, "small"),     # past the short row's keys: 11 dense-row tiles x 16 = 176
+    (1, 32768, 32768, 1, False, "small"),   # 171 tiles of one head
+    (1, 4096, 4096, 10, False, "dense"),    # 220 tiles, 2 rounds; 640 small ones take 3
+    (1, 8192, 8192, 8, True, "dense"),      # causal past the short row's keys: the dense row
 ])
-def test_plain_calls_on_few_tiles_launch_the_one_warpgroup_row(gpu, B, Sq, Sk, H, causal, small):
+def test_plain_calls_on_few_tiles_launch_the_one_warpgroup_row(gpu, B, Sq, Sk, H, causal, want):
     name, grid = _launch(B, Sq, Sk, H, causal=causal)
-    tiles = ROW.mods_row if small else ROW
-    assert name.endswith(f"_d64_m{64 * tiles.warpgroups}n{tiles.block_n}w{4 * (tiles.warpgroups + 1)}p"), name
-    assert grid[1:] == (1, 1)  # persistent: a one-dimensional grid of blocks that walk the units
+    tiles = {"small": ROW.mods_row, "short": ROW, "dense": DENSE}[want]
+    persistent = "p" if tiles.persistent else ""
+    assert name.endswith(f"_d64_m{64 * tiles.warpgroups}n{tiles.block_n}w{4 * (tiles.warpgroups + 1)}{persistent}"), name
+    if tiles.persistent:
+        assert grid[1:] == (1, 1)  # a one-dimensional grid of blocks that walk the units
 
 
 def test_alibi_keeps_its_own_row_and_a_softcap_the_small_grid_row(gpu):

@@ -644,40 +644,85 @@ def test_tma_kernel_selection():
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", sparse=1)
 
 
-def test_small_grids_take_the_short_rows_small_grid_row():
-    """A plain call on attn_fwd_tma's short row whose work units (query tiles of the row; causal:
-    pairs) fill fewer than the row's small_grid_waves waves of the GPU's SMs takes q_tiles 2, the
-    row's mods_row tiles; more units, a mask tensor or ALiBi (their own mods_row at q_tiles 1), an
-    unknown grid (sm_count 0) or a bucket without such a row keep the selection as it was."""
-    from pyattn.kernels.families import tile_table
-    from pyattn.kernels.families.wgmma import short_small_grid
+# (B, S, H, causal) at d = 64 on an H200 (132 SMs), bf16, keys = queries: whether the short row's
+# small-grid row (1) or the row that serves the call otherwise (0) measured faster, by more than the
+# noise (dev/probe_small_grid.py, BENCHMARKS.md 2026-11-28)
+SMALL_GRID_MEASURED = [
+    (1, 1024, 32, False, 1), (1, 1024, 24, False, 1), (1, 1024, 40, False, 0), (16, 1024, 32, False, 0),
+    (1, 1024, 32, True, 1), (1, 2048, 32, True, 1), (2, 2048, 8, True, 1), (1, 2048, 40, True, 0),
+    (1, 2048, 44, True, 0), (16, 1024, 32, True, 0),
+    (2, 2048, 8, False, 1), (1, 2048, 16, False, 1), (1, 4096, 8, False, 1), (1, 8192, 4, False, 1),
+    (1, 16384, 2, False, 1), (1, 32768, 1, False, 1), (1, 4096, 9, False, 0), (1, 4096, 10, False, 0),
+    (1, 4096, 12, False, 0), (1, 4096, 16, False, 0), (1, 2048, 20, False, 0), (1, 2048, 32, False, 0),
+    (1, 8192, 8, False, 0), (4, 2048, 8, False, 0),
+]
 
-    rows = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.mods_row and r.small_grid_waves]
-    if not rows:
+
+@pytest.mark.parametrize("B, S, H, causal, small", SMALL_GRID_MEASURED)
+def test_small_grids_pick_the_row_that_measured_faster(B, S, H, causal, small):
+    """The small-grid rule (short_small_grid's rounds-an-SM model and the row's small_grid_rate)
+    picks, for every measured d = 64 shape, the row that measured faster: q_tiles 2 for the short
+    row's small-grid row, else the short row (1) or the dense table's row (0) as the keys select."""
+    from pyattn.kernels.families import tile_table
+
+    (row,) = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate] or [None]
+    if row is None:
         pytest.skip("no short row with a small-grid row")
-    row = rows[0]
-    D, bm, sms = row.max_head_dim, 64 * row.warpgroups, 132
-    limit = row.small_grid_waves * sms
-    for causal in (False, True):
-        units = [(bh * -(-1000 // bm) + causal) // (1 + causal) for bh in range(1, 4 * limit)]
-        below = max(bh for bh, u in enumerate(units, 1) if u < limit)  # batch x heads just under the limit
-        for bh, want in ((below, 2), (below + 1, 1)):
-            assert short_small_grid("sm_90a", D, 1000, bh, causal, sms) == (want == 2)
-            got = select_attention_spec("bfloat16", D, "sm_90a", keys=1000, causal=causal, queries=1000,
-                                        batch_heads=bh, sm_count=sms)
-            assert (got.family, got.q_tiles) == ("attn_fwd_tma", want), (causal, bh)
-            if want == 2:
-                assert got.tiles == row.mods_row.config() and "_m64n128w8p" in got.entry_name
-    small = dict(keys=1000, queries=1000, batch_heads=1, sm_count=sms)
+    plain = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal)
+    got = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal, queries=S, batch_heads=B * H,
+                                sm_count=132)
+    assert got.q_tiles == (2 if small else plain.q_tiles)
+    if small:
+        assert got.tiles == row.mods_row.config() and "_m64n128w8p" in got.entry_name
+
+
+def test_small_grid_row_only_for_plain_calls_on_a_known_grid():
+    """The small-grid row takes plain calls only: a mask tensor or ALiBi keep their own rows (the
+    short row's mods_row at q_tiles 1 below its keys), as do an unknown grid (sm_count 0), causal
+    calls past the short row's keys (the dense row: measured mixed) and buckets without such a row;
+    a soft-cap rides along."""
+    from pyattn.kernels.families import tile_table
+
+    (row,) = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate] or [None]
+    if row is None:
+        pytest.skip("no short row with a small-grid row")
+    D = row.max_head_dim
+    small = dict(keys=1000, queries=1000, batch_heads=1, sm_count=132)
+    assert select_attention_spec("bfloat16", D, "sm_90a", **small).q_tiles == 2
     assert select_attention_spec("bfloat16", D, "sm_90a", **{**small, "sm_count": 0}).q_tiles == 1
     for mods in ({"alibi": True}, {"mask": "bool"}, {"mask": "bf16", "mask_rows": True}):
         assert select_attention_spec("bfloat16", D, "sm_90a", **small, **mods).q_tiles == 1, mods
-    assert select_attention_spec("bfloat16", D, "sm_90a", **{**small, "keys": 1 << 20}).q_tiles == 0
+    long = {**small, "keys": 1 << 20}
+    assert select_attention_spec("bfloat16", D, "sm_90a", **long).q_tiles == 2
+    for mods in ({"causal": True}, {"alibi": True}, {"mask": "bool"}):
+        assert select_attention_spec("bfloat16", D, "sm_90a", **long, **mods).q_tiles == 0, mods
     capped = select_attention_spec("float16", D, "sm_90a", softcap=30.0, **small)
     assert capped.q_tiles == 2 and capped.softcap == 1  # a row max: the bounded soft-cap is the 3-warpgroup row's
+    assert select_attention_spec("bfloat16", 128, "sm_90a", **small).q_tiles in (0, 1)
     with pytest.raises(ValueError, match="q_tiles"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", q_tiles=2)
     assert KernelSpec("attn_fwd_tma", "bf16", D, "sm_90a", q_tiles=2) in standard_specs("sm_90a")
+
+
+def test_small_grid_model_counts_rounds_an_sm():
+    """short_small_grid's model on a made-up GPU of 10 SMs: at a rate of 0.84 the small-grid row
+    takes the grids where it needs no more rounds than the big row (128 rows an SM a round against
+    192), not those where it needs one more; at a rate of 0.5 it takes none."""
+    from pyattn.kernels.families import override_tiles, tile_table
+    from pyattn.kernels.families.wgmma import short_small_grid
+
+    short = tile_table("attn_fwd_tma", "sm_90a", table="short")
+    if not any(r.small_grid_rate for r in short):
+        pytest.skip("no short row with a small-grid row")
+    D = next(r for r in short if r.small_grid_rate).max_head_dim
+    # 1000 queries: 6 tiles of 192 rows, 16 of 64; 10 SMs: 10 big blocks, 20 small ones a round
+    for rate, flips in ((0.84, [1, 2]), (0.5, [])):
+        rows = tuple(r._replace(small_grid_rate=rate) if r.small_grid_rate else r for r in short)
+        with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
+            picks = [short_small_grid("sm_90a", D, 1000, bh, False, 10) for bh in range(1, 7)]
+        # bh 1: 6 big units (1 round, 192 rows) vs 16 small (1 round, 128 rows): small at 0.84;
+        # bh 2: 12 (2 rounds, 384) vs 32 (2 rounds, 256); bh 3: 18 (2, 384) vs 48 (3, 384): big
+        assert [bh for bh, p in enumerate(picks, 1) if p] == flips, (rate, picks)
 
 
 def test_short_row_of_the_tma_kernel():

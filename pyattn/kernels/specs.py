@@ -319,10 +319,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         tma = short or tma and not sparse and tma_serves(arch, bucket, keys, packed)
         family, mask = ("attn_fwd_tma", packed) if tma else ("attn_fwd_wgmma", mask)
         q_tiles = int(short)
-        # A plain call on the short row whose query tiles would not fill the GPU: that row's smaller
-        # tiles (its mods_row) instead.
-        if short and sm_count and packed == "none" and not alibi and short_small_grid(
-                arch, bucket, queries, batch_heads, causal, sm_count):
+        # A plain call whose query tiles would not fill the GPU: the short row's smaller tiles (its
+        # mods_row) instead, at any number of keys (non-causal past the short row's).
+        if tma and sm_count and packed == "none" and not alibi and short_small_grid(
+                arch, bucket, queries, batch_heads, causal, sm_count, short=short):
             q_tiles = 2
     else:
         family = "attn_fwd_mma"

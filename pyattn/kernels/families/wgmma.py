@@ -48,10 +48,11 @@ class WgmmaTile(NamedTuple):
     # attn_fwd_tma's short table: with a mask tensor or ALiBi, this row (a WgmmaTile) instead of this
     # one (their own measured best; the three-warpgroup row spills with them)
     mods_row: tuple = ()
-    # attn_fwd_tma's short table: plain calls whose work units of this row (query tiles; causal:
-    # pairs of them) fill fewer than this many waves of one block an SM run its mods_row instead,
-    # whose smaller tiles fill the GPU (spec q_tiles 2; short_small_grid)
-    small_grid_waves: int = 0
+    # attn_fwd_tma's short table: the speed of its mods_row on a row of query work relative to this
+    # row's (and the dense table's row of the bucket), both filling the GPU; with it short_small_grid
+    # picks, for plain calls, the row whose work units end first on the call's grid (0: never the
+    # mods_row for plain calls)
+    small_grid_rate: float = 0.0
     # attn_fwd_tma, soft-capped calls only: of every 8 key pairs of the softmax's exp2s, this many
     # on the FMA pipe (poly_exp2 in kernels_src/mma.cuh) instead of the SFU, which the soft-cap's tanh
     # also loads; poly_exp with the bounded soft-cap (KernelSpec.softcap 2: no row max), poly_exp_max
@@ -243,13 +244,15 @@ _SM90_TMA_SHORT = (
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
                                                          "0.663 ms for the cp.async row; with a mask tensor or "
                                                          "ALiBi (the dense row's two warpgroups then) below 4096; "
-                                                         "plain calls on a small grid (small_grid_waves): "
+                                                         "plain calls on a small grid (short_small_grid): "
                                                          "(B, S, H) (1, 1k, 32) 0.027 ms (causal 0.020) against "
                                                          "0.033 (0.024) for the three-warpgroup row, (1, 2k, 32) "
                                                          "causal 0.054 against 0.068, (2, 2k, 8) causal 0.029 "
                                                          "against 0.036 (dev/probe_small_grid.py, H200)",
                                  ws=True, persistent=True),
-              small_grid_waves=2),
+              small_grid_rate=0.84),  # (1, 4k, 12), (1, 1k, 40): 0.119 / 0.038 ms for the
+              # same rows an SM as the 0.100 / 0.034 of three warpgroups; (1, 4k, 16), (1, 2k, 32): 512
+              # rows an SM for 576 in 1.068 / 1.06x the time (dev/probe_small_grid.py, H200)
 )
 
 
@@ -396,17 +399,43 @@ def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
     return row.max_keys_causal if causal and not mods and row.max_keys_causal else row.max_keys
 
 
-def short_small_grid(arch: str, head_dim: int, queries: int, batch_heads: int, causal: bool, sm_count: int) -> bool:
-    """Whether a plain call (no mask tensor, no ALiBi) that attn_fwd_tma's short row serves runs that
-    row's ``mods_row`` instead: ``batch_heads`` (batch x query heads) x the row's query tiles of
-    ``queries`` rows (causal: pairs of them, a persistent block's units: half the tiles) fill fewer
-    than the row's ``small_grid_waves`` waves of ``sm_count`` blocks."""
+# short_small_grid takes the small-grid row only where it predicts it this much faster: the rate is
+# one figure for every grid, and from 4 rounds on the two rows' predictions come within 20%
+_SMALL_GRID_MARGIN = 0.95
+
+
+def short_small_grid(arch: str, head_dim: int, queries: int, batch_heads: int, causal: bool, sm_count: int,
+                     short: bool = True) -> bool:
+    """Whether a plain call (no mask tensor, no ALiBi) runs attn_fwd_tma's short row's ``mods_row``
+    (its small-grid row: 64-row tiles, two blocks an SM) in place of the row that serves it.
+
+    Each row's work units: ``batch_heads`` (batch x query heads) x its query tiles of ``queries``
+    rows (causal, on the persistent short rows: pairs of them, a long row block with a short one).
+    Each SM takes them in rounds of ``min_blocks`` blocks; a round's query rows over the row's
+    ``small_grid_rate`` (the small-grid row's measured speed) is the time the model counts. A small
+    grid's last round is what tips it: 192 units of 192 rows take 2 rounds (384 rows an SM) where
+    512 of 64 take 2 of 128; at 240 units the small one takes 3.
+
+    ``short`` False: the dense table's row serves the call (keys past the short row's), a block a
+    query tile: non-causal calls only. Causal ones there run the dense row: a block a tile,
+    longest first, balance otherwise (measured mixed: the small-grid row 7-13% faster at (1, 8k, 8)
+    and (1, 16k, 4), 7-11% slower at (1, 16k, 8) and (1, 32k, 2); dev/probe_small_grid.py).
+    """
     row = next((r for r in table_rows(ATTN_FWD_TMA, "short", arch) if r.max_head_dim == head_dim), None)
-    if row is None or not row.mods_row or not row.small_grid_waves:
+    if row is None or not row.mods_row or not row.small_grid_rate or (causal and not short) or not sm_count:
         return False
-    tiles = batch_heads * -(-queries // (64 * row.warpgroups))
-    units = (tiles + 1) // 2 if causal else tiles
-    return units < row.small_grid_waves * sm_count
+    big = row if short else next((r for r in table_rows(ATTN_FWD_TMA, "dense", arch)
+                                  if r.max_head_dim == head_dim), None)
+    if big is None:
+        return False
+
+    def rows_an_sm(r) -> int:
+        rows = 64 * r.warpgroups
+        tiles = batch_heads * -(-queries // rows)
+        units = -(-tiles // 2) if causal else tiles
+        return -(-units // (sm_count * r.min_blocks)) * rows * r.min_blocks
+
+    return rows_an_sm(row.mods_row) / row.small_grid_rate < _SMALL_GRID_MARGIN * rows_an_sm(big)
 
 
 def wgmma_shapes(tables=None) -> tuple:
