@@ -13,6 +13,9 @@ Usage: PYTHONPATH=. python scripts/bench_prefill.py [--json out.json] [--quick]
 - Ceilings measured in the same run: dense matmul TFLOP/s (torch, 8192^3, fp16 and bf16) and
   device-to-device copy GB/s (bytes read + written). Each pyattn figure is also given as a % of
   the matmul ceiling of its dtype.
+- Small grids (bf16): one prompt of a few heads, as an inference script's layers call it (a small
+  model's (2, 2048, 8, 64), one prompt of 32 heads at 1k-4k, (4, 512, 32, 128)), where a
+  kernel's query tiles leave SMs idle in a last round; causal and not.
 - Tile skipping (B=1, S=16384, H=16, D=128, bf16): dense, causal and sliding windows against the
   fraction of (query, key) pairs each keeps, and the score-modifier path (a bool mask, a soft-cap).
 - NumPy end to end for (B=1, S=4096, H=16, D=128, fp16, non-causal): ``pyattn.attention`` on
@@ -101,6 +104,11 @@ def configs(quick: bool):
         for d, s in ((256, 4096), (256, 16384), (128, 32768)):
             for causal in (False, True):
                 yield "bfloat16", d, s, causal
+
+
+# (B, S, H, D), bf16: the small-grid part's shapes
+SMALL_GRIDS = ((2, 2048, 8, 64), (1, 1024, 32, 64), (1, 1024, 48, 64), (1, 4096, 8, 64), (1, 8192, 4, 64),
+               (1, 1024, 32, 128), (1, 4096, 32, 128), (4, 512, 32, 128))
 
 
 def bench_skipping(bench) -> dict:
@@ -195,7 +203,13 @@ def print_report(result: dict) -> None:
             f"{'%mm':>4} | {'FA2 ms':>7} {'TFLOP/s':>7} | {'cuDNN ms':>8} {'TFLOP/s':>7} | {'x FA2':>5} "
             f"{'x cuDNN':>7} | {'maxdiff':>7}")
     print(head + "\n" + "-" * len(head))
-    for r in result["configs"]:
+    rows = list(result["configs"])
+    if result.get("small_grids"):
+        rows += [None, *result["small_grids"]]  # None: the small grids' heading
+    for r in rows:
+        if r is None:
+            print("small grids: one prompt of a few heads (a kernel's last round of query tiles leaves SMs idle)")
+            continue
         mm, py = ceil.get(f"matmul_{r['dtype']}_tflops"), r.get("pyattn_ms")
         pct = r["pyattn_tflops"] / mm * 100 if mm and py else None
         x = {n: r[f"{n}_ms"] / py if f"{n}_ms" in r and py else None for n in harness.SDPA_BACKENDS}
@@ -235,10 +249,10 @@ def print_report(result: dict) -> None:
 
 def main(argv=None) -> int:
     ap = harness.parser(__doc__)
-    ap.add_argument("--only", choices=("configs", "skipping", "numpy"), action="append",
-                    help="run only these parts (repeatable; default all)")
+    parts = ("configs", "small", "skipping", "numpy")
+    ap.add_argument("--only", choices=parts, action="append", help="run only these parts (repeatable; default all)")
     args = ap.parse_args(argv)
-    only = set(args.only or ("configs", "skipping", "numpy"))
+    only = set(args.only or parts)
     t0 = time.perf_counter()
     bench = harness.open_bench()
     if bench is None:
@@ -246,21 +260,27 @@ def main(argv=None) -> int:
     torch = bench.torch
     reps = 3 if args.quick else 5
     result = {"quick": args.quick, "ceilings": bench.ceilings(matmul=("float16", "bfloat16"), reps=reps)}
-    failures, rows = 0, []
-    for dtype, d, s, causal in configs(args.quick) if "configs" in only else ():
-        try:
-            row = bench_config(bench, dtype, max(1, 16384 // s), s, 2048 // d, d, causal, reps)
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory creating the inputs
-            traceback.print_exc()
-            row = {"dtype": dtype, "head_dim": d, "seqlen": s, "causal": causal, "batch": max(1, 16384 // s),
-                   "heads": 2048 // d, "errors": [f"{type(exc).__name__}: {exc}"]}
-        failures += "pyattn_ms" not in row
-        rows.append(row)
-        print(f"  {dtype} d={d} S={s} causal={causal}: pyattn {fmt(row.get('pyattn_ms'), '.3f')} ms, "
-              f"FA2 {fmt(row.get('fa2_ms'), '.3f')} ms, cuDNN {fmt(row.get('cudnn_ms'), '.3f')} ms", flush=True)
-        if torch is not None:
-            torch.cuda.empty_cache()
-    result["configs"] = rows
+    failures = 0
+    shapes = {"configs": [(dtype, max(1, 16384 // s), s, 2048 // d, d, causal)
+                          for dtype, d, s, causal in (configs(args.quick) if "configs" in only else ())],
+              "small_grids": [("bfloat16", B, S, H, D, causal) for B, S, H, D in SMALL_GRIDS
+                              for causal in (False, True)] if "small" in only and not args.quick else []}
+    for part, todo in shapes.items():
+        rows = result[part] = []
+        for dtype, B, s, H, d, causal in todo:
+            try:
+                row = bench_config(bench, dtype, B, s, H, d, causal, reps)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory creating the inputs
+                traceback.print_exc()
+                row = {"dtype": dtype, "head_dim": d, "seqlen": s, "causal": causal, "batch": B, "heads": H,
+                       "errors": [f"{type(exc).__name__}: {exc}"]}
+            failures += "pyattn_ms" not in row
+            rows.append(row)
+            print(f"  {dtype} B={B} H={H} d={d} S={s} causal={causal}: pyattn {fmt(row.get('pyattn_ms'), '.3f')} "
+                  f"ms, FA2 {fmt(row.get('fa2_ms'), '.3f')} ms, cuDNN {fmt(row.get('cudnn_ms'), '.3f')} ms",
+                  flush=True)
+            if torch is not None:
+                torch.cuda.empty_cache()
     for key, fn in (("skipping", None if args.quick or "skipping" not in only else lambda: bench_skipping(bench)),
                     ("numpy_e2e", None if "numpy" not in only else lambda: bench_numpy(bench, args.quick))):
         if fn is not None:

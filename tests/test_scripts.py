@@ -233,6 +233,8 @@ def test_reports_print_from_results_with_gaps(capsys):
         {"dtype": "float16", "head_dim": 64, "seqlen": 1024, "causal": False, "batch": 16, "heads": 32,
          "pyattn_ms": 1.0, "pyattn_tflops": 300.0, "fa2_ms": 1.1}, {"dtype": "bfloat16", "head_dim": 64,
          "seqlen": 1024, "causal": True, "batch": 16, "heads": 32, "errors": ["boom"]}],
+        "small_grids": [{"dtype": "bfloat16", "head_dim": 64, "seqlen": 2048, "causal": True, "batch": 2, "heads": 8,
+                         "pyattn_ms": 0.03, "pyattn_tflops": 150.0, "cudnn_ms": 0.036}],
         "numpy_e2e": {"floor_ms": 1.0, "floor_h2d_ms": 0.7, "floor_d2h_ms": 0.3, "h2d_gbs": 50.0, "d2h_gbs": 50.0,
                       "pyattn_ms": 5.0}})
     block = [{"case": "dense pyattn", "kind": "pyattn", "causal": False, "ms": 5.0, "flops": 1e12},
@@ -250,6 +252,8 @@ def test_reports_print_from_results_with_gaps(capsys):
     assert [t["pass"] for t in bench_quant.targets(quant)] == [False, None]
     out = capsys.readouterr().out
     assert "PYATTN FAILED: boom" in out and "5.00x the floor" in out
+    small = out.split("small grids:")[1].splitlines()[1]  # the small grids' heading, then their rows
+    assert small.startswith("bfloat16  64   2048 True     2   8 |") and small.split("|")[4].split()[1] == "1.20", small
 
 
 def test_sparq_and_per_channel_reports_from_results_with_gaps():
