@@ -37,7 +37,7 @@ fi
 if [[ $what == all || $what == bench ]]; then
   bench bench_startup '.' 30 --importtime   # fresh processes, a warm kernel cache: the start-up breakdown
   bench bench_foundation '.' 20
-  bench bench_prefill '.' 45                # pyattn vs torch SDPA FA2 / cuDNN, ceilings, NumPy end to end
+  bench bench_prefill '.' 65                # pyattn vs torch SDPA FA2 / cuDNN, small grids, ceilings, NumPy end to end
   bench bench_fp8 '.' 20                    # fp8 e4m3 inputs vs pyattn bf16 and SDPA FA2 / cuDNN (bf16), fp8 matmul ceiling
   bench bench_decode "$tables|^\(" 50       # paged / contiguous KV vs SDPA, copy bandwidth
   echo "== bench_decode, MHA 32/32"          # (not bench_*.json: the plot takes the GQA run's)
