@@ -66,7 +66,7 @@ class KernelSpec:
     q_tiles : int
         Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
         attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), 2 for that row's
-        small-grid row (its ``mods_row``: plain calls whose query tiles would not fill the GPU), else 0.
+        small-grid row (its ``mods_row``: plain calls on small grids, ``short_small_grid``), else 0.
     sparse : int
         Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
         ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).
@@ -285,9 +285,10 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         others (``max_keys_causal``: persistent blocks balance causal row blocks by pairing them).
     queries, batch_heads, sm_count : int
         The call's seqlen_q (varlen: the longest), batch x query heads, and the GPU's SM count: a
-        plain call on the TMA kernel's short row whose query tiles would fill few waves of the GPU
-        runs that row's smaller tiles (``q_tiles`` 2; ``short_small_grid``). 0 (the default): not
-        known, never.
+        plain call whose query tiles would leave the GPU a short last round runs the TMA kernel's
+        short row's smaller tiles (``q_tiles`` 2) where ``short_small_grid`` predicts them faster
+        (below the short row's keys; past them non-causal calls only). 0 (the default): not known,
+        never.
 
     Raises
     ------
