@@ -16,8 +16,8 @@ from test_gpu_attention import _check, _inputs  # noqa: E402
 from test_gpu_tma import check_varlen  # noqa: E402
 from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 
-# (short_row_on_any_grid: small causal calls here take the short row, three warpgroups too, not its
-# one-warpgroup small-grid row)
+# (short_row_on_any_grid: the calls here have few query tiles, which would otherwise run the short
+# row's one-warpgroup small-grid row, non-causal ones past its keys too, not the rows under test)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
               pytest.mark.usefixtures("poison_allocations", "short_row_on_any_grid")]
 ROWS = {r.max_head_dim: r for r in tile_table("attn_fwd_tma", "sm_90a") if r.warpgroups == 3}
