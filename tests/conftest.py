@@ -6,6 +6,7 @@ header tests of test_compile.py and test_toolchain.py.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
 
@@ -87,15 +88,22 @@ def poison_allocations(monkeypatch):
     monkeypatch.setattr(memory, "POISON_ALLOC", True)
 
 
+@contextlib.contextmanager
+def _short_rows(**fields):
+    """attn_fwd_tma's short rows on sm_90a with ``fields`` replaced, for a fixture's life."""
+    from pyattn.kernels.families import override_tiles, tile_table
+
+    rows = tuple(r._replace(**fields) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
+    with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
+        yield
+
+
 @pytest.fixture
 def short_row_on_any_grid():
     """attn_fwd_tma's short rows without their small-grid switch (``small_grid_rate`` 0): for GPU
     tests that name the three-warpgroup short row and call it with few query tiles, which would
     otherwise run its one-warpgroup ``mods_row`` (``short_small_grid``)."""
-    from pyattn.kernels.families import override_tiles, tile_table
-
-    rows = tuple(r._replace(small_grid_rate=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
-    with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
+    with _short_rows(small_grid_rate=0):
         yield
 
 
@@ -104,8 +112,5 @@ def no_causal_short_row():
     """attn_fwd_tma's short rows serve causal calls below their max_keys only, as others (not up to
     max_keys_causal: d = 64's 8192 keys), so that a GPU test's causal calls run the dense-table row
     it checks."""
-    from pyattn.kernels.families import override_tiles, tile_table
-
-    rows = tuple(r._replace(max_keys_causal=0) for r in tile_table("attn_fwd_tma", "sm_90a", table="short"))
-    with override_tiles("attn_fwd_tma", "sm_90a", rows, table="short"):
+    with _short_rows(max_keys_causal=0):
         yield

@@ -658,16 +658,23 @@ SMALL_GRID_MEASURED = [
 ]
 
 
+def _small_grid_row():
+    """attn_fwd_tma's short row that has a small-grid row (``small_grid_rate``); skips without one."""
+    from pyattn.kernels.families import tile_table
+
+    rows = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate]
+    if not rows:
+        pytest.skip("no short row with a small-grid row")
+    (row,) = rows
+    return row
+
+
 @pytest.mark.parametrize("B, S, H, causal, small", SMALL_GRID_MEASURED)
 def test_small_grids_pick_the_row_that_measured_faster(B, S, H, causal, small):
     """The small-grid rule (short_small_grid's rounds-an-SM model and the row's small_grid_rate)
     picks, for every measured d = 64 shape, the row that measured faster: q_tiles 2 for the short
     row's small-grid row, else the short row (1) or the dense table's row (0) as the keys select."""
-    from pyattn.kernels.families import tile_table
-
-    (row,) = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate] or [None]
-    if row is None:
-        pytest.skip("no short row with a small-grid row")
+    row = _small_grid_row()
     plain = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal)
     got = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal, queries=S, batch_heads=B * H,
                                 sm_count=132)
@@ -681,11 +688,7 @@ def test_small_grid_row_only_for_plain_calls_on_a_known_grid():
     short row's mods_row at q_tiles 1 below its keys), as do an unknown grid (sm_count 0), causal
     calls past the short row's keys (the dense row: measured mixed) and buckets without such a row;
     a soft-cap rides along."""
-    from pyattn.kernels.families import tile_table
-
-    (row,) = [r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.small_grid_rate] or [None]
-    if row is None:
-        pytest.skip("no short row with a small-grid row")
+    row = _small_grid_row()
     D = row.max_head_dim
     small = dict(keys=1000, queries=1000, batch_heads=1, sm_count=132)
     assert select_attention_spec("bfloat16", D, "sm_90a", **small).q_tiles == 2
@@ -712,9 +715,7 @@ def test_small_grid_model_counts_rounds_an_sm():
     from pyattn.kernels.families.wgmma import short_small_grid
 
     short = tile_table("attn_fwd_tma", "sm_90a", table="short")
-    if not any(r.small_grid_rate for r in short):
-        pytest.skip("no short row with a small-grid row")
-    D = next(r for r in short if r.small_grid_rate).max_head_dim
+    D = _small_grid_row().max_head_dim
     # 1000 queries: 6 tiles of 192 rows, 16 of 64; 10 SMs: 10 big blocks, 20 small ones a round
     for rate, flips in ((0.84, [1, 2]), (0.5, [])):
         rows = tuple(r._replace(small_grid_rate=rate) if r.small_grid_rate else r for r in short)

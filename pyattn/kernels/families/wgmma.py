@@ -399,6 +399,12 @@ def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
     return row.max_keys_causal if causal and not mods and row.max_keys_causal else row.max_keys
 
 
+def _bucket_row(table: str, arch: str, head_dim: int):
+    """attn_fwd_tma's row of ``table`` on ``arch`` that names bucket ``head_dim`` exactly, or None
+    (its rows serve exactly the buckets they name, unlike ``table_row``'s first covering row)."""
+    return next((r for r in table_rows(ATTN_FWD_TMA, table, arch) if r.max_head_dim == head_dim), None)
+
+
 # short_small_grid takes the small-grid row only where it predicts it this much faster: the rate is
 # one figure for every grid, and from 4 rounds on the two rows' predictions come within 20%
 _SMALL_GRID_MARGIN = 0.95
@@ -421,11 +427,10 @@ def short_small_grid(arch: str, head_dim: int, queries: int, batch_heads: int, c
     longest first, balance otherwise (measured mixed: the small-grid row 7-13% faster at (1, 8k, 8)
     and (1, 16k, 4), 7-11% slower at (1, 16k, 8) and (1, 32k, 2); dev/probe_small_grid.py).
     """
-    row = next((r for r in table_rows(ATTN_FWD_TMA, "short", arch) if r.max_head_dim == head_dim), None)
+    row = _bucket_row("short", arch, head_dim)
     if row is None or not row.mods_row or not row.small_grid_rate or (causal and not short) or not sm_count:
         return False
-    big = row if short else next((r for r in table_rows(ATTN_FWD_TMA, "dense", arch)
-                                  if r.max_head_dim == head_dim), None)
+    big = row if short else _bucket_row("dense", arch, head_dim)
     if big is None:
         return False
 
