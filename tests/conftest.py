@@ -114,3 +114,24 @@ def no_causal_short_row():
     it checks."""
     with _short_rows(max_keys_causal=0):
         yield
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The entry names of the kernels a test launches, in launch order (``cuLaunchKernel`` wrapped,
+    each function's name read back with ``cuFuncGetName``): GPU tests assert that the row they check
+    is the one that ran. A spec selected beside the call, with other arguments than the call's, has
+    twice named a row that never ran (the causal short row; the small-grid row). Request it after
+    a fake driver's fixture, which replaces the driver's functions."""
+    from cuda.bindings import driver
+
+    names: list = []
+    real = driver.cuLaunchKernel
+
+    def record(fn, *args):
+        err, name = driver.cuFuncGetName(fn)
+        names.append(name.decode() if err == driver.CUresult.CUDA_SUCCESS else f"<{err}>")
+        return real(fn, *args)
+
+    monkeypatch.setattr(driver, "cuLaunchKernel", record)
+    return names

@@ -180,6 +180,9 @@ class _Fake:
         self.kernel_names[int(fn)] = name.decode()
         return OK, fn
 
+    def cuFuncGetName(self, fn):
+        return OK, self.kernel_names.get(int(fn), "").encode()
+
     def cuFuncGetAttribute(self, attr, fn):
         return OK, 0
 

@@ -27,7 +27,7 @@ POLY_ROWS = [r for r in tile_table("attn_fwd_tma", "sm_90a") if r.poly_exp or r.
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cap", [0.5, 30.0, 51.0, 60.0])
 @pytest.mark.usefixtures("no_causal_short_row")  # its causal calls run the row under test, not the short row
-def test_soft_capped_rows_with_exp2_on_the_fma_pipe(D, dtype, cap):
+def test_soft_capped_rows_with_exp2_on_the_fma_pipe(D, dtype, cap, launched):
     """The rows whose soft-capped calls take some exp2s by polynomial (poly_exp / poly_exp_max; where
     the dtype and cap select neither, the SFU-only kernel is checked the same way): causal bottom-right
     with more queries than keys, so the first rows see no key (the clamp must give P = 0 exactly for
@@ -47,5 +47,6 @@ def test_soft_capped_rows_with_exp2_on_the_fma_pipe(D, dtype, cap):
     q = (q.astype(np.float32) * 3).astype(q.dtype)  # large scores, so the cap bites
     opts = dict(causal=True, softcap=cap)
     out, lse = pyattn.attention(q, k, v, return_lse=True, **opts)
+    assert spec.entry_name in launched, launched  # the row asserted above is the one that ran
     assert not np.asarray(out)[:, :200].astype(np.float64).any(), "rows that see no key: 0"
     _check(out, lse, q, k, v, **opts)

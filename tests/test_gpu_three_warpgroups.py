@@ -28,7 +28,7 @@ CASES = ["plain", "causal", "window", "causal_window", "top_left", "softcap", "r
 @pytest.mark.parametrize("D", sorted(ROWS) or [64])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.usefixtures("no_causal_short_row")  # its causal cases run the dense row, not the short one
-def test_three_warpgroups_match_the_reference(D, case):
+def test_three_warpgroups_match_the_reference(D, case, launched):
     """1000 query rows (a partial block of 192: the last, or with causal the first, whose rows
     before 0 are computed and not stored) over a few more keys than the row's min_keys; windows and
     causal bounds that fall inside a warpgroup's 64 rows; causal bottom-right with more queries
@@ -61,6 +61,7 @@ def test_three_warpgroups_match_the_reference(D, case):
     assert (spec.family, spec.q_tiles, spec.tiles.block_m) == ("attn_fwd_tma", 0, 64 * wgs)
     on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)
+    assert spec.entry_name in launched, launched  # the row asserted above is the one that ran
     _check(out.numpy(), lse.numpy(), q, k, v, **opts)
     if case == "rows_without_keys":
         assert np.isneginf(lse.numpy()[:, :, :333]).all()
@@ -68,7 +69,7 @@ def test_three_warpgroups_match_the_reference(D, case):
 
 @pytest.mark.parametrize("D", sorted(ROWS) or [64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_three_warpgroups_varlen(D, causal):
+def test_three_warpgroups_varlen(D, causal, launched):
     """Seven sequences of 1..3000 queries and keys in one launch of max-length row blocks: blocks
     past a short sequence's end exit, and a block's three warpgroups end inside different ones."""
     if D not in ROWS:
@@ -76,3 +77,4 @@ def test_three_warpgroups_varlen(D, causal):
     assert select_attention_spec("bfloat16", D, "sm_90a", keys=3000).tiles.block_m == 192
     lens = [(1, 2100), (191, 193), (3000, 2500), (64, 3000), (500, 17), (2049, 2049), (1234, 2600)]
     check_varlen(np.random.default_rng(5 + causal), lens, D, causal)
+    assert [n for n in launched if "attn_fwd" in n and f"_d{D}_m192" not in n] == [], launched

@@ -306,7 +306,7 @@ PERSISTENT_DIMS = [d for d in (64, 128, 192, 256)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B, H, Hkv", [(2, 48, 12), (1, 45, 15)])
 @pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
-def test_persistent_blocks_walk_many_tiles(D, causal, B, H, Hkv):
+def test_persistent_blocks_walk_many_tiles(D, causal, B, H, Hkv, launched):
     """B x H heads of 550 queries: an odd count of row blocks (3 of 192 rows, 5 of 128, the last
     partial), so causal units pair row blocks (n - 1 - i, i) of one (batch, head) and the middle
     blocks of two; with 45 (batch, head)s the last one's middle block goes alone (GQA 4 / 3)."""
@@ -317,6 +317,7 @@ def test_persistent_blocks_walk_many_tiles(D, causal, B, H, Hkv):
     assert -(-Sq // spec.tiles.block_m) % 2 == 1
     q, k, v = _inputs(rng, B, Sq, Sk, H, Hkv, D, "bfloat16")
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    assert spec.entry_name in launched, launched
     _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
 
 
@@ -330,7 +331,7 @@ MULTI_WG_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if
 @pytest.mark.parametrize("band", ["causal", "window", "causal_window"])
 @pytest.mark.parametrize("offset", [0, 13, 64, 77, 200])
 @pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
-def test_warpgroups_end_at_their_own_last_tile(D, band, offset):
+def test_warpgroups_end_at_their_own_last_tile(D, band, offset, launched):
     """Bottom-right bands whose diagonal (Sk - Sq = offset) falls at and off the warpgroups' 64-row
     edges, a window's right edge (41 past the diagonal) alike: a warpgroup whose rows end a tile
     early skips the block's last tiles, the others compute them (GQA 2, 24 heads so that
@@ -343,6 +344,7 @@ def test_warpgroups_end_at_their_own_last_tile(D, band, offset):
             "causal_window": {"causal": True, "window": (250, 0)}}[band]
     q, k, v = _inputs(rng, 1, Sq, Sk, 24, 12, D, "bfloat16")
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    assert spec.entry_name in launched, launched
     _check(out.numpy(), lse.numpy(), q, k, v, **opts)
 
 
@@ -353,7 +355,7 @@ SHORT_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, (100, 7)])
 @pytest.mark.usefixtures("short_row_on_any_grid")  # the three-warpgroup row, few tiles
-def test_short_row_and_its_mods_row(D, causal, window):
+def test_short_row_and_its_mods_row(D, causal, window, launched):
     """Calls of few keys take the short row (at d = 64 persistent blocks of three warpgroups; with
     ALiBi its mods_row: one consumer warpgroup a block, two blocks an SM). 2 x 48 heads of 333
     queries (GQA 4, the last row block partial: more query tiles than blocks); odd key count."""
@@ -362,14 +364,18 @@ def test_short_row_and_its_mods_row(D, causal, window):
     rng = np.random.default_rng(D + 2 * causal + (window is None))
     Sq, Sk = 333, 1001
     row = _tma_row(D, table="short")
+    specs = []
     for alibi, want in ((False, row), (True, row.mods_row or row)):
-        spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk, alibi=alibi)
-        assert (spec.family, spec.q_tiles, spec.tiles) == ("attn_fwd_tma", 1, want.config())
+        specs.append(select_attention_spec("bfloat16", D, "sm_90a", keys=Sk, alibi=alibi))
+        assert (specs[-1].family, specs[-1].q_tiles, specs[-1].tiles) == ("attn_fwd_tma", 1, want.config())
     q, k, v = _inputs(rng, 2, Sq, Sk, 48, 12, D, "bfloat16")
-    for opts in (dict(causal=causal, window=window),
-                 dict(causal=causal, window=window, alibi_slopes=rng.uniform(0.01, 0.5, 48).astype(np.float32))):
+    for spec, opts in zip(specs, (dict(causal=causal, window=window),
+                                  dict(causal=causal, window=window,
+                                       alibi_slopes=rng.uniform(0.01, 0.5, 48).astype(np.float32)))):
         on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+        launched.clear()
         out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)
+        assert spec.entry_name in launched, launched
         _check(out.numpy(), lse.numpy(), q, k, v, **opts)
 
 
@@ -379,7 +385,7 @@ SMALL_GRID_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", 
 
 @pytest.mark.parametrize("D", SMALL_GRID_DIMS or [64])
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse", "long_keys", "long_window"])
-def test_small_grids_run_the_short_rows_small_grid_row(D, case):
+def test_small_grids_run_the_short_rows_small_grid_row(D, case, launched):
     """A plain call whose query tiles would leave the GPU's SMs a short last round runs the short
     row's one-warpgroup mods_row (spec q_tiles 2: 64-row tiles, two blocks an SM; short_small_grid):
     one prompt of 32 heads at 1000 queries (the (B, S, H) that measured 17-21% faster), odd sizes,
@@ -406,6 +412,7 @@ def test_small_grids_run_the_short_rows_small_grid_row(D, case):
     assert (spec.family, spec.q_tiles, spec.tiles) == ("attn_fwd_tma", 2, row.mods_row.config())
     q, k, v = _inputs(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    assert spec.entry_name in launched, launched
     _check(out.numpy(), lse.numpy(), q, k, v, **opts)
 
 

@@ -58,3 +58,14 @@ def test_alibi_keeps_its_own_row_and_a_softcap_the_small_grid_row(gpu):
     assert name.endswith("_d64_m64n128w8p_alibi"), name
     name, _ = _launch(1, 1000, 1000, 32, softcap=30.0)
     assert name.endswith("_d64_m64n128w8p_softcap"), name
+
+
+def test_launched_names_the_entry_that_ran(gpu, launched):
+    """conftest's ``launched`` (what GPU tests assert the row they check by) records each launch's
+    entry name, read back from the function handle: here the small-grid row's, as the fake driver
+    saw it, and the spec that the call's full arguments select."""
+    from pyattn.kernels.specs import select_attention_spec
+
+    name, _ = _launch(1, 1000, 1000, 32)
+    spec = select_attention_spec("bfloat16", 64, "sm_90a", keys=1000, queries=1000, batch_heads=32, sm_count=132)
+    assert launched == [name] and name == spec.entry_name and spec.q_tiles == 2
