@@ -384,13 +384,15 @@ SMALL_GRID_DIMS = [r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", 
 
 
 @pytest.mark.parametrize("D", SMALL_GRID_DIMS or [64])
-@pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse", "long_keys", "long_window"])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa_window", "softcap", "fp16_lse", "long_keys", "long_window",
+                                  "long_causal"])
 def test_small_grids_run_the_short_rows_small_grid_row(D, case, launched):
     """A plain call whose query tiles would leave the GPU's SMs a short last round runs the short
     row's one-warpgroup mods_row (spec q_tiles 2: 64-row tiles, two blocks an SM; short_small_grid):
     one prompt of 32 heads at 1000 queries (the (B, S, H) that measured 17-21% faster), odd sizes,
     causal bottom-right over more keys, GQA with a window, a soft-cap, fp16 with the LSE; and past the
-    short row's keys (the dense row's domain), non-causal GQA calls of 8 heads, one with a window."""
+    short row's keys (the dense row's domain), non-causal GQA calls of 8 heads, one with a window,
+    and a causal call of 2 heads over 8300 keys (bottom-right; the simulated pick)."""
     if D not in SMALL_GRID_DIMS:
         pytest.skip(f"attn_fwd_tma's short row has no small-grid row for d={D}")
     rng = np.random.default_rng(D + len(case))
@@ -405,6 +407,8 @@ def test_small_grids_run_the_short_rows_small_grid_row(D, case, launched):
     if case.startswith("long"):
         Sq, Sk, Hq, Hkv = 2000, 4099, 8, 2
         opts = {"window": (1000, 300)} if case == "long_window" else {}
+    if case == "long_causal":
+        Sq, Sk, Hq, Hkv, opts = 8000, 8300, 2, 1, {"causal": True}
     sm = pyattn.get_device().sm_count
     spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, causal=bool(opts.get("causal")),
                                  softcap=opts.get("softcap", 0.0), queries=Sq, batch_heads=B * Hq, sm_count=sm)

@@ -41,7 +41,8 @@ def _launch(B, Sq, Sk, H, Hkv=None, **opts):
     (2, 2048, 2048, 8, False, "small"),     # past the short row's keys: 11 dense-row tiles x 16 = 176
     (1, 32768, 32768, 1, False, "small"),   # 171 tiles of one head
     (1, 4096, 4096, 10, False, "dense"),    # 220 tiles, 2 rounds; 640 small ones take 3
-    (1, 8192, 8192, 8, True, "dense"),      # causal past the short row's keys: the dense row
+    (1, 8192, 8192, 8, True, "small"),      # causal past the short row's keys: simulated, 0.86
+    (1, 8192, 8192, 16, True, "dense"),     # the same with 16 heads: 1.00, the dense row
 ])
 def test_plain_calls_on_few_tiles_launch_the_one_warpgroup_row(gpu, B, Sq, Sk, H, causal, want):
     name, grid = _launch(B, Sq, Sk, H, causal=causal)

@@ -655,6 +655,8 @@ SMALL_GRID_MEASURED = [
     (1, 16384, 2, False, 1), (1, 32768, 1, False, 1), (1, 4096, 9, False, 0), (1, 4096, 10, False, 0),
     (1, 4096, 12, False, 0), (1, 4096, 16, False, 0), (1, 2048, 20, False, 0), (1, 2048, 32, False, 0),
     (1, 8192, 8, False, 0), (4, 2048, 8, False, 0),
+    (1, 8192, 8, True, 1), (1, 16384, 4, True, 1), (1, 8192, 16, True, 0), (1, 16384, 8, True, 0),
+    (1, 32768, 2, True, 0),
 ]
 
 
@@ -671,9 +673,10 @@ def _small_grid_row():
 
 @pytest.mark.parametrize("B, S, H, causal, small", SMALL_GRID_MEASURED)
 def test_small_grids_pick_the_row_that_measured_faster(B, S, H, causal, small):
-    """The small-grid rule (short_small_grid's rounds-an-SM model and the row's small_grid_rate)
-    picks, for every measured d = 64 shape, the row that measured faster: q_tiles 2 for the short
-    row's small-grid row, else the short row (1) or the dense table's row (0) as the keys select."""
+    """The small-grid rule (short_small_grid's rounds-an-SM model, its simulation of causal calls on
+    the dense row, and the row's small_grid_rate) picks, for every measured d = 64 shape, the row
+    that measured faster: q_tiles 2 for the short row's small-grid row, else the short row (1) or
+    the dense table's row (0) as the keys select."""
     row = _small_grid_row()
     plain = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal)
     got = select_attention_spec("bfloat16", 64, "sm_90a", keys=S, causal=causal, queries=S, batch_heads=B * H,
@@ -685,9 +688,9 @@ def test_small_grids_pick_the_row_that_measured_faster(B, S, H, causal, small):
 
 def test_small_grid_row_only_for_plain_calls_on_a_known_grid():
     """The small-grid row takes plain calls only: a mask tensor or ALiBi keep their own rows (the
-    short row's mods_row at q_tiles 1 below its keys), as do an unknown grid (sm_count 0), causal
-    calls past the short row's keys (the dense row: measured mixed) and buckets without such a row;
-    a soft-cap rides along."""
+    short row's mods_row at q_tiles 1 below its keys), as do an unknown grid (sm_count 0) and
+    buckets without such a row; a soft-cap rides along. Causal calls past the short row's keys are
+    simulated: one query tile over a million keys stays on the dense row (a unit pairs two tiles)."""
     row = _small_grid_row()
     D = row.max_head_dim
     small = dict(keys=1000, queries=1000, batch_heads=1, sm_count=132)
@@ -705,6 +708,28 @@ def test_small_grid_row_only_for_plain_calls_on_a_known_grid():
     with pytest.raises(ValueError, match="q_tiles"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", q_tiles=2)
     assert KernelSpec("attn_fwd_tma", "bf16", D, "sm_90a", q_tiles=2) in standard_specs("sm_90a")
+
+
+def test_causal_small_grid_simulation():
+    """_causal_makespans on hand-countable grids (one SM): a dense row of key-tile works 2, 3 and 5
+    for one (batch, head) runs them one after another (10 steps); the small-grid row's units pair
+    its 64-row tiles' works and its blocks take them by stride, each step costing its rows over the
+    dense row's, times its blocks an SM, over the rate."""
+    from pyattn.kernels.families import tile_table
+    from pyattn.kernels.families.wgmma import _causal_makespans
+
+    row = _small_grid_row()
+    big = next(r for r in tile_table("attn_fwd_tma", "sm_90a") if r.max_head_dim == row.max_head_dim)
+    assert (big.warpgroups, big.block_n, row.mods_row.warpgroups, row.mods_row.block_n) == (3, 128, 1, 128)
+    # 576 queries and keys: dense row blocks of 192 rows see 192 / 384 / 576 keys: 2, 3, 5 key tiles
+    small, dense = _causal_makespans(row, big, 576, 576, 1, 1)
+    assert dense == 10
+    # 9 tiles of 64 rows see 1, 1, 2, ..., 5 key tiles (ceil(64 (i + 1) / 128)); pairs (0, 8) (1, 7)
+    # (2, 6) (3, 5) of works 6, 5, 6, 5 and the middle (4) of 3 alone: 25 steps on 2 blocks by stride
+    step = 1 * 128 * row.mods_row.min_blocks / (3 * 128 * row.small_grid_rate)
+    assert small == pytest.approx(max(6 + 6 + 3, 5 + 5) * step)
+    # two (batch, head)s on 132 SMs: each dense block alone on an SM, the longest (5) the time
+    assert _causal_makespans(row, big, 576, 576, 2, 132)[1] == 5
 
 
 def test_small_grid_model_counts_rounds_an_sm():

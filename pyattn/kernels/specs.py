@@ -323,7 +323,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         # A plain call whose query tiles would not fill the GPU: the short row's smaller tiles (its
         # mods_row) instead, at any number of keys (non-causal past the short row's).
         if tma and sm_count and packed == "none" and not alibi and short_small_grid(
-                arch, bucket, queries, batch_heads, causal, sm_count, short=short):
+                arch, bucket, queries, batch_heads, causal, sm_count, short=short, keys=keys):
             q_tiles = 2
     else:
         family = "attn_fwd_mma"
