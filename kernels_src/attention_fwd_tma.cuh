@@ -22,6 +22,39 @@
 
 namespace pyattn {
 
+// x / d for 0 <= x < 2^31 and a divisor d >= 1 fixed for the block, by a multiply-high
+// (Granlund-Montgomery, round-up form): with l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1
+// (< 2^32), x / d = (umulhi(x, m) + x) >> l, the sum below 2^32 for such x. The unit walk divides
+// twice per query tile on every consumer thread (the unit by its group's units, the (batch, head)
+// by the heads); an int division compiles to ~35 dependent instructions of the uniform datapath,
+// this to 3, and the per-tile set-up is instructions the ping-pong does not hide
+// (BENCHMARKS.md, twenty-seventh and twenty-ninth sessions).
+struct FastDiv {
+  unsigned m, l;
+
+  FastDiv() = default;
+  __device__ __forceinline__ explicit FastDiv(int divisor) {
+    const unsigned d = static_cast<unsigned>(divisor);
+    l = 32 - __clz(d - 1);  // d = 1: __clz(0) = 32, l = 0, m = 1, x / 1 = (0 + x) >> 0
+    // floor(2^32 r / d), r = 2^l - d < d, bit by bit, once a block (a 64-bit `/` compiles to a
+    // CALL into the runtime's u64 division); 2 r < 2^32 as d <= 2^31.
+    unsigned r = static_cast<unsigned>((1ull << l) - d), q = 0;
+#pragma unroll 1
+    for (int i = 0; i < 32; ++i) {
+      r <<= 1;
+      q <<= 1;
+      if (r >= d) {
+        r -= d;
+        q |= 1;
+      }
+    }
+    m = q + 1;
+  }
+  __device__ __forceinline__ int div(int x) const {
+    return static_cast<int>((__umulhi(static_cast<unsigned>(x), m) + static_cast<unsigned>(x)) >> l);
+  }
+};
+
 // A persistent launch's work units, in order, and which block takes which: unit u goes to block
 // u % gridDim.x (round u / gridDim.x), or with three consumer warpgroups to the block that its
 // round's rotation picks (below). Without causality a unit is one query tile, and the row
@@ -58,11 +91,22 @@ struct PersistentUnits {
     pairs = n_mb / 2;
     n_bh = p.heads_q * p.batch;
     total = !p.causal ? n_mb * n_bh : !(n_mb & 1) ? pairs * n_bh : (n_bh / 2) * n_mb + (n_bh & 1) * (pairs + 1);
-    const int G = gridDim.x, per = !p.causal || (n_mb & 1) ? n_mb : pairs;
+    const int G = gridDim.x, per = per_units(p);
     const bool even = !p.causal && p.window_left < 0 && p.window_right < 0 && p.cu_seqlens_q == nullptr &&
                       p.seqlen_q % block_m == 0;
     shift = even ? 0 : (1 - G % per + per) % per % G;  // (G + shift) % per == 1 where shift < G allows
   }
+  // The consumers' divisors (FastDiv): by the units of a (batch, head) or group, by the query
+  // heads. Their 4 registers stay live across the walk, so only rows with the room take them
+  // (attn_fwd_tma_persistent's kFastUnits); the producer thread, at 24 registers, divides plainly.
+  // (A member for that divisor, live in every role, alone raised the d = 256 row's spills from
+  // 56 to 120 bytes: it is recomputed where needed.)
+  struct Divs {
+    FastDiv per, heads;
+  };
+  __device__ __forceinline__ Divs divs(const AttnFwdParams& p) const { return {FastDiv(per_units(p)), FastDiv(p.heads_q)}; }
+  // The units of a (batch, head) (n_mb; causal: its pairs), or of a group of two with an odd n_mb.
+  __device__ __forceinline__ int per_units(const AttnFwdParams& p) const { return !p.causal || (n_mb & 1) ? n_mb : pairs; }
   // The rotation of the round after one rotated by `rot` (the loops below start at rot =
   // blockIdx.x, base 0, and take unit base + rot of each round when it is below `total`).
   __device__ __forceinline__ int next_rot(int rot) const {
@@ -71,18 +115,19 @@ struct PersistentUnits {
   }
   // Query tile `side` (0, 1: causal) of unit u as (m_block, head, batch); false when the unit has
   // no such tile (side 1 without causality, or a middle-block unit of a last lone (batch, head)).
+  // `fast`: the divisors as FastDivs (the consumers), or null (plain division).
   __device__ __forceinline__ bool tile(const AttnFwdParams& p, int u, int side, int& m_block, int& head,
-                                       int& batch) const {
+                                       int& batch, const Divs* fast = nullptr) const {
     int bh, i;
     if (!p.causal) {
-      bh = u / n_mb;
+      bh = fast ? fast->per.div(u) : u / n_mb;
       m_block = u - bh * n_mb;
     } else if (!(n_mb & 1)) {
-      bh = u / pairs;
+      bh = fast ? fast->per.div(u) : u / pairs;
       i = u - bh * pairs;
       m_block = side == 0 ? n_mb - 1 - i : i;
     } else {  // a group of two (batch, head)s: n_mb units
-      const int g = u / n_mb;
+      const int g = fast ? fast->per.div(u) : u / n_mb;
       bh = 2 * g;
       i = u - g * n_mb;
       if (bh + 1 == n_bh && i >= pairs) i = 2 * pairs;  // a lone last (batch, head): its middle unit
@@ -97,8 +142,8 @@ struct PersistentUnits {
         m_block = side == 0 ? n_mb - 1 - i : i;
       }
     }
-    head = bh % p.heads_q;
-    batch = bh / p.heads_q;
+    batch = fast ? fast->heads.div(bh) : bh / p.heads_q;
+    head = bh - batch * p.heads_q;
     return p.causal ? bh < n_bh : side == 0;
   }
 };
@@ -184,6 +229,13 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
   ml.make_descs(sQ);
   ml.full_parity = 0;  // PERSIST: a bit a stage
   unsigned q_parity = 0;
+  // The unit walk's divisions by FastDiv where the consumers have the registers: at d = 256
+  // (spilling 56 bytes already) ptxas (NVRTC 13.0) spilled 4-8 more with them; every d <= 128 row
+  // kept 0.
+  constexpr bool kFastUnits = Tr::kHeadDim <= 128;
+  typename PersistentUnits::Divs divs;
+  if constexpr (kFastUnits) divs = units.divs(p);
+  const typename PersistentUnits::Divs* fast = kFastUnits ? &divs : nullptr;
   // GEMM turns run on across the block's query tiles (Mainloop::pass_turn): warpgroup 0 gets its
   // first turn here, once, and takes the last warpgroup's final hand-over after the loop.
   if constexpr (Tr::kPingPong)
@@ -193,7 +245,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
       const int u = base + rot;
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {
-        if (u >= units.total || !units.tile(p, u, side, m_block, head, batch)) continue;
+        if (u >= units.total || !units.tile(p, u, side, m_block, head, batch, fast)) continue;
         if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
         ml.clear();
         ml.stage = ml.prev_stage = 0;
@@ -209,7 +261,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
     for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {
-        if (!units.tile(p, u, side, m_block, head, batch)) continue;
+        if (!units.tile(p, u, side, m_block, head, batch, fast)) continue;
         if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
         ml.clear();
         ml.stage = ml.prev_stage = 0;
