@@ -716,7 +716,7 @@ def test_causal_small_grid_simulation():
     its 64-row tiles' works and its blocks take them by stride, each step costing its rows over the
     dense row's, times its blocks an SM, over the rate."""
     from pyattn.kernels.families import tile_table
-    from pyattn.kernels.families.wgmma import _causal_makespans
+    from pyattn.kernels.families.small_grid import _causal_makespans
 
     row = _small_grid_row()
     big = next(r for r in tile_table("attn_fwd_tma", "sm_90a") if r.max_head_dim == row.max_head_dim)
@@ -737,7 +737,7 @@ def test_small_grid_model_counts_rounds_an_sm():
     takes the grids where it needs no more rounds than the big row (128 rows an SM a round against
     192), not those where it needs one more; at a rate of 0.5 it takes none."""
     from pyattn.kernels.families import override_tiles, tile_table
-    from pyattn.kernels.families.wgmma import short_small_grid
+    from pyattn.kernels.families.small_grid import short_small_grid
 
     short = tile_table("attn_fwd_tma", "sm_90a", table="short")
     D = _small_grid_row().max_head_dim

@@ -308,8 +308,8 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
     elif arch in WGMMA_ARCHS:
         # Calls go to the TMA-fed kernel where its table has the bucket (measured faster); block-
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
-        from .families.wgmma import (short_small_grid, tma_serves,  # the wgmma records: sm_90a only (issue 16)
-                                     tma_serves_short)
+        from .families.small_grid import short_small_grid  # the wgmma records: sm_90a only (issue 16)
+        from .families.wgmma import tma_serves, tma_serves_short
 
         # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call), a
         # float key-padding mask as one row a stage.
