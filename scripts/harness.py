@@ -235,10 +235,6 @@ class Bench:
 
     def wall_ms(self, fn, *, loop: int = 20, reps: int = 7, warmup: int = 2) -> float:
         """Median wall milliseconds per call of a Python loop of ``loop`` calls and one sync."""
-        return float(np.median(self.wall_ms_samples(fn, loop=loop, reps=reps, warmup=warmup)))
-
-    def wall_ms_samples(self, fn, *, loop: int = 20, reps: int = 7, warmup: int = 2) -> list:
-        """:meth:`wall_ms`'s ``reps`` samples (wall milliseconds per call), for a caller that pools them."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -249,7 +245,7 @@ class Bench:
                 fn()
             self.sync()
             times.append((time.perf_counter() - t) * 1e3 / loop)
-        return times
+        return float(np.median(times))
 
     def replicas(self, nbytes: int, cap: int = 8) -> int:
         """Input sets to rotate among so that a loop's data exceeds 4x the L2 (1 when one does)."""
