@@ -104,9 +104,13 @@ struct PersistentUnits {
   struct Divs {
     FastDiv per, heads;
   };
-  __device__ __forceinline__ Divs divs(const AttnFwdParams& p) const { return {FastDiv(per_units(p)), FastDiv(p.heads_q)}; }
+  __device__ __forceinline__ Divs divs(const AttnFwdParams& p) const {
+    return {FastDiv(per_units(p)), FastDiv(p.heads_q)};
+  }
   // The units of a (batch, head) (n_mb; causal: its pairs), or of a group of two with an odd n_mb.
-  __device__ __forceinline__ int per_units(const AttnFwdParams& p) const { return !p.causal || (n_mb & 1) ? n_mb : pairs; }
+  __device__ __forceinline__ int per_units(const AttnFwdParams& p) const {
+    return !p.causal || (n_mb & 1) ? n_mb : pairs;
+  }
   // The rotation of the round after one rotated by `rot` (the loops below start at rot =
   // blockIdx.x, base 0, and take unit base + rot of each round when it is below `total`).
   __device__ __forceinline__ int next_rot(int rot) const {

@@ -8,8 +8,8 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
    of its repeats a round, and its best round counts, as ``timeit`` advises for host timings: the
    GPU hosts have slow phases of several seconds that move every kind alike (one run: DeviceArray
    30.7 / 19.0 / 19.0 us, SDPA 25.2 / 17.0 / 16.8 in its three rounds); each round's figure is
-   printed beside it; for ``DeviceArray``, torch (torch's current stream; an explicit stream; ``out=`` a torch
-   tensor, given or allocated with ``torch.empty_like`` a call; the result taken back with
+   printed beside it; for ``DeviceArray``, torch (torch's current stream; an explicit stream; ``out=``
+   a torch tensor, given or allocated with ``torch.empty_like`` a call; the result taken back with
    ``torch.from_dlpack``; torch seen through ``__dlpack__`` only, as JAX arrays are), CuPy (also
    its result taken back with ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's
    own tiny call in the same run (the host is shared and noisy: compare within a run). Targets:
@@ -155,7 +155,8 @@ def main() -> int:
     result["torch_after_compile"] = after = torch_after_compile()
     print(harness.env_line(result["env"]))
     rounds = result["host_us_rounds"]
-    print("\n".join(harness.md_table("\n== host time per tiny call, (1, 16, 2, 64) fp16", ("call", "us (best round)", "each round"),
+    print("\n".join(harness.md_table("\n== host time per tiny call, (1, 16, 2, 64) fp16",
+                                     ("call", "us (best round)", "each round"),
                                      [(k, harness.fmt(v, ".1f"), " / ".join(f"{x:.1f}" for x in rounds[k]))
                                       for k, v in result["host_us"].items()])))
     names = {"attention": "", "attention causal": " causal",
