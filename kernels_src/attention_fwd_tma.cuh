@@ -258,7 +258,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
           q_parity ^= 1;
           ml.run_tiles();
         }
-        wgmma_fwd_store<Tr>(ml, p, at);
+        wgmma_fwd_store<Tr>(ml, p, at, sm.o);
       }
     }
   } else {
@@ -274,7 +274,7 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
           q_parity ^= 1;
           ml.run_tiles();
         }
-        wgmma_fwd_store<Tr>(ml, p, at);
+        wgmma_fwd_store<Tr>(ml, p, at, sm.o);
       }
     }
   }

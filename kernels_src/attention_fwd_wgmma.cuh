@@ -39,7 +39,7 @@ namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
-          bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0>
+          bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0, bool O_STAGE_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -141,17 +141,25 @@ struct AttnFwdWgmmaTraits {
   // the query tile.
   static constexpr int kRingBarrierBytes = (WS_ ? 16 * STAGES_ : 0) * (SPLIT_KV_ ? 2 : 1);
   static constexpr int kBarrierBytes = kRingBarrierBytes + (PERSIST_ ? 16 : 0);
+  // O_STAGE (TMA, 16-bit outputs): O leaves through a BLOCK_M x HEAD_DIM tile of its own, after
+  // the mask tiles: stmatrix writes a warp's 16 rows, 16-byte loads read them back as whole row
+  // chunks for 16-byte stores (wgmma_fwd_store), in place of quad_transpose4's shuffles.
+  static constexpr bool kOStage = O_STAGE_;
+  static constexpr int kOStageBytes = O_STAGE_ ? BLOCK_M_ * HEAD_DIM_ * 2 : 0;
+  static_assert(!O_STAGE_ || (TMA_ && sizeof(T_) == 2), "O_STAGE: the TMA rows' 16-bit outputs");
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.
-  static constexpr int kSmemBytes = kQBytes + STAGES_ * (kStageBytes + kMaskTileBytes) + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes =
+      kQBytes + STAGES_ * (kStageBytes + kMaskTileBytes) + kOStageBytes + kBarrierBytes + 1024;
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
 // Where a block's shared memory puts things (AttnFwdWgmmaTraits::kSmemBytes): the query tile from
 // the first 1024-byte boundary, the K/V stages (stage s: K at kv + s * kStageBytes, V kKVBytes
-// later), the stages' mask tiles (stage s's at mask + s * kMaskTileBytes), then the barriers.
+// later), the stages' mask tiles (stage s's at mask + s * kMaskTileBytes), O's staging tile
+// (kOStageBytes, 0 without O_STAGE), then the barriers.
 template <class Tr>
 struct FwdSmem {
-  unsigned q, kv, mask, bars;
+  unsigned q, kv, mask, o, bars;
   unsigned ones;  // 256 bytes for a constant operand (Mainloop::init_ones), in the alignment slack
 
   __device__ __forceinline__ explicit FwdSmem(const unsigned char* raw) {
@@ -159,7 +167,8 @@ struct FwdSmem {
     q = (base + 1023u) & ~1023u;
     kv = q + Tr::kQBytes;
     mask = kv + Tr::kStages * Tr::kStageBytes;
-    bars = mask + Tr::kStages * Tr::kMaskTileBytes;
+    o = mask + Tr::kStages * Tr::kMaskTileBytes;
+    bars = o + Tr::kOStageBytes;
     // The +1024 of kSmemBytes is split between the gap before q (q - base) and the bytes after the
     // barriers (1024 - that gap): one of the two holds 256 bytes.
     ones = q - base >= 256 ? (base + 15u) & ~15u : (bars + Tr::kBarrierBytes + 15u) & ~15u;
@@ -328,6 +337,70 @@ __device__ __forceinline__ void quad_transpose4(unsigned (&a)[4], int t) {
   }
 }
 
+// stmatrix .x4: four 8 x 8 matrices of 16-bit pairs from the mma fragment layout (lane l holds
+// row l / 4, columns 2 (l % 4) and + 1 of each, in r[0..3]) to shared memory, row by row; lane l
+// gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// O_STAGE: a consumer warp's 16 rows of O (normalised by inv[h] for its rows row_a + 8 h) leave
+// through its 16 rows of the staging tile at sO: one stmatrix.x4 per 16 columns (matrices: rows
+// 0-7 and 8-15 of two 8-column groups), then each lane loads whole 16-byte chunks of a row and
+// stores them, 8 lanes a 128-byte row segment. A row's chunk c sits at c ^ (row % 8) (the 8 rows
+// of one matrix then fill 8 distinct 16-byte bank groups). Against the quad transpose this trades
+// per warp and 16 columns 8 shuffles and 24 selects for one stmatrix, and the loads are per row.
+template <class Tr, class Mainloop>
+__device__ __forceinline__ void store_o_staged(const Mainloop& ml, const AttnFwdParams& p, typename Tr::TO* o,
+                                               unsigned sO, const float (&inv)[2]) {
+  using T = typename Tr::TO;
+  constexpr int D = Tr::kHeadDim, ROW_BYTES = D * 2, CHUNKS = D / 8, RPI = 32 / CHUNKS;  // rows a load
+  static_assert(D % 16 == 0 && 32 % CHUNKS == 0, "O_STAGE: whole 16-column stmatrix blocks, rows of <= 32 chunks");
+  const int lane = threadIdx.x % 32;
+  const unsigned warp_tile = sO + (threadIdx.x / 32) * 16 * ROW_BYTES;
+  // stmatrix: lane l addresses row l % 8 + 8 (l / 8 % 2) (matrix l / 8: row halves, then column
+  // groups) of column group 2 b + l / 16, at chunk (2 b + l / 16) ^ (l % 8) = (l / 16 ^ l % 8) ^ 2 b
+  const unsigned st_row = warp_tile + (lane % 8 + 8 * (lane / 8 % 2)) * ROW_BYTES;
+  const int st_swz = lane / 16 ^ lane % 8;
+  __syncwarp();  // the warp's loads of its previous tile's rows are done
+#pragma unroll
+  for (int b = 0; b < D / 16; ++b) {
+    unsigned r[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int i = 2 * b + m / 2, h = m % 2;
+      r[m] = pack2<T>(ml.acc[4 * i + 2 * h] * inv[h], ml.acc[4 * i + 2 * h + 1] * inv[h]);
+    }
+    stmatrix_x4(st_row + ((st_swz ^ 2 * b) << 4), r);
+  }
+  __syncwarp();
+  // The loads: lane l takes chunk c = l % CHUNKS of rows l / CHUNKS + RPI k, at c ^ (row % 8), where
+  // row % 8 = (l / CHUNKS) ^ (RPI k % 8) (the two have no bit in common)
+  const int chunk = lane % CHUNKS, r0 = lane / CHUNKS, at0 = ml.row_a - lane / 4 + r0;
+  const unsigned ld_row = warp_tile + r0 * ROW_BYTES;
+  const int ld_swz = chunk ^ r0 % 8;
+  // the global row addresses step by RPI rows from the first; predicated stores, no branches
+  unsigned long long g =
+      reinterpret_cast<unsigned long long>(o + static_cast<long long>(at0) * p.o_stride_s + chunk * 8);
+  const unsigned long long step =
+      static_cast<unsigned long long>(RPI * p.o_stride_s * static_cast<long long>(sizeof(T)));
+  const bool col_in = chunk * 8 < p.head_dim;  // head_dim is a multiple of 8: a chunk is whole
+#pragma unroll
+  for (int k = 0; k < 16 / RPI; ++k, g += step) {
+    unsigned a[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(ld_row + k * RPI * ROW_BYTES + ((ld_swz ^ (RPI * k % 8)) << 4)));
+    const int at_row = at0 + RPI * k;
+    const int ok = col_in && at_row < ml.sq && (!Tr::kBottomAlign || at_row >= 0);
+    // (a uint4 store under `if` compiled to a branch around four 4-byte stores: NVRTC 13.0 split it
+    // after the asm load)
+    asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %5, 0;\n @p st.global.v4.u32 [%0], {%1, %2, %3, %4};\n}\n"
+                 :: "l"(g), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(ok) : "memory");
+  }
+}
+
 // The epilogue of a consumer thread: full row sums, normalise, store O and the natural-log LSE.
 // O leaves in 16-byte stores (quad_transpose4) when the output's rows are 16-byte aligned (always
 // for pyattn's own outputs; an `out=` view may be 4-byte aligned only): a warp's 4-byte store
@@ -335,14 +408,16 @@ __device__ __forceinline__ void quad_transpose4(unsigned (&a)[4], int t) {
 // store's work for the same data, on the consumers' way to their next query tile. Warp-specialized
 // rows only: the others run two blocks an SM at 128 registers a thread, where the shuffles spilled
 // (d = 64: 20 / 64 bytes) and d = 64 at 1k keys ran slower.
+// `sO`: O_STAGE's staging tile (FwdSmem::o), unused without it.
 template <class Tr, class Mainloop>
 __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFwdParams& p,
-                                                const FwdTileAt<Tr>& at) {
+                                                const FwdTileAt<Tr>& at, unsigned sO = 0) {
   using T = typename Tr::TO;  // what is stored
   constexpr int D = Tr::kHeadDim;
   static_assert(D % 32 == 0, "wgmma_fwd_store: head-dim buckets are multiples of 32");
   const bool wide = Tr::kWS && ((reinterpret_cast<unsigned long long>(at.o) |
                       static_cast<unsigned long long>(p.o_stride_s) * sizeof(T)) & 15) == 0;
+  float invs[2];  // O_STAGE: both rows' factors, for the staged store after the loop
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = ml.row_sum[h];
@@ -354,20 +429,23 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
     const bool empty = sum == 0.f;
     // FP8: V's per-tensor descale folds into the normalisation (the scores' is in scale_log2).
     const float inv = empty ? 0.f : (Tr::kFp8 ? p.o_scale : 1.f) / ml.normaliser(h, sum);
+    if constexpr (Tr::kOStage) invs[h] = inv;
     T* orow = at.o + static_cast<long long>(row) * p.o_stride_s;
     if (wide) {
+      if constexpr (!Tr::kOStage) {
 #pragma unroll
-      for (int j = 0; j < D / 32; ++j) {
-        unsigned a[4];
+        for (int j = 0; j < D / 32; ++j) {
+          unsigned a[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int i = 4 * j + k;
-          a[k] = pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+          for (int k = 0; k < 4; ++k) {
+            const int i = 4 * j + k;
+            a[k] = pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+          }
+          quad_transpose4(a, ml.t);
+          const int d = 8 * (4 * j + ml.t);
+          if (row_in && d < p.head_dim)  // head_dim is a multiple of 8: the group is whole
+            *reinterpret_cast<uint4*>(orow + d) = make_uint4(a[0], a[1], a[2], a[3]);
         }
-        quad_transpose4(a, ml.t);
-        const int d = 8 * (4 * j + ml.t);
-        if (row_in && d < p.head_dim)  // head_dim is a multiple of 8: the group is whole
-          *reinterpret_cast<uint4*>(orow + d) = make_uint4(a[0], a[1], a[2], a[3]);
       }
     } else if (row_in) {
 #pragma unroll
@@ -383,6 +461,8 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
       p.lse[idx] = empty ? -inf() : (ml.row_max[h] * ml.sl2 + log2f(sum)) * kLn2;
     }
   }
+  if constexpr (Tr::kOStage)
+    if (wide) store_o_staged<Tr>(ml, p, at.o, sO, invs);
 }
 
 // `maps`: with Tr::kTma, the tensor maps of q, k, v and the mask, consecutive (AttnFwdTmaParams::tm_q ...).
@@ -416,7 +496,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const AttnFwdParams& p, const Tma
         wgmma_load_tile<Tr, Tr::kBlockM, Tr::kThreads>(sm.q, at.q, p.q_stride_s, ml.m0, ml.sq, p.head_dim, threadIdx.x);
       }))
     return;
-  wgmma_fwd_store<Tr>(ml, p, at);
+  wgmma_fwd_store<Tr>(ml, p, at, sm.o);
 }
 
 }  // namespace pyattn

@@ -288,10 +288,10 @@ def test_shared_bytes_fit_every_supported_arch():
                 # the SIMT tiles are the same everywhere, so they must fit the smallest arch too
                 assert s.shared_bytes <= smallest, s.describe()
             elif s.family in ("attn_fwd_wgmma", "attn_fwd_tma"):
-                # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles, a full and an empty mbarrier
-                # per stage when warp-specialized (four with K and V split), two for the query tile when
-                # persistent, + 1024 for atom alignment
-                assert s.shared_bytes == ((t.block_m + 2 * t.stages * t.block_n) * d * 2
+                # AttnFwdWgmmaTraits::kSmemBytes: unpadded swizzled tiles, O's staging tile (o_stage), a
+                # full and an empty mbarrier per stage when warp-specialized (four with K and V split), two
+                # for the query tile when persistent, + 1024 for atom alignment
+                assert s.shared_bytes == ((t.block_m + 2 * t.stages * t.block_n) * d * 2 + t.block_m * d * 2 * t.o_stage
                                           + 16 * t.stages * t.ws * (1 + t.split_kv) + 16 * t.persistent + 1024)
             elif s.family == "attn_fwd_tf32":
                 # AttnFwdTf32Traits::kSmemBytes: Q and 2 K stages padded by 4 floats, 2 V stages by 8
@@ -829,8 +829,10 @@ def test_key_padding_float_masks_take_one_row_a_stage():
             spec = select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind, mask_rows=True)
             assert spec.mask == f"{kind}_row" and spec.tiles == dense.tiles
             assert spec.shared_bytes == dense.shared_bytes + r.stages * r.block_n * size <= 227 * 1024
-            assert spec.template_id.endswith(f"{'true' if r.persistent else 'false'}, true>, "
-                                             f"pyattn::ScoreMods<{MASK_KINDS[kind]}, 0, false>>")
+            # (PERSIST, MASK_ROW[, SPLIT_KV, POLY_EXP, O_STAGE]): the traits' 11th and 12th arguments
+            traits = re.search(r"AttnFwdWgmmaTraits<([^>]*)>", spec.template_id).group(1).split(", ")
+            assert traits[10:12] == [str(r.persistent).lower(), "true"], traits
+            assert spec.template_id.endswith(f"pyattn::ScoreMods<{MASK_KINDS[kind]}, 0, false>>")
             assert select_attention_spec("bfloat16", r.max_head_dim, "sm_90a", mask=kind).mask == kind
     assert select_attention_spec("bfloat16", 128, "sm_80", mask="f32", mask_rows=True).mask == "f32"
     short = select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100)

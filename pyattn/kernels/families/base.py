@@ -64,6 +64,7 @@ class TileConfig(NamedTuple):
     persistent: bool = False  # one block an SM walks the query tiles (grid: ``KernelSpec.grid``'s slots)
     split_kv: bool = False  # wgmma kernel with TMA: K and V tiles on barriers of their own
     poly_exp: int = 0  # wgmma kernel with TMA, soft-capped: of 8 key pairs' exp2s, this many on the FMA pipe
+    o_stage: bool = False  # wgmma kernel with TMA: O leaves through shared memory (stmatrix), not shuffles
 
 
 class FixedTile(NamedTuple):
@@ -142,6 +143,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     ring += "p" if t.persistent else ""
     ring += "kv" if t.split_kv else ""
     ring += f"e{t.poly_exp}" if t.poly_exp else ""
+    ring += "o" if t.o_stage else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

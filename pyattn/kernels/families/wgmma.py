@@ -60,10 +60,14 @@ class WgmmaTile(NamedTuple):
     # (_tma_spec_tiles puts the one that applies into TileConfig.poly_exp)
     poly_exp: int = 0
     poly_exp_max: int = 0
+    # attn_fwd_tma: O leaves through a staging tile in shared memory (stmatrix, then 16-byte rows)
+    # instead of a quad transpose by shuffles: a row with the shared memory to spare for it
+    o_stage: bool = False
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
-                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv)
+                          self.min_blocks, 1, self.stages, self.overlap, self.ws, self.persistent, self.split_kv,
+                          o_stage=self.o_stage)
 
 
 # Head-dim buckets are multiples of 64. Measured on H200 (dev/wgmma_dev.py, later dev/probe_ws.py,
@@ -126,8 +130,9 @@ def _traits(spec, t) -> str:
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
     if spec.family in _TMA_FAMILIES:
-        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP): spelled up to the last that is set
+        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP, O_STAGE): spelled up to the last that is set
         flags = [str(f).lower() for f in (t.persistent, spec.mask.endswith("_row"), t.split_kv)] + [str(t.poly_exp)]
+        flags.append(str(t.o_stage).lower())
         while flags and flags[-1] in ("false", "0"):
             flags.pop()
         tail = f", {mb}, true, true" + "".join(f", {f}" for f in flags)
@@ -139,9 +144,9 @@ def _traits(spec, t) -> str:
 
 def _smem_bytes(spec, t) -> int:
     """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
-    copies them), two 8-byte mbarriers per stage when warp-specialized (four with K and V split)
-    and two for the query tile when persistent; +1024 to align the swizzle atoms
-    (AttnFwdWgmmaTraits::kSmemBytes)."""
+    copies them), O's staging tile (``o_stage``: block_m x head_dim of 16-bit outputs), two 8-byte
+    mbarriers per stage when warp-specialized (four with K and V split) and two for the query tile
+    when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family in _TMA_FAMILIES else 16
     rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
@@ -149,7 +154,8 @@ def _smem_bytes(spec, t) -> int:
     # two a stage (SPLIT_KV: four), PERSIST: the query tile's two
     barriers = (16 * t.stages * (2 if t.split_kv else 1) if t.ws else 0) + (16 if t.persistent else 0)
     tiles = (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * _ELEM_BYTES[spec.dtype]
-    return tiles + t.stages * mask_tile + barriers + 1024
+    o_tile = t.block_m * spec.head_dim * 2 if t.o_stage else 0
+    return tiles + t.stages * mask_tile + o_tile + barriers + 1024
 
 
 def _table(kv: str, sparse: int, mask: str = "none") -> str:
@@ -197,7 +203,7 @@ _SM90_TMA = (
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
                                       "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against "
                                       "1.729/6.423 (3.337) (dev/probe_poly_exp.py, H200)",
-              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1),
+              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1, o_stage=True),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py). Soft-"
@@ -239,7 +245,7 @@ _SM90_TMA_SHORT = (
                                       "the SFU: 1/2/3/4 of 8 on the FMA pipe took cap 30 S 1k 0.474/0.468/0.477/"
                                       "0.501 ms against 0.469, causal 1k/4k 0.352/0.359/0.371/0.385 and 0.910/"
                                       "0.892/0.918/0.962 against 0.345 and 0.896 (dev/probe_poly_exp.py, H200)",
-              ws=True, persistent=True, max_keys=2048, max_keys_mods=4096, max_keys_causal=8192,
+              ws=True, persistent=True, max_keys=2048, max_keys_mods=4096, max_keys_causal=8192, o_stage=True,
               mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
                                                          "0.663 ms for the cp.async row; with a mask tensor or "
