@@ -61,7 +61,8 @@ class WgmmaTile(NamedTuple):
     poly_exp: int = 0
     poly_exp_max: int = 0
     # attn_fwd_tma: O leaves through a staging tile in shared memory (stmatrix, then 16-byte rows)
-    # instead of a quad transpose by shuffles: a row with the shared memory to spare for it
+    # instead of a quad transpose by shuffles: rows with the shared memory to spare (block_m x
+    # head_dim x 2 bytes more) where it measured faster (the d = 64 short row)
     o_stage: bool = False
 
     def config(self) -> TileConfig:
@@ -203,7 +204,7 @@ _SM90_TMA = (
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
                                       "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against "
                                       "1.729/6.423 (3.337) (dev/probe_poly_exp.py, H200)",
-              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1, o_stage=True),
+              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py). Soft-"
@@ -244,7 +245,10 @@ _SM90_TMA_SHORT = (
                                       "2k/4k 0.530/0.920 against 0.558/0.959). Soft-capped, every exp2 stays on "
                                       "the SFU: 1/2/3/4 of 8 on the FMA pipe took cap 30 S 1k 0.474/0.468/0.477/"
                                       "0.501 ms against 0.469, causal 1k/4k 0.352/0.359/0.371/0.385 and 0.910/"
-                                      "0.892/0.918/0.962 against 0.345 and 0.896 (dev/probe_poly_exp.py, H200)",
+                                      "0.892/0.918/0.962 against 0.345 and 0.896 (dev/probe_poly_exp.py, H200). O "
+                                      "through a staging tile (o_stage): S 1k 0.306 -> 0.300 ms, causal 1k/4k 0.221 "
+                                      "-> 0.216 / 0.578 -> 0.570 (3 alternating rounds, dev/gpu_prefill.sh; the "
+                                      "dense row, a block a tile, read 4k +1% in 2 rounds of 3 and is not flagged)",
               ws=True, persistent=True, max_keys=2048, max_keys_mods=4096, max_keys_causal=8192, o_stage=True,
               mods_row=WgmmaTile(64, 128, 1, 3, True, 2, "one warpgroup, two blocks an SM: S 1k/2k 0.351/0.633 ms "
                                                          "= 0.88/0.93x cuDNN (causal 0.84/0.88x) against 0.394/"
