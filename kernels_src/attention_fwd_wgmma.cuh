@@ -395,7 +395,7 @@ __device__ __forceinline__ void store_o_staged(const Mainloop& ml, const AttnFwd
     const int at_row = at0 + RPI * k;
     const int ok = col_in && at_row < ml.sq && (!Tr::kBottomAlign || at_row >= 0);
     // (a uint4 store under `if` compiled to a branch around four 4-byte stores: NVRTC 13.0 split it
-    // after the asm load)
+    // after the asm load; st.global takes the generic address, which for global memory is the same)
     asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %5, 0;\n @p st.global.v4.u32 [%0], {%1, %2, %3, %4};\n}\n"
                  :: "l"(g), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(ok) : "memory");
   }
