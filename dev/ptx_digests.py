@@ -1,0 +1,79 @@
+"""Dev probe (no GPU): a digest of every sm_90a wgmma-family variant's PTX, to show that a kernel
+change leaves the variants it does not target as they were.
+
+Usage: PYTHONPATH=. python dev/ptx_digests.py OUT.json        (digests of this tree)
+       python dev/ptx_digests.py --compare A.json B.json          (which variants differ)
+
+Run it on the tree before a change (e.g. ``git stash``) and after, then compare. The PTX is
+normalised first: comments, ``.loc`` / ``.file`` line info and the ``.global`` constants of the
+traits are dropped, and a traits type's trailing ``false`` argument (``ELb0EE`` in the mangled
+names) is read as absent, so that a new defaulted template argument alone does not count as a
+change. Where two digests differ only by PTX register numbering, compare the variants' SASS
+(``dev/sass_map.py --all``). The variants: the attn_fwd_tma / attn_fwd_wgmma / attn_fwd_fp8 /
+paged prefill / tree ones of ``dev/compile_sweep.py``'s lists, and the prefill selections at
+d = 64 / 128 / 256, 1k / 4k keys, causal or not, with and without a soft-cap, on a small grid
+(the twenty-ninth session checked its o_stage change so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+FAMILIES = ("attn_fwd_tma", "attn_fwd_wgmma", "attn_fwd_fp8", "attn_prefill_wgmma", "attn_tree_wgmma")
+
+
+def variants() -> list:
+    import compile_sweep
+
+    from pyattn.kernels.specs import select_attention_spec
+
+    out = [s for s in compile_sweep.variants("sm_90a") if s.family in FAMILIES]
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for cap in ({}, {"softcap": 20.0}):
+                for keys in (1024, 4096):
+                    out.append(select_attention_spec("bfloat16", d, "sm_90a", keys=keys, causal=causal, queries=1000,
+                                                     batch_heads=16, sm_count=132, **cap))
+                    out.append(select_attention_spec("float16", d, "sm_90a", keys=keys, causal=causal, **cap))
+    return list(dict.fromkeys(out))
+
+
+def digest(spec) -> tuple:
+    from pyattn.jit import compile_spec
+
+    image, _ = compile_spec(spec.replace(ptx=True))
+    text = image.decode() if isinstance(image, bytes) else image
+    kept = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("//", ".global", ".loc", ".file")):
+            continue
+        if ".debug_str" in stripped:
+            break
+        kept.append(line.replace("ELb0EE", "EE"))
+    return f"{spec.describe()} {spec.entry_name}", hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--compare"]:
+        a, b = (json.load(open(f)) for f in sys.argv[2:4])
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                print(("differs  " if k in a and k in b else "only in " + ("A  " if k in a else "B  ")) + k)
+        return 0
+    with ProcessPoolExecutor(os.cpu_count() or 2) as ex:
+        res = dict(ex.map(digest, variants()))
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=0, sort_keys=True)
+    print(f"{len(res)} variants -> {sys.argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
