@@ -47,8 +47,8 @@ def _launch(B, Sq, Sk, H, Hkv=None, **opts):
 def test_plain_calls_on_few_tiles_launch_the_one_warpgroup_row(gpu, B, Sq, Sk, H, causal, want):
     name, grid = _launch(B, Sq, Sk, H, causal=causal)
     tiles = {"small": ROW.mods_row, "short": ROW, "dense": DENSE}[want]
-    persistent = ("p" if tiles.persistent else "") + ("o" if tiles.o_stage else "")
-    assert name.endswith(f"_d64_m{64 * tiles.warpgroups}n{tiles.block_n}w{4 * (tiles.warpgroups + 1)}{persistent}"), name
+    flags = ("p" if tiles.persistent else "") + ("o" if tiles.o_stage else "")  # entry_name's ring letters
+    assert name.endswith(f"_d64_m{64 * tiles.warpgroups}n{tiles.block_n}w{4 * (tiles.warpgroups + 1)}{flags}"), name
     if tiles.persistent:
         assert grid[1:] == (1, 1)  # a one-dimensional grid of blocks that walk the units
 
