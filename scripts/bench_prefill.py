@@ -13,11 +13,15 @@ Usage: PYTHONPATH=. python scripts/bench_prefill.py [--json out.json] [--quick]
 - Ceilings measured in the same run: dense matmul TFLOP/s (torch, 8192^3, fp16 and bf16) and
   device-to-device copy GB/s (bytes read + written). Each pyattn figure is also given as a % of
   the matmul ceiling of its dtype.
+- Rounds: pyattn, FA2 and cuDNN are each timed in ``--rounds`` rounds (default 3, every other one
+  in reverse order) and each keeps its best round, as ``timeit`` advises for timings that only
+  other activity slows. One pass read the same kernels up to 3% apart run to run at 1k-4k (the
+  GPU's clock drifts as it heats; BENCHMARKS.md, thirtieth session), which decided whether a
+  shape sat just above or just below a target; the best of 3 rounds is applied alike to all three.
 - Small grids (bf16): one prompt of a few heads, as an inference script's layers call it (a small
   model's (2, 2048, 8, 64), one prompt of 32 heads at 1k-4k, (4, 512, 32, 128)), where a
-  kernel's query tiles leave SMs idle in a last round; causal and not. These ~50 us kernels read
-  up to 15% apart run to run, so pyattn, FA2 and cuDNN are each timed in 3 rounds (the middle one
-  in reverse order) and keep their best.
+  kernel's query tiles leave SMs idle in a last round; causal and not (~50 us kernels, up to 15%
+  apart run to run in a single pass).
 - Tile skipping (B=1, S=16384, H=16, D=128, bf16): dense, causal and sliding windows against the
   fraction of (query, key) pairs each keeps, and the score-modifier path (a bool mask, a soft-cap).
 - NumPy end to end for (B=1, S=4096, H=16, D=128, fp16, non-causal): ``pyattn.attention`` on
@@ -66,7 +70,7 @@ def bench_config(bench, dtype: str, B: int, S: int, H: int, D: int, causal: bool
                  rounds: int = 1) -> dict:
     """pyattn, FA2 and cuDNN on one (B, S, H, D) shape: ms and TFLOP/s each, pyattn checked against torch.
     ``rounds`` > 1: the three are timed that many times, every other round in reverse order, and
-    each keeps its best round (the small grids' ~50 us kernels read up to 15% apart run to run)."""
+    each keeps its best round (see the module notes)."""
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
     row = {"dtype": dtype, "head_dim": D, "seqlen": S, "causal": causal, "batch": B, "heads": H, "flops": flops}
     n = bench.replicas(4 * B * S * H * D * 2, cap=4)
@@ -267,6 +271,7 @@ def main(argv=None) -> int:
     ap = harness.parser(__doc__)
     parts = ("configs", "small", "skipping", "numpy")
     ap.add_argument("--only", choices=parts, action="append", help="run only these parts (repeatable; default all)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per shape, each backend's best kept (default 3)")
     args = ap.parse_args(argv)
     only = set(args.only or parts)
     t0 = time.perf_counter()
@@ -285,8 +290,7 @@ def main(argv=None) -> int:
         rows = result[part] = []
         for dtype, B, s, H, d, causal in todo:
             try:
-                rounds = 3 if part == "small_grids" else 1
-                row = bench_config(bench, dtype, B, s, H, d, causal, reps, rounds)
+                row = bench_config(bench, dtype, B, s, H, d, causal, reps, 1 if args.quick else max(1, args.rounds))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory creating the inputs
                 traceback.print_exc()
                 row = {"dtype": dtype, "head_dim": d, "seqlen": s, "causal": causal, "batch": B, "heads": H,
