@@ -35,7 +35,7 @@ _WHERE = {
     "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
     "attn_fwd_tma": ("wgmma", "ATTN_FWD_TMA"),
-    "attn_fwd_fp8": ("wgmma", "ATTN_FWD_FP8"),
+    "attn_fwd_fp8": ("fp8", "ATTN_FWD_FP8"),
     "fp8_vt": ("fixed", "FP8_VT"),
     "merge_states": ("fixed", "MERGE_STATES"),
     "split_combine": ("fixed", "SPLIT_COMBINE"),
@@ -59,7 +59,7 @@ _WHERE = {
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
-         "wgmma_shapes": "wgmma", "wgmma_fp8_shapes": "wgmma", "BwdTile": "backward",
+         "wgmma_shapes": "wgmma", "wgmma_fp8_shapes": "fp8", "BwdTile": "backward",
          "BwdWgmmaTile": "backward"}
 
 
