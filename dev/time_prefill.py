@@ -3,12 +3,13 @@ source trees in alternating processes (the GPU's clock drifts as it heats, so tr
 round by round, never a whole run against another).
 
 Usage: PYTHONPATH=<tree> PYATTN_CACHE_DIR=<dir per tree> python dev/time_prefill.py TAG [--cudnn]
-       [--shapes D:S:CAUSAL[:SOFTCAP],...]
+       [--shapes D:S:CAUSAL[:SOFTCAP],...] [--dtype float16]
 
 Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 64 / 256, S = 1k /
 4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``, or ``128:16384:1:30`` with a
 soft-cap of 30; a soft-capped shape's key ends in its cap), on torch-made tensors as
-pyattn arrays. ``--cudnn`` times torch SDPA's cuDNN backend on the same shapes instead. A tree is
+pyattn arrays (``--dtype``: bfloat16 unless named). ``--cudnn`` times torch SDPA's cuDNN backend on
+the same shapes instead. A tree is
 extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C .head`` (``.head/`` kept out of
 git by .git/info/exclude, carried to the GPU).
 """
@@ -33,6 +34,7 @@ def main() -> int:
     torch = bench.torch
     out = {}
     shapes = SHAPES
+    dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "bfloat16"
     if "--shapes" in sys.argv:
         shapes = [(int(d), int(s), bool(int(c)), *map(float, cap)) for d, s, c, *cap in
                   (x.split(":") for x in sys.argv[sys.argv.index("--shapes") + 1].split(","))]
@@ -40,7 +42,7 @@ def main() -> int:
         opts = {"causal": causal, "softcap": cap[0]} if cap else {"causal": causal}
         B, H = max(1, 16384 // S), 2048 // D
         g = torch.Generator(device="cuda").manual_seed(0)
-        ts = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+        ts = [torch.randn(B, S, H, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3)]
         if cudnn:
             if cap:
                 raise SystemExit("--cudnn: torch SDPA takes no soft-cap")
