@@ -23,6 +23,7 @@ import numpy as np
 import pyattn
 import pyattn.pipeline.chunks as C
 import pyattn.pipeline.host as H
+import pyattn.pipeline.transfer as TR
 from pyattn.runtime.pinned import PinnedBuffer
 
 T = time.perf_counter
@@ -61,8 +62,8 @@ def main():
         ab(call, a.ab, a.variants.split(","))
         if a.ab_only:
             return
-    H._PIECE_BYTES = a.piece_mib << 20 or H._PIECE_BYTES
-    print(f"uninstrumented call (signals {H._SIGNALS}, pieces {H._PIECE_BYTES >> 20} MiB): median "
+    TR.PIECE_BYTES = a.piece_mib << 20 or TR.PIECE_BYTES
+    print(f"uninstrumented call (signals {H._SIGNALS}, pieces {TR.PIECE_BYTES >> 20} MiB): median "
           f"{med(call, 9):.3f} ms")
 
     pieces, launches, h2ds = [], [], []
@@ -71,14 +72,14 @@ def main():
     def send(device, dst, src, stage_ptr, dev_ptr, n, s):
         device.activate()
         t0 = T()
-        H._copy(dst, src)
+        TR.copy_into(dst, src)
         t1 = T()
         orig_h2d(dev_ptr, stage_ptr, n, s)
         pieces.append((threading.get_ident() % 1000, t0, t1, T(), n))
 
     def stage(dst, src, flags, i):  # the flag path: "h2d issued" reads as the flag's time
         t0 = T()
-        H._copy(dst, src)
+        TR.copy_into(dst, src)
         t1 = T()
         orig_stage(dst[:0], src[:0], flags, i)
         pieces.append((threading.get_ident() % 1000, t0, t1, T(), dst.nbytes))
@@ -136,7 +137,7 @@ def main():
     for mod, name in ((C, "pinned_empty"), (C, "plan_chunks"), (H, "_plan_pieces"), (H, "_waves"), (H, "get_pool"),
                       (H, "get_staging"), (OA, "read_args"), (OA, "signature"), (C, "attention_numpy"),
                       (H, "_upload_signalled"), (H, "upload"), (C, "get_device"), (C, "per_device"),
-                      (H, "_executor_get")):
+                      (H, "executor")):
         wrap(mod, name)
     M.DevicePool.allocate, real_alloc = (lambda self, *a, _f=M.DevicePool.allocate, **k: (
         stamps.append(("DevicePool.allocate", T(), None)) or _f(self, *a, **k))), M.DevicePool.allocate
@@ -188,11 +189,11 @@ def main():
     print(f"bounds: H2D 48 MiB {med(h2d):.3f} ms, D2H 16 MiB {med(d2h):.3f} ms, both at once {med(both):.3f} ms")
     src = np.random.default_rng(0).integers(0, 255, N_IN, dtype=np.uint8)
     stg = pin_in.array(np.uint8, (N_IN,))
-    ex, workers = H._executor_get()
-    parts = H.split_range(N_IN, 12)
+    ex, workers = TR.executor()
+    parts = TR.split_range(N_IN, 12)
 
     def stage():
-        H.finish_copies([ex.submit(H._copy, stg[x:y], src[x:y]) for x, y in parts])
+        TR.finish_copies([ex.submit(TR.copy_into, stg[x:y], src[x:y]) for x, y in parts])
     print(f"staging 48 MiB on {workers} workers: {med(stage):.3f} ms")
     big = PinnedBuffer(256 << 20)
     dbig = pyattn.empty((256 << 20,), np.uint8)
@@ -224,15 +225,15 @@ def ab(call, rounds, names):
         st.synchronize()
     variants = {f"{'flags' if n[0] == 'f' else 'workers send'}, {n[1:]} MiB": (n[0] == "f", int(n[1:]) << 20)
                 for n in names}
-    keep = H._SIGNALS, H._PIECE_BYTES
+    keep = H._SIGNALS, TR.PIECE_BYTES
     times = {name: [] for name in variants}
     fl = []
     for _ in range(rounds):
         fl.append(med(floor, 5))
         for name, (sig, piece) in variants.items():
-            H._SIGNALS, H._PIECE_BYTES = sig, piece
+            H._SIGNALS, TR.PIECE_BYTES = sig, piece
             times[name].append(med(call, 5))
-    H._SIGNALS, H._PIECE_BYTES = keep
+    H._SIGNALS, TR.PIECE_BYTES = keep
     f = float(np.median(fl))
     print(f"A/B, {rounds} alternating rounds, median of 5 calls each; floor (pinned H2D 48 MiB then D2H 16 MiB) "
           f"{f:.3f} ms")

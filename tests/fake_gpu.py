@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from pyattn import DeviceArray
-from pyattn.pipeline import chunks, host
+from pyattn.pipeline import chunks, host, transfer
 from pyattn.reference import attention_ref
 
 COPIES: list = []  # "h2d" / "d2h" / "d2h_2d", in issue order
@@ -246,10 +246,13 @@ def fake_pipeline(monkeypatch, eager_every=0):
     for name, value in {"get_device": lambda: DEV, "as_stream": as_stream, "get_staging": lambda device: staging,
                         "get_signals": lambda device: signals, "wait_flag": _wait_flag,
                         "get_pool": lambda device: FakePool(), "pinned_empty": np.empty, "h2d": _memcpy("h2d"),
-                        "d2h": _memcpy("d2h"), "_d2h_2d": _memcpy_2d}.items():
+                        "d2h": _memcpy("d2h")}.items():
         monkeypatch.setattr(host, name, value)
+    # d2h_region (the chunks' result copies) lives in transfer and calls its own d2h / _d2h_2d
+    for name, value in {"d2h": _memcpy("d2h"), "_d2h_2d": _memcpy_2d}.items():
+        monkeypatch.setattr(transfer, name, value)
     # Exercise the worker threads, several waves and the reuse of wave buffers on small arrays.
-    monkeypatch.setattr(host, "_PIECE_BYTES", 1024)
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 1024)
     monkeypatch.setattr(host, "_SMALL_BYTES", 2048)
     monkeypatch.setattr(host, "_WAVE_BYTES", 8192)
     return caller, fake

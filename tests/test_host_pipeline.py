@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from _problems import problem
 from pyattn import DeviceArray
-from pyattn.pipeline import chunks, host
+from pyattn.pipeline import chunks, host, transfer
 from pyattn.pipeline.chunks import Chunk, plan_chunks, prepare_mask, row_chunkable
-from pyattn.pipeline.host import addr
+from pyattn.pipeline.transfer import addr
 from pyattn.reference import attention_ref
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -36,7 +36,7 @@ MiB = 1 << 20
 def test_split_range_covers_evenly():
     for n in range(0, 40):
         for parts in range(1, 12):
-            r = host.split_range(n, parts)
+            r = transfer.split_range(n, parts)
             assert r[0][0] == 0 and r[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(r, r[1:]))
             sizes = [b - a for a, b in r]
@@ -112,7 +112,7 @@ def test_row_chunks_reproduce_the_whole(Sq, Sk, causal, window, alibi, mask, par
     whole, whole_lse = attention_ref(q, k, v, return_lse=True, **opts)
     mask4, _ = prepare_mask(opts.get("mask"), (1, Hq, Sq, Sk))
     code = 1 if P.causal else 0
-    for s0, s1 in host.split_range(Sq, parts):
+    for s0, s1 in transfer.split_range(Sq, parts):
         kv_len = Sk if not code else min(max(s1 + Sk - Sq, 0), Sk)
         copts = dict(opts, causal=bool(code))
         if mask4 is not None:
@@ -141,18 +141,18 @@ def test_prepare_mask():
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.bool_])
 def test_threaded_copies_of_strided_slices(monkeypatch, dtype):
-    monkeypatch.setattr(host, "_PIECE_BYTES", 512)
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 512)
     rng = np.random.default_rng(1)
     src = (rng.standard_normal((2, 300, 8, 32)) > 0) if dtype is np.bool_ else \
         rng.standard_normal((2, 300, 8, 32)).astype(dtype)
     part = src[:, :, 2:6]  # a head slice: strided
     dst = np.empty(part.shape, part.dtype)
-    futures = host.start_copies([(dst, part)])
+    futures = transfer.start_copies([(dst, part)])
     assert len(futures) > 1
-    host.finish_copies(futures)
+    transfer.finish_copies(futures)
     assert np.array_equal(dst.view(np.uint8), np.ascontiguousarray(part).view(np.uint8))
     back = np.zeros_like(src)
-    host.finish_copies(host.start_copies([(back[:, :, 2:6], dst)]))
+    transfer.finish_copies(transfer.start_copies([(back[:, :, 2:6], dst)]))
     assert np.array_equal(back[:, :, 2:6].view(np.uint8), part.view(np.uint8))
     assert not back[:, :, :2].view(np.uint8).any() and not back[:, :, 6:].view(np.uint8).any()
 
@@ -160,7 +160,7 @@ def test_threaded_copies_of_strided_slices(monkeypatch, dtype):
 def test_casting_copy():
     src = np.linspace(-3, 3, 4096).reshape(64, 64)
     dst = np.empty((64, 64), np.float32)
-    host.finish_copies(host.start_copies([(dst, src)]))
+    transfer.finish_copies(transfer.start_copies([(dst, src)]))
     np.testing.assert_array_equal(dst, src.astype(np.float32))
 
 
@@ -268,14 +268,14 @@ def test_failed_staging_copy_raises_and_frees_the_stream(fake_gpu, monkeypatch):
 
     rng = np.random.default_rng(12)
     a = rng.standard_normal((1, 400, 3, 8)).astype(np.float32)
-    real_copy, n = host._copy, [0]
+    real_copy, n = host.copy_into, [0]
 
     def copy(dst, src):
         n[0] += 1
         if n[0] == 5:
             raise MemoryError("staging copy failed")
         real_copy(dst, src)
-    monkeypatch.setattr(host, "_copy", copy)
+    monkeypatch.setattr(host, "copy_into", copy)
 
     def fn(dev, s):
         (da,), out = dev, FakeAttention.array(a.shape, a.dtype, s)
@@ -285,7 +285,7 @@ def test_failed_staging_copy_raises_and_frees_the_stream(fake_gpu, monkeypatch):
     with pytest.raises(MemoryError, match="staging copy failed"):
         host.call(fn, [a], [], caller)
     caller.synchronize()  # would fail (a flag never set) if the stream were left waiting
-    monkeypatch.setattr(host, "_copy", real_copy)
+    monkeypatch.setattr(host, "copy_into", real_copy)
     (res,) = host.call(fn, [a], [], caller)
     np.testing.assert_array_equal(res, a + 1)
 
@@ -415,11 +415,11 @@ def test_pinned_inputs_launch_each_chunk_as_its_rows_are_queued(fake_gpu, monkey
 @given(shape=st.lists(st.integers(0, 7), min_size=0, max_size=4), itemsize=st.sampled_from([1, 2, 4]),
        target=st.integers(1, 300))
 def test_cuts_tile_the_array_in_contiguous_pieces(shape, itemsize, target):
-    """``host.cuts``: pieces in memory order, each contiguous, together the whole array, none larger
+    """``transfer.cuts``: pieces in memory order, each contiguous, together the whole array, none larger
     than ``target`` unless a single element is."""
     shape = tuple(shape)
     a = np.arange(math.prod(shape) * itemsize, dtype=np.uint8).view(f"u{itemsize}").reshape(shape)
-    pieces = host.cuts(shape, itemsize, target)
+    pieces = transfer.cuts(shape, itemsize, target)
     pos = 0
     for idx, off, pshape in pieces:
         piece = a[idx] if idx else a

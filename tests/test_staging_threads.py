@@ -18,7 +18,7 @@ from cuda.bindings import driver
 
 import fake_driver
 import pyattn
-from pyattn.pipeline import host
+from pyattn.pipeline import transfer
 from pyattn.runtime import pinned
 from pyattn.runtime._resource import STAGING_THREADS, off_staging_threads, run_deferred
 
@@ -42,7 +42,7 @@ def test_pinned_memory_whose_last_holder_goes_on_a_staging_worker_is_freed_off_i
     """A buffer (with its cached NumPy view, as every staging buffer has) whose last reference goes
     on a staging worker: no free there; the next pinned allocation on the calling thread frees it.
     With the collector off, so the free comes from reference counts: the view forms no cycle."""
-    executor, _ = host._executor_get()
+    executor, _ = transfer.executor()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -72,7 +72,7 @@ def test_buffers_dropped_on_the_calling_thread_are_freed_at_once(fake):
 
 
 def test_deferred_releases_run_once_and_never_on_a_worker(fake):
-    executor, _ = host._executor_get()
+    executor, _ = transfer.executor()
     ran = []
     executor.submit(off_staging_threads, ran.append, "a").result()
     executor.submit(run_deferred).result()  # a worker does not run them
@@ -115,7 +115,7 @@ def test_device_memory_dropped_on_a_staging_worker_is_freed_off_it(fake, monkeyp
         real = getattr(driver, name)
         monkeypatch.setattr(driver, name, lambda *a, _n=name, _r=real: (calls.append((_n, threading.get_ident())),
                                                                        _r(*a))[1])
-    executor, _ = host._executor_get()
+    executor, _ = transfer.executor()
     holder = [pyattn.asarray(np.zeros(1 << 18, np.float32))]
     worker = executor.submit(lambda: (holder.clear(), threading.get_ident())[1]).result()
     assert not any(ident == worker for _, ident in calls)

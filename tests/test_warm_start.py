@@ -35,9 +35,10 @@ def test_a_cache_hit_imports_no_logging(tmp_path):
 # What a first call on device arrays with a warm cache never needs: the NumPy path (its worker
 # threads bring concurrent.futures and logging) and everything that compiles. Each was ~0.3-4 ms of
 # the 15 ms start-up budget.
-_NOT_ON_THE_WARM_DEVICE_PATH = ("pyattn.pipeline.chunks", "pyattn.pipeline.host", "concurrent.futures", "logging",
-                                "json", "hashlib", "pyattn.kernels.families.decode", "pyattn.kernels.families.mma",
-                                "pyattn.jit.nvrtc", "pyattn.jit._keylock", "pyattn.jit._litter", "cuda.bindings.nvrtc")
+_NOT_ON_THE_WARM_DEVICE_PATH = ("pyattn.pipeline.chunks", "pyattn.pipeline.host", "pyattn.pipeline.transfer",
+                                "concurrent.futures", "logging", "json", "hashlib", "pyattn.kernels.families.decode",
+                                "pyattn.kernels.families.mma", "pyattn.jit.nvrtc", "pyattn.jit._keylock", "pyattn.jit._litter",
+                                "cuda.bindings.nvrtc")
 
 
 def test_the_first_device_call_imports_no_numpy_path_and_no_compiler():

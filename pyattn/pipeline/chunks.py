@@ -36,7 +36,7 @@ from ..runtime._resource import per_device
 from ..runtime.device import get_device
 from ..runtime.pinned import get_staging, pinned_empty
 from ..runtime.stream import Event, Stream, as_stream
-from . import host
+from . import host, transfer
 
 __all__ = ["attention_numpy", "Chunk", "plan_chunks", "row_chunkable", "prepare_mask"]
 
@@ -78,12 +78,12 @@ def plan_chunks(P, nbytes: int) -> list:
         return whole
     want = max(2, min(_MAX_CHUNKS, math.ceil(nbytes / _CHUNK_BYTES)))
     if B > 1:
-        return [Chunk(a, b, 0, Sq, Sk, P.causal) for a, b in host.split_range(B, want)]
+        return [Chunk(a, b, 0, Sq, Sk, P.causal) for a, b in transfer.split_range(B, want)]
     if not row_chunkable(P):
         return whole
     code = 1 if P.causal else 0
     return [Chunk(0, 1, a, b, Sk if not code else min(max(b + Sk - Sq, 0), Sk), code)
-            for a, b in host.split_range(Sq, want)]
+            for a, b in transfer.split_range(Sq, want)]
 
 
 def prepare_mask(mask, shape: tuple):
@@ -149,7 +149,7 @@ def attention_numpy(P, q, k, v, *, mask, alibi_slopes, options: dict, return_lse
         _Call(device, pipe, s, chunks, P, dict(options, **extra), return_lse, (out_host, lse_host)).run(
             q, k, v, (mask4, mask_dt), slopes)
     if out is not None:
-        host.finish_copies(host.start_copies([(out, out_host)]))
+        transfer.finish_copies(transfer.start_copies([(out, out_host)]))
         out_host = out
     return out_host, lse_host
 
@@ -232,6 +232,6 @@ class _Call:
         res = _device_attention(dq, dk, dv, stream=st, layout=P.layout, return_lse=self.return_lse, **opts)
         out, lse = res if self.return_lse else (res, None)
         b = slice(c.b0, c.b1)
-        host.d2h_region(self.results[0][b][_rows(P.layout, c.s0, c.s1)], out, st)
+        transfer.d2h_region(self.results[0][b][_rows(P.layout, c.s0, c.s1)], out, st)
         if lse is not None:
-            host.d2h_region(self.results[1][b][:, :, c.s0:c.s1], lse, st)
+            transfer.d2h_region(self.results[1][b][:, :, c.s0:c.s1], lse, st)

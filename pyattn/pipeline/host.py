@@ -25,165 +25,32 @@ the call runs first.
 from __future__ import annotations
 
 import math
-import os
 import platform
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
 from typing import NamedTuple
 
 import numpy as np
 
 from ..array import DeviceArray, c_strides
-from ..runtime._resource import STAGING_THREADS, register_staging_thread, run_deferred
+from ..runtime._resource import run_deferred
 from ..runtime.device import get_device
-from ..runtime.errors import check
 from ..runtime.memory import get_pool
 from ..runtime.pinned import get_signals, get_staging, is_pinned, pinned_empty
 from ..runtime.stream import as_stream
+from . import transfer
+from .transfer import addr, copy_into, d2h, executor, finish_copies, h2d, start_copies, wait_flag
 
-__all__ = ["call", "upload", "download", "start_copies", "finish_copies", "split_range", "h2d", "d2h",
-           "d2h_region", "addr", "cuts", "wait_flag"]
+__all__ = ["call", "upload", "download"]
 
-# Tuning constants (read at call time, so tests and benchmarks may change them).
-# Measured on an H200 host: 4 MiB pieces beat 2 MiB ones by ~15% when each worker queued its own
-# H2D (fewer GIL hand-offs; dev/probe_upload.py), and with flags too (dev/probe_numpy_timeline.py
-# --ab: 1-3 MiB 0.2-2.5 ms slower a (1, 4096, 16, 128) fp16 call, 6 MiB a tie, 8 MiB 2-8% slower).
-_PIECE_BYTES = 4 << 20  # a worker's unit: one host copy (~0.7 ms at ~6 GB/s per thread), then its H2D
+# Tuning constants (read at call time, so tests and benchmarks may change them; the piece size is
+# transfer.PIECE_BYTES, which the threaded copies share).
 _SMALL_BYTES = 1 << 20  # uploads up to this size: one copy and one H2D on the calling thread
 _WAVE_BYTES = 16 << 20  # staged bytes per pinned buffer: the granularity of on_ready
 _WAVES_IN_FLIGHT = 3  # buffers staged ahead of the DMA
 _ALIGN = 256  # offset of each array in a device block (the kernels need 16 bytes)
 # Whether uploads order their H2D copies by flags (see the module notes): None = on x86-64.
 _SIGNALS = None
-
-_executor = None  # (ThreadPoolExecutor, worker count), made on the first big copy
-_executor_lock = threading.Lock()
-
-
-def split_range(n: int, parts: int) -> list:
-    """``parts`` near-equal ranges ``(a, b)`` covering ``[0, n)``, the longer ones first."""
-    parts = max(1, min(parts, n))
-    base, extra = divmod(n, parts)
-    ends = np.cumsum([0] + [base + (i < extra) for i in range(parts)]).tolist()
-    return list(zip(ends[:-1], ends[1:]))
-
-
-# -- threaded host copies ---------------------------------------------------------------------------
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    # An unsigned view of the same item size: NumPy then copies with its plain memcpy loops and
-    # drops the GIL whatever the dtype (ml_dtypes' bfloat16 included).
-    return x.view(f"u{x.itemsize}") if x.itemsize in (1, 2, 4, 8) else x
-
-
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    if dst.dtype == src.dtype:
-        np.copyto(_bits(dst), _bits(src), casting="no")
-    else:
-        np.copyto(dst, src, casting="same_kind")
-
-
-def _pieces(dst: np.ndarray, src: np.ndarray, parts: int) -> list:
-    """Split the copy ``dst <- src`` (same shape) along its longest non-last axis."""
-    if parts <= 1 or dst.ndim == 0:
-        return [(dst, src)]
-    ax = int(np.argmax(dst.shape[:-1])) if dst.ndim > 1 else 0
-    pre = (slice(None),) * ax
-    return [(dst[pre + (slice(a, b),)], src[pre + (slice(a, b),)]) for a, b in split_range(dst.shape[ax], parts)]
-
-
-def _executor_get() -> tuple:
-    global _executor
-    if _executor is None:
-        with _executor_lock:
-            if _executor is None:
-                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-                n = min(8, max(2, cpus // 2))  # measured: 8 threads 51 GB/s, 12 or 16 slower (memory-bound)
-                _executor = (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS,
-                                                initializer=register_staging_thread), n)
-    return _executor
-
-
-def start_copies(pairs: list) -> list:
-    """Start the host copies ``(dst, src)``; returns futures for :func:`finish_copies` (none when
-    they were small enough to do here at once)."""
-    if sum(d.nbytes for d, _ in pairs) < 2 * _PIECE_BYTES:
-        for d, s in pairs:
-            _copy(d, s)
-        return []
-    ex, workers = _executor_get()
-    return [ex.submit(_copy, dd, ss) for d, s in pairs
-            for dd, ss in _pieces(d, s, min(workers, max(1, d.nbytes // _PIECE_BYTES)))]
-
-
-def finish_copies(futures: list) -> None:
-    # Let every copy end before raising: they write buffers the caller may reuse at once.
-    _wait_futures(futures)
-    for f in futures:
-        f.result()
-
-
-# -- transfers ------------------------------------------------------------------------------------
-
-
-def addr(a: np.ndarray) -> int:
-    """The host address of a NumPy array's first element (``ndarray.ctypes`` would import ctypes)."""
-    return a.__array_interface__["data"][0]
-
-
-def h2d(dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
-    from cuda.bindings import driver
-
-    if nbytes:
-        check(driver.cuMemcpyHtoDAsync(dst_ptr, src_ptr, nbytes, stream.handle), "cuMemcpyHtoDAsync")
-
-
-def wait_flag(stream, flag_ptr: int) -> None:
-    """Make later work on ``stream`` wait until the pinned uint32 at ``flag_ptr`` is non-zero (a
-    cyclic ``>= 1``; under unified addressing a pinned host address is its device address)."""
-    from cuda.bindings import driver
-
-    check(driver.cuStreamWaitValue32(stream.handle, flag_ptr, 1, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
-          "cuStreamWaitValue32")
-
-
-def d2h(dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
-    from cuda.bindings import driver
-
-    if nbytes:
-        check(driver.cuMemcpyDtoHAsync(dst_ptr, src_ptr, nbytes, stream.handle), "cuMemcpyDtoHAsync")
-
-
-def _d2h_2d(dst_ptr: int, dst_pitch: int, src_ptr: int, src_pitch: int, width: int, height: int, stream) -> None:
-    from cuda.bindings import driver
-
-    p = driver.CUDA_MEMCPY2D()
-    p.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    p.srcDevice, p.srcPitch = src_ptr, src_pitch
-    p.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
-    p.dstHost, p.dstPitch = dst_ptr, dst_pitch
-    p.WidthInBytes, p.Height = width, height
-    check(driver.cuMemcpy2DAsync(p, stream.handle), "cuMemcpy2DAsync")
-
-
-def d2h_region(dst: np.ndarray, src: DeviceArray, stream) -> None:
-    """Copy the C-contiguous device array ``src`` into the host view ``dst`` (same shape): either
-    contiguous, or (after leading length-1 axes) equal contiguous blocks at a fixed pitch, e.g.
-    ``out[0, :, s0:s1]`` of a (1, H, S, D) result, which is one 2-D copy."""
-    if dst.size == 0:
-        return
-    if dst.flags.c_contiguous:
-        d2h(addr(dst), src.ptr, src.nbytes, stream)
-        return
-    v = dst
-    while v.ndim > 1 and v.shape[0] == 1:
-        v = v[0]
-    if v.ndim < 2 or not v[0].flags.c_contiguous:
-        raise RuntimeError(f"internal: no 2-D copy into a host view of shape {dst.shape}, strides {dst.strides}")
-    width = v[0].nbytes
-    _d2h_2d(addr(v), v.strides[0], src.ptr, width, width, v.shape[0], stream)
 
 
 # -- the ending -------------------------------------------------------------------------------------
@@ -193,38 +60,10 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def cuts(shape: tuple, itemsize: int, target: int) -> list:
-    """Cut a C-contiguous array of ``shape`` into contiguous pieces of about ``target`` bytes (and
-    at most that, unless one element row is larger). Returns ``(index, byte offset, shape)`` per
-    piece, in memory order; ``index`` selects the piece (integers on leading axes, then a slice)."""
-    out = []
-    n_dims = len(shape)
-
-    def rec(prefix, ax, offset):
-        if ax == n_dims:
-            out.append((prefix, offset, ()))
-            return
-        row = math.prod(shape[ax + 1:]) * itemsize  # bytes of one index along ``ax``
-        n = shape[ax]
-        if n * row <= target or row == 0:
-            out.append((prefix, offset, shape[ax:]))
-        elif row > target and ax + 1 < n_dims:
-            for i in range(n):
-                rec(prefix + (i,), ax + 1, offset + i * row)
-        else:
-            per = max(1, target // row)
-            for a in range(0, n, per):
-                b = min(a + per, n)
-                out.append((prefix + (slice(a, b),), offset + a * row, (b - a,) + shape[ax + 1:]))
-
-    rec((), 0, 0)
-    return out
-
-
 def _send(device, dst, src, stage_ptr, dev_ptr, nbytes, s) -> None:
     """Worker: copy one piece into staging, then queue its H2D copy at once."""
     device.activate()  # the driver call needs the context current on this thread
-    _copy(dst, src)
+    copy_into(dst, src)
     h2d(dev_ptr, stage_ptr, nbytes, s)
 
 
@@ -246,7 +85,7 @@ def _plan_pieces(items, offs) -> list:
             continue
         src, dt = item
         pin = src.dtype == dt and is_pinned(src)
-        for idx, off, shape in cuts(src.shape, dt.itemsize, _PIECE_BYTES):
+        for idx, off, shape in transfer.cuts(src.shape, dt.itemsize, transfer.PIECE_BYTES):
             part = src[idx] if idx else src
             pieces.append(_Piece(i, part, dt, o + off, math.prod(shape) * dt.itemsize, shape,
                                  pin and part.flags.c_contiguous))
@@ -318,7 +157,7 @@ def _upload_here(items, offs, total, device, dev_ptr, s, held) -> None:
         for item, o in zip(items, offs):
             if item is not None:
                 src, dt = item
-                _copy(raw[o:o + src.size * dt.itemsize].view(dt).reshape(src.shape), src)
+                copy_into(raw[o:o + src.size * dt.itemsize].view(dt).reshape(src.shape), src)
         h2d(dev_ptr, buf.ptr, total, s)
     except BaseException:
         staging.release(buf, s)
@@ -355,7 +194,7 @@ _FENCE = threading.Lock()  # taken by _stage only for the locked instruction it 
 
 def _stage(dst, src, flags, i) -> None:
     """Worker: copy one piece into staging, then set its flag (the stream's copy of it waits on it)."""
-    _copy(dst, src)
+    copy_into(dst, src)
     with _FENCE:  # a locked instruction: the staged bytes (write-combined stores) drain before the flag
         flags[i] = 1
 
@@ -370,7 +209,7 @@ def _upload_signalled(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
     a piece that no worker will stage (it then sends stale bytes to results nobody returns).
     """
     staging, signals = get_staging(device), get_signals(device)
-    ex, _ = _executor_get()
+    ex, _ = executor()
     waves = _waves(pieces)
     depth = min(_WAVES_IN_FLIGHT, len(waves))
     sizes = [0] * depth  # each buffer slot big enough for every wave it takes
@@ -443,7 +282,7 @@ def _upload_by_workers(pieces, n_arrays, device, dev_ptr, s, on_ready) -> None:
     signals its array at once, so that a chunk's event precedes the copies queued after it.
     """
     staging = get_staging(device)
-    ex, _ = _executor_get()
+    ex, _ = executor()
     waves = _waves(pieces)
     # In order: (wave, piece, future or None for a pinned piece); arrays are planned in order.
     queue, done = [], 0

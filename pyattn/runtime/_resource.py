@@ -11,8 +11,8 @@ __all__ = ["Closeable", "release_quietly", "per_device", "exiting", "watch_exit"
 _registry_lock = threading.RLock()
 _exit = {"watched": False, "exiting": False}
 
-# The threads that a stream may be waiting for: pyattn.pipeline.host's staging workers set the
-# flags that its H2D copies wait on (cuStreamWaitValue32), so they make no driver call. The garbage
+# The threads that a stream may be waiting for: pyattn.pipeline's staging workers (transfer.executor)
+# set the flags that its H2D copies wait on (cuStreamWaitValue32), so they make no driver call. The garbage
 # collector runs finalizers on whichever thread it happens to run on, and some of pyattn's wait
 # (freeing pinned memory synchronises the device; a mailbox waits for its events): on a staging
 # worker such a call waits for a stream parked on a flag that the same worker has yet to set, and
