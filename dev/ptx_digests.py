@@ -40,6 +40,7 @@ def variants() -> list:
                 for keys in (1024, 4096):
                     out.append(select_attention_spec("bfloat16", d, "sm_90a", keys=keys, causal=causal, queries=1000,
                                                      batch_heads=16, sm_count=132, **cap))
+                    out.append(select_attention_spec("bfloat16", d, "sm_90a", keys=keys, causal=causal, **cap))
                     out.append(select_attention_spec("float16", d, "sm_90a", keys=keys, causal=causal, **cap))
     return list(dict.fromkeys(out))
 
