@@ -9,9 +9,8 @@ Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 
 4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``, or ``128:16384:1:30`` with a
 soft-cap of 30; a soft-capped shape's key ends in its cap), on torch-made tensors as
 pyattn arrays (``--dtype``: bfloat16 unless named). ``--cudnn`` times torch SDPA's cuDNN backend on
-the same shapes instead. A tree is
-extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C .head`` (``.head/`` kept out of
-git by .git/info/exclude, carried to the GPU).
+the same shapes instead. A tree is extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C
+.head`` (``.head/`` kept out of git by .git/info/exclude, carried to the GPU).
 """
 
 from __future__ import annotations
