@@ -1,7 +1,7 @@
 """Dev probe (no GPU): a map of one kernel variant's SASS, to count instructions per region.
 
 Usage: PYTHONPATH=. python dev/sass_map.py [--dtype bfloat16] [--head-dim 128] [--keys 4096]
-       [--causal] [--softcap 30] [--nvdisasm PATH] [--all]
+       [--causal] [--softcap 30] [--mask bf16] [--nvdisasm PATH] [--all]
 
 Compiles the variant ``select_attention_spec`` picks (the library's own rendered unit, cubin for
 sm_90a through NVRTC), disassembles it with ``nvdisasm`` (PyPI's ``nvidia-cuda-nvdisasm`` wheel
@@ -36,10 +36,13 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--mask", default="none", help="a mask tensor's kind (bool as bits: bits; bf16, f16, f32)")
     ap.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "nvdisasm"))
     ap.add_argument("--all", action="store_true", help="every instruction, not only the landmarks")
     a = ap.parse_args()
     mods = {"softcap": a.softcap} if a.softcap else {}
+    if a.mask != "none":
+        mods["mask"] = a.mask
     spec = select_attention_spec(a.dtype, a.head_dim, "sm_90a", keys=a.keys, causal=a.causal, **mods)
     options = list(spec.compile_options((str(check_headers_match_nvrtc()),)))
     cubin, _ = compile_source(render(spec), kernel_headers(), options, name=spec.entry_name)
