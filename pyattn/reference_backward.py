@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import (_DEFAULT_FLOOR, _allowed, _as_float_array, _bias, _check_real, _grouped, _prepare, _pv,
-                        _qk, _safe_softmax, attention_varlen_ref)
+from .reference_composed import attention_varlen_ref
+from .reference_dense import (_DEFAULT_FLOOR, _allowed, _as_float_array, _bias, _check_real, _grouped, _prepare, _pv,
+                              _qk, _safe_softmax)
 
 __all__ = ["attention_backward_ref", "attention_backward_lowp", "attention_varlen_backward_ref",
            "backward_error_bounds"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .reference import _allowed, _bias, _finish, _prepare, _pv, _qk, attention_ref
+from .reference_dense import _allowed, _bias, _finish, _prepare, _pv, _qk, attention_ref
 
 __all__ = ["FP8_DTYPE", "quantize_fp8", "dequantize_fp8", "attention_fp8_ref", "attention_fp8_lowp",
            "fp8_error_bound"]

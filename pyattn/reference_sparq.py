@@ -142,7 +142,7 @@ def sparq_ref(q, keys, values, *, r: int, k: int, scale=None, select: str = "gro
     out : ndarray of float64, (batch, 1, heads_q, head_dim)
     details : dict, only with ``return_details``
     """
-    from .reference import attention_lowp, attention_ref
+    from .reference_dense import attention_lowp, attention_ref
 
     keys, values = _per_head(q, keys, values, select)
     q, ks, vs = _rows(q, keys, values)
