@@ -36,6 +36,15 @@ def test_license_is_the_apache_2_text_pyproject_names():
     assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text()
 
 
+def test_pyproject_lists_every_package():
+    """A non-editable install ships only the packages pyproject names: every folder of pyattn with an
+    __init__.py must be among them (an editable install, as CI's, would not notice one missing)."""
+    text = (REPO / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(pyattn(?:\.[a-z_]+)*)"', text[text.index("packages = ["):text.index("]", text.index("packages = ["))]))
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "pyattn").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
+
+
 @pytest.mark.parametrize("command", [
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pyattn demo",
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q",

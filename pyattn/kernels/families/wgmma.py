@@ -18,7 +18,7 @@ from .tables import row as table_row
 from .tables import rows as table_rows
 
 __all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes",
-           "wgmma_fp8_shapes", "tma_serves", "tma_serves_short", "short_limit"]
+           "tma_serves", "tma_serves_short", "short_limit"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 

@@ -1,105 +1,17 @@
-"""Sparse attention patterns: token-level CSR lists or block masks, built on the CPU with NumPy.
-
-Every builder takes ``seqlen_q``, an optional ``seqlen_k`` (default ``seqlen_q``), ``causal`` and
-``block_size`` (an int B for (B, B), or a pair (R, C)). Query row i sits at position
-``t = i + seqlen_k - seqlen_q`` of the key sequence (bottom-right alignment, as
-``pyattn.attention``'s causal and window); ``causal=True`` keeps keys ``j <= t``.
-
-Without ``block_size`` a builder returns the CSR pair ``(indices, offsets)``: int32, offsets of
-shape (seqlen_q + 1,) starting at 0, row i's keys ``indices[offsets[i]:offsets[i + 1]]`` sorted
-and unique. With ``block_size=(R, C)`` it returns the bool block mask of shape
-(ceil(seqlen_q / R), ceil(seqlen_k / C)) in which a block is set iff the token pattern has at
-least one (row, key) pair inside it: a coarsening, so a superset of the token pattern (combine it
-with ``causal`` in the attention call to drop the extra keys of diagonal blocks). The
-block-sparse kernels need R and C to be multiples of 16.
-"""
+"""The pattern builders: local windows, strided, dilated, global tokens, random keys and BigBird,
+each as a CSR list or a block mask (see :mod:`pyattn.patterns` for the conventions)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["local", "strided", "dilated", "global_tokens", "random_k", "bigbird", "csr_to_mask", "mask_to_csr",
-           "csr_to_bsr", "union"]
+from ._base import (_MAX_NNZ, _band, _block_size, _bool, _from_rows, _int, _int_array, _is_int, _query_pos,
+                    _seqlens)
+from .convert import csr_to_bsr, union
 
-_MAX_NNZ = 2**31 - 1  # int32 offsets
+__all__ = ["local", "strided", "dilated", "global_tokens", "random_k", "bigbird"]
+
 _DENSE_DRAW_ELEMS = 1 << 22  # random_k draws at most this many scores at once (32 MiB of float64)
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _int(name: str, x, minimum: int) -> int:
-    if not _is_int(x):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {x}")
-    return int(x)
-
-
-def _bool(name: str, x) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
-    return bool(x)
-
-
-def _seqlens(seqlen_q, seqlen_k) -> tuple[int, int]:
-    sq = _int("seqlen_q", seqlen_q, 1)
-    return sq, sq if seqlen_k is None else _int("seqlen_k", seqlen_k, 1)
-
-
-def _block_size(block_size) -> tuple[int, int] | None:
-    if block_size is None:
-        return None
-    if _is_int(block_size):
-        block_size = (block_size, block_size)
-    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2 or not all(map(_is_int, block_size)):
-        raise TypeError(f"block_size: expected an int or a pair (R, C) of ints, got {block_size!r}")
-    if min(block_size) < 1:
-        raise ValueError(f"block_size: expected positive sizes, got {tuple(block_size)}")
-    return int(block_size[0]), int(block_size[1])
-
-
-def _int_array(name: str, x) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
-    return a
-
-
-def _check_csr(indices, offsets, name: str = "indices, offsets"):
-    """Validated int64 (indices, offsets); offsets may have leading (batch, head) axes."""
-    ix, off = _int_array(f"{name}: indices", indices), _int_array(f"{name}: offsets", offsets)
-    if ix.ndim != 1 or off.ndim < 1 or off.shape[-1] < 1:
-        raise ValueError(f"{name}: expected 1-D indices and offsets of shape (..., Sq + 1), got {ix.shape} and "
-                         f"{off.shape}")
-    off = off.astype(np.int64)
-    if (off < 0).any() or (off > ix.size).any() or (np.diff(off, axis=-1) < 0).any():
-        raise ValueError(f"{name}: offsets must be non-decreasing along the last axis and lie in "
-                         f"[0, len(indices) = {ix.size}]")
-    return ix.astype(np.int64), off
-
-
-def _csr_entries(ix: np.ndarray, off: np.ndarray, seqlen_k: int, name: str):
-    """(flat row id, key) of every listed entry; rows run over offsets' leading axes and Sq."""
-    counts = np.diff(off, axis=-1).ravel()
-    starts = np.cumsum(counts) - counts
-    pos = np.repeat(off[..., :-1].ravel(), counts) + np.arange(counts.sum()) - np.repeat(starts, counts)
-    cols = ix[pos]
-    if ((cols < 0) | (cols >= seqlen_k)).any():
-        bad = int(cols[(cols < 0) | (cols >= seqlen_k)][0])
-        raise ValueError(f"{name}: indices must lie in [0, seqlen_k = {seqlen_k}), got {bad}")
-    return np.repeat(np.arange(counts.size), counts), cols
-
-
-def _from_rows(rows: np.ndarray, cols: np.ndarray, sq: int):
-    """CSR from (row, key) pairs already sorted by row then key, without duplicates."""
-    offsets = np.zeros(sq + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=sq), out=offsets[1:])
-    return cols.astype(np.int32), offsets.astype(np.int32)
 
 
 # --------------------------------------------------------------------------- pattern parts
@@ -107,17 +19,6 @@ def _from_rows(rows: np.ndarray, cols: np.ndarray, sq: int):
 # ("ap", first, step, count) = one arithmetic progression per row, or ("csr", indices, offsets).
 # _emit turns the union of the parts into CSR or coarsens each part straight to blocks (a
 # coarsening of a union is the union of the coarsenings), never expanding a band to tokens there.
-
-
-def _query_pos(sq: int, sk: int) -> np.ndarray:
-    return np.arange(sq, dtype=np.int64) + (sk - sq)
-
-
-def _band(t, sk: int, left: int, right: int, causal: bool):
-    """Interval part of keys ``t - left <= j <= t + right`` (-1 = unbounded), causal ``j <= t``."""
-    lo = t - left if left >= 0 else np.zeros_like(t)
-    hi = t + right if right >= 0 else np.full_like(t, sk - 1)
-    return ("iv", lo, np.minimum(hi, t) if causal else hi)
 
 
 def _part_csr(part, sq: int, sk: int):
@@ -415,92 +316,3 @@ def bigbird(seqlen, *, block_size, window_blocks=1, global_blocks=1, random_bloc
         sel = np.argpartition(score, kk - 1, axis=1)[:, :kk]
         mask[idx[:, None], sel] |= np.take_along_axis(score, sel, axis=1) < 1.0
     return mask
-
-
-# --------------------------------------------------------------------------- conversions
-
-
-def csr_to_mask(indices, offsets, seqlen_k):
-    """Expand CSR to a bool mask of shape ``offsets.shape[:-1] + (Sq, seqlen_k)``.
-
-    ``offsets`` of shape (Sq + 1,), (H, Sq + 1) or (B, H, Sq + 1) holds absolute positions into
-    the one flat ``indices`` array. Duplicate keys are allowed.
-
-    Examples
-    --------
-    >>> csr_to_mask([1, 0], [0, 1, 2], 2).tolist()
-    [[False, True], [True, False]]
-    """
-    sk = _int("seqlen_k", seqlen_k, 1)
-    ix, off = _check_csr(indices, offsets)
-    rows, cols = _csr_entries(ix, off, sk, "indices")
-    out = np.zeros((off[..., :-1].size, sk), dtype=bool)
-    out[rows, cols] = True
-    return out.reshape(off.shape[:-1] + (off.shape[-1] - 1, sk))
-
-
-def mask_to_csr(mask):
-    """CSR ``(indices, offsets)`` (int32) of a 2-D bool mask (Sq, Sk).
-
-    Examples
-    --------
-    >>> [a.tolist() for a in mask_to_csr(np.array([[True, True], [False, True]]))]
-    [[0, 1, 1], [0, 2, 3]]
-    """
-    m = np.asarray(mask)
-    if m.dtype != np.bool_:
-        raise TypeError(f"mask: expected dtype bool, got {m.dtype}")
-    if m.ndim != 2:
-        raise ValueError(f"mask: expected 2 dims (Sq, Sk), got shape {m.shape}")
-    rows, cols = np.nonzero(m)
-    return _from_rows(rows, cols, m.shape[0])
-
-
-def csr_to_bsr(indices, offsets, seqlen_k, block_size):
-    """Coarsen CSR to a bool block mask ``offsets.shape[:-1] + (ceil(Sq / R), ceil(seqlen_k / C))``.
-
-    A block is set iff at least one listed (row, key) pair falls inside it.
-
-    Examples
-    --------
-    >>> csr_to_bsr([3], [0, 0, 1, 1], 4, (2, 2)).tolist()
-    [[False, True], [False, False]]
-    """
-    sk = _int("seqlen_k", seqlen_k, 1)
-    r, c = _block_size(block_size)
-    ix, off = _check_csr(indices, offsets)
-    sq = off.shape[-1] - 1
-    rows, cols = _csr_entries(ix, off, sk, "indices")
-    mb, nb = -(-sq // r), -(-sk // c)
-    out = np.zeros((off[..., :-1].size // max(sq, 1), mb, nb), dtype=bool)
-    out[rows // max(sq, 1), rows % max(sq, 1) // r, cols // c] = True
-    return out.reshape(off.shape[:-1] + (mb, nb))
-
-
-def union(*csrs, seqlen_k):
-    """Union of CSR patterns over the same rows, sorted and without duplicates.
-
-    Examples
-    --------
-    >>> idx, off = union(local(4, window=0), global_tokens(4, tokens=[0]), seqlen_k=4)
-    >>> [idx[off[i]:off[i + 1]].tolist() for i in range(4)]
-    [[0, 1, 2, 3], [0, 1], [0, 2], [0, 3]]
-    """
-    sk = _int("seqlen_k", seqlen_k, 1)
-    if not csrs:
-        raise ValueError("csrs: expected at least one (indices, offsets) pair")
-    keys, sq = [], None
-    for n, pair in enumerate(csrs):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise TypeError(f"csrs[{n}]: expected an (indices, offsets) pair, got {type(pair).__name__}")
-        ix, off = _check_csr(pair[0], pair[1], f"csrs[{n}]")
-        if off.ndim != 1 or (sq is not None and off.size - 1 != sq):
-            want = "(Sq + 1,)" if sq is None else f"({sq + 1},) like the first pattern's"
-            raise ValueError(f"csrs[{n}]: expected offsets of shape {want}, got {off.shape}")
-        sq = off.size - 1
-        rows, cols = _csr_entries(ix, off, sk, f"csrs[{n}]")
-        keys.append(rows * sk + cols)
-    # Each pattern is usually sorted already: a stable (merge) sort of its runs beats np.unique.
-    key = np.sort(np.concatenate(keys), kind="stable")
-    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
-    return _from_rows(key // sk, key % sk, sq)
