@@ -122,16 +122,19 @@ struct PersistentUnits {
   // `fast`: the divisors as FastDivs (the consumers), or null (plain division).
   __device__ __forceinline__ bool tile(const AttnFwdParams& p, int u, int side, int& m_block, int& head,
                                        int& batch, const Divs* fast = nullptr) const {
+    // x / d, d = per_units(p) in each branch below (the consumers' FastDiv holds that same divisor;
+    // d is passed, not recomputed, so the producer's plain division stays as cheap as it was)
+    const auto per_div = [fast](int x, int d) { return fast ? fast->per.div(x) : x / d; };
     int bh, i;
     if (!p.causal) {
-      bh = fast ? fast->per.div(u) : u / n_mb;
+      bh = per_div(u, n_mb);
       m_block = u - bh * n_mb;
     } else if (!(n_mb & 1)) {
-      bh = fast ? fast->per.div(u) : u / pairs;
+      bh = per_div(u, pairs);
       i = u - bh * pairs;
       m_block = side == 0 ? n_mb - 1 - i : i;
     } else {  // a group of two (batch, head)s: n_mb units
-      const int g = fast ? fast->per.div(u) : u / n_mb;
+      const int g = per_div(u, n_mb);
       bh = 2 * g;
       i = u - g * n_mb;
       if (bh + 1 == n_bh && i >= pairs) i = 2 * pairs;  // a lone last (batch, head): its middle unit
