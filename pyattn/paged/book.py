@@ -9,15 +9,18 @@ Invariants (checked by :meth:`PageBook.check`, and by the tests after every oper
 - the free list holds exactly the pages whose reference count is 0, each once.
 
 Every mutating call either completes or raises before changing anything (out of pages included).
+
+The calls that take pages (appends, accepting a draft tree's tokens) plan in
+:mod:`pyattn.paged.book_plans`, which also defines :class:`OutOfPagesError` and the plan types
+(imported here: ``pyattn.paged.book`` is where callers find them).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from ..runtime.errors import PyattnError
+from . import book_plans
+from .book_plans import AcceptPlan, AppendPlan, OutOfPagesError
 
 __all__ = ["PageBook", "AppendPlan", "AcceptPlan", "OutOfPagesError", "MAX_PAGE_SIZE", "longest_first"]
 
@@ -39,45 +42,6 @@ def longest_first(lens) -> np.ndarray | None:
     if len(lens) < 2 or int(lens.min()) == int(lens.max()):
         return None
     return np.argsort(-np.asarray(lens, np.int64), kind="stable").astype(np.int32)
-
-
-class OutOfPagesError(PyattnError):
-    """The cache has too few free pages for a request; the cache was left unchanged.
-
-    Attributes
-    ----------
-    needed, free : int
-        Pages the request needed (new pages plus copy-on-write copies) and pages free.
-    """
-
-    def __init__(self, needed: int, free: int, what: str):
-        self.needed, self.free = needed, free
-        super().__init__(f"out of KV-cache pages: {what} needs {needed} new page(s), {free} free; "
-                         f"nothing was changed (free sequences or create a larger cache)")
-
-
-class AppendPlan(NamedTuple):
-    """Where an append writes, as global slot indices ``page * page_size + offset`` (int32).
-
-    ``dst`` has one slot per new token, sequences in call order. ``copy_src``/``copy_dst`` are the
-    copy-on-write copies (slot to slot) that must happen with the append: distinct slots from
-    ``dst``, so one kernel may do both in any order.
-    """
-
-    dst: np.ndarray
-    copy_src: np.ndarray
-    copy_dst: np.ndarray
-
-
-class AcceptPlan(NamedTuple):
-    """The slot-to-slot copies (int32 global slots) that move accepted draft tokens into place.
-
-    Every ``copy_dst`` slot lies in a page newly taken from the free list and no ``copy_src``
-    slot does, so one launch may do all copies in any order.
-    """
-
-    copy_src: np.ndarray
-    copy_dst: np.ndarray
 
 
 class _Seq:
@@ -244,127 +208,12 @@ class PageBook:
         if (_FAST_APPEND and type(counts) in (list, tuple) and len(counts) == len(seqs)
                 and _INT_ONLY == set(map(type, counts)) and min(counts) >= 0 and max(counts) <= self.page_size):
             return self._append_small(seqs, counts)
-        if any(isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) for c in counts):
-            raise TypeError(f"counts: expected ints, got {list(counts)}")
-        counts = [int(c) for c in counts]
-        if len(counts) != len(seqs) or any(c < 0 for c in counts):
-            raise ValueError(f"counts: expected {len(seqs)} non-negative token counts, got {counts}")
-        # Copy-on-write is decided on the reference counts at the call's start: a page shared then
-        # is copied by every sequence that writes into it, so no launch both reads a page as a
-        # copy source and writes it in place. A page all of whose sharers copied away is freed
-        # after the call's pages are handed out, so no slot is reused within one launch.
-        ps = self.page_size
-        cows = [bool(c) and self._cow_needed(seq) for seq, c in zip(seqs, counts)]
-        need = sum(-(-(seq.length + c) // ps) - seq.n_pages + cow for seq, c, cow in zip(seqs, counts, cows) if c)
-        if need > len(self._free):
-            raise OutOfPagesError(need, len(self._free), f"appending {sum(counts)} token(s)")
-
-        dst, copy_src, copy_dst, orphans = [], [], [], []
-        for seq, c, cow in zip(seqs, counts, cows):
-            if not c:
-                continue
-            if cow:
-                old, new = int(seq.pages[seq.n_pages - 1]), self._free.pop()
-                filled = seq.length % ps
-                copy_src.append(np.arange(old * ps, old * ps + filled, dtype=np.int32))
-                copy_dst.append(np.arange(new * ps, new * ps + filled, dtype=np.int32))
-                self.refcount[old] -= 1
-                if self.refcount[old] == 0:
-                    orphans.append(old)
-                self.refcount[new] = 1
-                seq.pages[seq.n_pages - 1] = new
-            end = seq.length + c
-            n_new = -(-end // ps) - seq.n_pages
-            seq.reserve(seq.n_pages + n_new)
-            for _ in range(n_new):
-                page = self._free.pop()
-                self.refcount[page] = 1
-                seq.pages[seq.n_pages] = page
-                seq.n_pages += 1
-            if c == 1:  # the decode loop's case, without NumPy temporaries
-                dst.append(np.int32(int(seq.pages[seq.length // ps]) * ps + seq.length % ps))
-            else:
-                pos = np.arange(seq.length, end, dtype=np.int64)
-                dst.append((seq.pages[pos // ps].astype(np.int64) * ps + pos % ps).astype(np.int32))
-            seq.length = end
-        self._free.extend(orphans)
-        self.version += 1
-        cat = (lambda parts: np.concatenate([np.atleast_1d(x) for x in parts]).astype(np.int32, copy=False)
-               if parts else np.empty(0, np.int32))
-        return AppendPlan(cat(dst), cat(copy_src), cat(copy_dst))
+        return book_plans.append_general(self, seqs, counts)
 
     def _append_small(self, seqs: list, counts) -> AppendPlan:
-        """:meth:`plan_append` for valid counts, each a plain int in [0, page_size]: the same plan and
-        the same book afterwards (pages taken in the same order, the same free list and reference
-        counts), in plain Python ints. The decode loop calls this for up to hundreds of sequences a
-        step, where the general path's per-sequence NumPy scalars and small arrays cost more than
-        the rest of the step's host work.
-        """
-        ps, rc, free = self.page_size, self.refcount, self._free
-        # Pass 1 changes nothing (running out of pages must leave the book untouched). A sequence
-        # whose tokens all fit in its private, partly filled last page (the decode loop's case:
-        # page_size - 1 steps in page_size) gets its slots now; the others (an empty sequence or a
-        # full last page, a shared last page, a spill into a new page: at most one, as counts are
-        # <= page_size) get placeholders, filled once pages are taken. Copy-on-write is decided on
-        # the reference counts at the call's start, as in the general path.
-        dst, later, need = [], [], 0
-        for seq, c in zip(seqs, counts):
-            off = seq.length % ps
-            if off and c:
-                p = seq.pages.item(seq.n_pages - 1)  # .item: a Python int, no NumPy scalar
-                cow = rc.item(p) > 1
-                if not cow and off + c <= ps:
-                    slot = p * ps + off
-                    if c == 1:
-                        dst.append(slot)
-                    else:
-                        dst.extend(range(slot, slot + c))
-                    continue
-                need += cow + (off + c > ps)
-            elif c:
-                p, cow = -1, False
-                need += 1
-            else:
-                continue
-            later.append((len(dst), seq, c, off, p, cow))
-            dst.extend(range(c))  # placeholders
-        if need > len(free):
-            raise OutOfPagesError(need, len(free), f"appending {sum(counts)} token(s)")
-
-        for seq, c in zip(seqs, counts):
-            seq.length += c
-        copy_src, copy_dst, orphans = [], [], []
-        # In call order, so pages leave the free list in the general path's order: per sequence
-        # its copy first, then its new page.
-        for i, seq, c, off, p, cow in later:
-            if cow:
-                old, p = p, free.pop()
-                copy_src.extend(range(old * ps, old * ps + off))
-                copy_dst.extend(range(p * ps, p * ps + off))
-                r = rc.item(old) - 1
-                rc[old] = r
-                if r == 0:  # all its sharers copied away: freed after the call (no slot reused in a launch)
-                    orphans.append(old)
-                rc[p] = 1
-                seq.pages[seq.n_pages - 1] = p
-            if off:  # the rest of the last page (its copy, if shared) first
-                k = min(c, ps - off)
-                dst[i: i + k] = range(p * ps + off, p * ps + off + k)
-                i, c = i + k, c - k
-            if c:
-                page, n = free.pop(), seq.n_pages
-                rc[page] = 1
-                seq.reserve(n + 1)
-                seq.pages[n] = page
-                seq.n_pages = n + 1
-                dst[i: i + c] = range(page * ps, page * ps + c)
-        free.extend(orphans)
-        self.version += 1
-        return AppendPlan(np.array(dst, np.int32), np.array(copy_src, np.int32), np.array(copy_dst, np.int32))
-
-    def _cow_needed(self, seq: _Seq) -> bool:
-        """True when the next write to ``seq`` lands in a shared, partly filled last page."""
-        return seq.length % self.page_size != 0 and self.refcount[seq.pages[seq.n_pages - 1]] > 1
+        """:meth:`plan_append`'s fast path (:func:`~pyattn.paged.book_plans.append_small`); a method,
+        so that tests can swap it on the class to count its calls."""
+        return book_plans.append_small(self, seqs, counts)
 
     # -- speculative decoding: keep an accepted branch of a draft tree ---------------------
     def plan_accept(self, seq_ids, paths, tree_sizes, *, checked=None) -> AcceptPlan:
@@ -384,75 +233,13 @@ class PageBook:
         arguments on the book as it is now (its checks are then not repeated).
         """
         plans = checked if checked is not None else self.check_accept(seq_ids, paths, tree_sizes)
-        ps = self.page_size
-        src, dst, released = [], [], []
-        for seq, base, p, k, first, fresh in plans:
-            m = p.size
-            end = base + m
-            if fresh:
-                old = seq.page_list()
-                new = np.array([self._free.pop() for _ in range(fresh)], np.int32)
-                self.refcount[new] = 1
-                # new positions [first * ps, end): the kept slots below base + k, then the moved tokens
-                pos = np.arange(first * ps, end, dtype=np.int64)
-                from_pos = np.where(pos < base + k, pos, base + p[np.clip(pos - base, 0, m - 1)])
-                src.append(old[from_pos // ps].astype(np.int64) * ps + from_pos % ps)
-                dst.append(new[pos // ps - first].astype(np.int64) * ps + pos % ps)
-                released.append(old[first:].copy())
-                seq.reserve(first + fresh)
-                seq.pages[first: first + fresh] = new
-                seq.n_pages = first + fresh
-            else:  # everything kept is in place: drop the rest
-                keep = -(-end // ps)
-                released.append(seq.pages[keep: seq.n_pages].copy())
-                seq.n_pages = keep
-            seq.length = end
-        for pages in released:  # after every new page was taken: no slot is reused within the launch
-            self._release(pages)
-        self.version += 1
-        cat = (lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32))
-        return AcceptPlan(cat(src), cat(dst))
+        return book_plans.plan_accept(self, plans)
 
     def check_accept(self, seq_ids, paths, tree_sizes) -> list:
         """:meth:`plan_accept`'s checks, changing nothing: raises as it would (``OutOfPagesError``
         included), else returns its per-sequence plans. ``PagedKVCache.accept`` calls it before any
         device work, then hands them to plan_accept once its kernel is ready."""
-        seqs = self.seq_list(seq_ids)
-        try:
-            sizes = [tree_sizes] * len(seqs) if isinstance(tree_sizes, (int, np.integer)) else list(tree_sizes)
-        except TypeError:
-            raise TypeError(f"tree_sizes: expected an int or a sequence of ints, got {tree_sizes!r}") from None
-        try:
-            paths = list(paths)
-        except TypeError:
-            raise TypeError(f"paths: expected a sequence of paths (one per sequence), got {paths!r}") from None
-        if len(sizes) != len(seqs) or len(paths) != len(seqs):
-            raise ValueError(f"paths, tree_sizes: expected one per sequence ({len(seqs)}), got {len(paths)} paths "
-                             f"and {len(sizes)} tree sizes")
-        ps, plans, need = self.page_size, [], 0
-        for i, (seq, n, path) in enumerate(zip(seqs, sizes, paths)):
-            if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-                raise TypeError(f"tree_sizes: expected ints, got {n!r} for sequence {i}")
-            if not 0 <= n <= seq.length:
-                raise ValueError(f"tree_sizes: expected 0 <= tree size <= the sequence's length {seq.length}, got "
-                                 f"{n} for sequence {i}")
-            p = np.asarray(path)
-            if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
-                raise TypeError(f"paths: expected a 1-D sequence of ints per sequence, got {path!r} for sequence {i}")
-            p = p.astype(np.int64)
-            if p.size and (p[0] < 0 or p[-1] >= n or (np.diff(p) <= 0).any()):
-                raise ValueError(f"paths: expected ascending tree indices in [0, {n}), got {p.tolist()} for "
-                                 f"sequence {i}")
-            base, m = seq.length - int(n), int(p.size)
-            moved = np.flatnonzero(p != np.arange(m))
-            k = int(moved[0]) if moved.size else m  # the first kept token that must move
-            first = (base + k) // ps  # the first page replaced (moved.size only)
-            fresh = -(-(base + m) // ps) - first if moved.size else 0
-            plans.append((seq, base, p, k, first, fresh))
-            need += fresh
-        if need > len(self._free):
-            raise OutOfPagesError(need, len(self._free), f"accepting the draft tokens of {len(seqs)} sequence(s)")
-        return plans
+        return book_plans.check_accept(self, seq_ids, paths, tree_sizes)
 
     # -- exports -----------------------------------------------------------------------------
     def csr(self, seq_ids) -> tuple:

@@ -24,14 +24,15 @@ from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.host import upload
 from ..quant import KEPT_CHANNELS, code_dtype, kind_of
 from ..runtime.device import Device, get_device
-from ..runtime.stream import as_stream, check_stream_arg, order_after
+from ..runtime.stream import as_stream, check_stream_arg
 from ..validate.paged import (DECODE_DTYPES, PoolInfo, check_append, check_cache_options,
                               check_token_address, check_token_rows)
 from .book import PageBook, longest_first
-from . import side_state
 from .appender import Appender
+from .bookkeeping import CacheBookkeeping
 from .decode_table import DecodeTable
 from .keypages import KeyStager
+from .side_state import SideStateMethods
 from .sparq_state import SparqRows
 
 __all__ = ["PagedKVCache"]
@@ -46,7 +47,10 @@ _layout_tokens: dict = {}  # PoolInfo -> a number naming that layout in memo key
 _token_counter = itertools.count()
 
 
-class PagedKVCache:
+# The host-only bookkeeping (sizes, sequence lifecycle, NumPy page tables, stream order) and the
+# side-state methods (per-channel key scales, SparQ) are mixins in their own modules, so that this
+# one holds the constructor and the device work and stays short enough to read at once.
+class PagedKVCache(CacheBookkeeping, SideStateMethods):
     """A paged KV cache on one GPU.
 
     Parameters
@@ -182,88 +186,6 @@ class PagedKVCache:
         self._appender = Appender(self)  # kv_append's kernels, struct and mailbox for this cache
         self._quick: dict = {}  # append's quick key -> pipeline.device.Bound (see append)
         self._stream = self.k.stream  # the stream of the last op on the cache (see order)
-
-    # -- bookkeeping (host only) -------------------------------------------------------------
-    @property
-    def kv(self) -> str:
-        """``""`` for a float16 / bfloat16 cache, else ``"int8"`` or ``"fp8e4m3"``."""
-        return self._kv
-
-    @property
-    def num_pages(self) -> int:
-        return self.book.num_pages
-
-    @property
-    def page_size(self) -> int:
-        return self.book.page_size
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.book.num_free
-
-    @property
-    def seq_ids(self) -> list:
-        """Live sequence ids, in creation order."""
-        return self.book.seq_ids
-
-    def add_sequence(self) -> int:
-        """Start an empty sequence; returns its id."""
-        return self.book.add_sequence()
-
-    def fork(self, seq_id, length=None) -> int:
-        """A new sequence sharing the first ``length`` tokens (default all) of ``seq_id`` (a shared
-        prefix, parallel sampling, beam search); pages are copied only when written."""
-        child = self.book.fork(seq_id, length)
-        if self._sq is not None:
-            job = self._sq.fork(seq_id, child, self.book.length(child) == self.book.length(seq_id))
-            if job is not None:  # the parent's V sum, copied now (the parent may grow before the child)
-                self.device.activate()
-                self._grow_sums(self._stream)
-                self._launch_sparq(np.array([[job[0], job[1], 0, 0]], np.int32), np.empty(0, np.int32), None, 0,
-                                   self._stream)
-        return child
-
-    def truncate(self, seq_id, length) -> None:
-        """Keep the first ``length`` tokens of ``seq_id`` (speculative-decoding rollback)."""
-        self.book.truncate(seq_id, length)
-        if self._keys is not None:
-            self._keys.release_unreferenced(self.book)
-        if self._sq is not None:
-            self._sq.dirty.add(seq_id)  # rebuilt by its next append or SparQ decode
-
-    def free(self, seq_id) -> None:
-        """Release ``seq_id``; pages no other sequence shares return to the pool."""
-        self.book.free(seq_id)
-        if self._keys is not None:
-            self._keys.release_unreferenced(self.book)
-        if self._sq is not None:
-            self._sq.drop(seq_id)
-
-    def length(self, seq_id) -> int:
-        """Tokens held by ``seq_id``."""
-        return self.book.length(seq_id)
-
-    def page_table(self, seq_ids) -> tuple:
-        """FlashInfer's CSR page table of ``seq_ids``: int32 NumPy ``(indptr, indices, last_page_len)``."""
-        return self.book.csr(seq_ids)
-
-    def block_table(self, seq_ids, pad: int = -1) -> tuple:
-        """vLLM's padded block table of ``seq_ids``: int32 NumPy ``(table, lengths)``."""
-        return self.book.block_table(seq_ids, pad)
-
-    def check_ids(self, seq_ids) -> list:
-        """``seq_ids`` as a list of distinct live ids (an int is one id); raises before any device work."""
-        ids = [seq_ids] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
-        self.book.seq_list(ids)  # (live, and no repeats: it checks both)
-        return ids
-
-    def order(self, s) -> None:
-        """Order stream ``s`` after the cache's last op and make ``s`` the cache's stream: an append
-        on one stream and a decode on another never race (neither a read of tokens not yet written,
-        nor a copy-on-write or append over slots an earlier decode still reads)."""
-        if s.ptr != self._stream.ptr:
-            order_after(s, self._stream.ptr)
-            self._stream = s
 
     # -- data --------------------------------------------------------------------------------
     def append(self, seq_ids, k, v, *, counts=None, stream=None) -> None:
@@ -442,48 +364,6 @@ class PagedKVCache:
         else:
             t.use(s)
         return (t.tables, *t.span)
-
-    # -- per-channel key scales and SparQ state (pyattn.paged.side_state) ---------------------
-    def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:
-        side_state.append_key_pages(self, tag, dk, kst, counts, before, dst, s)
-
-    def _grow_sums(self, s) -> None:
-        side_state.grow_sums(self, s)
-
-    def _launch_sparq(self, jobs, slots, items_ptr, n_items: int, s) -> None:
-        side_state.launch_sparq(self, jobs, slots, items_ptr, n_items, s)
-
-    def _append_sparq(self, grown, items_ptr: int, n_items: int, s) -> None:
-        side_state.append_sparq(self, grown, items_ptr, n_items, s)
-
-    def read_key_scales(self) -> tuple:
-        """The per-channel key scales and kept channels, copied to the host (``key_scales="channel"``).
-
-        Returns
-        -------
-        page_scale : numpy.ndarray
-            float32 (num_pages, num_kv_heads): ``S``.
-        chan : numpy.ndarray
-            float16 (num_pages, num_kv_heads, head_dim): ``r``; a key's value is code * S * r[channel].
-        idx : numpy.ndarray
-            uint8 (num_pages, num_kv_heads, 4): each page's kept channels, largest first.
-        kept : numpy.ndarray
-            float16 (num_pages, page_size, num_kv_heads, 4): their values over ``S`` (value = kept * S).
-        (:func:`pyattn.quant.dequantize_page` takes them per kv head.)
-        """
-        if self._keys is None:
-            raise ValueError(f"key_scales: this cache scales keys per {self.key_scales}, not per channel")
-        rec = self.k_scale.numpy(self._stream)
-        D, ps = self.head_dim, self.page_size
-        idx = np.ascontiguousarray(rec[..., 1]).view(np.uint8).reshape(rec.shape[:2] + (KEPT_CHANNELS,))
-        halves = np.ascontiguousarray(rec[..., 4:]).view(np.float16)
-        kept = halves[..., D:].reshape(rec.shape[:2] + (ps, KEPT_CHANNELS)).transpose(0, 2, 1, 3)
-        return rec[..., 0].copy(), np.ascontiguousarray(halves[..., :D]), idx, np.ascontiguousarray(kept)
-
-    def sparq_rows(self, seq_ids, s):
-        """Rows of the V sums of ``seq_ids`` (rebuilding dirty ones first) as a device int32 array,
-        for :func:`pyattn.sparq_decode`; the cache must have been made with ``sparq=True``."""
-        return side_state.sparq_rows(self, seq_ids, s)
 
     def __repr__(self) -> str:
         dt = f"{self.dtype} codes + float32 scales per token and kv head" if self._kv else str(self.dtype)

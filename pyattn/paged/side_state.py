@@ -6,6 +6,10 @@ copy of the open pages when more are open than ever before. SparQ (``sparq=True`
 copies the written key rows into the transposed pool ``kt`` and extends (or rebuilds) the
 per-sequence V sums of :class:`~pyattn.paged.sparq_state.SparqRows`, whose device array grows as
 rows are handed out. Functions of the cache, which owns every array they touch.
+
+:class:`SideStateMethods`, a mixin of ``PagedKVCache``, makes them the cache's methods (the private
+ones are what :class:`~pyattn.paged.appender.Appender` and ``fork`` call) and adds the public
+:meth:`~SideStateMethods.read_key_scales` and :meth:`~SideStateMethods.sparq_rows`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
 from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
+from ..quant import KEPT_CHANNELS
 from ..runtime.launch import launch
 from ..runtime.memory import copy_device
 
-__all__ = ["append_key_pages", "grow_sums", "launch_sparq", "append_sparq", "sparq_rows"]
+__all__ = ["append_key_pages", "grow_sums", "launch_sparq", "append_sparq", "sparq_rows", "SideStateMethods"]
 
 _BLOCKS_PER_SM = 8  # grid-stride launches: enough blocks to cover the GPU, no more
 
@@ -110,3 +115,49 @@ def sparq_rows(cache, seq_ids, s):
     else:
         note_use(s, [cache._vrows[1]])
     return cache._vrows[1]
+
+
+class SideStateMethods:
+    """The per-channel key-scale and SparQ methods of :class:`~pyattn.paged.cache.PagedKVCache` (the
+    functions above, on the cache's arrays)."""
+
+    def _append_key_pages(self, tag, dk, kst, counts, before, dst, s) -> None:
+        append_key_pages(self, tag, dk, kst, counts, before, dst, s)
+
+    def _grow_sums(self, s) -> None:
+        grow_sums(self, s)
+
+    def _launch_sparq(self, jobs, slots, items_ptr, n_items: int, s) -> None:
+        launch_sparq(self, jobs, slots, items_ptr, n_items, s)
+
+    def _append_sparq(self, grown, items_ptr: int, n_items: int, s) -> None:
+        append_sparq(self, grown, items_ptr, n_items, s)
+
+    def read_key_scales(self) -> tuple:
+        """The per-channel key scales and kept channels, copied to the host (``key_scales="channel"``).
+
+        Returns
+        -------
+        page_scale : numpy.ndarray
+            float32 (num_pages, num_kv_heads): ``S``.
+        chan : numpy.ndarray
+            float16 (num_pages, num_kv_heads, head_dim): ``r``; a key's value is code * S * r[channel].
+        idx : numpy.ndarray
+            uint8 (num_pages, num_kv_heads, 4): each page's kept channels, largest first.
+        kept : numpy.ndarray
+            float16 (num_pages, page_size, num_kv_heads, 4): their values over ``S`` (value = kept * S).
+        (:func:`pyattn.quant.dequantize_page` takes them per kv head.)
+        """
+        if self._keys is None:
+            raise ValueError(f"key_scales: this cache scales keys per {self.key_scales}, not per channel")
+        rec = self.k_scale.numpy(self._stream)
+        D, ps = self.head_dim, self.page_size
+        idx = np.ascontiguousarray(rec[..., 1]).view(np.uint8).reshape(rec.shape[:2] + (KEPT_CHANNELS,))
+        halves = np.ascontiguousarray(rec[..., 4:]).view(np.float16)
+        kept = halves[..., D:].reshape(rec.shape[:2] + (ps, KEPT_CHANNELS)).transpose(0, 2, 1, 3)
+        return rec[..., 0].copy(), np.ascontiguousarray(halves[..., :D]), idx, np.ascontiguousarray(kept)
+
+    def sparq_rows(self, seq_ids, s):
+        """Rows of the V sums of ``seq_ids`` (rebuilding dirty ones first) as a device int32 array,
+        for :func:`pyattn.sparq_decode`; the cache must have been made with ``sparq=True``."""
+        return sparq_rows(self, seq_ids, s)  # the module's function: a class body is no enclosing scope
