@@ -13,7 +13,9 @@ One file ``<key>.pyattnk`` per kernel (format in :mod:`pyattn.jit._entry`). Guar
   by whoever releases them (:mod:`pyattn.jit._keylock`), those of killed holders by the next
   write or :meth:`KernelCache.clear`.
 
-The caller compiles: no CUDA here.
+This module decides what to look up and builds under the per-key lock; the directory's files
+(trusted opening, checked reads, atomic writes, the once-per-instance warnings) are handled by
+:mod:`pyattn.jit._store`. The caller compiles: no CUDA here.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 from . import _trust
-from ._entry import (ENTRY_SUFFIX, LOCK_SUFFIX, MEMO_SUFFIX, CacheEntry, CorruptEntry, check_key, decode,
-                     default_cache_dir, encode, entry_key, is_memo_name, normalise_meta, temp_name)
+from ._entry import (ENTRY_SUFFIX, LOCK_SUFFIX, MEMO_SUFFIX, CacheEntry, check_key, default_cache_dir, encode,
+                     entry_key, is_memo_name, normalise_meta)
 from ._log import LazyLogger
+from ._store import EntryStore
 
-# _keylock and _litter are imported where writes need them: a warm start only reads.
+# _keylock and _litter are imported where builds and clears need them: a warm start only reads.
 
 __all__ = ["CacheEntry", "KernelCache", "default_cache_dir"]
 
@@ -77,10 +80,8 @@ class KernelCache:
         self._poll_interval = float(poll_interval)
         self._thread_locks: dict[str, threading.Lock] = {}
         self._thread_locks_guard = threading.Lock()
-        self._warned: set = set()  # what this instance has warned about: once is news, twice noise
-        # Once refused, always refused: a directory must not be trusted by one call and not the
-        # next (e.g. a component an attacker made fails, its child we then create passes).
-        self._refused = False
+        # The directory's files: trusted opening, atomic writes, checked reads, warnings once.
+        self._store = EntryStore(self._dir)
 
     @property
     def directory(self) -> pathlib.Path:
@@ -128,8 +129,8 @@ class KernelCache:
             If ``key`` is invalid.
         """
         key = check_key(key)
-        with self._dir_fd(create=False) as dfd:
-            return None if dfd is None else self._read(dfd, key)
+        with self._store.dir_fd(create=False) as dfd:
+            return None if dfd is None else self._store.read(dfd, key)
 
     def put(self, key: str, payload: bytes, meta: dict) -> pathlib.Path | None:
         """Store a kernel atomically (and remove temp files that dead writers left).
@@ -155,7 +156,7 @@ class KernelCache:
             If ``key`` is invalid, or ``meta`` is not a JSON-serialisable dict with str keys.
         """
         key = check_key(key)
-        return self._write(key, ENTRY_SUFFIX, encode(key, bytes(payload), normalise_meta(meta)), quiet=False)
+        return self._store.write(key, ENTRY_SUFFIX, encode(key, bytes(payload), normalise_meta(meta)), quiet=False)
 
     def get_memo(self, key: str) -> bytes | None:
         """Look up a memo: a small value that is costly to compute, such as the kernel-source digest.
@@ -174,15 +175,15 @@ class KernelCache:
             The value, or ``None`` on a miss (as :meth:`get`).
         """
         key = check_key(key)
-        with self._dir_fd(create=False) as dfd:
-            hit = None if dfd is None else self._read(dfd, key, MEMO_SUFFIX)
+        with self._store.dir_fd(create=False) as dfd:
+            hit = None if dfd is None else self._store.read(dfd, key, MEMO_SUFFIX)
         return None if hit is None else hit[0]
 
     def put_memo(self, key: str, value: bytes) -> None:
         """Store a memo atomically and silently, in an existing directory only: a read-only cache
         (a shipped, pre-warmed one) is a normal setup, and a lost memo costs only its recomputation."""
         key = check_key(key)
-        self._write(key, MEMO_SUFFIX, encode(key, bytes(value), {}), quiet=True)
+        self._store.write(key, MEMO_SUFFIX, encode(key, bytes(value), {}), quiet=True)
 
     def get_or_build(self, key: str,
                      build: Callable[[], tuple[bytes, dict]]) -> tuple[bytes, Mapping, bool]:
@@ -228,8 +229,8 @@ class KernelCache:
         Empty when the directory is missing or refused.
         """
         found = []
-        with self._dir_fd(create=False) as dfd:
-            for name in self._listdir(dfd):
+        with self._store.dir_fd(create=False) as dfd:
+            for name in self._store.listdir(dfd):
                 if (key := entry_key(name)) is not None:
                     with contextlib.suppress(OSError):  # removed since listdir
                         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -255,8 +256,8 @@ class KernelCache:
         from ._litter import remove_litter
 
         removed, failed = 0, []
-        with self._dir_fd(create=False) as dfd:
-            for name in self._listdir(dfd):
+        with self._store.dir_fd(create=False) as dfd:
+            for name in self._store.listdir(dfd):
                 is_entry = entry_key(name) is not None
                 if is_entry or is_memo_name(name):
                     try:
@@ -271,112 +272,6 @@ class KernelCache:
         if failed:
             logger.warning("could not remove from kernel cache %s: %s", self._dir, failed)
         return removed
-
-    # -- directory, reading, litter ------------------------------------------------------------
-
-    def _open_dir(self, create: bool) -> int | None:
-        """A descriptor of the trusted directory, or None (missing, unusable or refused: warned)."""
-        if self._refused:
-            return None
-        try:
-            return _trust.open_trusted_dir(self._dir, create=create)
-        except _trust.UntrustedPath as exc:
-            self._refused = True
-            self._warn_once("untrusted", "refusing kernel cache directory %s (%s); kernels will be "
-                            "compiled but not cached. Set PYATTN_CACHE_DIR to a directory only you "
-                            "can write (pyattn creates it with mode 0700)", self._dir, exc)
-        except OSError as exc:
-            if create:
-                self._warn_unwritable(exc)
-            else:  # unreadable: nothing to read, and writes will say why
-                logger.debug("cannot open kernel cache directory %s: %s", self._dir, exc)
-        return None
-
-    @contextlib.contextmanager
-    def _dir_fd(self, create: bool) -> Iterator[int | None]:
-        fd = self._open_dir(create)
-        try:
-            yield fd
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-    def _write(self, key: str, suffix: str, data: bytes, quiet: bool) -> pathlib.Path | None:
-        from ._litter import remove_litter
-
-        with self._dir_fd(create=not quiet) as dfd:
-            if dfd is None:
-                return None
-            remove_litter(dfd)
-            name, tmp = key + suffix, temp_name(key)
-            try:
-                # O_EXCL + O_NOFOLLOW: never write through something already there. 0o600 can
-                # only lose bits to the umask.
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o600, dir_fd=dfd)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                tmp = None
-                return self._dir / name
-            except OSError as exc:
-                if quiet:
-                    logger.debug("cannot write %s to kernel cache directory %s: %s", name, self._dir, exc)
-                else:
-                    self._warn_unwritable(exc)
-                return None
-            finally:
-                if tmp is not None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=dfd)
-
-    def _read(self, dfd: int, key: str, suffix: str = ENTRY_SUFFIX) -> tuple[bytes, dict] | None:
-        name = key + suffix
-        path = self._dir / name
-        try:
-            fd, st = _trust.open_trusted_file(dfd, name, os.O_RDONLY)
-            with os.fdopen(fd, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except _trust.UntrustedPath as exc:
-            self._warn_once(("entry", key), "ignoring kernel cache entry %s: %s; it will be rebuilt",
-                            path, exc)
-            return None
-        except OSError as exc:
-            logger.warning("cannot read kernel cache entry %s (%s); treating as a miss", path, exc)
-            return None
-        try:
-            return decode(key, data)
-        except CorruptEntry as exc:
-            logger.warning("discarding corrupt kernel cache entry %s: %s", path, exc)
-            # Only remove the file we read: a writer may have replaced it with a good one since.
-            if _trust.names_inode(dfd, name, st):
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dfd)
-            return None
-
-    def _listdir(self, dfd: int | None) -> list[str]:
-        if dfd is None:
-            return []
-        try:
-            return os.listdir(dfd)
-        except OSError:  # unreadable: nothing to list
-            return []
-
-    def _warn_once(self, what, message: str, *args) -> None:
-        # A refused or read-only cache is a fact of the setup, not news per kernel.
-        if what in self._warned:
-            logger.debug(message, *args)
-            return
-        self._warned.add(what)
-        logger.warning(message, *args)
-
-    def _warn_unwritable(self, exc: OSError) -> None:
-        self._warn_once("unwritable", "cannot write to kernel cache directory %s (%s); "
-                        "kernels will be built but not cached", self._dir, exc)
 
     # -- build locks ---------------------------------------------------------------------------
 
@@ -416,7 +311,7 @@ class KernelCache:
         """Return (directory fd, lock fd) holding <key>.lock, or None (warned) if not possible."""
         from . import _keylock
 
-        dfd = self._open_dir(create=True)
+        dfd = self._store.open_dir(create=True)
         if dfd is None:
             return None
         name = key + LOCK_SUFFIX
@@ -427,7 +322,7 @@ class KernelCache:
             logger.warning("%s (kernel %s in %s); building without the lock", exc, key, self._dir)
         except OSError as exc:
             os.close(dfd)
-            self._warn_unwritable(exc)
+            self._store.warn_unwritable(exc)
         except BaseException:
             os.close(dfd)
             raise
