@@ -2,6 +2,8 @@
 change leaves the variants it does not target as they were.
 
 Usage: PYTHONPATH=. python dev/ptx_digests.py OUT.json        (digests of this tree)
+       PYTHONPATH=. python dev/ptx_digests.py --families sparq,attn_fwd_mma [--archs sm_90a,sm_80] OUT.json
+       PYTHONPATH=. python dev/ptx_digests.py --all [--archs sm_90a,sm_80] OUT.json
        python dev/ptx_digests.py --compare A.json B.json          (which variants differ)
 
 Run it on the tree before a change (e.g. ``git stash``) and after, then compare. The PTX is
@@ -13,6 +15,11 @@ change. Where two digests differ only by PTX register numbering, compare the var
 paged prefill / tree ones of ``dev/compile_sweep.py``'s lists, and the prefill selections at
 d = 64 / 128 / 256, 1k / 4k keys, causal or not, with and without a soft-cap, on a small grid
 (the twenty-ninth session checked its o_stage change so).
+``--families`` (comma-separated family names) instead digests those families' variants of
+``dev/compile_sweep.py``'s lists on each of ``--archs`` (default sm_90a; a family that does not
+compile for an arch simply has no variants there), ``--all`` every family's: for a header that
+families other than the wgmma ones include (e.g. sparq.cuh: ``--families sparq --archs
+sm_90a,sm_80``). Without either, the output is the default set above.
 """
 
 from __future__ import annotations
@@ -45,6 +52,16 @@ def variants() -> list:
     return list(dict.fromkeys(out))
 
 
+def family_variants(families, archs) -> list:
+    """compile_sweep's variants of `families` (None: every family) on each of `archs`."""
+    import compile_sweep
+
+    out = []
+    for arch in archs:
+        out += [s for s in compile_sweep.variants(arch) if families is None or s.family in families]
+    return list(dict.fromkeys(out))
+
+
 def digest(spec) -> tuple:
     from pyattn.jit import compile_spec
 
@@ -68,11 +85,34 @@ def main() -> int:
             if a.get(k) != b.get(k):
                 print(("differs  " if k in a and k in b else "only in " + ("A  " if k in a else "B  ")) + k)
         return 0
+    args = sys.argv[1:]
+    families = archs = None
+    every = "--all" in args
+    if every:
+        args.remove("--all")
+    for opt in ("--families", "--archs"):
+        if opt in args:
+            i = args.index(opt)
+            if i + 1 >= len(args):
+                sys.exit(__doc__)
+            value = args[i + 1].split(",")
+            del args[i:i + 2]
+            families, archs = (value, archs) if opt == "--families" else (families, value)
+    if len(args) != 1:
+        sys.exit(__doc__)
+    if families is None and not every:
+        if archs is not None:
+            sys.exit("--archs goes with --families or --all")
+        specs = variants()
+    else:
+        specs = family_variants(None if every else set(families), archs or ["sm_90a"])
+        if not specs:
+            sys.exit("no variants for those families / archs")
     with ProcessPoolExecutor(os.cpu_count() or 2) as ex:
-        res = dict(ex.map(digest, variants()))
-    with open(sys.argv[1], "w") as f:
+        res = dict(ex.map(digest, specs))
+    with open(args[0], "w") as f:
         json.dump(res, f, indent=0, sort_keys=True)
-    print(f"{len(res)} variants -> {sys.argv[1]}")
+    print(f"{len(res)} variants -> {args[0]}")
     return 0
 
 

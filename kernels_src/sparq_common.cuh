@@ -1,0 +1,141 @@
+// SparQ's shared pieces (sparq.cuh has the algorithm and the stages' entry point): the stages'
+// sizes (threads, keys a thread, histogram bins, the shared-memory budget of each stage) and the
+// small device helpers more than one stage uses: order keys of scores, workspace views, the
+// (max, sum of exp2) merge, a block-wide counter claim, the top-down search over 256 counts and
+// the last-block test. Apart from the stages so that each stays a header of its own size.
+// (The workspace views take the params as a template P: pyattn::SparqParams.)
+#pragma once
+#include "common.cuh"
+
+namespace pyattn {
+
+constexpr int kSparqThreads = 256;
+constexpr int kSparqKeys = 8;  // keys a thread scores / selects: one 16-byte load of a kt row (pages % 8 == 0)
+constexpr int kSparqChunk = kSparqKeys * kSparqThreads;
+constexpr int kSparqMaxGroup = 16;
+constexpr int kSparqMaxDim = 256;
+constexpr int kSparqBins = 4096;  // first-level histogram: the top 12 bits of a score's order key
+constexpr int kSparqWarps = kSparqThreads / 32;
+constexpr int kSparqCandMax = 4096;  // candidates the last select block refines in shared memory
+// prep: q [G][D] + |q| sums, flags, partial ranks then channels, temperatures, warp counts;
+// score: q~ [R][G padded to 4] + channels [D] + histogram + per-warp partials; select: a flag,
+// 256 counts, 4 ints, candidates.
+constexpr int kSparqPrepBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 2 * kSparqMaxDim + kSparqThreads +
+                                     kSparqMaxGroup + kSparqWarps);
+constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
+                                      kSparqWarps * kSparqMaxGroup * 2 + 1);
+constexpr int kSparqSelectBytes = 2048 + 8 * kSparqCandMax;
+constexpr int kSparqSmemBytes = kSparqPrepBytes > kSparqScoreBytes
+                                    ? (kSparqPrepBytes > kSparqSelectBytes ? kSparqPrepBytes : kSparqSelectBytes)
+                                    : (kSparqScoreBytes > kSparqSelectBytes ? kSparqScoreBytes : kSparqSelectBytes);
+
+// float -> uint32 with the same order (negative floats reversed below the positive ones; -0 is +0).
+__device__ __forceinline__ unsigned sparq_order(float x) {
+  const unsigned b = x == 0.f ? 0u : __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Candidate key: larger score first, then the lower position (every key distinct).
+__device__ __forceinline__ unsigned long long sparq_key(unsigned u, int i) {
+  return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(i));
+}
+
+template <class P>
+__device__ __forceinline__ float* sparq_f(const P& p, long long off) {
+  return reinterpret_cast<float*>(static_cast<unsigned char*>(p.ws) + off);
+}
+
+template <class P>
+__device__ __forceinline__ int* sparq_i(const P& p, long long off) {
+  return reinterpret_cast<int*>(static_cast<unsigned char*>(p.ws) + off);
+}
+
+template <class P>
+__device__ __forceinline__ const int* sparq_pages(const P& p, int b) {
+  return p.page_indices + p.page_indptr[b];
+}
+
+// Merge (max, sum of exp2(x - max)) pairs; an empty state is (-inf, 0).
+__device__ __forceinline__ void sparq_merge(float& m, float& z, float m2, float z2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -inf()) return;
+  z = (m == -inf() ? 0.f : z * exp2f(m - mn)) + (m2 == -inf() ? 0.f : z2 * exp2f(m2 - mn));
+  m = mn;
+}
+
+__device__ __forceinline__ void sparq_warp_merge(float& m, float& z) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, m, o), z2 = __shfl_xor_sync(kFullMask, z, o);
+    sparq_merge(m, z, m2, z2);
+  }
+}
+
+// Block-wide append (every thread calls it): each thread adds `na` entries to list A and `nb` to
+// list B (each < 65536 a block); one atomicAdd per list and block. Returns this thread's first
+// positions. `sm`: 2 * kSparqWarps + 2 ints of shared memory.
+__device__ __forceinline__ void sparq_block_claim(int* ctr_a, int* ctr_b, int na, int nb, int* sm, int& a, int& b) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int mine = na | (nb << 16);
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sm[warp] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int w = 0; w < kSparqWarps; ++w) {
+      const int t = sm[w];
+      sm[w] = run;
+      run += t;
+    }
+    const int ta = run & 0xFFFF, tb = run >> 16;
+    sm[kSparqWarps] = ta ? atomicAdd(ctr_a, ta) : 0;
+    sm[kSparqWarps + 1] = tb ? atomicAdd(ctr_b, tb) : 0;
+  }
+  __syncthreads();
+  const int before = sm[warp] + incl - mine;
+  a = sm[kSparqWarps] + (before & 0xFFFF);
+  b = sm[kSparqWarps + 1] + (before >> 16);
+  __syncthreads();  // sm is free again
+}
+
+// Warp 0's search over 256 counts c[0..255] (called by a whole warp): the largest t with
+// c[t] + ... + c[255] >= need (need <= the total), and above = c[t + 1] + ... + c[255]. Lane l sums
+// the 8 counts c[248 - 8l .. 255 - 8l], so the lanes' inclusive scan runs from the top down.
+__device__ __forceinline__ void sparq_find256(const unsigned* c, unsigned need, int& t, unsigned& above) {
+  const int lane = threadIdx.x % 32;
+  const int hi = 255 - 8 * lane;
+  unsigned mine = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mine += c[hi - i];
+  unsigned incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const unsigned ballot = __ballot_sync(kFullMask, incl >= need);
+  const int first = __ffs(ballot) - 1;  // the lane whose 8 counts hold the crossing
+  unsigned cum = __shfl_sync(kFullMask, incl - mine, first);
+  int bin = 255 - 8 * first;
+  for (int i = 0; i < 7 && cum + c[bin] < need; ++i) cum += c[bin--];  // (every lane: same values)
+  t = bin;
+  above = cum;
+}
+
+// Whether this block is the last of its row to pass here (threadfence reduction pattern).
+__device__ __forceinline__ bool sparq_last(int* counter, int blocks, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == blocks - 1;
+  __syncthreads();
+  const bool last = *flag;
+  if (last) __threadfence();
+  return last;
+}
+
+}  // namespace pyattn

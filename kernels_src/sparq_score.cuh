@@ -1,0 +1,240 @@
+// SparQ's first two stages (sparq.cuh has the algorithm, the remaining stages and the entry
+// point): prep (stage 0: the row's r channels, the temperatures, the decode's query rows and q~)
+// and score (stage 1: the approximate scores of the keys from the chosen rows of kt, their
+// histogram, the blocks' (max, sum exp2) and, in the row's last block, the threshold bin). They
+// sit apart only to keep sparq.cuh short.
+// P: pyattn::SparqParams.
+#pragma once
+#include "common.cuh"
+#include "sparq_common.cuh"
+
+namespace pyattn {
+
+template <typename T, class P>
+__device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
+  const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads;
+  const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x;
+  float* qs = reinterpret_cast<float*>(smem);                  // [G][D]
+  float* w = qs + kSparqMaxGroup * kSparqMaxDim;                // [D]
+  int* flag = reinterpret_cast<int*>(w + kSparqMaxDim);         // [D]
+  int* chan_s = flag + kSparqMaxDim;                            // [R] (first the partial ranks)
+  float* th = reinterpret_cast<float*>(chan_s + kSparqThreads);  // [G], then [warps]
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(rh) * G * p.q_stride_h;
+  for (int e = tid; e < G * D; e += kSparqThreads) qs[e] = to_float(q[(e / D) * p.q_stride_h + e % D]);
+  unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
+  for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
+  if (tid < 4) sparq_i(p, p.off_ctr)[row * 4 + tid] = 0;
+  __syncthreads();
+  // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc)). The
+  // ranks are counted by tpc threads a channel, a slice of the D others each, and positions among
+  // the chosen come from warp ballots: one thread a channel counting all D took 12 us at D 128.
+  for (int c = tid; c < D; c += kSparqThreads) {
+    float s = 0.f;
+    for (int h = 0; h < G; ++h) s += fabsf(qs[h * D + c]);
+    w[c] = s;
+  }
+  __syncthreads();
+  const int tpc = max(1, kSparqThreads / D), slice = (D + tpc - 1) / tpc;
+  int* part = chan_s;  // [tpc][D] partial ranks (tpc * D <= kSparqThreads), then the chosen channels
+  if (tid < tpc * D) {
+    const int c = tid % D, c_lo = (tid / D) * slice, c_hi = min(D, c_lo + slice);
+    const float wc = w[c];
+    int rank = 0;
+#pragma unroll 4
+    for (int c2 = c_lo; c2 < c_hi; ++c2) rank += (w[c2] > wc || (w[c2] == wc && c2 < c));
+    part[tid] = rank;
+  }
+  __syncthreads();
+  const int warp = tid / 32, lane = tid % 32;
+  int* wcount = reinterpret_cast<int*>(th + kSparqMaxGroup);  // [warps]
+  bool chosen = false;
+  if (tid < D) {
+    int rank = 0;
+    for (int t = 0; t < tpc; ++t) rank += part[t * D + tid];
+    chosen = rank < R;
+  }
+  const unsigned ballot = __ballot_sync(kFullMask, chosen);
+  if (lane == 0) wcount[warp] = __popc(ballot);
+  __syncthreads();  // (every part[] read is done before chan_s is written below)
+  if (tid < D) flag[tid] = chosen;
+  if (chosen) {
+    int pos = __popc(ballot & ((1u << lane) - 1u));
+    for (int w2 = 0; w2 < warp; ++w2) pos += wcount[w2];
+    sparq_i(p, p.off_chan)[row * R + pos] = tid;
+    chan_s[pos] = tid;
+  }
+  __syncthreads();
+  // -- per head: the temperature (paper: softmax(q[i1] . K[:, i1] / sqrt(d * |q[i1]|_1 / |q|_1)))
+  for (int h = warp; h < G; h += kSparqWarps) {
+    float all = 0.f, sel = 0.f;
+    for (int c = lane; c < D; c += 32) {
+      const float a = fabsf(qs[h * D + c]);
+      all += a;
+      sel += flag[c] ? a : 0.f;
+    }
+    all = warp_sum(all);
+    sel = warp_sum(sel);
+    if (lane == 0) th[h] = (all > 0.f && sel > 0.f) ? 1.f / sqrtf(sel / all) : 0.f;
+  }
+  __syncthreads();
+  // -- the decode's query rows: q, then q~ (the chosen channels only)
+  T* qx = static_cast<T*>(p.qx) + static_cast<long long>(row) * 2 * G * D;
+  for (int e = tid; e < 2 * G * D; e += kSparqThreads) {
+    const int hh = e / D, c = e % D;
+    const float x = hh < G ? qs[hh * D + c] : (flag[c] ? qs[(hh - G) * D + c] * th[hh - G] : 0.f);
+    qx[e] = from_float<T>(x);
+  }
+  // -- q~ on the chosen channels, as the score stage reads them: [G][R]
+  float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
+  for (int e = tid; e < G * R; e += kSparqThreads) {
+    const int h = e / R;
+    qt[e] = to_float(from_float<T>(qs[h * D + chan_s[e % R]] * th[h]));
+  }
+}
+
+template <typename T, class P>
+__device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
+  const int row = blockIdx.y, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
+  const int n = p.kv_len[b], c0 = blockIdx.x * kSparqChunk * p.chunk_steps;
+  if (c0 >= n) return;  // block-uniform; such blocks are not counted below
+  const int G = p.group, R = p.r, tid = threadIdx.x, ps = p.page_size, warp = tid / 32, lane = tid % 32;
+  const int Gp = (G + 3) & ~3;
+  float* qt_s = reinterpret_cast<float*>(smem);                           // [R][Gp]
+  int* chan_s = reinterpret_cast<int*>(qt_s + kSparqMaxGroup * kSparqMaxDim);  // [R]
+  unsigned* hist_s = reinterpret_cast<unsigned*>(chan_s + kSparqMaxDim);  // [bins]
+  float* red = reinterpret_cast<float*>(hist_s + kSparqBins);             // [warps][G][2]: a warp's running state
+  int* flag = reinterpret_cast<int*>(red + kSparqWarps * kSparqMaxGroup * 2);
+  const float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
+  for (int e = tid; e < R * Gp; e += kSparqThreads) {
+    const int j = e / Gp, h = e % Gp;
+    qt_s[e] = h < G ? qt[h * R + j] : 0.f;
+  }
+  for (int j = tid; j < R; j += kSparqThreads) chan_s[j] = sparq_i(p, p.off_chan)[row * R + j];
+  for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = 0u;
+  for (int i = tid; i < kSparqWarps * kSparqMaxGroup; i += kSparqThreads) red[2 * i] = -inf(), red[2 * i + 1] = 0.f;
+  __syncthreads();
+  unsigned* score = reinterpret_cast<unsigned*>(sparq_i(p, p.off_score)) + static_cast<long long>(row) * p.lpad;
+  const T* kt = static_cast<const T*>(p.kt) + kvh * p.kt_stride_h;
+  const int* pages = sparq_pages(p, b);
+
+  // Steps of kSparqChunk keys; a thread's 8 keys lie in one page (page_size % 8 == 0): 16 bytes of
+  // each chosen kt row.
+  for (int step = 0; step < p.chunk_steps && c0 + step * kSparqChunk < n; ++step) {
+    const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
+    const T* base = kt;
+    if (nv > 0) base += pages[i0 / ps] * p.kt_stride_page + i0 % ps;
+    float sel[kSparqKeys];
+#pragma unroll
+    for (int e = 0; e < kSparqKeys; ++e) sel[e] = 0.f;
+    for (int hc = 0; hc < G; hc += 4) {  // 4 query heads at a time; later passes re-read kt from L1
+      float acc[4][kSparqKeys];
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh)
+#pragma unroll
+        for (int e = 0; e < kSparqKeys; ++e) acc[hh][e] = 0.f;
+#pragma unroll 8
+      for (int j = 0; j < R; ++j) {
+        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+        if (nv > 0)  // the slots past the sequence's end are in the page: read, never counted
+          raw = *reinterpret_cast<const uint4*>(base + static_cast<long long>(chan_s[j]) * ps);
+        const T* e8 = reinterpret_cast<const T*>(&raw);
+        const float4 qv = *reinterpret_cast<const float4*>(qt_s + j * Gp + hc);
+#pragma unroll
+        for (int e = 0; e < kSparqKeys; ++e) {
+          const float k = to_float(e8[e]);
+          acc[0][e] = fmaf(qv.x, k, acc[0][e]);
+          acc[1][e] = fmaf(qv.y, k, acc[1][e]);
+          acc[2][e] = fmaf(qv.z, k, acc[2][e]);
+          acc[3][e] = fmaf(qv.w, k, acc[3][e]);
+        }
+      }
+      // -- the selection score (heads past G have q~ = 0), and per head the warp's running (max,
+      // sum exp2) of the approximate logits (log2 units)
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        float m = -inf();
+#pragma unroll
+        for (int e = 0; e < kSparqKeys; ++e) {
+          sel[e] += acc[hh][e];
+          acc[hh][e] *= p.scale_log2;
+          if (e < nv) m = fmaxf(m, acc[hh][e]);
+        }
+        float z = 0.f;
+        if (nv > 0) {
+#pragma unroll
+          for (int e = 0; e < kSparqKeys; ++e) z += e < nv ? exp2f(acc[hh][e] - m) : 0.f;
+        }
+        sparq_warp_merge(m, z);
+        if (lane == 0 && hc + hh < G) {
+          float* r2 = red + (warp * kSparqMaxGroup + hc + hh) * 2;
+          sparq_merge(r2[0], r2[1], m, z);
+        }
+      }
+    }
+    // -- selection scores (order keys) and their histogram
+    unsigned u[kSparqKeys];
+#pragma unroll
+    for (int e = 0; e < kSparqKeys; ++e) u[e] = sparq_order(sel[e]);
+    if (nv == kSparqKeys) {
+      *reinterpret_cast<uint4*>(score + i0) = make_uint4(u[0], u[1], u[2], u[3]);
+      *reinterpret_cast<uint4*>(score + i0 + 4) = make_uint4(u[4], u[5], u[6], u[7]);
+    } else {
+      for (int e = 0; e < nv; ++e) score[i0 + e] = u[e];
+    }
+#pragma unroll
+    for (int e = 0; e < kSparqKeys; ++e)
+      if (e < nv) atomicAdd(&hist_s[u[e] >> 20], 1u);
+  }
+  __syncthreads();
+  unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
+  for (int i = tid; i < kSparqBins; i += kSparqThreads)
+    if (hist_s[i]) atomicAdd(&hist[i], hist_s[i]);
+  float* part = sparq_f(p, p.off_part) + static_cast<long long>(row) * p.n_chunks * G * 2;
+  if (tid < G) {
+    float m = -inf(), z = 0.f;
+    for (int w = 0; w < kSparqWarps; ++w)
+      sparq_merge(m, z, red[(w * kSparqMaxGroup + tid) * 2], red[(w * kSparqMaxGroup + tid) * 2 + 1]);
+    part[(blockIdx.x * G + tid) * 2] = m;
+    part[(blockIdx.x * G + tid) * 2 + 1] = z;
+  }
+  // -- the row's last block: per head the row's (max, sum) into chunk 0's entry (warp h merges the
+  // chunks, a lane each), and the bin holding the k-th largest score
+  int* ctr = sparq_i(p, p.off_ctr) + row * 4;
+  const int n_blocks = (n + kSparqChunk * p.chunk_steps - 1) / (kSparqChunk * p.chunk_steps);
+  if (!sparq_last(ctr, n_blocks, flag)) return;
+  for (int h = warp; h < G; h += kSparqWarps) {
+    float m = -inf(), z = 0.f;
+    for (int c = lane; c < n_blocks; c += 32)
+      sparq_merge(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
+    sparq_warp_merge(m, z);
+    if (lane == 0) part[h * 2] = m, part[h * 2 + 1] = z;
+  }
+  int* info = sparq_i(p, p.off_info) + row * 4;
+  const int k_eff = min(p.k, n);
+  if (k_eff >= n) {  // every key is chosen
+    if (tid == 0) info[0] = -1, info[1] = n, info[2] = k_eff;
+    return;
+  }
+  for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = __ldcg(hist + i);
+  __syncthreads();
+  unsigned* sums = reinterpret_cast<unsigned*>(qt_s);  // 16 bins per thread (q~ is no longer read)
+  static_assert(kSparqBins == 16 * kSparqThreads, "16 bins per thread");
+  unsigned s16 = 0u;
+  for (int i = 0; i < 16; ++i) s16 += hist_s[16 * tid + i];
+  sums[tid] = s16;
+  __syncthreads();
+  if (tid < 32) {  // the 16-bin group holding the k-th largest, then the bin inside it
+    int t;
+    unsigned above;
+    sparq_find256(sums, static_cast<unsigned>(k_eff), t, above);
+    int bin = 16 * t + 15;
+    for (int i = 0; i < 15 && above + hist_s[bin] < static_cast<unsigned>(k_eff); ++i) above += hist_s[bin--];
+    if (tid == 0) {
+      info[0] = bin;
+      info[1] = static_cast<int>(above);
+      info[2] = k_eff;
+    }
+  }
+}
+
+}  // namespace pyattn
