@@ -3,10 +3,11 @@
 Usage: PYTHONPATH=. python dev/compile_sweep.py [--archs sm_80,sm_90a] [--top 20]
 
 The variants: ``warmup_specs``, the modifier / block-sparse / 8-bit / backward lists of
-``tests/test_compile.py``, every 8-bit decode variant (int8 / fp8, per-token / per-channel, every
-head-dim bucket and q_tiles), and the serving and issue-13 warm lists of ``dev/warm_serving.py`` /
-``dev/warm_issue13.py``. Each is compiled once with NVRTC (``pyattn.jit.compile_spec``, no cache),
-one at a time, and timed: the JIT promise is <= 2 s for any variant on a 2-core machine.
+``tests/test_compile_variants.py``, every 8-bit decode variant (int8 / fp8, per-token /
+per-channel, every head-dim bucket and q_tiles), and the serving and issue-13 warm lists of
+``dev/warm_serving.py`` / ``dev/warm_issue13.py``. Each is compiled once with NVRTC
+(``pyattn.jit.compile_spec``, no cache), one at a time, and timed: the JIT promise is <= 2 s for
+any variant on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
-import test_compile  # noqa: E402
+import test_compile_variants  # noqa: E402
 import warm_issue13  # noqa: E402
 import warm_serving  # noqa: E402
 from pyattn import jit  # noqa: E402
@@ -28,7 +29,8 @@ from pyattn.runtime.device import SUPPORTED_ARCHS  # noqa: E402
 
 
 def variants(arch: str) -> list:
-    specs = list(warmup_specs(arch)) + test_compile._modifier_specs(arch) + test_compile._sparse_and_quant_specs(arch)
+    specs = list(warmup_specs(arch)) + test_compile_variants._modifier_specs(arch)
+    specs += test_compile_variants._sparse_and_quant_specs(arch)
     specs += list(backward_specs(arch)) + warm_serving.serving_specs(arch) + warm_issue13.specs(arch)
     specs += [KernelSpec("attn_decode", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=kch)
               for kv in ("int8", "fp8e4m3") for kch in (False, True) for d in (64, 128, 256)

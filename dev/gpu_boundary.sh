@@ -17,7 +17,8 @@ python dev/warm_serving.py >> "$OUT/warm.log" 2>&1 &
 python dev/warm_issue13.py >> "$OUT/warm.log" 2>&1 &
 wait
 stamp tests
-python -m pytest -q -p no:cacheprovider tests/test_gpu_boundary.py tests/test_host_path.py tests/test_gpu_decode_step.py \
+python -m pytest -q -p no:cacheprovider tests/test_gpu_boundary.py tests/test_host_path_attention.py \
+  tests/test_host_path_decode.py tests/test_host_path_numpy.py tests/test_gpu_decode_step.py \
   tests/test_gpu_attention.py tests/test_gpu_decode.py \
   2>&1 | tee "$OUT/tests.log" | tail -4
 for round in 1 2; do

@@ -1,7 +1,10 @@
 """Shared pytest setup: the ``gpu`` marker and kernel-cache directory fixtures.
 
 Kept minimal on purpose; GPU-test fixtures may be added below. ``fake_include`` serves the
-header tests of test_compile.py and test_toolchain.py.
+header tests of test_compile_nvrtc.py and test_toolchain.py; ``blocked_driver`` the validation tests of
+test_validation.py, test_validation_inputs.py and test_options.py. ``gpu``, ``full``, ``cache``
+and ``full_decode`` (last in this file) serve the fake-driver repeat-call tests of
+test_host_path_*.py and test_foreign_repeat.py; a module's own fixture of the same name overrides them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def session_cache_dir(tmp_path_factory):
     """One kernel cache directory shared by the whole session, so that compiling every variant
-    (``test_compile``) is paid once and later users (``pyattn demo`` in ``test_cli``) hit the cache.
+    (``test_compile_variants``) is paid once and later users (``pyattn demo`` in ``test_cli``) hit the cache.
 
     Only the path is returned; users set ``PYATTN_CACHE_DIR`` themselves (in-process via
     ``monkeypatch`` or ``pytest.MonkeyPatch.context()``, or in a subprocess's environment).
@@ -57,6 +60,21 @@ def fake_include(tmp_path, monkeypatch):
     monkeypatch.delenv("PYATTN_CUDA_INCLUDE")
     cuda_include_dir.cache_clear()
     jit.toolchain_fingerprint.cache_clear()
+
+
+@pytest.fixture
+def blocked_driver(monkeypatch):
+    """Any driver initialisation raises a recognisable NoDeviceError, GPU or not (its message is
+    ``_validation_helpers.BLOCKED``): a call that passes validation stops at the driver. Modules with
+    a ``blocked_driver`` of their own use theirs."""
+    import pyattn
+    import pyattn.runtime.device as device_mod
+    from _validation_helpers import BLOCKED
+
+    def _no_driver():
+        raise pyattn.NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", BLOCKED, "cuInit")
+
+    monkeypatch.setattr(device_mod, "_driver", _no_driver)
 
 
 @pytest.fixture
@@ -135,3 +153,56 @@ def launched(monkeypatch):
 
     monkeypatch.setattr(driver, "cuLaunchKernel", record)
     return names
+
+
+# -- the fake-driver repeat-call tests (test_host_path_*.py, test_foreign_repeat.py) ---------------------
+@pytest.fixture
+def gpu(monkeypatch):
+    """The fake CUDA driver of ``fake_driver.py`` (with its torch stand-in) installed for the test."""
+    import fake_driver
+
+    with fake_driver.installed(monkeypatch, torch=True) as fake:
+        yield fake
+
+
+@pytest.fixture
+def full(monkeypatch):
+    """Counts the calls that took the full path (read into Args, signature, validation)."""
+    from pyattn.ops import attention as op
+
+    calls = []
+    real = op._full
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op, "_full", spy)
+    return calls
+
+
+@pytest.fixture
+def cache(gpu):
+    """A bfloat16 paged cache on the fake driver (64 pages of 16 slots, 2 KV heads of 64) and the ids
+    of its two sequences of 256 tokens."""
+    import ml_dtypes
+    import numpy as np
+
+    import pyattn
+
+    c = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16")
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 256, 2, 64), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    return c, ids
+
+
+@pytest.fixture
+def full_decode(monkeypatch):
+    """Counts the decode calls that took the full path."""
+    from pyattn.ops import decode as op
+
+    calls = []
+    real = op._full
+    monkeypatch.setattr(op, "_full", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls

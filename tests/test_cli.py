@@ -1,7 +1,7 @@
 """``python -m pyattn`` as a user runs it: subprocesses, no GPU, a private kernel cache.
 
 Kernel counts are derived from ``warmup_specs`` / ``select_attention_spec``, never written down.
-Warmups that fill ``session_cache_dir`` cost nothing overall: ``test_compile`` builds every
+Warmups that fill ``session_cache_dir`` cost nothing overall: ``test_compile_variants`` builds every
 standard kernel of every arch into it anyway.
 """
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import fake_driver
 import pyattn
-from test_host_path import _da, _repeat_calls, cache, full, full_decode, gpu  # noqa: F401  (fixtures)
+from _host_path_helpers import _da, _repeat_calls  # (its fixtures gpu, full, cache, full_decode: conftest.py)
 
 
 # -- CUDA array interfaces (CuPy, Numba, ...) on the fast path ------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 import pyattn
 from _problems import problem, varlen_problem
-from test_validation import KV, Q, blocked_driver, dev, host  # noqa: F401  (fixture import)
+from _validation_helpers import KV, Q, dev, host
 
 
 def _bad(exc, match, **kw):

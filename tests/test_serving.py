@@ -23,7 +23,8 @@ from pyattn.paged.book import OutOfPagesError, PageBook
 from pyattn.reference import tree_ancestor_mask
 from pyattn.validate.paged import PoolInfo
 from pyattn.validate.serving import check_parents, check_new_tokens, check_cu_seqlens_q, check_pool_rows, tree_masks
-from test_paged_book import BookMachine, snapshot
+from _book_helpers import snapshot
+from test_paged_book import BookMachine
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
 

@@ -1,13 +1,14 @@
-"""``sparse_attention`` input validation and the NVRTC compile of its kernel (CPU only).
+"""``sparse_attention`` input validation (CPU only): accepted calls, rejected calls and the vectorised
+CSR checker against a per-row reference.
 
 Every bad call must raise ``ValueError``/``TypeError`` naming the argument before any GPU work.
 Calls that pass validation reach the driver, which ``blocked_driver`` turns into a recognisable
-``NoDeviceError`` (with or without a GPU), as in ``test_validation``.
+``NoDeviceError`` (with or without a GPU), as in ``test_validation``. The launch a valid call makes
+and the NVRTC compile of the kernel are in test_sparse_launch.py.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import types
 
@@ -19,27 +20,11 @@ from hypothesis import strategies as st
 
 import pyattn
 import pyattn.runtime.device as device_mod
-from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec
-from _problems import problem
+from _sparse_helpers import B, D, HKV, HQ, INDICES, NNZ, OFFSETS, SK, SQ, FakeCudaArray, qkv
 from pyattn.ops.sparse import sparse_attention
 from pyattn.validate.csr import check_csr, check_row_access
 
 BLOCKED = "driver blocked by test_sparse_validation"
-B, SQ, HQ, HKV, SK, D = 2, 5, 4, 2, 7, 64
-
-
-class FakeCudaArray:
-    """A CUDA array as its interface describes it (data pointer 0: validation never reads it).
-    ``shape``/``dtype`` attributes too: CAI spells bfloat16 as an opaque ``<V2`` (as torch does)."""
-
-    def __init__(self, shape, dtype=np.float32):
-        dt = np.dtype(dtype)
-        self.shape, self.dtype = tuple(shape), dt
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dt.str, "descr": dt.descr,
-                                         "data": (0, False), "strides": None, "version": 3}
-
-    def __dlpack_device__(self):  # where an opaque bfloat16 CAI sends pyattn (device 0 -> the driver)
-        return (2, 0)
 
 
 @pytest.fixture
@@ -48,24 +33,6 @@ def blocked_driver(monkeypatch):
         raise pyattn.NoDeviceError(100, "CUDA_ERROR_NO_DEVICE", BLOCKED, "cuInit")
 
     monkeypatch.setattr(device_mod, "_driver", _no_driver)
-
-
-def qkv(dtype=np.float32, device=False, layout="bshd"):
-    qs, ks = ((B, SQ, HQ, D), (B, SK, HKV, D)) if layout == "bshd" else ((B, HQ, SQ, D), (B, HKV, SK, D))
-    if device:
-        return FakeCudaArray(qs, dtype), FakeCudaArray(ks, dtype), FakeCudaArray(ks, dtype)
-    return np.ones(qs, dtype), np.ones(ks, dtype), np.ones(ks, dtype)
-
-
-def csr(lists):
-    """(indices, offsets) of a list of per-row key lists."""
-    offsets = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
-    return np.array([i for x in lists for i in x], dtype=np.int32), offsets
-
-
-# Query rows 0..4: two keys, every key (unsorted), none, one, the last key.
-INDICES, OFFSETS = csr([[0, 3], [6, 2, 0, 1, 5, 4, 3], [], [1], [6]])
-NNZ = INDICES.size
 
 
 def passes_validation(*args, **kwargs):
@@ -257,81 +224,6 @@ def test_alignment_check(ptr, strides, ok):
 
 
 # --------------------------------------------------------------------------------------------
-# The launch a valid call makes, with the device layer faked
-# --------------------------------------------------------------------------------------------
-class _Fake:
-    """A device array stand-in: the attributes the launch reads."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """The device layer of ``ops.sparse._run`` faked: plans, outputs, uploads and launches."""
-    import pyattn.ops.sparse as mod
-
-    device, launches, ptrs = _Fake(arch="sm_90a", ordinal=0), [], iter(range(0x10000, 2**40, 0x10000))
-
-    def array(shape, dtype):
-        return _Fake(ptr=next(ptrs), shape=tuple(shape), dtype=np.dtype(dtype), device=device)
-
-    monkeypatch.setattr(mod, "get_plan", lambda build, P, dev: mod._Plan(_spec_of(P, dev), None))
-    monkeypatch.setattr(mod, "output", lambda dev, s, shape, dtype: array(shape, dtype))
-    monkeypatch.setattr(mod, "upload", lambda arrays, dev, s: [array(a.shape, a.dtype) for a in arrays])
-    monkeypatch.setattr(mod, "launch", lambda *args: launches.append(args))
-
-    def run(q, k, v, indices, offsets, *, layout="bshd", scale=None, return_lse=False):
-        P = problem(q, k, v, layout=layout, scale=scale)
-        csr = check_csr(indices, offsets, P.batch, P.heads_q, P.seqlen_q, P.seqlen_k)
-        dq, dk, dv = (array(x.shape, x.dtype) for x in (q, k, v))
-        return mod._run(P, csr, device, "stream", dq, dk, dv, None, return_lse)
-
-    return run, launches
-
-
-def _spec_of(P, device):
-    bucket = next(b for b in HEAD_DIM_BUCKETS if b >= P.head_dim)
-    return KernelSpec("attn_sparse", {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[P.dtype], bucket,
-                      device.arch)
-
-
-@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-@pytest.mark.parametrize("shape", [(SQ + 1,), (HQ, SQ + 1), (B, HQ, SQ + 1)])
-def test_launch_parameters(layout, shape, fake_gpu):
-    import struct
-
-    run, launches = fake_gpu
-    q, k, v = qkv(np.float16, layout=layout)
-    out, lse = run(q, k, v, INDICES, np.broadcast_to(OFFSETS, shape).copy(), layout=layout, scale=0.5,
-                   return_lse=True)
-    assert out.shape == q.shape and out.dtype == np.float16 and lse.shape == (B, HQ, SQ) and lse.dtype == np.float32
-    (kernel, grid, block, smem, stream, raw), = launches
-    spec = _spec_of(problem(q, k, v, layout=layout), _Fake(arch="sm_90a"))
-    assert (spec.family, spec.dtype, spec.head_dim, spec.arch) == ("attn_sparse", "f16", 64, "sm_90a")
-    assert grid == (-(-SQ // 4), HQ, B) and block == (128, 1, 1) and smem == 0 and stream == "stream"
-    p = dict(zip([n for n, _ in spec.params.fields], struct.unpack_from(spec.params.format, raw)))
-    seq, head = (HQ * D, D) if layout == "bshd" else (D, SQ * D)
-    assert (p["q_stride_b"], p["q_stride_s"], p["q_stride_h"]) == (SQ * HQ * D, seq, head)
-    assert (p["o_stride_b"], p["o_stride_s"], p["o_stride_h"]) == (SQ * HQ * D, seq, head)
-    seq, head = (HKV * D, D) if layout == "bshd" else (D, SK * D)
-    for name in ("k", "v"):
-        assert (p[f"{name}_stride_b"], p[f"{name}_stride_s"], p[f"{name}_stride_h"]) == (SK * HKV * D, seq, head)
-    assert (p["off_stride_b"], p["off_stride_h"]) == {1: (0, 0), 2: (0, SQ + 1), 3: (HQ * (SQ + 1), SQ + 1)}[len(shape)]
-    assert (p["lse_stride_b"], p["lse_stride_h"]) == (HQ * SQ, SQ)
-    assert (p["batch"], p["heads_q"], p["group"], p["seqlen_q"], p["seqlen_k"], p["head_dim"]) == (B, HQ, 2, SQ, SK, D)
-    assert p["scale_log2"] == pytest.approx(0.5 * math.log2(math.e))
-    assert all(p[n] for n in ("q", "k", "v", "o", "lse", "indices", "offsets"))
-
-
-def test_empty_problem_launches_nothing(fake_gpu):
-    run, launches = fake_gpu
-    q, k, v = qkv()
-    out, _ = run(q[:, :0], k, v, np.zeros(0, np.int32), np.zeros(1, np.int32))
-    assert out.shape == (B, 0, HQ, D) and launches == []
-
-
-# --------------------------------------------------------------------------------------------
 # The vectorised checker against a straightforward per-row one
 # --------------------------------------------------------------------------------------------
 def _where(ndim, b, h, i):
@@ -403,43 +295,3 @@ def test_checker_agrees_with_a_per_row_reference(case, dtype, chunk):
         else:
             with pytest.raises(ValueError, match=expected):
                 check_csr(indices, offsets, batch, heads_q, seqlen_q, seqlen_k)
-
-
-# --------------------------------------------------------------------------------------------
-# NVRTC: the kernel compiles for every dtype and bucket (one arch) and on every other arch
-# --------------------------------------------------------------------------------------------
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
-
-
-def _compile_specs():
-    specs = [KernelSpec("attn_sparse", dt, d, "sm_90a") for dt in ("f32", "f16", "bf16") for d in HEAD_DIM_BUCKETS]
-    others = [a for a in ARCHS if a != "sm_90a"]
-    picks = [("bf16", 96), ("f16", 160), ("f32", 224), ("bf16", 256)]
-    return specs + [KernelSpec("attn_sparse", dt, d, a) for a, (dt, d) in zip(others, picks)]
-
-
-def test_sparse_kernel_compiles_without_spills():
-    from concurrent.futures import ThreadPoolExecutor
-
-    pytest.importorskip("cuda.bindings")
-    from pyattn.jit.headers import cuda_include_dir
-    from pyattn.jit.nvrtc import compile_source
-    from pyattn.jit.source import kernel_headers, render
-
-    inc = str(cuda_include_dir()[0])
-    specs = _compile_specs()
-    assert {s.arch for s in specs} == set(ARCHS) and len(specs) == 28
-
-    def build(spec):
-        opts = spec.compile_options((inc,)) + ("-Xptxas=-v",)
-        return compile_source(render(spec), kernel_headers(), opts, name=spec.describe())
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for spec, (image, log) in zip(specs, pool.map(build, specs)):
-            what = spec.describe()
-            assert image[:4] == b"\x7fELF", what
-            assert f"-arch {spec.arch} ".encode() in image, what
-            assert spec.entry_name.encode() + b"\0" in image, what
-            # register arrays (q, the accumulator, 8 K/V rows) must stay in registers
-            assert re.findall(r"(\d+) bytes stack frame", log) == ["0"], (what, log)
-            assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], (what, log)

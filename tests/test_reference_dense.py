@@ -1,4 +1,6 @@
-"""Tests of pyattn.reference against independent computations (CPU only).
+"""Tests of pyattn.reference's dense attention against independent computations (CPU only):
+``attention_ref``'s semantics (causal modes, windows, masks, softcap, ALiBi, GQA, layouts, LSE,
+empty and fully masked rows), and the tolerance rule (``attention_lowp``, ``error_bound``).
 
 The oracle for most properties is ``brute``: an explicit per-(batch, head, query) loop
 that applies the ARCHITECTURE.md rules one key at a time, sharing no code with the
@@ -12,46 +14,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from pyattn.reference import (attention_lowp, attention_ref, attention_varlen_ref,
-                              error_bound, merge_states_ref)
-
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SEQ = st.sampled_from([1, 2, 5, 17, 33])
-CAUSAL = st.sampled_from([False, True, "bottom_right", "top_left"])
-WINDOW = st.one_of(st.none(), st.tuples(st.integers(-1, 6), st.integers(-1, 6)))
-
-
-@st.composite
-def problems(draw, sq=SEQ, sk=SEQ):
-    """Random bshd float64 (q, k, v, rng); GQA ratio 1..3, Dv may differ from D."""
-    b, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    sq, sk, d = draw(sq), draw(sk), draw(st.sampled_from([8, 16, 24]))
-    dv = draw(st.sampled_from([d, 8]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = rng.standard_normal((b, sq, hkv * group, d))
-    k = rng.standard_normal((b, sk, hkv, d))
-    v = rng.standard_normal((b, sk, hkv, dv))
-    return q, k, v, rng
-
-
-def rule(sq, sk, causal=False, window=None):
-    """(Sq, Sk) allowed matrix written straight from the spec, one element at a time."""
-    ok = np.ones((sq, sk), dtype=bool)
-    for i in range(sq):
-        off = i + sk - sq
-        for j in range(sk):
-            if causal in (True, "bottom_right") and j > off:
-                ok[i, j] = False
-            if causal == "top_left" and j > i:
-                ok[i, j] = False
-            if window is not None:
-                left, right = window
-                if (left != -1 and j < off - left) or (right != -1 and j > off + right):
-                    ok[i, j] = False
-    return ok
+from _reference_helpers import CAUSAL, FAST, WINDOW, close, problems, rule
+from pyattn.reference import attention_lowp, attention_ref, error_bound
 
 
 def alibi_bias(slopes, b, hq, sq, sk):
@@ -90,10 +57,6 @@ def brute(q, k, v, allowed, bias=None, scale=None, softcap=None):
             out[bi, i, h] = sum(wj * v[bi, j, kh] for wj, (_, j) in zip(w, scores)) / sum(w)
             lse[bi, h, i] = m + math.log(sum(w))
     return out, lse
-
-
-def close(a, b, tol=1e-10):
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------- dense semantics
@@ -316,89 +279,6 @@ def test_empty_key_set_gives_zero_and_neg_inf():
     assert out.shape == (1, 3, 2, 4) and (out == 0).all() and (lse == -np.inf).all()
 
 
-# --------------------------------------------------------------------------- varlen and merge
-
-
-@FAST
-@given(st.lists(st.tuples(st.sampled_from([0, 1, 2, 5, 17]), st.sampled_from([0, 1, 5, 17])),
-                min_size=1, max_size=3),
-       st.integers(1, 2), st.integers(1, 3), CAUSAL, WINDOW, st.booleans(),
-       st.integers(0, 2**32 - 1))
-def test_varlen_equals_per_sequence_dense(lens, hkv, group, causal, window, alibi, seed):
-    rng = np.random.default_rng(seed)
-    hq, d = hkv * group, 8
-    cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
-    q = rng.standard_normal((cu_q[-1], hq, d))
-    k, v = rng.standard_normal((2, cu_k[-1], hkv, d))
-    slopes = rng.uniform(0, 1, (len(lens), hq)) if alibi else None
-    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window=window,
-                                    alibi_slopes=slopes, return_lse=True)
-    assert out.shape == (cu_q[-1], hq, d) and lse.shape == (hq, cu_q[-1])
-    for n in range(len(lens)):
-        qs, ks = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
-        o, l = attention_ref(q[None, qs], k[None, ks], v[None, ks], causal=causal,
-                             window=window, return_lse=True,
-                             alibi_slopes=None if slopes is None else slopes[n])
-        close(out[qs], o[0], 0)
-        close(lse[:, qs], l[0], 0)
-
-
-@FAST
-@given(problems(), st.integers(1, 3), st.booleans())
-def test_merge_states_of_split_keys_equals_whole(prob, parts, bshd):
-    q, k, v, rng = prob
-    b, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    # lower-triangular-ish mask: later key chunks leave early query rows fully masked
-    mask = rule(sq, sk, causal="top_left")[None, None] | (rng.random((b, hq, sq, sk)) < 0.2)
-    owner = rng.integers(parts, size=sk)  # disjoint key sets, some possibly empty
-    layout = "bshd" if bshd else "bhsd"
-    t = (lambda x: x.transpose(0, 2, 1, 3)) if not bshd else (lambda x: x)
-    whole_o, whole_l = attention_ref(t(q), t(k), t(v), mask=mask, layout=layout,
-                                     return_lse=True)
-    outs, lses = [], []
-    for p in range(parts + 1):  # the extra part is fully masked: lse -inf everywhere
-        idx = np.flatnonzero(owner == p) if p < parts else np.arange(sk)
-        m = mask[..., idx] if p < parts else np.zeros((1, 1, sq, idx.size), dtype=bool)
-        o, l = attention_ref(t(q), t(k[:, idx]), t(v[:, idx]), mask=m, layout=layout,
-                             return_lse=True)
-        outs.append(o)
-        lses.append(l)  # (B, H, S) in both layouts: merged as attention returns it
-    assert (lses[-1] == -np.inf).all()
-    outs[-1] = np.full_like(outs[-1], np.nan)  # a dead part's garbage must not leak
-    o, l = merge_states_ref(outs, lses, layout)
-    close(o, whole_o)
-    close(l, whole_l)
-
-
-def test_merge_states_all_dead_and_shapes():
-    o, l = merge_states_ref([np.ones((3, 2, 4))] * 2, [np.full((2, 3), -np.inf)] * 2, "thd")  # lse (H, T)
-    assert (o == 0).all() and (l == -np.inf).all() and l.shape == (2, 3)
-    with pytest.raises(ValueError, match=r"lses\[1\]: expected shape \(2, 3\)"):
-        merge_states_ref([np.ones((3, 2, 4))] * 2, [np.zeros((2, 3)), np.zeros((3, 2))], "thd")
-    with pytest.raises(ValueError, match=r"lses\[0\]: expected shape \(1, 3, 2\)"):  # bshd: (B, H, S)
-        merge_states_ref([np.ones((1, 2, 3, 4))] * 2, [np.zeros((1, 2, 3))] * 2, "bshd")
-    with pytest.raises(ValueError, match="outputs"):
-        merge_states_ref([], [])
-    with pytest.raises(ValueError, match="^layout"):
-        merge_states_ref([np.ones((3, 2, 4))], [np.zeros((2, 3))], "tdh")
-
-
-def test_merge_states_layouts_agree():
-    """One set of states, written in each layout with its own LSE shape, merges to the same numbers."""
-    rng = np.random.default_rng(7)
-    o = rng.standard_normal((3, 2, 5, 4, 8))  # (n, B, S, H, D)
-    lse = rng.standard_normal((3, 2, 4, 5))  # (n, B, H, S)
-    a, la = merge_states_ref(list(o), list(lse), "bshd")
-    b, lb = merge_states_ref(list(o.transpose(0, 1, 3, 2, 4)), list(lse), "bhsd")
-    np.testing.assert_allclose(a, b.transpose(0, 2, 1, 3), rtol=1e-12, atol=0)
-    np.testing.assert_allclose(la, lb, rtol=1e-12, atol=0)
-    c, lc = merge_states_ref(list(o[:, 0].reshape(3, 5, 4, 8)), list(lse[:, 0]), "thd")  # T = S, lse (H, T)
-    np.testing.assert_allclose(c, a[0], rtol=1e-12, atol=0)
-    np.testing.assert_allclose(lc, la[0], rtol=1e-12, atol=0)
-
-
 # --------------------------------------------------------------------------- tolerance rule
 
 
@@ -435,63 +315,3 @@ def test_lowp_fully_masked_rows_do_not_nan():
     out, lse = attention_lowp(q, k, v, causal=True, return_lse=True)  # rows 0..2 see nothing
     assert (out[0, :3] == 0).all() and (lse[0, 0, :3] == -np.inf).all()
     assert np.isfinite(out).all()
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _qkv(b=1, sq=4, sk=5, hq=4, hkv=2, d=8, dv=None):
-    rng = np.random.default_rng(0)
-    return (rng.standard_normal((b, sq, hq, d)), rng.standard_normal((b, sk, hkv, d)),
-            rng.standard_normal((b, sk, hkv, dv or d)))
-
-
-Q, K, V = _qkv()
-CU = np.array([0, 4], dtype=np.int32)
-
-
-@pytest.mark.parametrize("call, exc, name", [
-    (lambda: attention_ref(Q[0], K, V), ValueError, "q"),
-    (lambda: attention_ref(Q, K[..., :4], V), ValueError, "k"),
-    (lambda: attention_ref(Q, np.concatenate([K, K]), V), ValueError, "k"),
-    (lambda: attention_ref(Q, K, V[:, :3]), ValueError, "v"),
-    (lambda: attention_ref(Q[:, :, :3], K, V), ValueError, "k"),  # Hq % Hkv != 0
-    (lambda: attention_ref(Q.astype(np.int32), K, V), TypeError, "q"),
-    (lambda: attention_ref(Q, K, V, layout="bsHd"), ValueError, "layout"),
-    (lambda: attention_ref(Q, K, V, causal="diagonal"), ValueError, "causal"),
-    (lambda: attention_ref(Q, K, V, causal=1), TypeError, "causal"),
-    (lambda: attention_ref(Q, K, V, window=(3,)), ValueError, "window"),
-    (lambda: attention_ref(Q, K, V, window=(-2, 0)), ValueError, "window"),
-    (lambda: attention_ref(Q, K, V, window=(1.5, 0)), TypeError, "window"),
-    (lambda: attention_ref(Q, K, V, softcap=0.0), ValueError, "softcap"),
-    (lambda: attention_ref(Q, K, V, scale=float("nan")), ValueError, "scale"),
-    (lambda: attention_ref(Q, K, V, alibi_slopes=np.ones(2)), ValueError, "alibi_slopes"),
-    (lambda: attention_ref(Q, K, V, mask=np.ones((4, 5, 5), bool)), ValueError, "mask"),
-    (lambda: attention_ref(Q, K, V, mask=np.ones((4, 5), np.int64)), TypeError, "mask"),
-    (lambda: attention_ref(Q, K, V, mask=np.full((4, 5), np.inf)), ValueError, "mask"),
-    (lambda: attention_varlen_ref(Q[0], K[0, :4], V[0, :4], CU.astype(np.int64), CU),
-     TypeError, "cu_seqlens_q"),
-    (lambda: attention_varlen_ref(Q[0], K[0, :4], V[0, :4], CU, np.array([0, 3], np.int32)),
-     ValueError, "cu_seqlens_k"),
-    (lambda: attention_varlen_ref(Q[0], K[0, :4], V[0, :4], np.array([0, 5, 4], np.int32),
-                                  CU), ValueError, "cu_seqlens_q"),
-    (lambda: attention_varlen_ref(Q, K, V, CU, CU), ValueError, "q"),
-    (lambda: attention_lowp(Q.astype(np.float16), K, V), TypeError, "k"),
-    (lambda: error_bound(Q, K, V, return_lse=True), TypeError, "return_lse"),
-])
-def test_validation_errors_name_the_argument(call, exc, name):
-    with pytest.raises(exc) as info:
-        call()
-    assert str(info.value).startswith(name)
-
-
-@pytest.mark.parametrize("module", ["reference", "reference_dense", "reference_composed", "reference_backward",
-                                    "reference_sparq", "reference_fp8"])
-def test_each_reference_module_imports_first(module):
-    """Each reference module imports in a fresh interpreter before any other: none imports the
-    pyattn.reference facade (a circle through it failed with a partially initialised module)."""
-    import subprocess
-    import sys
-
-    p = subprocess.run([sys.executable, "-c", f"import pyattn.{module}"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr

@@ -1,4 +1,5 @@
-"""NVRTC compilation of every kernel variant, compile errors and the header/toolchain checks.
+"""NVRTC compilation of every kernel variant: the warm-up set per arch, and the modifier, TMA, fp8,
+block-sparse, 8-bit decode, backward, per-channel and SparQ variants per arch.
 
 CPU only: NVRTC needs no GPU or driver. Compiling all 5 archs x 32-40 variants happens once per
 session (into ``session_cache_dir``, which ``test_cli``'s ``demo`` reuses), then reads are cheap.
@@ -11,29 +12,21 @@ What a cubin says about its arch, checked empirically with NVRTC 13.x:
   sm_90 from sm_90a;
 * NVRTC records its target in a note as the text ``-arch sm_90a `` (with the trailing space), which
   does distinguish the ``a`` variants.
+
+Compile errors, the toolchain fingerprint and header discovery are test_compile_nvrtc.py's; the
+ParamStruct layouts checked by NVRTC test_compile_layout.py's.
 """
 
 from __future__ import annotations
 
-import io
-import logging
-import os
-import pathlib
 import re
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import pyattn.jit as jit
-from pyattn import CompileError, PyattnError
 from pyattn.jit.cache import KernelCache
-from pyattn.jit.headers import check_headers_match_nvrtc, cuda_include_dir, header_version, nvrtc_version
-from pyattn.jit.nvrtc import compile_source
-from pyattn.jit.source import kernel_headers, render, sources_digest
 from pyattn.kernels.families import WGMMA_ARCHS
-from pyattn.kernels.params import ParamStruct
 from pyattn.kernels.specs import KernelSpec, warmup_specs
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -156,23 +149,6 @@ def test_fp8_variants_with_modifiers_compile(session_cache_dir, monkeypatch):
         assert spec.entry_name.startswith("pyattn_attn_fwd_fp8_e4m3_")
 
 
-def test_tma_params_layout_matches_c():
-    """The maps start at the next multiple of 64 bytes after AttnFwdParams, in Python and in C++."""
-    from pyattn.kernels.params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
-
-    first = -(-ATTN_FWD_PARAMS.size // 64) * 64
-    names = ("tm_q", "tm_k", "tm_v", "tm_mask")
-    assert ATTN_FWD_TMA_PARAMS.size == first + 4 * 128
-    raw = ATTN_FWD_TMA_PARAMS.pack({**{n: 0 for n, k in ATTN_FWD_TMA_PARAMS.fields if k != "tmap"},
-                                    **{n: bytes([i + 1]) * 128 for i, n in enumerate(names)}})
-    assert raw[first:first + 128] == b"\x01" * 128 and raw[-128:] == b"\x04" * 128
-    source = ATTN_FWD_TMA_PARAMS.c_declaration() + "".join(
-        f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {first + 128 * i}, "{n}");\n'
-        for i, n in enumerate(names))
-    _compile_offset_checks('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
-                           ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
     specs = _modifier_specs(arch)
@@ -231,207 +207,6 @@ def test_backward_variants_compile_for_every_arch(arch, session_cache_dir, monke
     wgmma = {"attn_bwd_wgmma"} if arch == "sm_90a" else set()
     assert {s.family for s in specs} == {"attn_bwd_pre", "attn_bwd_mma", "attn_bwd_simt", "attn_bwd_convert"} | wgmma
     _cubins(specs, session_cache_dir, monkeypatch)
-
-
-def test_build_then_cache_hit_in_a_fresh_dir(cache_dir):
-    specs = [KernelSpec("attn_fwd_simt", "f16", 64, "sm_89"), KernelSpec("attn_fwd_simt", "bf16", 256, "sm_100a")]
-    first = [jit.build(s) for s in specs]
-    assert [b for *_, b in first] == [True, True]
-    assert jit.get_cache().directory == cache_dir
-    assert len(jit.get_cache().entries()) == 2
-    second = [jit.build(s) for s in specs]
-    assert [b for *_, b in second] == [False, False]
-    assert [img for img, *_ in second] == [img for img, *_ in first]
-    progress = []
-    res = jit.build_many(specs, progress=lambda done, total, spec, b: progress.append((done, total, spec, b)))
-    assert [b for *_, b in res] == [False, False]
-    assert progress == [(1, 2, specs[0], False), (2, 2, specs[1], False)]
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_ptx_spec_yields_nul_terminated_ptx(arch, cache_dir, caplog):
-    spec = KernelSpec("attn_fwd_simt", "f16", 64, arch, ptx=True)
-    with caplog.at_level(logging.WARNING, logger="pyattn.jit"):
-        image, meta, was_built = jit.build(spec)
-    assert was_built and meta["format"] == "ptx"
-    assert image.endswith(b"\0") and image.count(b"\0") == 1
-    text = image[:-1].decode()
-    assert re.search(rf"^\.target {arch}$", text, re.M), text[:400]
-    assert re.search(r"^\.version \d+\.\d+$", text, re.M)
-    assert re.search(rf"\.visible \.entry {spec.entry_name}\(", text)
-    assert any("emitting PTX" in r.getMessage() for r in caplog.records)  # PTX is a warned fallback
-    assert spec.cache_key(jit.toolchain_fingerprint()) != KernelSpec("attn_fwd_simt", "f16", 64, arch).cache_key(
-        jit.toolchain_fingerprint())
-
-
-BROKEN = """// a deliberately broken kernel
-extern "C" __global__ void broken_kernel(int* out) {
-  out[0] = undefined_symbol;
-}
-"""
-
-
-def test_compile_error_carries_log_and_numbered_source():
-    with pytest.raises(CompileError) as info:
-        compile_source(BROKEN, (), ("-arch=sm_90a", "-std=c++17"), name="broken")
-    e = info.value
-    assert e.name == "NVRTC_ERROR_COMPILATION"
-    assert re.search(r"broken\.cu\(3\): error: .*undefined_symbol", e.log), e.log
-    assert e.source == BROKEN and e.options == ("-arch=sm_90a", "-std=c++17") and e.kernel == "broken"
-    numbered = e.numbered_source().splitlines()
-    assert numbered[0] == "1 | // a deliberately broken kernel"
-    assert numbered[2] == "3 |   out[0] = undefined_symbol;"
-    assert len(numbered) == len(BROKEN.splitlines())
-    assert "NVRTC_ERROR_COMPILATION while compiling broken" in str(e) and "undefined_symbol" in str(e)
-    buf = io.StringIO()
-    e.dump(buf)
-    dumped = buf.getvalue()
-    assert "options: -arch=sm_90a -std=c++17" in dumped and "3 |   out[0] = undefined_symbol;" in dumped
-    assert isinstance(e, PyattnError)
-
-
-def test_compile_error_in_a_kernel_header_names_the_header():
-    spec = KernelSpec("attn_fwd_simt", "f32", 32, "sm_80")
-    inc, _ = cuda_include_dir()
-    headers = [(n, t + "\n#error deliberately broken header\n" if n == spec.header else t)
-               for n, t in kernel_headers()]
-    with pytest.raises(CompileError) as info:
-        compile_source(render(spec), headers, spec.compile_options((str(inc),)), name=spec.describe())
-    assert re.search(rf"{re.escape(spec.header)}\(\d+\): .*error.*deliberately broken header", info.value.log)
-
-
-def test_virtual_arch_without_ptx_flag_is_refused():
-    with pytest.raises(CompileError) as info:
-        compile_source('extern "C" __global__ void k() {}', (), ("-arch=compute_90a",), name="virt")
-    assert info.value.name == "NO_CUBIN"
-
-
-def test_toolchain_fingerprint_names_its_inputs():
-    from cuda.bindings import nvrtc
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-
-    err, major, minor = nvrtc.nvrtcVersion()  # loads NVRTC the way a compile does
-    assert int(err) == 0
-    assert nvrtc_version() == (major, minor)
-    fp = jit.toolchain_fingerprint()
-    inc, hv = cuda_include_dir()
-    # NVRTC is named by the library file cuda.bindings loaded (size and mtime: not device and inode,
-    # which differ where an image's files are mounted), found without loading it; the headers by
-    # directory, version and files.
-    st = os.stat(load_nvidia_dynamic_lib("nvrtc").abs_path)
-    assert fp.startswith(f"nvrtc={st.st_size}:{st.st_mtime_ns};")
-    fp16 = os.stat(inc / "cuda_fp16.h")
-    assert f";headers={hv[0]}.{hv[1]}@{inc}|{fp16.st_size}:{fp16.st_mtime_ns}," in fp
-    assert f";src={sources_digest()};" in fp
-    assert fp.endswith(f"pyattn={jit.__version__}")
-    assert hv[0] == major and hv <= (major, minor)  # the installed headers fit this NVRTC
-
-
-# --------------------------------------------------------------------------------------------
-# Header discovery / version check
-# --------------------------------------------------------------------------------------------
-def _write_headers(d, cudart_version, fp16=True):
-    (d / "cuda_runtime_api.h").write_text(f"#pragma once\n#define CUDART_VERSION {cudart_version}\n")
-    if fp16:
-        (d / "cuda_fp16.h").write_text("")
-
-
-@pytest.mark.parametrize("which", ["newer major", "older major", "newer minor"])
-def test_headers_that_do_not_fit_nvrtc_are_refused_before_compiling(fake_include, cache_dir, which):
-    major, minor = nvrtc_version()
-    version = {"newer major": 99000, "older major": (major - 1) * 1000,
-               "newer minor": major * 1000 + (minor + 1) * 10}[which]
-    _write_headers(fake_include, version)
-    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_90a")
-    for attempt in (lambda: jit.compile_spec(spec), lambda: jit.build(spec)):
-        with pytest.raises(PyattnError, match=r"CUDA headers \d+\.\d+ in .* do not fit NVRTC") as info:
-            attempt()
-        assert str(fake_include) in str(info.value)
-        assert f"nvidia-cuda-runtime=={major}.{minor}.*" in str(info.value)  # the fix, spelled out
-    assert not cache_dir.exists() or jit.get_cache().entries() == []
-
-
-def test_fitting_override_headers_are_used(fake_include):
-    major, _ = nvrtc_version()
-    _write_headers(fake_include, major * 1000)  # same major, minor 0: older is fine
-    assert cuda_include_dir() == (fake_include, (major, 0))
-    assert f"headers={major}.0@{fake_include}|" in jit.toolchain_fingerprint()
-
-
-def test_override_without_cuda_fp16_is_refused(fake_include):
-    major, minor = nvrtc_version()
-    _write_headers(fake_include, major * 1000 + minor * 10, fp16=False)
-    with pytest.raises(PyattnError, match=r"has no cuda_fp16\.h"):
-        cuda_include_dir()
-
-
-def test_override_without_cudart_version_is_refused(fake_include):
-    (fake_include / "cuda_runtime_api.h").write_text("/* no version here */\n")
-    (fake_include / "cuda_fp16.h").write_text("")
-    with pytest.raises(PyattnError, match=r"cannot read CUDART_VERSION"):
-        cuda_include_dir()
-
-
-def test_header_version_parses_cudart_version(tmp_path):
-    (tmp_path / "cuda_runtime_api.h").write_text("#define  CUDART_VERSION   12080\n")
-    assert header_version(tmp_path) == (12, 8)
-
-
-def test_include_dir_cache_is_restored_after_override_tests():
-    """Runs after the override tests in file order: the real headers are found again."""
-    inc, hv = cuda_include_dir()
-    assert (inc / "cuda_fp16.h").is_file() and (inc / "cuda_bf16.h").is_file()
-    assert hv[0] == nvrtc_version()[0]
-
-
-# --------------------------------------------------------------------------------------------
-# ParamStruct: the Python layout must be the C layout (checked by NVRTC itself)
-# --------------------------------------------------------------------------------------------
-_CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i32_ptr": "Q", "u64_cptr": "Q",
-          "i64": "q", "i32": "i",
-          "f32": "f"}
-
-
-def _layout_check_source(p: ParamStruct) -> str:
-    codes = "".join(_CODES[k] for _, k in p.fields)
-    lines = [p.c_declaration()]
-    for i, (name, kind) in enumerate(p.fields):
-        offset = struct.calcsize("@" + codes[:i + 1]) - struct.calcsize("@" + codes[i])
-        lines.append(f'static_assert(__builtin_offsetof({p.name}, {name}) == {offset}, "{name}");')
-    return "\n".join(lines) + "\n"
-
-
-def _compile_layout(p: ParamStruct):
-    _compile_offset_checks(_layout_check_source(p))
-
-
-def _compile_offset_checks(source: str, headers=(), options=("-arch=sm_80", "-std=c++17")):
-    """Compile ``source`` (its ``__builtin_offsetof`` static_asserts); skip where NVRTC lacks the builtin."""
-    try:
-        compile_source(source, headers, options, name="layout")
-    except CompileError as exc:
-        if '"__builtin_offsetof" is undefined' in exc.log:
-            # NVRTC 13.0 lacks the builtin (13.5, CI's, has it); the size static_assert in every
-            # rendered kernel still guards the layout there.
-            pytest.skip("this NVRTC has no __builtin_offsetof")
-        raise
-
-
-def test_attn_params_layout_matches_c():
-    spec = KernelSpec("attn_fwd_simt", "f16", 64, "sm_80")
-    _compile_layout(spec.params)  # raises CompileError if a size or offset static_assert fails
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(sorted(_CODES)), min_size=1, max_size=10)
-       .filter(lambda kinds: any(_CODES[k] in "Qq" for k in kinds)))
-def test_param_struct_layout_matches_c(kinds):
-    """Any struct with at least one 8-byte member (see the xfail below for the others)."""
-    _compile_layout(ParamStruct("S", tuple((f"f{i}", k) for i, k in enumerate(kinds))))
-
-
-def test_param_struct_of_4_byte_members_matches_c():
-    _compile_layout(ParamStruct("S", (("a", "i32"), ("b", "f32"), ("c", "i32"))))
 
 
 def _issue13_specs(arch):

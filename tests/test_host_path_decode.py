@@ -1,0 +1,175 @@
+"""The device-resident decode call path on a CPU, through the fake driver of ``fake_driver.py``:
+a steady decode loop's driver calls and launches (the split combine fused in, or a second launch
+for a large combine share), the repeat-call fast path (what must miss it, what is checked every
+call), memos that keep no cache alive, a ragged batch's longest-first order, and the tensor maps
+of attn_decode_tma over 16- and 8-bit pools.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fake_driver
+import pyattn
+from _host_path_helpers import _da, _repeat_calls
+
+
+def test_decode_repeat_calls(gpu, cache, full_decode):
+    """A steady decode loop: one context check and one launch (two splits, their combine fused in); the
+    partials share the output's block; q's new address is read."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
+    assert len(full_decode) == 1
+    q2 = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q2, c, ids)
+    assert len(full_decode) == 1
+    ((name, grid, _, p),) = fake_driver.LAUNCHES  # one launch: the split combine is fused in
+    assert grid[0] == 2 and name.startswith("pyattn_attn_decode")  # two splits
+    assert p[:4] == (q2.ptr, c.k.ptr, c.v.ptr, out.ptr)
+    assert out.ptr < p[5] < p[6] < out.ptr + out.owner.nbytes  # the partials, behind out in its block
+    assert p[7] != 0  # the stream's split counters
+
+
+def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache):
+    """16 query tokens x a GQA group of 4 at 33 splits: the fused combine's last block would read
+    4 items (4 consumer warps of attn_decode_tma) x 3 batches of splits per thread (over its
+    budget), so the decode leaves the merge (null counters) to split_combine, launched right after
+    on the same stream."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 16, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    out = pyattn.decode(q, c, ids, num_splits=33)
+    (name, grid, _, p), (cname, _, cstream, cp) = fake_driver.LAUNCHES
+    assert name.startswith("pyattn_attn_decode_tma") and grid[0] == 33 and p[7] == 0
+    assert cname.startswith("pyattn_split_combine") and cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids, num_splits=2)  # 8 items x 1 batch: within the budget, fused
+    ((name, grid, _, p),) = fake_driver.LAUNCHES
+    assert grid[0] == 2 and p[7] != 0
+
+
+def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    other = pyattn.PagedKVCache(64, 32, 2, 64, "bfloat16")  # another page size
+    other_ids = [other.add_sequence() for _ in range(2)]
+    variants = [
+        lambda: pyattn.decode(_da((2, 2, 8, 64), ml_dtypes.bfloat16), c, ids),  # q_len
+        lambda: pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16), c, ids[:1]),  # batch, number of ids
+        lambda: pyattn.decode(q, other, other_ids),
+        lambda: pyattn.decode(q, c, ids, causal=False),
+        lambda: pyattn.decode(q, c, ids, window=(8, 0)),
+        lambda: pyattn.decode(q, c, ids, num_splits=1),
+        lambda: pyattn.decode(q, c, ids, softcap=20.0),
+        lambda: pyattn.decode(q, c, ids, return_lse=True),
+        lambda: pyattn.decode(q, c, ids, alibi_slopes=_da((8,), np.float32)),
+    ]
+    for i, call in enumerate(variants):
+        call()
+        assert len(full_decode) == 2 + i, i
+        call()  # its own entry now
+        assert len(full_decode) == 2 + i, i
+    with pytest.raises(TypeError, match="^q: expected dtype bfloat16"):
+        pyattn.decode(_da((2, 1, 8, 64), np.float16), c, ids)
+
+
+def test_decode_checks_ids_and_addresses_every_call(gpu, cache):
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match=r"^q: the address must be 16-byte aligned"):
+        pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16, ptr=q.ptr + 8), c, ids)
+    c.free(ids[1])
+    with pytest.raises(ValueError, match="no live sequence"):
+        pyattn.decode(q, c, ids)
+    with pytest.raises(ValueError, match="^q: expected an array on the cache's device"):
+        pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16, device=pyattn.get_device(1)), c, ids[:1])
+
+
+def test_memo_keys_do_not_keep_a_cache_alive(gpu):
+    """The decode memos key on the cache's layout: a dropped cache frees its pools."""
+    import weakref
+
+    c = pyattn.PagedKVCache(16, 16, 2, 64, "float16")
+    ids = [c.add_sequence()]
+    c.append(ids, np.zeros((1, 4, 2, 64), np.float16), np.zeros((1, 4, 2, 64), np.float16))
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    pyattn.decode(_da((1, 1, 4, 64)), c, ids)
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
+    """batch_order (DecodeParams field 11) is null for an even batch and, for a ragged one, the
+    device copy of the entries longest first, uploaded with the cache's decode table."""
+    from pyattn.paged.book import longest_first
+
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids)
+    assert fake_driver.LAUNCHES[-1][3][11] == 0
+    kv = np.zeros((1, 40, 2, 64), ml_dtypes.bfloat16)
+    c.append([ids[1]], kv, kv)
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids)
+    tables = c.decode_tables(ids, c._stream)[0]
+    assert tables[4] is not None and fake_driver.LAUNCHES[-1][3][11] == tables[4].ptr
+    assert longest_first(c.book.lengths(ids)).tolist() == [1, 0]
+
+
+def test_tma_decode_maps_describe_the_pools(gpu, cache):
+    """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) reads the pools through a
+    pair of tensor maps: (head dim, slot, kv head, page) with the pools' byte strides, boxes of 64
+    columns x min(page, block_n) slots, 128-byte swizzle; encoded and uploaded once per pool pair."""
+    from pyattn.runtime import tensormap
+
+    c, ids = cache
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    pyattn.decode(q, c, ids)
+    keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
+    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr))
+    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
+        assert (dtype, dims, strides, box, swizzle) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128)
+    encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
+    pyattn.decode(q, c, ids)
+    assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
+
+
+@pytest.mark.parametrize("kind, key_scales, D", [("int8", "token", 128), ("fp8_e4m3", "token", 128),
+                                                ("int8", "channel", 128), ("int8", "token", 64)])
+def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
+    """An 8-bit cache takes attn_decode_tma too (per-token or per-channel key scales): its code pools
+    as uint8 maps, boxes of 128 codes (one 128-byte swizzle row) x min(page, block_n) slots. The 64
+    head-dim bucket keeps the cp.async kernel, whose launch encodes no map."""
+    from pyattn.runtime import tensormap
+
+    c = pyattn.PagedKVCache(64, 16, 2, D, kind, key_scales=key_scales)
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 256, 2, D), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    fake_driver.CALLS.clear()
+    gpu.record_launches = True
+    pyattn.decode(_da((2, 1, 8, D), ml_dtypes.bfloat16), c, ids)
+    name = fake_driver.LAUNCHES[-1][0]
+    keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
+    if D == 64:
+        assert keys == [] and fake_driver.CALLS["cuTensorMapEncodeTiled"] == 0
+        assert name.startswith("pyattn_attn_decode_") and "tma" not in name
+        return
+    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_tma")
+    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
+        assert (dtype, dims, strides, box, swizzle) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128)
