@@ -6,8 +6,8 @@
 #          ROUNDS (default 3) alternating processes, each tree with its own kernel cache, then SDPA
 #          cuDNN on the same shapes (SHAPES: time_prefill's --shapes, default its own list)
 #   tail   dev/probe_tail.py (what the d = 64 short row's 64-row tail block costs)
-#   tests  the TMA prefill's GPU tests (test_gpu_tma, test_gpu_three_warpgroups, test_gpu_wgmma_ws,
-#          test_gpu_softcap_poly, test_gpu_masks; TESTS_K:
+#   tests  the TMA prefill's GPU tests (test_gpu_tma_views, test_gpu_tma_masks, test_gpu_tma_persistent,
+#          test_gpu_three_warpgroups, test_gpu_wgmma_ws, test_gpu_softcap_poly, test_gpu_masks; TESTS_K:
 #          a pytest -k filter; TESTS_S: their time limit, default 400 s)
 #   bench  scripts/bench_prefill.py --only configs (x FA2 and x cuDNN in the same run)
 #   repro  the pytest node ids in REPRO, REPEAT (default 3) times, each test's threads' stacks dumped
@@ -57,8 +57,8 @@ if has tail; then
 fi
 if has tests; then
   PYTHONPATH=$here PYATTN_CACHE_DIR=/tmp/pc timeout "${TESTS_S:-400}" python -m pytest -q -p no:cacheprovider -ra -m gpu \
-    ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_tma.py tests/test_gpu_three_warpgroups.py tests/test_gpu_wgmma_ws.py \
-    tests/test_gpu_softcap_poly.py tests/test_gpu_masks.py \
+    ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_tma_views.py tests/test_gpu_tma_masks.py tests/test_gpu_tma_persistent.py \
+    tests/test_gpu_three_warpgroups.py tests/test_gpu_wgmma_ws.py tests/test_gpu_softcap_poly.py tests/test_gpu_masks.py \
     > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/tests.log" | tail -15

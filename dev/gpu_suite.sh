@@ -4,8 +4,9 @@
 #   PART=gpu bash dev/gpu_suite.sh      warm the kernel cache, then `pytest -m gpu` but the TMA
 #                                       prefill's files (~6 min)
 #   PART=tma bash dev/gpu_suite.sh      warm the kernel cache, then the TMA prefill's GPU files
-#                                       (test_gpu_tma, _masks, _softcap_poly, _three_warpgroups,
-#                                       _wgmma_ws: 187 tests; dev/gpu_prefill.sh's "tests" part)
+#                                       (test_gpu_tma_views, _tma_masks, _tma_persistent, _masks,
+#                                       _softcap_poly, _three_warpgroups, _wgmma_ws: 195 tests;
+#                                       dev/gpu_prefill.sh's "tests" part)
 #   PART=cpu bash dev/gpu_suite.sh      the rest, fake-driver tests included, in one process: they
 #                                       must leave nothing behind that a real GPU call would use
 # (`-m gpu` in one call outgrew it: 383 of 431 tests in the 560 s limit, twenty-seventh session.)
@@ -19,8 +20,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYATTN_CACHE_DIR=${PYATTN_CACHE_DIR:-/
 OUT=${OUT:-/tmp/out}
 PART=${PART:-gpu}
 mkdir -p "$OUT"
-tma=(tests/test_gpu_tma.py tests/test_gpu_masks.py tests/test_gpu_softcap_poly.py
-     tests/test_gpu_three_warpgroups.py tests/test_gpu_wgmma_ws.py)
+tma=(tests/test_gpu_tma_views.py tests/test_gpu_tma_masks.py tests/test_gpu_tma_persistent.py
+     tests/test_gpu_masks.py tests/test_gpu_softcap_poly.py tests/test_gpu_three_warpgroups.py
+     tests/test_gpu_wgmma_ws.py)
 if [[ $PART == gpu || $PART == tma ]]; then
   (python -m pyattn warmup --quiet & python dev/warm_serving.py & python dev/warm_issue13.py & wait) \
     > "$OUT/warm.log" 2>&1

@@ -20,7 +20,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from test_gpu_tma import _view  # noqa: E402
+from _tma_helpers import _view  # noqa: E402
 from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),

@@ -12,8 +12,8 @@ import pyattn
 from pyattn.kernels.families import tile_table
 from pyattn.kernels.specs import select_attention_spec
 
+from _tma_helpers import check_varlen  # noqa: E402
 from test_gpu_attention import _check, _inputs  # noqa: E402
-from test_gpu_tma import check_varlen  # noqa: E402
 from test_gpu_wgmma_ws import _is_sm90a  # noqa: E402
 
 # (short_row_on_any_grid: the calls here have few query tiles, which would otherwise run the short
