@@ -48,48 +48,13 @@ import harness
 import pyattn
 from bench_decode import TOL, reference
 from harness import attempt, fmt
+# The shape, cache kinds and cache helpers live in quant_caches.py; imported back, so bench_quant.HQ,
+# bench_quant.new_cache, bench_quant.fill... still work for dev/ probes and tests.
+from quant_caches import (AB, ACTX, CHANNEL, D, HKV, HQ, KINDS, PAGE, QKIND, TOKEN_OF, dequant_keys, drop, fill,
+                          new_cache, read_bytes)
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(b, c) for b in (1, 8, 64) for c in (4096, 32768)]
 QUICK = [(8, 4096), (8, 32768)]
-KINDS = {"bf16": "bfloat16", "int8": "int8", "fp8": "fp8_e4m3", "int8c": "int8", "fp8c": "fp8_e4m3"}  # cache dtypes
-QKIND = {"int8": "int8", "fp8": "fp8e4m3", "int8c": "int8", "fp8c": "fp8e4m3"}  # pyattn.quant kinds
-CHANNEL = ("int8c", "fp8c")  # key_scales="channel"
-TOKEN_OF = {"int8c": "int8", "fp8c": "fp8"}  # the per-token kind each is compared with
-CHUNK, AB, ACTX = 2048, 4, 4096
-
-
-def read_bytes(B: int, ctx: int, kind: str) -> int:
-    """Bytes of K and V one decode step reads: codes (and float32 scales per token and kv head; per-channel
-    keys: one (16 + 2 D + 2 x 4 x page)-byte record per page and kv head instead of the keys' per-token scales)."""
-    if kind in CHANNEL:
-        return B * ctx * HKV * (2 * D + 4) + B * -(-ctx // PAGE) * HKV * (16 + 2 * D + 8 * PAGE)
-    return B * ctx * HKV * (2 * D if kind == "bf16" else D + 4) * 2
-
-
-def new_cache(kind: str, n_seqs: int, ctx: int):
-    import torch
-
-    need = read_bytes(n_seqs, ctx, kind) * 1.05 + (1 << 30)
-    if torch.cuda.mem_get_info()[0] < need:
-        raise MemoryError(f"{need / 2**30:.1f} GiB free needed for the {kind} cache")
-    cache = pyattn.PagedKVCache(n_seqs * -(-ctx // PAGE) + 8, PAGE, HKV, D, KINDS[kind],
-                                key_scales="channel" if kind in CHANNEL else "token")
-    return cache, [cache.add_sequence() for _ in range(n_seqs)]
-
-
-def fill(bench, cache, seqs, ctx: int, seed: int):
-    """Append random bf16 K/V to every sequence, CHUNK tokens at a time; sequence 0's K, V (ctx, Hkv, D)."""
-    torch = bench.torch
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    keep = ([], [])
-    for t0 in range(0, ctx, CHUNK):
-        k, v = (torch.randn(len(seqs), min(CHUNK, ctx - t0), HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                for _ in range(2))
-        cache.append(seqs, harness.to_pyattn(k, bench.stream), harness.to_pyattn(v, bench.stream), stream=bench.stream)
-        keep[0].append(k[0].clone())
-        keep[1].append(v[0].clone())
-    return torch.cat(keep[0]), torch.cat(keep[1])
 
 
 def bench_kind(bench, args, row, B, ctx, n_rep, q, q_d, base):
@@ -139,19 +104,6 @@ def held_ref(q, k0, v0, kind):
     return reference(q[:1], deq(k0, True), deq(v0, False))
 
 
-def dequant_keys(k, kind) -> np.ndarray:
-    """Keys (..., ctx, Hkv, D) as a per-channel cache holds them: each page of PAGE tokens (a sequence's pages
-    are whole here: ctx is a multiple of PAGE) quantized by pyattn.quant.quantize_page (kept channels included),
-    dequantized."""
-    from pyattn.quant import dequantize_page, quantize_page
-
-    x = np.asarray(k)
-    pages = x.reshape(x.shape[:-3] + (-1, PAGE) + x.shape[-2:])  # (..., pages, PAGE, Hkv, D)
-    per_head = np.moveaxis(pages, -2, -3)  # (..., pages, Hkv, PAGE, D)
-    d = dequantize_page(*quantize_page(per_head, QKIND[kind]))
-    return np.moveaxis(d, -3, -2).reshape(x.shape)
-
-
 def run_speed(bench, args, result) -> None:
     torch = bench.torch
     for B, ctx in args.shapes:
@@ -175,15 +127,6 @@ def run_speed(bench, args, result) -> None:
                   f"{fmt(row.get('wall_us'), '.1f')} us, max err {fmt(row.get('max_err'), '.1e')}", flush=True)
             harness.save_json(args.json, result)
         derive(result)
-
-
-def drop(bench) -> None:
-    """Give freed caches' memory back to torch's allocator too (pyattn's pool reuses its own)."""
-    import gc
-
-    gc.collect()
-    bench.sync()
-    bench.torch.cuda.empty_cache()
 
 
 def derive(result) -> None:

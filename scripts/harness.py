@@ -13,31 +13,33 @@ torch, so ``--help`` works anywhere. Public pyattn names only.
   its own, for calls that wait on earlier work (pinned staging of host arguments).
 - :meth:`Bench.wall_ms` for host paths; ceilings of the same run (copy GB/s, matmul TFLOP/s,
   pinned copies); :func:`sdpa` (torch SDPA on its FA2 or cuDNN backend); :func:`environment`,
-  :func:`save_json` and the report helpers every script prints with.
+  :func:`save_json` and the report helpers every script prints with (defined in harness_report.py,
+  imported here: callers use ``harness.<name>`` for all of them).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
-import json
 import math
-import os
-import subprocess
-import sys
 import time
-import traceback
 import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 import pyattn
+# The environment and output helpers live in harness_report.py (beside this file, so on the same
+# sys.path); imported back so that every caller keeps one module to import: harness.fmt, harness.environment...
+from harness_report import (_cu, attempt, end_run, env_line, environment, fmt, md_table, print_targets, save_json,
+                            unheld_note)
+
+# The names scripts, dev/ and tests use; listing the re-exported ones here also tells pyflakes they are not unused.
+__all__ = ["SDPA_BACKENDS", "MAX_PREROLL_MS", "load_torch", "open_bench", "over_budget", "parser", "Timing", "Bench",
+           "sdpa", "to_pyattn", "to_torch", "tiny_decode", "DlpackOnly", "environment", "env_line", "save_json",
+           "attempt", "fmt", "md_table", "unheld_note", "end_run", "print_targets"]
 
 SDPA_BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 MAX_PREROLL_MS = 2000.0  # the longest device wait queued before a loop
-_VERSIONS = ("cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "ml_dtypes", "torch",
-             "triton", "cupy-cuda13x", "matplotlib")
 
 
 def load_torch():
@@ -84,16 +86,6 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (a smoke run)")
     return p
-
-
-def _cu(result):
-    """The value of a cuda.bindings call, or RuntimeError naming the error."""
-    from cuda.bindings import driver
-
-    err, *rest = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA error {err.name}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
 
 
 class Timing(NamedTuple):
@@ -366,105 +358,3 @@ class DlpackOnly:
 
     def __dlpack_device__(self):
         return self.t.__dlpack_device__()
-
-
-# -- environment and output -----------------------------------------------------------------------
-
-
-def environment(bench: Bench | None = None) -> dict:
-    """GPU, driver and package versions, for the JSON and the first line printed."""
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
-
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
-           "pyattn": pyattn.__version__, "numpy": np.__version__,
-           "versions": {n: v for n in _VERSIONS if (v := version(n))}}
-    if bench is not None:
-        from cuda.bindings import driver
-
-        dev, v = bench.device, _cu(driver.cuDriverGetVersion())
-        env.update(gpu=dev.name, arch=dev.arch, sm_count=dev.sm_count, l2_bytes=bench.l2,
-                   cuda_driver_api=f"{v // 1000}.{v % 1000 // 10}", preroll=bench.preroll_kind)
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20).stdout.split()
-            env["driver"] = smi[dev.ordinal] if len(smi) > dev.ordinal else None
-        except (OSError, subprocess.SubprocessError):
-            env["driver"] = None
-    return env
-
-
-def env_line(env: dict) -> str:
-    where = (f"{env['gpu']} ({env['arch']}, {env['sm_count']} SMs), driver {env.get('driver')} / CUDA "
-             f"{env['cuda_driver_api']}; ") if "gpu" in env else ""
-    pkgs = [f"Python {env['python']}", f"pyattn {env['pyattn']}", f"numpy {env['numpy']}"]
-    pkgs += [f"{k} {v}" for k, v in env["versions"].items()]
-    return f"{where}{', '.join(pkgs)}; {env['date']}"
-
-
-def save_json(path: str | None, result: dict) -> None:
-    """Write ``result`` to ``path`` (no-op for None) atomically: a reader never sees half a file."""
-    if not path:
-        return
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except OSError as exc:
-        print(f"could not write {path}: {exc}")
-
-
-def attempt(row: dict, what: str, fn):
-    """``fn()``, or None with the error noted in ``row["errors"]`` and printed: the run goes on."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        msg = f"{what}: {type(exc).__name__}: {str(exc)[:300]}"
-        row.setdefault("errors", []).append(msg)
-        print(f"    FAILED {msg}", flush=True)
-        traceback.print_exc(limit=6)
-        return None
-
-
-def fmt(x, spec: str) -> str:
-    """``format(x, spec)`` for a real number, "n/a" for anything else (None, NaN, an error)."""
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-    return format(x, spec) if ok else "n/a"
-
-
-def md_table(title: str, cols, rows) -> list:
-    """A markdown table: a title line, the header, one ``| ... |`` line per row."""
-    return [title, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
-def unheld_note(bench: Bench) -> str:
-    """A warning line naming the GPU timings whose pre-roll ran out, or ""."""
-    if not bench.unheld:
-        return ""
-    return (f"WARNING: the pre-roll ran out before {len(bench.unheld)} timing(s) were queued, so host gaps "
-            f"may be in them: {', '.join(bench.unheld[:10])}\n")
-
-
-def end_run(bench: Bench, result: dict, path: str | None, failures: int, note: str = "") -> int:
-    """A benchmark's ending: its failures, seconds (since ``result["t0"]``, popped) and unheld
-    pre-rolls into ``result``, the pre-roll warning and run time printed, the JSON written; the
-    exit code (1 when anything failed)."""
-    result.update(failures=failures, seconds=time.perf_counter() - result.pop("t0"), preroll_ran_out=bench.unheld)
-    print(unheld_note(bench) + f"{note}({result['seconds']:.0f} s)")
-    save_json(path, result)
-    return 1 if failures else 0
-
-
-def print_targets(targets: list) -> int:
-    """Print ``[{"pass": True/False/None, "text": ...}]`` as PASS/MISS lines; returns how many passed."""
-    print("\n== targets")
-    for t in targets:
-        print(f"  {'PASS' if t['pass'] else 'MISS' if t['pass'] is False else 'n/a '}  {t['text']}")
-    met = sum(t["pass"] is True for t in targets)
-    print(f"  {met} of {len(targets)} targets met")
-    return met
