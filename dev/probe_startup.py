@@ -86,7 +86,7 @@ if gpu:
     _fwd.launch = timed("launch", _fwd.launch)
 else:  # fake device steps: everything else is the real code
     class Dev:
-        ordinal, arch = 0, ARCH
+        ordinal, arch, sm_count = 0, ARCH, 132  # an H200's SMs (the plan's grid needs a count)
         def activate(self): pass
     class Stream:
         ptr = handle = 7
@@ -97,6 +97,7 @@ else:  # fake device steps: everything else is the real code
     class Kern:
         name = "fake"
         def set_max_dynamic_shared(self, n): pass
+        def max_active_blocks(self, threads, smem): return 1  # the planner's occupancy query
     registry.Module = Mod
     _fwd.launch = timed("launch", lambda *a: None)
     _att.start = lambda stream, args, recheck=None: (dev, s, args)
