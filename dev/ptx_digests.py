@@ -24,6 +24,7 @@ sm_90a,sm_80``). Without either, the output is the default set above.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -36,11 +37,9 @@ FAMILIES = ("attn_fwd_tma", "attn_fwd_wgmma", "attn_fwd_fp8", "attn_prefill_wgmm
 
 
 def variants() -> list:
-    import compile_sweep
-
     from pyattn.kernels.specs import select_attention_spec
 
-    out = [s for s in compile_sweep.variants("sm_90a") if s.family in FAMILIES]
+    out = family_variants(FAMILIES, ["sm_90a"])
     for d in (64, 128, 256):
         for causal in (False, True):
             for cap in ({}, {"softcap": 20.0}):
@@ -79,40 +78,34 @@ def digest(spec) -> tuple:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--compare"]:
-        a, b = (json.load(open(f)) for f in sys.argv[2:4])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", help="where the digests go (JSON)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print the variants whose digests differ")
+    ap.add_argument("--families", type=lambda v: set(v.split(",")), help="comma-separated family names")
+    ap.add_argument("--all", action="store_true", help="every family's compile_sweep variants")
+    ap.add_argument("--archs", type=lambda v: v.split(","), help="with --families / --all (default sm_90a)")
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.load(open(f)) for f in args.compare)
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 print(("differs  " if k in a and k in b else "only in " + ("A  " if k in a else "B  ")) + k)
         return 0
-    args = sys.argv[1:]
-    families = archs = None
-    every = "--all" in args
-    if every:
-        args.remove("--all")
-    for opt in ("--families", "--archs"):
-        if opt in args:
-            i = args.index(opt)
-            if i + 1 >= len(args):
-                sys.exit(__doc__)
-            value = args[i + 1].split(",")
-            del args[i:i + 2]
-            families, archs = (value, archs) if opt == "--families" else (families, value)
-    if len(args) != 1:
-        sys.exit(__doc__)
-    if families is None and not every:
-        if archs is not None:
-            sys.exit("--archs goes with --families or --all")
+    if args.out is None:
+        ap.error("OUT.json is required")
+    if args.families is None and not args.all:
+        if args.archs is not None:
+            ap.error("--archs goes with --families or --all")
         specs = variants()
     else:
-        specs = family_variants(None if every else set(families), archs or ["sm_90a"])
+        specs = family_variants(None if args.all else args.families, args.archs or ["sm_90a"])
         if not specs:
-            sys.exit("no variants for those families / archs")
+            ap.error("no variants for those families / archs")
     with ProcessPoolExecutor(os.cpu_count() or 2) as ex:
         res = dict(ex.map(digest, specs))
-    with open(args[0], "w") as f:
+    with open(args.out, "w") as f:
         json.dump(res, f, indent=0, sort_keys=True)
-    print(f"{len(res)} variants -> {args[0]}")
+    print(f"{len(res)} variants -> {args.out}")
     return 0
 
 
