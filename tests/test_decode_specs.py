@@ -191,6 +191,23 @@ def test_tma_decode_per_channel_row_is_data():
         assert kc.template_id.endswith(f"16, {base[0].warps}, 1, 3, 3, 1>, false, false>")
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8e4m3"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_tma_decode_launch_bounds_follow_the_variants_own_ring(kv, d):
+    """Every one-row-tile attn_decode_tma variant asks its launch bounds for as many blocks an SM
+    as its own shared memory lets in (at most the row's): the per-channel variant's 2-stage ring
+    with its page records, not the per-token row's 3 stages plus records (which fit once and left
+    the kernel without a register cap: 207 registers, one block an SM, 1.46x slower at B8 x 32k)."""
+    row = decode_row("sm_90a", d, kv, tma=True)
+    for key_channel in (False, True):
+        spec = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=key_channel)
+        fit = (228 << 10) // (spec.shared_bytes + 1024)
+        assert spec.tiles.min_blocks == max(1, min(row.min_blocks, fit)), (key_channel, spec.shared_bytes)
+    if d == 128:  # the measured case: both variants two blocks an SM (168 registers)
+        kc = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=True)
+        assert kc.tiles.min_blocks == 2
+
+
 @pytest.mark.parametrize("arch, d, page, kv, tma", [
     ("sm_90a", 128, 16, "", True), ("sm_90a", 64, 256, "", True), ("sm_90a", 256, 1024, "", True),
     ("sm_90a", 128, 8, "", False),    # boxes of 8 slots: too small for TMA to pay

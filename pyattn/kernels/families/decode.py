@@ -151,15 +151,16 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
     at 1; one row tile a block, reading K/V twice: 278; `dev/probe_decode_qtiles.py`). Per-channel
     key scales take the row's ``channel`` (keys per warp, stages), by default its keys at no more
     than 2 stages (their page records add (d * 2 + 144) * block_n / 16 bytes a stage: 3 stages at
-    d = 128, 116 KiB, would leave one block an SM)."""
+    d = 128, 116 KiB, would leave one block an SM). That ring is set before ``_spec_tiles`` asks
+    how many blocks fit: asked of the per-token row's 3 stages plus the records, it launched the
+    per-channel kernel bounded for one block (no register cap), which then ran one block an SM
+    with half the splits, 1.46x slower at B8 x 32k (BENCHMARKS.md, thirty-first session)."""
+    if spec.key_channel:
+        row = decode_row(spec.arch, spec.head_dim, spec.kv, tma=True)
+        kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
+        t = t._replace(block_n=kpw * row.warps, stages=stages)
     t = _spec_tiles(spec, t)
-    if spec.q_tiles > 1:
-        t = t._replace(min_blocks=1)
-    if not spec.key_channel:
-        return t
-    row = decode_row(spec.arch, spec.head_dim, spec.kv, tma=True)
-    kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
-    return t._replace(block_n=kpw * row.warps, stages=stages)
+    return t._replace(min_blocks=1) if spec.q_tiles > 1 else t
 
 
 def _traits(spec, t) -> str:
