@@ -1,0 +1,183 @@
+"""Dev probe (GPU): a timeline of the TMA decode kernels' blocks, from clock stamps (issue 12's fixed cost).
+
+The per-call time of a decode is linear in its bytes with a fixed part of ~10 us that is inside
+the kernel (Nsight Compute's kernel duration equals the per-call time back to back: thirty-second
+session). This probe says where in the block it goes. It copies ``pyattn/`` and ``kernels_src/``
+to a temporary directory, patches stamps into ``attn_decode16_tma`` and ``attn_decode_q8_tma``
+(thread 0, the first consumer warp's lane 0: ``%globaltimer`` at entry and exit, ``clock64`` after
+the barrier set-up, when Q has landed, when the first stage is full, after the key loop, before
+the split combine, when a block learns it combines, at exit; written to a module global,
+``pyattn_tl``, read back after the call), then runs each point's decode in a child process on that
+copy with a fresh kernel cache: three calls, a sync, then the call whose stamps are read. Printed
+per point: the kernel's span (first block in to last block out), the blocks' start skew, and each
+phase's median and maximum over blocks in microseconds (clock cycles at the block's own
+globaltimer rate); "combine" over the blocks that combined.
+
+    PYTHONPATH=. python dev/probe_decode_timeline.py [--points bf16:1x4096,int8:1x1024,...]
+
+Stamps cost a few instructions and registers; the figures are for telling phases apart, not for
+the benchmark tables. Points: ``kind:BxL`` over bench_quant's caches
+(Hq 32, Hkv 8, D 128, page 16, q_len 1; data under the L2's size stays there between calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+POINTS = "bf16:1x1024,bf16:1x4096,int8:1x1024,int8:1x32768,int8:8x4096"
+_ENTRY = "  extern __shared__ __align__(16) unsigned char smem_raw[];\n"
+_BEGIN = ("  const unsigned long long _g0 = pyattn_tl_now(); const long long _c0 = clock64();\n"
+          "  long long _st[4] = {0, 0, 0, 0};\n")
+_STAMP = "_st[{i}] = clock64();"
+_EXIT = ("  if (threadIdx.x == 0) {{ unsigned long long* _t = pyattn_tl_at(); _t[0] = _g0; _t[1] = pyattn_tl_now();\n"
+         "    _t[2] = _c0; _t[3] = _st[0]; _t[4] = _st[1]; _t[5] = _st[2]; _t[6] = _st[3]; _t[9] = clock64(); }}\n")
+_EPILOGUE = ("  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, "
+             "blk.n_rows);\n")
+# (file, [(anchor, text put before it, text put after it)]) -- each anchor must occur exactly once (the
+# combine's sub-phase stamps, slots 10-12, only where their lines are)
+_KERNEL = [
+    (_ENTRY, "", _BEGIN),
+    ("  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued\n", "",
+     "  " + _STAMP.format(i=0) + "\n"),
+    ("  decode_sync<Tr>();  // Q landed for every consumer warp\n", "", "  " + _STAMP.format(i=1) + "\n"),
+    ("    pipe::wait(full0 + 8 * st, (j / S) & 1);\n", "", "    if (j == 0) " + _STAMP.format(i=2) + "\n"),
+    (_EPILOGUE, "  " + _STAMP.format(i=3) + "\n", _EXIT),
+]
+_PATCHES = {
+    "attention_decode_q8_tma.cuh": _KERNEL,
+    "attention_decode_tma.cuh": _KERNEL,
+    "decode_common.cuh": [
+        ("#pragma once\n", "", "extern \"C\" __device__ unsigned long long pyattn_tl[14 * 16384];\n"
+         "__device__ __forceinline__ unsigned long long* pyattn_tl_at() {\n"
+         "  return pyattn_tl + 14 * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }\n"
+         "__device__ __forceinline__ unsigned long long pyattn_tl_now() {\n"
+         "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"),
+        ("  __threadfence();  // this block's partial stores are visible device-wide before it is counted\n"
+         "  decode_sync<Tr>();\n", "", "  if (threadIdx.x == 0) pyattn_tl_at()[10] = clock64();\n"),
+        ("  if (!s_last) return;\n", "", "  if (threadIdx.x == 0) pyattn_tl_at()[8] = clock64();\n"),
+        ("  __threadfence();  // every other split's stores (fenced before their counts) are read after this\n", "",
+         "  if (threadIdx.x == 0) pyattn_tl_at()[11] = clock64();\n"),
+        ("  // -- out = sum_s w_s o_s / l", "  if (threadIdx.x == 0) pyattn_tl_at()[12] = clock64();\n", ""),
+        ("  if (p.num_splits > 1 && p.split_counters != nullptr) decode_combine_last<Tr>(",
+         "  if (threadIdx.x == 0) pyattn_tl_at()[7] = clock64();\n", ""),
+    ],
+}
+
+
+def _patch(dst: Path) -> None:
+    for name, edits in _PATCHES.items():
+        path = dst / "kernels_src" / name
+        text = path.read_text()
+        for anchor, before, after in edits:
+            if name == "decode_common.cuh" and "pyattn_tl_at()[1" in before + after and anchor not in text:
+                continue  # a combine sub-phase stamp whose line this tree's merge does not have
+            assert text.count(anchor) == 1, (name, anchor)
+            text = text.replace(anchor, before + anchor + after)
+        path.write_text(text)
+
+
+def _stamps(device) -> dict:
+    """{kernel name: (module handle)} of the loaded TMA decode kernels (a dev probe may read the registry)."""
+    from pyattn.kernels import registry
+
+    return {k.name: k.module.handle for (_, spec), k in list(registry._kernels.items()) if "decode_tma" in k.name}
+
+
+def _child(points: str) -> None:
+    import numpy as np
+    import torch
+    from cuda.bindings import driver
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import harness
+    import quant_caches as qc
+
+    import pyattn
+
+    bench = harness.Bench(torch)
+    for point in points.split(","):
+        kind, shape = point.split(":")
+        B, L = (int(v) for v in shape.split("x"))
+        cache, seqs = qc.new_cache(kind, B, L)
+        qc.fill(bench, cache, seqs, L, 1)
+        q = pyattn.asarray(torch.randn(B, 1, qc.HQ, qc.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        for _ in range(3):
+            pyattn.decode(q, cache, seqs, stream=bench.stream)
+        bench.sync()
+        for name, handle in _stamps(bench.device).items():
+            err, ptr, size = driver.cuModuleGetGlobal(handle, b"pyattn_tl")
+            assert err == driver.CUresult.CUDA_SUCCESS, err
+            driver.cuMemsetD8(ptr, 0, size)
+        bench.sync()
+        pyattn.decode(q, cache, seqs, stream=bench.stream)
+        bench.sync()
+        for name, handle in _stamps(bench.device).items():
+            _, ptr, size = driver.cuModuleGetGlobal(handle, b"pyattn_tl")
+            host = np.zeros(size // 8, np.uint64)
+            driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)
+            rows = host.reshape(-1, 14)
+            rows = rows[rows[:, 0] != 0]
+            if len(rows):
+                _summary(point, rows.astype(np.int64))
+        cache = seqs = q = None
+        qc.drop(bench)
+
+
+def _summary(point: str, rows) -> None:
+    """Rows: g0, g1 (globaltimer ns), c0, set-up, Q, first stage, loop end, pre-combine, counted last, exit,
+    then in the combine: fenced and synced, acquire fence, LSE pass (clock64)."""
+    g_start = int(rows[:, 0].min())
+    span = (int(rows[:, 1].max()) - g_start) / 1e3
+    skew = (int(rows[:, 0].max()) - g_start) / 1e3
+    names = ("set-up", "Q landed", "first stage", "key loop", "epilogue", "combine")
+    phases = {k: [] for k in names}
+    sub = {k: [] for k in ("fence + barrier", "counter", "acquire fence", "LSE pass", "partials")}
+    for g0, g1, c0, s0, s1, s2, s3, pre, last, end, fenced, acquired, lsed, _ in rows.tolist():
+        ns = (g1 - g0) / max(end - c0, 1)  # this block's ns per cycle
+        pre = pre or end
+        marks = (c0, s0, s1, s2, s3, pre)
+        for k, a, b in zip(names, marks, marks[1:]):
+            phases[k].append((b - a) * ns)
+        if last:
+            phases["combine"].append((end - pre) * ns)
+            marks = (pre, fenced, last, acquired, lsed, end)
+            for k, a, b in zip(sub, marks, marks[1:]):
+                if a and b:  # (slots 10-12 stay 0 where the tree's merge has no such line)
+                    sub[k].append((b - a) * ns)
+    cells = [f"{k} {statistics.median(v) / 1e3:.2f}/{max(v) / 1e3:.2f}" for k, v in phases.items() if v]
+    cells += [f"(combine: {k} {statistics.median(v) / 1e3:.2f})" for k, v in sub.items() if v]
+    print(f"{point}: {len(rows)} blocks, span {span:.2f} us, start skew {skew:.2f} us, "
+          f"{sum(1 for r in rows.tolist() if r[8])} combining; phases median/max us: " + ", ".join(cells), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default=POINTS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.points)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        dst = Path(tmp)
+        shutil.copytree(ROOT / "pyattn", dst / "pyattn", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / "kernels_src", dst / "kernels_src")
+        _patch(dst)
+        env = dict(os.environ, PYTHONPATH=str(dst), PYATTN_CACHE_DIR=str(dst / "cache"), PYTHONUNBUFFERED="1")
+        run = subprocess.run([sys.executable, __file__, "--child", "--points", args.points], env=env,
+                             capture_output=True, text=True, cwd=ROOT)
+        print(run.stdout, run.stderr[-3000:] if run.returncode else "", end="")
+        return run.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
