@@ -5,14 +5,17 @@ Per-call GPU time of back-to-back decodes is linear in the bytes read with a fix
 is what keeps B1 / B8 of the 8-bit caches under 1.8x the bf16 cache and bf16 B1 under cuDNN. This
 splits it: per point (``kind:BxL``, Hq 32, Hkv 8, D 128, page 16, q_len 1) the GPU us per call at
 the automatic split count and at ``--splits``, beside the GPU us per call of torch's smallest
-kernel (one element's add: the floor of a launch back to back). Data under the L2's size stays
-there between calls (no replicas, unlike bench_quant: this is about latency). Under Nsight Compute (``--ncu``:
-each point's decode three times, untimed) ``gpu__time_duration`` gives the kernel's own time:
+kernel (one element's add: the floor of a launch back to back); ``--between``: also each decode
+behind such an add, a predecessor that is no programmatic-launch primary (the TMA decode launches
+as its stream's previous kernel's dependent: kernels_src/pdl.cuh). Data under the L2's size stays
+there between calls (no replicas, unlike bench_quant: this is about latency). Under Nsight
+Compute (``--ncu``: each point's decode three times, untimed) ``gpu__time_duration`` gives the
+kernel's own time:
 
     ncu --clock-control none -k regex:attn_decode --metrics gpu__time_duration.sum,sm__cycles_active.avg \\
         python dev/probe_decode_fixed.py --ncu
 
-    PYTHONPATH=. python dev/probe_decode_fixed.py [--points bf16:1x1024,int8:1x1024,...] [--splits 1,8]
+    PYTHONPATH=. python dev/probe_decode_fixed.py [--points bf16:1x1024,int8:1x1024,...] [--splits 1,8] [--between]
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ def main() -> int:
     ap.add_argument("--points", default=POINTS)
     ap.add_argument("--splits", default="1,8", help="forced split counts timed beside the automatic one")
     ap.add_argument("--ncu", action="store_true", help="each point's decode 3 times, untimed (run under ncu)")
+    ap.add_argument("--between", action="store_true",
+                    help="also time each decode behind torch's one-element add (a predecessor that is no "
+                         "programmatic-launch primary: what a decode after a framework's kernel sees)")
     args = ap.parse_args()
     bench = harness.Bench(torch)
     us = lambda fn: bench.gpu_ms(fn, loop=40, reps=7).ms * 1e3  # noqa: E731
+    x = torch.zeros(1, device="cuda")  # (torch queues on the bench's stream: harness.Bench)
+    add = us(lambda: x.add_(1)) if not args.ncu else 0.0
     if not args.ncu:
-        x = torch.zeros(1, device="cuda")  # (torch queues on the bench's stream: harness.Bench)
-        print(f"torch one-element add, back to back: {us(lambda: x.add_(1)):.2f} us per call", flush=True)
+        print(f"torch one-element add, back to back: {add:.2f} us per call", flush=True)
     for point in args.points.split(","):
         kind, shape = point.split(":")
         B, L = (int(v) for v in shape.split("x"))
@@ -57,6 +64,9 @@ def main() -> int:
         else:
             cells = [f"auto {us(call):.1f}"]
             cells += [f"splits {n} {us(lambda: call(n)):.1f}" for n in (int(v) for v in args.splits.split(",") if v)]
+            if args.between:
+                behind = us(lambda: (x.add_(1), call()))
+                cells.append(f"behind an add {behind:.1f} (minus the add's {add:.1f}: {behind - add:.1f})")
             mb = qc.read_bytes(B, L, kind) / 1e6
             print(f"{point} ({mb:.1f} MB): GPU us per call: " + ", ".join(cells), flush=True)
         cache = seqs = q = None

@@ -28,6 +28,7 @@
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
+#include "pdl.cuh"
 
 namespace pyattn {
 
@@ -112,6 +113,10 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
+  // Launched with programmatic stream serialization (pdl.cuh): the next decode's blocks may start
+  // now; this one touches global memory only once the kernel before it has finished.
+  pdl::launch_dependents();
+  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   if (threadIdx.x == 0) {

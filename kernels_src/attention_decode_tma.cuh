@@ -22,6 +22,7 @@
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
+#include "pdl.cuh"
 
 namespace pyattn {
 
@@ -119,6 +120,10 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   T* sV = sK + S * H * KB * 64;                                                             // [S][H][KB][64]
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
+  // Launched with programmatic stream serialization (pdl.cuh): the next decode's blocks may start
+  // now; this one touches global memory only once the kernel before it has finished.
+  pdl::launch_dependents();
+  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {

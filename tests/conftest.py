@@ -136,22 +136,31 @@ def no_causal_short_row():
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The entry names of the kernels a test launches, in launch order (``cuLaunchKernel`` wrapped,
-    each function's name read back with ``cuFuncGetName``): GPU tests assert that the row they check
-    is the one that ran. A spec selected beside the call, with other arguments than the call's, has
-    twice named a row that never ran (the causal short row; the small-grid row). Request it after
-    a fake driver's fixture, which replaces the driver's functions."""
+    """The entry names of the kernels a test launches, in launch order (``cuLaunchKernel`` and
+    ``cuLaunchKernelEx`` wrapped, each function's name read back with ``cuFuncGetName``): GPU
+    tests assert that the row they check is the one that ran. A spec selected beside the call,
+    with other arguments than the call's, has twice named a row that never ran (the causal short
+    row; the small-grid row). Request it after a fake driver's fixture, which replaces the
+    driver's functions."""
     from cuda.bindings import driver
 
     names: list = []
-    real = driver.cuLaunchKernel
+    real, real_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
 
-    def record(fn, *args):
+    def name_of(fn):
         err, name = driver.cuFuncGetName(fn)
         names.append(name.decode() if err == driver.CUresult.CUDA_SUCCESS else f"<{err}>")
+
+    def record(fn, *args):
+        name_of(fn)
         return real(fn, *args)
 
+    def record_ex(config, fn, *args):  # the TMA decode's launches (programmatic dependents)
+        name_of(fn)
+        return real_ex(config, fn, *args)
+
     monkeypatch.setattr(driver, "cuLaunchKernel", record)
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", record_ex)
     return names
 
 

@@ -32,6 +32,7 @@ from pyattn.runtime import _resource, device, memory, pinned, stream, tensormap
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
 LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields) per launch, when recording
+PDL_LAUNCHES: list = []  # kernel names launched as programmatic dependents (cuLaunchKernelEx), always
 _CTX = 0xC0000
 
 
@@ -204,6 +205,17 @@ class _Fake:
             LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s), ptrs))
         return (OK,)
 
+    def cuLaunchKernelEx(self, config, fn, argv, extra):
+        """A launch with attributes (pyattn's: programmatic stream serialization): recorded as a
+        plain launch, its kernel's name added to :data:`PDL_LAUNCHES`."""
+        attrs = list(config.attrs)[: config.numAttrs]
+        if any(a.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+               and a.value.programmaticStreamSerializationAllowed for a in attrs):
+            PDL_LAUNCHES.append(self.kernel_names.get(int(fn)))
+        return self.cuLaunchKernel(fn, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                                   config.blockDimY, config.blockDimZ, config.sharedMemBytes, config.hStream, argv,
+                                   extra)
+
 
 def _counted(name, fn):
     def call(*args):
@@ -254,6 +266,7 @@ def install(monkeypatch) -> _Fake:
         monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()
     LAUNCHES.clear()
+    PDL_LAUNCHES.clear()
     fake.finalizers_before = set(weakref.finalize._registry)  # see uninstall()
     return fake
 

@@ -19,12 +19,16 @@ from _host_path_helpers import _da, _repeat_calls
 
 
 def test_decode_repeat_calls(gpu, cache, full_decode):
-    """A steady decode loop: one context check and one launch (two splits, their combine fused in); the
-    partials share the output's block; q's new address is read."""
+    """A steady decode loop: one context check and one launch (two splits, their combine fused in),
+    attn_decode_tma's as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx
+    with programmatic stream serialization: kernels_src/pdl.cuh); the partials share the output's
+    block; q's new address is read."""
     c, ids = cache
     gpu.record_launches = True
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
-    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernel": 1}
+    fake_driver.PDL_LAUNCHES.clear()
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
+    assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_tma") for n in fake_driver.PDL_LAUNCHES)
     assert len(full_decode) == 1
     q2 = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     fake_driver.LAUNCHES.clear()
@@ -50,10 +54,31 @@ def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache)
     (name, grid, _, p), (cname, _, cstream, cp) = fake_driver.LAUNCHES
     assert name.startswith("pyattn_attn_decode_tma") and grid[0] == 33 and p[7] == 0
     assert cname.startswith("pyattn_split_combine") and cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
+    assert cname not in fake_driver.PDL_LAUNCHES  # a plain launch: it reads the decode's partials
     fake_driver.LAUNCHES.clear()
     pyattn.decode(q, c, ids, num_splits=2)  # 8 items x 1 batch: within the budget, fused
     ((name, grid, _, p),) = fake_driver.LAUNCHES
     assert grid[0] == 2 and p[7] != 0
+
+
+def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(gpu):
+    """Programmatic dependent launch only where the kernel waits in-kernel (griddepcontrol.wait
+    before its first global access): attn_decode_tma (pages of a power of two from 16), not the
+    cp.async decode (pages of 8 here), whose blocks would otherwise read the cache while the
+    stream's previous kernel may still write it."""
+    from pyattn.jit.source import kernel_source_dir
+
+    for page, tma in ((16, True), (8, False)):
+        c = pyattn.PagedKVCache(64, page, 2, 64, "bfloat16")
+        ids = [c.add_sequence() for _ in range(2)]
+        fake_driver.PDL_LAUNCHES.clear()
+        pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16), c, ids)
+        assert bool(fake_driver.PDL_LAUNCHES) == tma, page
+    src = kernel_source_dir()
+    for name in ("attention_decode_tma.cuh", "attention_decode_q8_tma.cuh"):
+        text = (src / name).read_text()
+        body = text[text.index("  const DecodeBlock<Tr> blk(p);") - 400:text.index("  const DecodeBlock<Tr> blk(p);")]
+        assert "pdl::wait();" in body, name  # the wait comes before the block reads kv_len / the page table
 
 
 def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):

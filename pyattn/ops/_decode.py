@@ -210,7 +210,9 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
                               indptr.ptr if indptr is not None else 0, kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
                               table_stride)
-    launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
+    # The TMA kernels wait for the stream's previous kernel in-kernel (kernels_src/pdl.cuh), so they
+    # launch as its programmatic dependents: their launch and block start overlap its tail.
+    launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params, pdl=bool(plan.tma_box))
     if splits > 1 and not fused:
         cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
                                     lse_ptr, splits - 1)

@@ -27,16 +27,28 @@ _driver = None
 
 
 class _ArgBuffer:
-    """A struct buffer and the ``void*[1]`` array that points at it, for one thread."""
+    """A struct buffer and the ``void*[1]`` array that points at it, for one thread; and, made on
+    the thread's first ``pdl`` launch, its ``CUlaunchConfig`` (set afresh each launch: ~0.7 us)."""
 
     def __init__(self):
         self.struct = np.zeros(MAX_PARAM_BYTES, dtype=np.uint8)
         self.view = memoryview(self.struct)
         self.argv = np.array([self.struct.__array_interface__["data"][0]], dtype=np.uint64)
         self.argv_ptr = self.argv.__array_interface__["data"][0]
+        self.config = None
+
+    def pdl_config(self):
+        if self.config is None:
+            attr = _driver.CUlaunchAttribute()
+            attr.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = _driver.CUlaunchConfig()
+            config.attrs, config.numAttrs = [attr], 1
+            self.config = config
+        return self.config
 
 
-def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> None:
+def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes, pdl: bool = False) -> None:
     """Launch ``kernel`` on ``stream`` with the packed parameter struct ``params``.
 
     Parameters
@@ -49,6 +61,10 @@ def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> Non
         Always explicit: pyattn never launches on an implicit stream.
     params : bytes
         The packed parameter struct.
+    pdl : bool
+        Launch with programmatic stream serialization (sm_90+): the kernel's blocks may start
+        while the stream's previous kernel runs. Only for kernels that call
+        ``griddepcontrol.wait`` before touching global memory (``kernels_src/pdl.cuh``).
     """
     global _driver
     if _driver is None:
@@ -57,7 +73,15 @@ def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> Non
     if buf is None:
         buf = _tls.buf = _ArgBuffer()
     buf.view[: len(params)] = params
-    result = _driver.cuLaunchKernel(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                    shared_bytes, stream.handle, buf.argv_ptr, 0)
+    if pdl:
+        config = buf.pdl_config()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes, config.hStream = shared_bytes, stream.handle
+        result = _driver.cuLaunchKernelEx(config, kernel.handle, buf.argv_ptr, 0)
+    else:
+        result = _driver.cuLaunchKernel(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                        shared_bytes, stream.handle, buf.argv_ptr, 0)
     if result[0]:
-        check(result, f"cuLaunchKernel({kernel.name}, grid={grid}, block={block}, smem={shared_bytes})")
+        check(result, f"{'cuLaunchKernelEx' if pdl else 'cuLaunchKernel'}({kernel.name}, grid={grid}, block={block}, "
+                      f"smem={shared_bytes}{', pdl' if pdl else ''})")

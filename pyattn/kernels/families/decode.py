@@ -31,7 +31,8 @@ class DecodeTile(NamedTuple):
     producer: bool = False
     # attn_decode_tma over 8-bit caches with per-channel key scales: (keys per warp, stages) of
     # that variant, whose segment records add to the ring and whose scoring holds more
-    # registers; () takes the row's keys at no more than 2 stages.
+    # registers; () takes the row's keys at no more than 2 stages (3, fitted to 2 blocks an SM by
+    # dropping the unused K-scale ring, ran 9-13% slower: BENCHMARKS.md, thirty-second session).
     channel: tuple = ()
 
     def config(self) -> TileConfig:
