@@ -113,9 +113,8 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
-  // Launched with programmatic stream serialization (pdl.cuh): the next decode's blocks may start
-  // now; this one touches global memory only once the kernel before it has finished.
-  pdl::launch_dependents();
+  // Launched with programmatic stream serialization (pdl.cuh): global memory is touched only once
+  // the kernel before has finished.
   pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
@@ -195,6 +194,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
 
+  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   q8_unscale(acc, vref);
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }

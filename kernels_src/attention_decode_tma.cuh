@@ -120,9 +120,8 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   T* sV = sK + S * H * KB * 64;                                                             // [S][H][KB][64]
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
-  // Launched with programmatic stream serialization (pdl.cuh): the next decode's blocks may start
-  // now; this one touches global memory only once the kernel before it has finished.
-  pdl::launch_dependents();
+  // Launched with programmatic stream serialization (pdl.cuh): global memory is touched only once
+  // the kernel before has finished.
   pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -171,6 +170,7 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
 
+  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }
 
