@@ -29,6 +29,12 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     fake_driver.PDL_LAUNCHES.clear()
     assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
     assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_tma") for n in fake_driver.PDL_LAUNCHES)
+    from cuda.bindings import driver
+    from pyattn.runtime import launch
+
+    (attr,) = list(launch._tls.buf.config.attrs)[: launch._tls.buf.config.numAttrs]  # this thread's launch config
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
     assert len(full_decode) == 1
     q2 = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     fake_driver.LAUNCHES.clear()
