@@ -60,13 +60,8 @@ def time_shape(bench, names, run, head: str, B: int, S: int, H: int, D: int, *, 
     xs = [harness.to_pyattn(t, bench.stream) for t in ts]
     fn = lambda: pyattn.attention(*xs, stream=bench.stream, **opts)  # noqa: E731
     ms = {n: [] for n in names}
-    # The second round runs the variants in reverse: under sustained load the GPU's times drift up
-    # as it heats (dev/probe_order.py: the same d = 128 4k call 0.85 -> 0.90-0.97 ms within a
-    # minute), so in forward order only, the first variant read 4-9% faster than identical ones
-    # after it (BENCHMARKS.md, twenty-seventh session).
-    for order in (names, names[::-1]):
-        for n in order:
-            ms[n].append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
+    for _, n in harness.alternating(names, 2):  # (the second round in reverse: harness.alternating says why)
+        ms[n].append(run(n, lambda: bench.gpu_ms(fn, loop=10, reps=5).ms))
     cu = None
     if cudnn:
         f = harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts), is_causal=bool(opts.get("causal")))

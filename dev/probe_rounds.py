@@ -38,15 +38,14 @@ def main() -> int:
     S = args.seq
     res: dict = {}
     cases = [(d, h) for d in map(int, args.dims.split(",")) for h in map(int, args.heads.split(","))]
-    for r in range(3):  # alternating rounds, the best of each (the GPU's clock drifts as it heats)
-        for d, h in cases if r % 2 == 0 else cases[::-1]:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            ts = [torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-            xs = [harness.to_pyattn(t, bench.stream) for t in ts]
-            ms = bench.gpu_ms(lambda: pyattn.attention(*xs, stream=bench.stream), loop=10, reps=5).ms  # noqa: B023
-            cu = bench.gpu_ms(harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts)), loop=10, reps=5).ms
-            for key, t in (((d, h, "pyattn"), ms), ((d, h, "cudnn"), cu)):
-                res[key] = min(res.get(key, 1e9), t)
+    for _, (d, h) in harness.alternating(cases, 3):  # the best of each case's rounds
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ts = [torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+        xs = [harness.to_pyattn(t, bench.stream) for t in ts]
+        ms = bench.gpu_ms(lambda: pyattn.attention(*xs, stream=bench.stream), loop=10, reps=5).ms  # noqa: B023
+        cu = bench.gpu_ms(harness.sdpa(torch, "cudnn", *(t.transpose(1, 2) for t in ts)), loop=10, reps=5).ms
+        for key, t in (((d, h, "pyattn"), ms), ((d, h, "cudnn"), cu)):
+            res[key] = min(res.get(key, 1e9), t)
     print(f"(1, {S}, H, d) bf16 non-causal, {sms} SMs, units of 128 query rows; ms (best of 3 rounds)")
     for d, h in cases:
         units = h * math.ceil(S / 128)

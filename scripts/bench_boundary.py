@@ -80,12 +80,10 @@ def host_costs(bench, loop: int, rounds: int = 3) -> tuple:
         tq = torch.from_dlpack(qd).clone()
         kinds["decode(q, cache, ids), torch q"] = lambda: pyattn.decode(tq, cache, ids)
     per_round = {k: [] for k in kinds}
-    names = list(kinds)
-    for r in range(rounds):
-        for k in names if r % 2 == 0 else names[::-1]:
-            per_round[k].append(bench.wall_ms(kinds[k], loop=loop, reps=5) * 1e3)
-            for sync in syncs:  # the next kind starts on idle streams
-                sync()
+    for _, k in harness.alternating(kinds, rounds):
+        per_round[k].append(bench.wall_ms(kinds[k], loop=loop, reps=5) * 1e3)
+        for sync in syncs:  # the next kind starts on idle streams
+            sync()
     return {k: min(v) for k, v in per_round.items()}, per_round
 
 

@@ -82,21 +82,22 @@ def bench_config(bench, dtype: str, B: int, S: int, H: int, D: int, causal: bool
         timed.update((name, [harness.sdpa(bench.torch, name, *(x.transpose(1, 2) for x in ts), is_causal=causal)
                              for ts in tsets]) for name in harness.SDPA_BACKENDS)
     best: dict = {}
-    for r in range(rounds):
-        for name in list(timed) if r % 2 == 0 else list(timed)[::-1]:
-            time_it = lambda: bench.gpu_ms(timed[name], loop=10, reps=reps, label=f"{name} {label}")  # noqa: E731
-            if name == "pyattn":
-                t = harness.attempt(row, "pyattn", time_it)
-            else:
-                try:
-                    t = time_it()
-                except Exception as exc:  # noqa: BLE001 - a backend torch cannot run here is "n/a"
-                    row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    t = None
-            if t is None and name not in best:
-                del timed[name]  # not again in a later round
-            elif t is not None and (name not in best or t.ms < best[name]):
-                best[name] = t.ms
+    for _, name in harness.alternating(list(timed), rounds):
+        if name not in timed:  # it failed in an earlier round
+            continue
+        time_it = lambda: bench.gpu_ms(timed[name], loop=10, reps=reps, label=f"{name} {label}")  # noqa: E731
+        if name == "pyattn":
+            t = harness.attempt(row, "pyattn", time_it)
+        else:
+            try:
+                t = time_it()
+            except Exception as exc:  # noqa: BLE001 - a backend torch cannot run here is "n/a"
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                t = None
+        if t is None and name not in best:
+            del timed[name]  # not again in a later round
+        elif t is not None and (name not in best or t.ms < best[name]):
+            best[name] = t.ms
     for name, ms in best.items():
         row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
     if tsets is None:

@@ -79,6 +79,20 @@ def over_budget(result: dict, budget: float, what: str) -> bool:
     return True
 
 
+def alternating(items, rounds: int):
+    """``(round, item)`` over ``rounds`` passes of ``items``, every other pass in reverse order.
+
+    Under sustained load the GPU's times drift up as it heats (the same d = 128 4k prefill 0.85 ->
+    0.90-0.97 ms within a minute: ``dev/probe_order.py``), so in one fixed order the first of
+    several identical calls read 4-9% faster than those after it (BENCHMARKS.md, twenty-seventh
+    session). Alternating the order, and keeping each item's best round, leaves no item the
+    favoured one."""
+    items = list(items)
+    for r in range(rounds):
+        for item in items if r % 2 == 0 else items[::-1]:
+            yield r, item
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark takes (--json, --quick)."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], epilog=doc.split("\n", 1)[-1],

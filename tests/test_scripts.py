@@ -154,6 +154,15 @@ def test_replicas_cover_four_times_the_l2(sim):
     assert bench.replicas(1 << 20) == 8 and bench.replicas(1 << 20, cap=4) == 4
 
 
+def test_alternating_rounds_reverse_every_other_pass():
+    """Benchmarks time their items in rounds whose order alternates, so that the GPU's drift as it
+    heats favours none of them (harness.alternating)."""
+    assert list(harness.alternating("abc", 3)) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                   (2, "a"), (2, "b"), (2, "c")]
+    assert list(harness.alternating({"x": 1, "y": 2}, 2)) == [(0, "x"), (0, "y"), (1, "y"), (1, "x")]
+    assert list(harness.alternating([], 3)) == [] and list(harness.alternating("ab", 0)) == []
+
+
 def test_report_helpers():
     assert harness.fmt(None, ".1f") == harness.fmt(float("nan"), ".1f") == harness.fmt(True, ".1f") == "n/a"
     assert harness.fmt(3.14159, ".2f") == "3.14"
