@@ -12,9 +12,12 @@ import gc
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda.bindings import driver
 
 import fake_driver
 import pyattn
+from pyattn.jit.source import kernel_source_dir
+from pyattn.runtime import launch
 from _host_path_helpers import _da, _repeat_calls
 
 
@@ -29,9 +32,6 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     fake_driver.PDL_LAUNCHES.clear()
     assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
     assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_tma") for n in fake_driver.PDL_LAUNCHES)
-    from cuda.bindings import driver
-    from pyattn.runtime import launch
-
     (attr,) = list(launch._tls.buf.config.attrs)[: launch._tls.buf.config.numAttrs]  # this thread's launch config
     assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert attr.value.programmaticStreamSerializationAllowed == 1
@@ -72,8 +72,6 @@ def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(g
     before its first global access): attn_decode_tma (pages of a power of two from 16), not the
     cp.async decode (pages of 8 here), whose blocks would otherwise read the cache while the
     stream's previous kernel may still write it."""
-    from pyattn.jit.source import kernel_source_dir
-
     for page, tma in ((16, True), (8, False)):
         c = pyattn.PagedKVCache(64, page, 2, 64, "bfloat16")
         ids = [c.add_sequence() for _ in range(2)]
