@@ -5,6 +5,8 @@
 #   PARTS=bench bash dev/gpu_decode.sh              bench_decode (GQA grid, MHA), bench_ragged
 #   PARTS=warm8,q8 bash dev/gpu_decode.sh           the 8-bit kernels' GPU tests and tile rows (tune_decode.py --kv:
 #                                                   the TMA-fed kernel's rows and the cp.async kernel's, same run)
+#   PARTS=fixed bash dev/gpu_decode.sh              a call's fixed cost: probe_decode_fixed (--between: behind a
+#                                                   plain kernel too), probe_decode_timeline, probe_decode_step
 #   PARTS=quant,boundary,probe,ncu bash dev/gpu_decode.sh
 #       bench_quant speed, bench_boundary, probe_decode_bw (cp.async row vs the TMA row, same run),
 #       Nsight Compute of the table's kernel at B 64 / 8 x 32k (DRAM throughput, warp stall reasons)
@@ -48,6 +50,14 @@ if has bench; then
   stamp bench_ragged
   timeout 120 python scripts/bench_ragged.py --json "$OUT/bench_ragged.json" 2>&1 | tee "$OUT/bench_ragged.log" \
     | grep -E "$tables" | tail -12
+fi
+if has fixed; then  # where a decode call's fixed ~10-14 us go (BENCHMARKS.md, thirty-second session)
+  stamp probe_decode_fixed
+  timeout 120 python dev/probe_decode_fixed.py --splits "" --between 2>&1 | tee "$OUT/fixed.log" | tail -12
+  stamp probe_decode_timeline
+  timeout 90 python dev/probe_decode_timeline.py 2>&1 | tee "$OUT/timeline.log" | tail -12
+  stamp probe_decode_step
+  timeout 120 python dev/probe_decode_step.py 2>&1 | tee "$OUT/step.log" | tail -20
 fi
 if has quant; then
   stamp bench_quant
