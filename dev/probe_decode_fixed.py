@@ -34,6 +34,17 @@ import pyattn  # noqa: E402
 POINTS = "bf16:1x1024,int8:1x1024,bf16:1x4096,int8:1x4096,bf16:1x32768,int8:1x32768,int8:8x4096,int8:8x32768"
 
 
+def decode_point(bench, point: str) -> tuple:
+    """Point ``kind:BxL`` -> (its cache filled as bench_quant fills it, the sequence ids, a bf16 q of
+    (B, 1, Hq, D) on the bench's stream, B, L, kind). dev/probe_decode_timeline.py uses it too."""
+    kind, shape = point.split(":")
+    B, L = (int(v) for v in shape.split("x"))
+    cache, seqs = qc.new_cache(kind, B, L)
+    qc.fill(bench, cache, seqs, L, 1)
+    q = pyattn.asarray(torch.randn(B, 1, qc.HQ, qc.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+    return cache, seqs, q, B, L, kind
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=POINTS)
@@ -50,11 +61,7 @@ def main() -> int:
     if not args.ncu:
         print(f"torch one-element add, back to back: {add:.2f} us per call", flush=True)
     for point in args.points.split(","):
-        kind, shape = point.split(":")
-        B, L = (int(v) for v in shape.split("x"))
-        cache, seqs = qc.new_cache(kind, B, L)
-        qc.fill(bench, cache, seqs, L, 1)
-        q = pyattn.asarray(torch.randn(B, 1, qc.HQ, qc.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        cache, seqs, q, B, L, kind = decode_point(bench, point)
         call = lambda n=None: pyattn.decode(q, cache, seqs, num_splits=n, stream=bench.stream)  # noqa: E731
         if args.ncu:
             for _ in range(3):

@@ -84,11 +84,11 @@ def _patch(dst: Path) -> None:
         path.write_text(text)
 
 
-def _stamps(device) -> dict:
-    """{kernel name: (module handle)} of the loaded TMA decode kernels (a dev probe may read the registry)."""
+def _modules() -> list:
+    """The module handles of the loaded TMA decode kernels (a dev probe may read the registry)."""
     from pyattn.kernels import registry
 
-    return {k.name: k.module.handle for (_, spec), k in list(registry._kernels.items()) if "decode_tma" in k.name}
+    return [k.module.handle for k in list(registry._kernels.values()) if "decode_tma" in k.name]
 
 
 def _child(points: str) -> None:
@@ -96,30 +96,25 @@ def _child(points: str) -> None:
     import torch
     from cuda.bindings import driver
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import harness
-    import quant_caches as qc
+    sys.path.insert(0, str(ROOT / "dev"))
+    from probe_decode_fixed import decode_point, harness, qc  # (its scripts/ path, then pyattn from the copy)
 
     import pyattn
 
     bench = harness.Bench(torch)
     for point in points.split(","):
-        kind, shape = point.split(":")
-        B, L = (int(v) for v in shape.split("x"))
-        cache, seqs = qc.new_cache(kind, B, L)
-        qc.fill(bench, cache, seqs, L, 1)
-        q = pyattn.asarray(torch.randn(B, 1, qc.HQ, qc.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
+        cache, seqs, q, *_ = decode_point(bench, point)
         for _ in range(3):
             pyattn.decode(q, cache, seqs, stream=bench.stream)
         bench.sync()
-        for name, handle in _stamps(bench.device).items():
+        for handle in _modules():
             err, ptr, size = driver.cuModuleGetGlobal(handle, b"pyattn_tl")
             assert err == driver.CUresult.CUDA_SUCCESS, err
             driver.cuMemsetD8(ptr, 0, size)
         bench.sync()
         pyattn.decode(q, cache, seqs, stream=bench.stream)
         bench.sync()
-        for name, handle in _stamps(bench.device).items():
+        for handle in _modules():
             _, ptr, size = driver.cuModuleGetGlobal(handle, b"pyattn_tl")
             host = np.zeros(size // 8, np.uint64)
             driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)
