@@ -3,10 +3,11 @@
 Usage: PYTHONPATH=. python dev/probe_serving.py [--quick] [--chunk-only]
 
 bf16, D 128, Hq 32, Hkv 8. Times (harness.Bench.gpu_ms, one run):
-- the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_wgmma rows put in
-  through ``override_tiles`` (the dense table's warp-specialized row, 64-key rows of 4 and 6 stages,
-  a 2-stage 128-key row), beside pyattn.attention on the same keys contiguous (dense / paged, and
-  the largest difference of the outputs);
+- the 4096-token chunk over 16384 cached tokens (pages of 16) with attn_prefill_tma rows (TMA page
+  boxes: its table's row, 64-key rows of 4 and 6 stages) and attn_prefill_wgmma rows (the cp.async
+  gather: its table's row, a 64-key row of 4 stages) put in through ``override_tiles``, beside
+  pyattn.attention on the same keys contiguous (dense / paged, and the largest difference of the
+  outputs);
 - draft trees (n = 16 / 64 over 4096 tokens, batch 1 / 8) with attn_tree_wgmma rows (one warpgroup
   of 64 rows at 64 / 128 keys, 2 / 3 stages; the two-warpgroup warp-specialized row), and forced
   split counts; pyattn.decode with q_len = n beside them.
@@ -65,11 +66,17 @@ def main() -> int:
     ref = harness.to_torch(dense()).float()
     print(f"chunk dense (attention, contiguous): {harness.fmt(td.ms if td else None, '.3f')} ms", flush=True)
     base = tile_table("attn_prefill_wgmma", "sm_90a")
-    for name, row in (("ws 128x128 s3", WgmmaTile(128, 128, 2, 3, True, 1, "probe", ws=True)),
-                      ("ws 128x64 s4", WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True)),
-                      ("ws 128x64 s6", WgmmaTile(128, 64, 2, 6, True, 1, "probe", ws=True)),
-                      ("ws 128x128 s2", WgmmaTile(128, 128, 2, 2, False, 1, "probe", ws=True))):
-        with override_tiles("attn_prefill_wgmma", "sm_90a", rows_with(base, 128, row)):
+    tbase = tile_table("attn_prefill_tma", "sm_90a")
+    # attn_prefill_tma's table left with a d = 64 row only: the d = 128 chunk takes the cp.async gather
+    no_tma = (WgmmaTile(64, 128, 2, 3, True, 1, "probe: d = 128 on the cp.async gather", ws=True),)
+    rows = (("tma 128x128 s3 (table)", tbase, base),
+            ("tma 128x64 s4", rows_with(tbase, 128, WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True)), base),
+            ("tma 128x64 s6", rows_with(tbase, 128, WgmmaTile(128, 64, 2, 6, True, 1, "probe", ws=True)), base),
+            ("cp.async 128x128 s3 (table)", no_tma, base),
+            ("cp.async 128x64 s4", no_tma, rows_with(base, 128, WgmmaTile(128, 64, 2, 4, True, 1, "probe", ws=True))))
+    for name, tma_rows, cp_rows in rows:
+        with override_tiles("attn_prefill_tma", "sm_90a", tma_rows), \
+                override_tiles("attn_prefill_wgmma", "sm_90a", cp_rows):
             call = lambda: pyattn.prefill(q, cache, ids, stream=bench.stream)  # noqa: E731
             t = harness.attempt({}, name, lambda: bench.gpu_ms(call, loop=loop, reps=reps))
             diff = (harness.to_torch(call()).float() - ref).abs().max().item()

@@ -1,12 +1,13 @@
 """Dev probe (no GPU): registers, spills and shared memory of kernel variants as ptxas reports them.
 
-Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods] [--backward] [--decode] [--log]
+Usage: PYTHONPATH=. python dev/ptxas_info.py [--arch sm_90a] [--mods] [--backward] [--decode] [--paged] [--log]
 
 Compiles the library's own rendered units (``pyattn.jit.source.render``) with NVRTC plus
 ``--ptxas-options=-v`` and prints ptxas's one-line summary per variant, with the compile time:
 a quick check that a kernel change did not push a tile over 255 registers (spills) before
 spending GPU time on it. ``--mods`` adds the score-modifier variants of every attention family;
-``--backward`` takes the backward's main kernels instead, ``--decode`` the paged decode's; ``--log`` prints ptxas's whole log
+``--backward`` takes the backward's main kernels instead, ``--decode`` the paged decode's, ``--paged``
+the paged prefill's (cp.async gather and TMA page boxes, plain and soft-cap + ALiBi); ``--log`` prints ptxas's whole log
 (its warnings, e.g. wgmma serialisation).
 """
 
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="the 16-bit paged decode variants instead")
     ap.add_argument("--kv", default="", help="with --decode: an 8-bit cache kind (int8, fp8e4m3), per-token "
                     "and per-channel keys")
+    ap.add_argument("--paged", action="store_true", help="the paged prefill variants instead")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args()
     include = str(check_headers_match_nvrtc())
@@ -51,7 +53,11 @@ def main() -> None:
             specs += [KernelSpec("attn_decode_tma", "bf16", d, args.arch, q_tiles=1, kv=args.kv, **mods)
                       for d in args.dims if tma_decode_serves(args.arch, d, 16, args.kv)
                       for mods in ({}, {"softcap": True, "alibi": True}, {"key_channel": True})]
-    for d in () if args.decode else args.dims:
+    if args.paged:
+        from pyattn.kernels.specs import KernelSpec
+        specs = [KernelSpec(fam, "bf16", d, args.arch, softcap=m, alibi=m) for d in args.dims if d % 64 == 0
+                 for fam in ("attn_prefill_wgmma", "attn_prefill_tma") for m in (False, True)]
+    for d in () if args.decode or args.paged else args.dims:
         for mods in _MODS if args.mods else _MODS[:1]:
             if args.backward:
                 if "mask" not in mods:

@@ -21,8 +21,9 @@ def serving_specs(arch: str) -> list:
         for d in (40, 64, 96, 128, 256):
             for softcap, alibi in ((False, False), (True, False), (False, True)):
                 for tree in (False, True):
-                    if not (tree and alibi):
-                        specs += prefill_specs(dtype, d, arch, False, softcap, alibi, tree)
+                    if not (tree and alibi):  # pages of 8 (the cp.async gather) and of 16 (TMA boxes)
+                        for page in (8, 16):
+                            specs += prefill_specs(dtype, d, arch, False, softcap, alibi, tree, page)
         specs.append(select_attention_spec(dtype, 128, arch))
         tag = "bf16" if dtype == "bfloat16" else "f16"
         specs += [KernelSpec("kv_append", tag, 32, arch, kv=kv) for kv in ("", "int8")]

@@ -60,15 +60,17 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     ml.init_ring(bar_full);
     __syncthreads();
     if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
-      pipe::regs_dec<Tr::kProducerRegs>();
-      if constexpr (Tr::kTma) {
+      pipe::regs_dec<Mainloop::kProducerRegs>();
+      if constexpr (Tr::kTma && Mainloop::kPaged) {
+        if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && ml.n_tiles > 0) ml.produce_tma_paged(sQ, q, q_stride_s);
+      } else if constexpr (Tr::kTma) {
         if (threadIdx.x == Tr::kConsumerThreads && ml.n_tiles > 0) ml.produce_tma(sQ);
       } else if (ml.n_tiles > 0) {
         ml.produce(sQ, q, q_stride_s, threadIdx.x - Tr::kConsumerThreads);
       }
       return false;
     }
-    pipe::regs_inc<Tr::kConsumerRegs>();
+    pipe::regs_inc<Mainloop::kConsumerRegs>();
     if constexpr (Tr::kPingPong)
       if (ml.wgi == Tr::kWarpgroups - 1 && ml.n_tiles > 0) pipe::bar_arrive(1, 256);  // warpgroup 0 issues first
   }

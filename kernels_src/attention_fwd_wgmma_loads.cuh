@@ -120,6 +120,96 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_tiles(unsigned&
   }
 }
 
+// PAGED with TMA (attn_prefill_wgmma on TMA traits), the producer warpgroup's first warp: the
+// query tile by cp.async (its rows pack a GQA group's heads, which no box of q's map spans),
+// fenced for the async proxy before any arrival on tile 0's barrier; then per key tile one box
+// chunk a lane, as the TMA decode reads the pools (attention_decode_tma.cuh): lane c copies keys
+// [n0 + c box, n0 + (c + 1) box), box = min(page size, BN) slots of one page, for every 64-wide
+// column block of K and V, through maps 0 (K) and 1 (V) over (head dim, slot, kv head, page). A
+// lane's page lookup for a tile is issued before the wait for the stage. Every lane arrives on
+// the stage's "full" barrier (32 arrivals) with its chunk's bytes. A chunk wholly past the
+// sequence reads page -1: out of the map, so TMA fills zeros (and still counts the bytes). The
+// sequence's last, partly filled page holds stale slots past its end (the pool is never cleared):
+// its K ones need nothing (their scores become -inf), but its V ones must be zeros, as 0 * inf is
+// NaN in P V; so the warp copies that chunk of V itself (16-byte loads, zeros past the end, the
+// swizzled layout the boxes would write) and fences it for the async proxy before arriving.
+template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
+__device__ __forceinline__ void
+AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned sQ, const T* q, long long q_stride) {
+  static_assert(PAGED && !Tr::kSplitKV && !Tr::kFp8 && Tr::kMaskBytes == 0, "paged TMA: 16-bit K/V, one ring");
+  constexpr int kBlocks = D / CB;
+  const int lane = threadIdx.x % 32;
+  const int box = min(page_size, BN), chunks = BN / box;  // the host's pages: powers of two from 16
+  if (lane == 0) {
+    tma::prefetch(maps);
+    tma::prefetch(maps + 1);
+  }
+  // This lane's chunk of tile i: its page (-1 past the sequence), first slot and keys in range.
+  int page = -1, slot = 0, valid = 0;
+  const auto look = [&](int i) {
+    const int key = tiles.n0(i) + lane * box;
+    page = -1, slot = 0, valid = 0;
+    if (lane < chunks && key < sk) {
+      const int pi = key >> page_shift;
+      page = __ldg(pages + pi);
+      slot = key - (pi << page_shift);
+      valid = min(box, sk - key);
+    }
+  };
+  look(0);
+  load_q<32>(sQ, q, q_stride, lane);
+  wg::cp_async_commit();
+  wg::cp_async_wait<0>();
+  wg::fence_proxy_async_smem();
+  __syncwarp();
+  int st = 0;
+  unsigned empty_parity = 1;  // a fresh barrier's "previous" phase counts as complete
+  for (int i = 0; i < n_tiles; ++i) {
+    const int pg = page, sl = slot, nv = valid;
+    if (i + 1 < n_tiles) look(i + 1);
+    pipe::wait(bar_empty + 8 * st, empty_parity);
+    const unsigned stage = sKV + st * Tr::kStageBytes, full = bar_full + 8 * st;
+    const bool part = nv > 0 && nv < box;  // at most one lane: the chunk holding the sequence's end
+    const unsigned tail = __ballot_sync(kFullMask, part);
+    if (tail) {
+      const int c_lane = __ffs(tail) - 1;
+      copy_v_rows(stage + Tr::kKVBytes + c_lane * box * 128, __shfl_sync(kFullMask, pg, c_lane),
+                  __shfl_sync(kFullMask, sl, c_lane), __shfl_sync(kFullMask, nv, c_lane), box, lane);
+    }
+    const unsigned kv = stage + lane * box * 128;
+    tma::arrive_expect(full, lane < chunks ? (part ? 1u : 2u) * kBlocks * box * 128 : 0u);
+    if (lane < chunks) {
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c) {
+        tma::load_4d(kv + c * (BN * 128), maps, full, CB * c, sl, tma_k.head, pg);
+        if (!part) tma::load_4d(kv + Tr::kKVBytes + c * (BN * 128), maps + 1, full, CB * c, sl, tma_k.head, pg);
+      }
+    }
+    if (++st == STAGES) st = 0, empty_parity ^= 1;
+  }
+}
+
+// The warp's copy of `rows` slots of V from slot `slot` of page `page` into the stage's V tile at
+// shared address `dst` (its first row; `box` rows), rows past `rows` and columns past head_dim
+// zero, in the 128-byte swizzle the wgmma descriptors read; then fenced for the async proxy.
+template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
+__device__ __forceinline__ void
+AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::copy_v_rows(unsigned dst, int page, int slot, int rows, int box,
+                                                                 int lane) const {
+  constexpr int kChunks = D / 8;  // 16-byte chunks a row
+  const T* src = v + static_cast<long long>(page) * v_page + static_cast<long long>(slot) * v_stride;
+  for (int e = lane; e < box * kChunks; e += 32) {
+    const int r = e / kChunks, ch = e % kChunks;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (r < rows && ch * 8 < head_dim) x = __ldg(reinterpret_cast<const uint4*>(src + r * v_stride + ch * 8));
+    const unsigned at = dst + (ch >> 3) * (BN * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                 : "memory");
+  }
+  wg::fence_proxy_async_smem();
+  __syncwarp();
+}
+
 // A mask tensor's tile for key tile n0 into stage st's mask slot: one copy per kMaskSwz-byte
 // column block, completing on `bar`.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
@@ -146,7 +236,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::init_ring(unsigned full) {
   v_bits = 0;
   if (threadIdx.x == 0) {
     for (int st = 0; st < STAGES; ++st) {
-      pipe::init(bar_full + 8 * st, Tr::kTma ? 1 : 128);
+      pipe::init(bar_full + 8 * st, Tr::kTma ? (PAGED ? 32 : 1) : 128);
       pipe::init(bar_empty + 8 * st, Tr::kConsumerThreads / 32);
       if constexpr (Tr::kSplitKV) {
         pipe::init(bar_vfull + 8 * st, 1);

@@ -38,6 +38,13 @@ struct AttnFwdWgmmaMainloop {
   static constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN;
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
   static constexpr bool OVERLAP = Tr::kOverlap;
+  static constexpr bool kPaged = PAGED;
+  // setmaxnreg of the producer warpgroup and of the consumers. PAGED on TMA traits takes the
+  // cp.async rows' 56 / 224, not TMA's 24 / 240: its producer warp's page lookups, query tile and
+  // tail copy spilled 140 bytes at 24 registers and 28 at 40 (NVRTC 13.0); the consumers' code,
+  // the paged cp.async kernel's, spills nothing at 224.
+  static constexpr int kProducerRegs = PAGED && Tr::kTma ? 56 : Tr::kProducerRegs;
+  static constexpr int kConsumerRegs = PAGED && Tr::kTma ? 224 : Tr::kConsumerRegs;
   static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
   static constexpr int O_REGS = D / 2;
   static constexpr int KS = BN / Tr::kK;  // k steps of P V (k16; FP8 k32)
@@ -181,6 +188,10 @@ struct AttnFwdWgmmaMainloop {
 
   // WS producer with TMA (one thread): Q and the block's key tiles through the ring.
   __device__ __forceinline__ void produce_tma(unsigned sQ);
+
+  __device__ __forceinline__ void produce_tma_paged(unsigned sQ, const T* q, long long q_stride);
+
+  __device__ __forceinline__ void copy_v_rows(unsigned dst, int page, int slot, int rows, int box, int lane) const;
 
   __device__ __forceinline__ void prefetch_maps() const {
     tma::prefetch(maps + 1);

@@ -10,7 +10,10 @@
 //   - TREE: each new token sees the keys before the tree plus its ancestors among the tree keys
 //     (a 64-bit mask per token), instead of causal order among them,
 //   - key splits (flash-decoding) for grids too small to fill the GPU: split s of a block's key
-//     tiles writes fp32 partial rows and LSEs that a combine launch merges.
+//     tiles writes fp32 partial rows and LSEs that a combine launch merges,
+//   - on TMA traits (family attn_prefill_tma: pages of a power of two from 16), K/V as page boxes
+//     through tensor maps over the pools (Mainloop::produce_tma_paged) instead of the producer
+//     warpgroup's cp.async gather.
 // Requires pyattn::PagedFwdParams (rendered), common.cuh, mma.cuh; grid (query tiles x splits,
 // heads_q / row_group, sequences); Traits as attn_fwd_wgmma.
 #pragma once
@@ -74,6 +77,11 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   ml.staged = false;
   ml.head_dim = p.head_dim;
   ml.sKV = sKV;
+  if constexpr (Tr::kTma) {  // the pools' maps (K, V: boxes of min(page, BLOCK_N) slots) and the kv head
+    static_assert(!Tr::kPersist && !TREE, "paged TMA: a block a query tile, no tree masks");
+    ml.maps = static_cast<const TmaMap*>(pp.tmaps);
+    ml.tma_k.head = kv_head;
+  }
 
   // This thread's place, as Mainloop::set_thread / set_rows give it (in this order the paged
   // kernels' SASS stays the one measured; through the two calls ptxas schedules d = 128 otherwise).

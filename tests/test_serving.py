@@ -237,8 +237,29 @@ def test_prefill_spec_selection(arch):
         assert spec.tiles.block_m == 64 if tree else spec.tiles.block_m >= 64
     with pytest.raises(ValueError, match="family: attn_prefill_wgmma takes"):
         KernelSpec("attn_prefill_wgmma", "bf16", 128, "sm_80")
+    with pytest.raises(ValueError, match="head_dim: attn_prefill_tma has rows for buckets"):
+        KernelSpec("attn_prefill_tma", "bf16", 256, "sm_90a")
     with pytest.raises(ValueError, match="mask/softcap/alibi"):
         KernelSpec("attn_prefill_mma", "bf16", 128, "sm_80", mask="bool")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_prefill_reads_page_boxes_where_pages_and_head_dim_allow(arch):
+    """attn_prefill_tma (TMA page boxes) on sm_90a for pages of a power of two from 16 slots at the
+    head-dim buckets its table names (128); the cp.async gather for other pages, other buckets and
+    trees; and its traits the cp.async row's tile with TMA on."""
+    for d, page, tree, tma in ((128, 16, False, True), (120, 256, False, True), (128, 8, False, False),
+                               (128, 48, False, False), (128, 16, True, False), (64, 16, False, False),
+                               (256, 16, False, False)):
+        spec, _ = prefill_specs("bfloat16", d, arch, False, False, False, tree, page)
+        want = ("attn_prefill_tma" if tma else f"attn_{'tree' if tree else 'prefill'}_wgmma") if arch == "sm_90a" \
+            else f"attn_{'tree' if tree else 'prefill'}_mma"
+        assert spec.family == want, (d, page, tree)
+        if spec.family == "attn_prefill_tma":
+            cp = KernelSpec("attn_prefill_wgmma", "bf16", spec.head_dim, arch)
+            assert (spec.tiles._replace(reason=""), spec.shared_bytes, spec.threads) == \
+                (cp.tiles._replace(reason=""), cp.shared_bytes, cp.threads)
+            assert ", 0, true, true>" in spec.traits  # WS and TMA, nothing after
 
 
 def _serving_specs(arch):
@@ -249,6 +270,8 @@ def _serving_specs(arch):
                                  ("bfloat16", 256, {"softcap": True}, True)):
         spec, cspec = prefill_specs(dtype, d, arch, False, mods.get("softcap", False), mods.get("alibi", False), tree)
         out.append(spec)
+    if arch == "sm_90a":  # the TMA page boxes (pages of 16)
+        out.append(prefill_specs("bfloat16", 128, arch, False, True, True, False, 16)[0])
     return out
 
 
@@ -257,6 +280,7 @@ def test_serving_variants_compile_for_every_arch(arch, session_cache_dir, monkey
     monkeypatch.setenv("PYATTN_CACHE_DIR", str(session_cache_dir))
     specs = _serving_specs(arch)
     assert {s.family.split("_")[1] for s in specs} == {"prefill", "tree"}
+    assert ("attn_prefill_tma" in {s.family for s in specs}) == (arch == "sm_90a")
     for spec, meta, _ in jit.build_many(specs, workers=2):
         assert meta["format"] == "cubin" and meta["entry"] == spec.entry_name
         assert spec.entry_name.startswith(f"pyattn_{spec.family}_")

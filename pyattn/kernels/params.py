@@ -149,7 +149,8 @@ PAGED_FWD_EXTRA = ParamStruct(
      ("o_part", "f32_ptr"), ("lse_part", "f32_ptr"))  # per call; the rest per plan
     + (("k_stride_page", "i64"), ("k_stride_slot", "i64"), ("v_stride_page", "i64"), ("v_stride_slot", "i64"),
        ("part_stride", "i64"))
-    + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32")),
+    + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32"))
+    + (("tmaps", "ptr"),),  # attn_prefill_tma: the pools' tensor maps (K, V) in device memory; else null
 )
 PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)
 

@@ -228,9 +228,9 @@ _MAX_MAPS = 64
 
 
 def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
-    """The device address of the tensor maps (K pool, V pool) attn_decode_tma reads its page boxes
-    through: (head dim, slot, kv head, page), boxes of 128 bytes (64 16-bit columns, or 128 8-bit
-    codes) x ``box`` slots, 128-byte swizzle.
+    """The device address of the tensor maps (K pool, V pool) attn_decode_tma and attn_prefill_tma
+    read their page boxes through: (head dim, slot, kv head, page), boxes of 128 bytes (64 16-bit
+    columns, or 128 8-bit codes) x ``box`` slots, 128-byte swizzle.
 
     Maps live in device memory, not in the parameter struct: DecodeParams stays one layout for every
     decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered

@@ -1,6 +1,7 @@
 """Plans and launches of prefill / tree verification over a paged KV cache.
 
-The kernel is the paged variant of the tensor-core prefill (``attn_prefill_wgmma`` on sm_90a,
+The kernel is the paged variant of the tensor-core prefill (``attn_prefill_wgmma`` on sm_90a, or
+``attn_prefill_tma``, its K/V read as TMA page boxes, where the page size and head dim allow;
 ``attn_prefill_mma`` elsewhere; ``attn_tree_*`` with ancestor masks). A plan fixes everything
 but the per-call values (which sequences, how many new tokens each, the page table): the page
 table is the cache's own device copy, and cu_seqlens_q / tree masks go up in one small copy,
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..array import allocate
 from ..interop.streams import note_use
+from ..kernels.families.prefill import prefill_tma_serves
 from ..kernels.params import PAGED_FWD_EXTRA
 from ..kernels.registry import generation, get_kernel
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, WGMMA_ARCHS, KernelSpec
@@ -25,7 +27,7 @@ from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..validate.options import LOG2E
-from ._decode import choose_num_splits
+from ._decode import choose_num_splits, pool_maps
 
 __all__ = ["PrefillPlan", "prefill_specs", "run_prefill"]
 
@@ -39,13 +41,17 @@ _MAX_UPLOADS = 8
 
 @functools.lru_cache(maxsize=256)
 def prefill_specs(dtype: str, head_dim: int, arch: str, ptx: bool, softcap: bool, alibi: bool, tree: bool,
-                  generation: int = 0) -> tuple:
-    """(prefill spec, combine spec): wgmma on sm_90a (64-wide head-dim buckets), mma.sync elsewhere.
-    ``generation``: the registry's, so that a table replaced by ``override_tiles`` is read again."""
+                  page_size: int = 0, generation: int = 0) -> tuple:
+    """(prefill spec, combine spec): wgmma on sm_90a (64-wide head-dim buckets; K/V as TMA page
+    boxes, attn_prefill_tma, where :func:`prefill_tma_serves` says so for pages of ``page_size``
+    slots), mma.sync elsewhere. ``generation``: the registry's, so that a table replaced by
+    ``override_tiles`` is read again."""
     tag = DTYPES[dtype][0]
     kind = "tree" if tree else "prefill"
     if arch in WGMMA_ARCHS:
-        spec = KernelSpec(f"attn_{kind}_wgmma", tag, -(-head_dim // 64) * 64, arch, ptx, softcap=softcap, alibi=alibi)
+        bucket = -(-head_dim // 64) * 64
+        fam = "attn_prefill_tma" if prefill_tma_serves(arch, bucket, page_size, tree) else f"attn_{kind}_wgmma"
+        spec = KernelSpec(fam, tag, bucket, arch, ptx, softcap=softcap, alibi=alibi)
     else:
         bucket = next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
         spec = KernelSpec(f"attn_{kind}_mma", tag, bucket, arch, ptx, softcap=softcap, alibi=alibi)
@@ -69,11 +75,12 @@ class PrefillPlan(NamedTuple):
     cspec: object
     cthreads: int
     cwarps: int
+    tma_box: int  # attn_prefill_tma: slots per page box (min(page size, block_n)); 0 for the cp.async kernels
 
 
 def _build(P, device) -> PrefillPlan:
     spec, cspec = prefill_specs(P.dtype.name, P.head_dim, device.arch, ptx_requested(), P.softcap > 0,
-                                P.alibi is not None, P.tree, generation())
+                                P.alibi is not None, P.tree, P.pool.page_size, generation())
     kernel, ckernel = get_kernel(spec, device), get_kernel(cspec, device)
     t = spec.tiles
     rg = 1 if P.alibi is not None else P.group  # ALiBi slopes differ per head: one head per block
@@ -102,8 +109,9 @@ def _build(P, device) -> PrefillPlan:
            "part_stride": P.total_q * Hq, "page_size": ps,
            "page_shift": ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1, "row_group": rg}
     slots = device.sm_count * max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
+    box = min(ps, t.block_n) if spec.family == "attn_prefill_tma" else 0
     return PrefillPlan(kernel, ckernel, (spec.threads, 1, 1), spec.shared_bytes, t.block_m, t.block_n, rg, Hq // rg,
-                       slots, base, own, cspec, cspec.threads, cspec.tiles.warps)
+                       slots, base, own, cspec, cspec.threads, cspec.tiles.warps, box)
 
 
 def _combine(plan: PrefillPlan, P, s, part, lpart, splits: int, out, lse, t: int) -> None:
@@ -167,7 +175,8 @@ def run_prefill(P, device, s, q: int, cache, ids, cu: np.ndarray, masks, alibi_p
         lpart = output(device, s, (splits * rows,), _F32)
     own = dict(plan.own, page_indices=idx.ptr, page_indptr=indptr.ptr, kv_len=kv_len.ptr,
                tree_mask=d_masks.ptr if d_masks is not None else 0, o_part=part.ptr if part is not None else 0,
-               lse_part=lpart.ptr if lpart is not None else 0, num_splits=splits)
+               lse_part=lpart.ptr if lpart is not None else 0, num_splits=splits,
+               tmaps=pool_maps(device, P.pool, cache.k.ptr, cache.v.ptr, plan.tma_box, s) if plan.tma_box else 0)
     params = plan.base.pack(q, cache.k.ptr, cache.v.ptr, out.ptr, lse.ptr if lse is not None else 0, 0, alibi_ptr,
                             d_cu.ptr, 0, 0, 0, 0) + PAGED_FWD_EXTRA.pack(own)
     launch(plan.kernel, (m_blocks * splits, plan.grid_y, P.batch), plan.block, plan.shared_bytes, s, params)

@@ -46,6 +46,7 @@ _WHERE = {
     "mask_bits": ("fixed", "MASK_BITS"),
     "attn_prefill_mma": ("prefill", "ATTN_PREFILL_MMA"),
     "attn_prefill_wgmma": ("prefill", "ATTN_PREFILL_WGMMA"),
+    "attn_prefill_tma": ("prefill", "ATTN_PREFILL_TMA"),
     "attn_tree_mma": ("prefill", "ATTN_TREE_MMA"),
     "attn_tree_wgmma": ("prefill", "ATTN_TREE_WGMMA"),
     "attn_bwd_pre": ("backward", "ATTN_BWD_PRE"),

@@ -3,7 +3,9 @@
 ``attn_prefill_wgmma`` (sm_90a) and ``attn_prefill_mma`` (mma.sync, every arch) run the dense
 kernels' main loops (their traits, shared memory and tile tables) with K/V rows gathered through
 a sequence's page list, ragged new tokens against each sequence's cached keys, GQA row groups and
-key splits (``kernels_src/attention_prefill_*.cuh``). ``attn_tree_wgmma`` / ``attn_tree_mma`` are
+key splits (``kernels_src/attention_prefill_*.cuh``). ``attn_prefill_tma`` is attn_prefill_wgmma on
+TMA traits: K/V come as page boxes through tensor maps over the pools (pages of a power of two
+from 16 slots) instead of the producer warpgroup's cp.async gather. ``attn_tree_wgmma`` / ``attn_tree_mma`` are
 the same kernels with a draft tree's ancestor masks over the last keys (speculative decoding's
 verification), on tiles of 64 rows: a tree is at most 64 tokens, so the dense tables' 128-row
 tiles would leave half of a block idle.
@@ -14,9 +16,11 @@ from __future__ import annotations
 from ..params import PAGED_FWD_PARAMS
 from .base import Alignment, Family, every_arch, score_mods
 from .mma import ATTN_FWD_MMA, MmaTile
+from .tables import rows as table_rows
 from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile
 
-__all__ = ["ATTN_PREFILL_WGMMA", "ATTN_PREFILL_MMA", "ATTN_TREE_WGMMA", "ATTN_TREE_MMA", "PREFILL_ALIGNMENT"]
+__all__ = ["ATTN_PREFILL_WGMMA", "ATTN_PREFILL_TMA", "ATTN_PREFILL_MMA", "ATTN_TREE_WGMMA", "ATTN_TREE_MMA",
+           "PREFILL_ALIGNMENT", "prefill_tma_serves"]
 
 # q / out as the tensor-core kernels (16-byte chunks, element-pair stores); pools as decode's.
 PREFILL_ALIGNMENT = Alignment(qkv=16, out_elems=2, pool=16)
@@ -44,8 +48,8 @@ def _wgmma_check(spec) -> None:
         raise ValueError(f"family: {spec.family} takes {_TAKES}; got {spec}")
 
 
-def _family(name: str, base: Family, tables: dict, tree: bool, wgmma: bool) -> Family:
-    fn = "attn_prefill_wgmma" if wgmma else "attn_prefill_mma"
+def _family(name: str, base: Family, tables: dict, tree: bool, wgmma: bool, check=_wgmma_check) -> Family:
+    fn = "attn_prefill_wgmma" if wgmma else "attn_prefill_mma"  # attn_prefill_tma: the wgmma kernel, TMA traits
     return Family(
         name=name, label=f"the paged {'tree ' if tree else ''}prefill family ({'wgmma' if wgmma else 'mma.sync'})",
         header=f"attention_prefill_{'wgmma' if wgmma else 'mma'}.cuh", params=PAGED_FWD_PARAMS,
@@ -53,7 +57,7 @@ def _family(name: str, base: Family, tables: dict, tree: bool, wgmma: bool) -> F
         template_id=lambda spec, t: (f"pyattn::{fn}<{base.traits(spec, t)}, {score_mods(spec)}, "
                                      f"{str(tree).lower()}>"),
         dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PREFILL_ALIGNMENT, traits=base.traits,
-        smem_bytes=base.smem_bytes, takes=_TAKES if wgmma else "", check=_wgmma_check if wgmma else None,
+        smem_bytes=base.smem_bytes, takes=_TAKES if wgmma else "", check=check if wgmma else None,
     )
 
 
@@ -71,3 +75,34 @@ ATTN_PREFILL_WGMMA = _family("attn_prefill_wgmma", ATTN_FWD_WGMMA, {a: _PREFILL_
 ATTN_PREFILL_MMA = _family("attn_prefill_mma", ATTN_FWD_MMA, ATTN_FWD_MMA.tables["dense"], False, False)
 ATTN_TREE_WGMMA = _family("attn_tree_wgmma", ATTN_FWD_WGMMA, {a: _TREE_SM90 for a in WGMMA_ARCHS}, True, True)
 ATTN_TREE_MMA = _family("attn_tree_mma", ATTN_FWD_MMA, every_arch(_TREE_MMA), True, False)
+
+# attn_prefill_tma: the wgmma kernel on TMA traits (one producer warp issues page boxes), only where
+# a row names the bucket exactly. d = 128: the cp.async paged row's tile (the dense TMA kernel's
+# too, there persistent), 2 consumer warpgroups, 128-key tiles, 3 stages with overlap.
+_PREFILL_TMA_SM90 = (
+    WgmmaTile(128, 128, 2, 3, True, 1, "paged, TMA page boxes: the 4k chunk over 16k (pages of 16) against "
+                                       "attn_prefill_wgmma's cp.async gather on the same tile (dev/probe_serving.py, "
+                                       "H200)", ws=True),
+)
+
+
+def _tma_check(spec) -> None:
+    _wgmma_check(spec)
+    buckets = tuple(r.max_head_dim for r in table_rows(ATTN_PREFILL_TMA, "dense", spec.arch))
+    if spec.head_dim not in buckets:
+        raise ValueError(f"head_dim: attn_prefill_tma has rows for buckets {buckets} on {spec.arch}, got {spec}")
+
+
+ATTN_PREFILL_TMA = _family("attn_prefill_tma", ATTN_FWD_WGMMA, {a: _PREFILL_TMA_SM90 for a in WGMMA_ARCHS}, False,
+                           True, check=_tma_check)
+# TMA boxes of min(page, 128) slots from a 128-byte-swizzled map: a power of two from 16 (the TMA
+# decode's rule: attn_decode_tma)
+_MIN_TMA_PAGE = 16
+
+
+def prefill_tma_serves(arch: str, head_dim: int, page_size: int, tree: bool) -> bool:
+    """Whether attn_prefill_tma runs a paged prefill at head-dim bucket ``head_dim`` (a multiple of
+    64) on ``arch`` over pages of ``page_size`` slots: not a tree, pages a power of two from 16, and
+    a row of its table names exactly that bucket."""
+    return (not tree and page_size >= _MIN_TMA_PAGE and page_size & (page_size - 1) == 0
+            and arch in WGMMA_ARCHS and any(r.max_head_dim == head_dim for r in table_rows(ATTN_PREFILL_TMA, "dense", arch)))

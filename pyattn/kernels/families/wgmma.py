@@ -122,7 +122,9 @@ _MASK_BYTES = {"none": 0, "bool": 1, "f16": 2, "bf16": 2, "f32": 4, "bits": 0, "
                "f32_row": 4}
 
 
-_TMA_FAMILIES = ("attn_fwd_tma", "attn_fwd_fp8")  # the kernel of attention_fwd_tma.cuh
+# The kernel of attention_fwd_tma.cuh, and the paged prefill's TMA rows (attention_prefill_wgmma.cuh
+# on TMA traits): their traits spell the TMA flags
+_TMA_FAMILIES = ("attn_fwd_tma", "attn_fwd_fp8", "attn_prefill_tma")
 _ELEM_BYTES = {"f16": 2, "bf16": 2, "e4m3": 1}
 
 
