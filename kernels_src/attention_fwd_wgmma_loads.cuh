@@ -136,7 +136,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_tiles(unsigned&
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
 AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned sQ, const T* q, long long q_stride) {
-  static_assert(PAGED && !Tr::kSplitKV && !Tr::kFp8 && Tr::kMaskBytes == 0, "paged TMA: 16-bit K/V, one ring");
+  static_assert(PAGED && !Tr::kSplitKV && !Tr::kFp8 && Tr::kMaskBytes == 0 && Tr::kWarpgroups == 2,
+                "paged TMA: 16-bit K/V, one ring, two consumer warpgroups (Mainloop::kConsumerRegs' 224)");
   constexpr int kBlocks = D / CB;
   const int lane = threadIdx.x % 32;
   const int box = min(page_size, BN), chunks = BN / box;  // the host's pages: powers of two from 16
