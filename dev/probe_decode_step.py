@@ -3,11 +3,9 @@ decode, on a PagedKVCache (bf16, page 16, GQA 32/8, D 128). Host time per step (
 steps and one sync; the GPU is far from busy at these sizes) against decode alone (tables cached),
 append alone, and the GPU time of the step (events), at B = 1, 8, 64 over 1k-token prefixes.
 
-Usage: PYTHONPATH=. python dev/probe_decode_step.py [--steps N] [--profile] [--micro] [--torch] [--gpu]
+Usage: PYTHONPATH=. python dev/probe_decode_step.py [--steps N] [--profile] [--micro] [--torch]
 (``--micro``: first the host cost of an append's pieces: a small upload, pool allocation, events;
-``--torch``: instead, a step's torch-side costs at B = 8: torch inputs against DeviceArrays, from_dlpack;
-``--gpu``: instead, GPU time per step with the launch queue kept full (harness.Bench's pre-roll), the
-append and the decode alone beside it: what the append -> decode launch chain costs on the GPU)
+``--torch``: instead, a step's torch-side costs at B = 8: torch inputs against DeviceArrays, from_dlpack)
 """
 import argparse
 import time
@@ -145,38 +143,6 @@ def torch_costs():
         print(f"  {name:32} {us(fn):7.1f} us")
 
 
-def gpu_side():
-    """GPU us per step (append one token, then decode) at B = 1, 8, 64 over 1k-token prefixes with
-    the queue kept full, beside the append alone and the decode alone: the step minus the two is
-    what launching the decode behind the append costs (or saves)."""
-    import sys
-
-    sys.path.insert(0, "scripts")
-    import harness
-
-    bench = harness.Bench()
-    s = bench.stream
-    rng = np.random.default_rng(0)
-    us = lambda fn: bench.gpu_ms(fn, loop=40, reps=9).ms * 1e3  # noqa: E731
-    for B in (1, 8, 64):
-        # room for ~2,300 appended tokens a sequence: a pre-roll that runs out retries its rep (up to 3x)
-        cache = pyattn.PagedKVCache(B * 4000 // 16 + 64, 16, 8, 128, "bfloat16")
-        ids = [cache.add_sequence() for _ in range(B)]
-        for i, n in zip(ids, rng.integers(900, 1100, B)):
-            kv = rng.standard_normal((1, int(n), 8, 128)).astype(ml_dtypes.bfloat16)
-            cache.append([i], kv, kv, stream=s)
-        q = pyattn.asarray(rng.standard_normal((B, 1, 32, 128)).astype(ml_dtypes.bfloat16), stream=s)
-        kn = pyattn.asarray(rng.standard_normal((B, 1, 8, 128)).astype(ml_dtypes.bfloat16), stream=s)
-        app = lambda: cache.append(ids, kn, kn, stream=s)  # noqa: E731
-        dec = lambda: pyattn.decode(q, cache, ids, stream=s)  # noqa: E731
-        a, d = us(app), us(dec)
-        st = us(lambda: (app(), dec()))
-        print(f"B={B:3d}: GPU us per step {st:6.2f} | append alone {a:6.2f} | decode alone {d:6.2f} | "
-              f"step - both {st - a - d:+6.2f}")
-    if bench.unheld:
-        print("WARNING: pre-roll ran out:", ", ".join(bench.unheld))
-
-
 if __name__ == "__main__":
     import sys
 
@@ -185,7 +151,5 @@ if __name__ == "__main__":
         micro()
     if "--torch" in sys.argv:
         torch_costs()
-    elif "--gpu" in sys.argv:
-        gpu_side()
     else:
         main()

@@ -1,9 +1,9 @@
 """The issue-13 chunk (4096 new tokens over 16384 cached, bf16, Hq 32, Hkv 8, D 128) for Nsight Compute.
 
-    ncu --clock-control none -k regex:attn_prefill_wgmma --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none -k regex:attn_prefill --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis python3 dev/profile_chunk.py paged [page]
-    ncu ... -k regex:attn_fwd_wgmma ... python3 dev/profile_chunk.py dense
+    ncu ... -k regex:attn_fwd ... python3 dev/profile_chunk.py dense
 
 ``paged``: pyattn.prefill over a PagedKVCache (pages of 16 by default, interleaved with a twin
 sequence as in scripts/bench_serving.py); ``dense``: pyattn.attention on the same keys laid out
