@@ -62,7 +62,7 @@ __device__ __forceinline__ bool wgmma_block_run(Mainloop& ml, unsigned sQ, unsig
     if (threadIdx.x >= Tr::kConsumerThreads) {  // -- the producer warpgroup
       pipe::regs_dec<Mainloop::kProducerRegs>();
       if constexpr (Tr::kTma && Mainloop::kPaged) {
-        if (threadIdx.x / 32 == Tr::kConsumerThreads / 32 && ml.n_tiles > 0) ml.produce_tma_paged(sQ, q, q_stride_s);
+        if (ml.n_tiles > 0) ml.produce_tma_paged(sQ, q, q_stride_s);
       } else if constexpr (Tr::kTma) {
         if (threadIdx.x == Tr::kConsumerThreads && ml.n_tiles > 0) ml.produce_tma(sQ);
       } else if (ml.n_tiles > 0) {

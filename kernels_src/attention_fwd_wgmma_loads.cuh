@@ -120,37 +120,43 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_tiles(unsigned&
   }
 }
 
-// PAGED with TMA (attn_prefill_wgmma on TMA traits), the producer warpgroup's first warp: the
-// query tile by cp.async (its rows pack a GQA group's heads, which no box of q's map spans),
-// fenced for the async proxy before any arrival on tile 0's barrier; then per key tile one box
-// chunk a lane, as the TMA decode reads the pools (attention_decode_tma.cuh): lane c copies keys
-// [n0 + c box, n0 + (c + 1) box), box = min(page size, BN) slots of one page, for every 64-wide
-// column block of K and V, through maps 0 (K) and 1 (V) over (head dim, slot, kv head, page). A
-// lane's page lookup for a tile is issued before the wait for the stage. Every lane arrives on
-// the stage's "full" barrier (32 arrivals) with its chunk's bytes. A chunk wholly past the
-// sequence reads page -1: out of the map, so TMA fills zeros (and still counts the bytes). The
-// sequence's last, partly filled page holds stale slots past its end (the pool is never cleared):
-// its K ones need nothing (their scores become -inf), but its V ones must be zeros, as 0 * inf is
-// NaN in P V; so the warp copies that chunk of V itself (16-byte loads, zeros past the end, the
-// swizzled layout the boxes would write) and fences it for the async proxy before arriving.
+// PAGED with TMA (attn_prefill_wgmma on TMA traits), the producer warpgroup: the query tile by
+// its 128 threads' cp.async (its rows pack a GQA group's heads, which no box of q's map spans),
+// each thread's copies fenced for the async proxy before its warp's first arrival; then per key
+// tile one box chunk a lane, as the TMA decode reads the pools (attention_decode_tma.cuh): chunk c
+// (keys [n0 + c box, n0 + (c + 1) box), box = min(page size, BN) slots of one page) is lane c / 4's
+// of warp c % 4, copied for every 64-wide column block of K and V through maps 0 (K) and 1 (V)
+// over (head dim, slot, kv head, page). Why four warps: a copy's coordinates go through uniform
+// registers, so a warp issues its lanes' copies one lane at a time (an ELECT loop, ~7
+// instructions a copy); at pages of 16 that is 32 copies a tile, and issued by one warp they took
+// the issue slots of the two consumer warps on its scheduler (pages of 16 ran 6% slower than
+// pages of 64, with more time at the consumers' turn barrier; BENCHMARKS.md, thirty-third
+// session). Spread over the four warps, each scheduler takes a quarter. A lane's page lookup for
+// a tile is issued before the wait for the stage. Each warp arrives once on the stage's "full"
+// barrier (4 arrivals), its lane 0 with the warp's bytes, before its lanes' copies. A chunk wholly
+// past the sequence reads page -1 (out of the map: TMA fills zeros and still counts the bytes).
+// The sequence's last, partly filled page holds stale slots past its end (the pool is never
+// cleared): its K ones need nothing (their scores become -inf), but its V ones must be zeros, as
+// 0 * inf is NaN in P V; so the warp holding that chunk copies its V itself (16-byte loads, zeros
+// past the end, the swizzled layout the boxes would write) and fences it before arriving.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
 AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned sQ, const T* q, long long q_stride) {
   static_assert(PAGED && !Tr::kSplitKV && !Tr::kFp8 && Tr::kMaskBytes == 0 && Tr::kWarpgroups == 2,
                 "paged TMA: 16-bit K/V, one ring, two consumer warpgroups (Mainloop::kConsumerRegs' 224)");
   constexpr int kBlocks = D / CB;
-  const int lane = threadIdx.x % 32;
+  const int tid = threadIdx.x - Tr::kConsumerThreads, lane = tid % 32, chunk = lane * 4 + tid / 32;
   const int box = min(page_size, BN), chunks = BN / box;  // the host's pages: powers of two from 16
-  if (lane == 0) {
+  if (tid == 0) {
     tma::prefetch(maps);
     tma::prefetch(maps + 1);
   }
   // This lane's chunk of tile i: its page (-1 past the sequence), first slot and keys in range.
   int page = -1, slot = 0, valid = 0;
   const auto look = [&](int i) {
-    const int key = tiles.n0(i) + lane * box;
+    const int key = tiles.n0(i) + chunk * box;
     page = -1, slot = 0, valid = 0;
-    if (lane < chunks && key < sk) {
+    if (chunk < chunks && key < sk) {
       const int pi = key >> page_shift;
       page = __ldg(pages + pi);
       slot = key - (pi << page_shift);
@@ -158,7 +164,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned 
     }
   };
   look(0);
-  load_q<32>(sQ, q, q_stride, lane);
+  load_q<128>(sQ, q, q_stride, tid);
   wg::cp_async_commit();
   wg::cp_async_wait<0>();
   wg::fence_proxy_async_smem();
@@ -170,16 +176,20 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned 
     if (i + 1 < n_tiles) look(i + 1);
     pipe::wait(bar_empty + 8 * st, empty_parity);
     const unsigned stage = sKV + st * Tr::kStageBytes, full = bar_full + 8 * st;
-    const bool part = nv > 0 && nv < box;  // at most one lane: the chunk holding the sequence's end
+    const bool part = nv > 0 && nv < box;  // at most one lane of one warp: the chunk holding the end
     const unsigned tail = __ballot_sync(kFullMask, part);
     if (tail) {
       const int c_lane = __ffs(tail) - 1;
-      copy_v_rows(stage + Tr::kKVBytes + c_lane * box * 128, __shfl_sync(kFullMask, pg, c_lane),
-                  __shfl_sync(kFullMask, sl, c_lane), __shfl_sync(kFullMask, nv, c_lane), box, lane);
+      copy_v_rows(stage + Tr::kKVBytes + __shfl_sync(kFullMask, chunk, c_lane) * box * 128,
+                  __shfl_sync(kFullMask, pg, c_lane), __shfl_sync(kFullMask, sl, c_lane),
+                  __shfl_sync(kFullMask, nv, c_lane), box, lane);
     }
-    const unsigned kv = stage + lane * box * 128;
-    tma::arrive_expect(full, lane < chunks ? (part ? 1u : 2u) * kBlocks * box * 128 : 0u);
-    if (lane < chunks) {
+    const unsigned bytes = chunk < chunks ? (part ? 1u : 2u) * kBlocks * box * 128 : 0u;
+    const unsigned warp_bytes = __reduce_add_sync(kFullMask, bytes);
+    if (lane == 0) tma::arrive_expect(full, warp_bytes);
+    __syncwarp();
+    if (chunk < chunks) {
+      const unsigned kv = stage + chunk * box * 128;
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c) {
         tma::load_4d(kv + c * (BN * 128), maps, full, CB * c, sl, tma_k.head, pg);
@@ -225,7 +235,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::load_mask_tma(int st, int n
 }
 
 // WS: the stages' barriers at `full` ("full" takes the 128 producer threads' arrivals, or with
-// TMA one and then the bytes; "empty" one per consumer warp, 8 * STAGES bytes later). Thread 0
+// TMA one and then the bytes, PAGED with TMA one a producer warp; "empty" one per consumer warp,
+// 8 * STAGES bytes later). Thread 0
 // initialises them and fences its inits (earlier ones too); the caller syncs the block.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
@@ -237,7 +248,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::init_ring(unsigned full) {
   v_bits = 0;
   if (threadIdx.x == 0) {
     for (int st = 0; st < STAGES; ++st) {
-      pipe::init(bar_full + 8 * st, Tr::kTma ? (PAGED ? 32 : 1) : 128);
+      pipe::init(bar_full + 8 * st, Tr::kTma ? (PAGED ? 4 : 1) : 128);
       pipe::init(bar_empty + 8 * st, Tr::kConsumerThreads / 32);
       if constexpr (Tr::kSplitKV) {
         pipe::init(bar_vfull + 8 * st, 1);

@@ -40,7 +40,7 @@ struct AttnFwdWgmmaMainloop {
   static constexpr bool OVERLAP = Tr::kOverlap;
   static constexpr bool kPaged = PAGED;
   // setmaxnreg of the producer warpgroup and of the consumers. PAGED on TMA traits takes the
-  // cp.async rows' 56 / 224, not TMA's 24 / 240: its producer warp's page lookups, query tile and
+  // cp.async rows' 56 / 224, not TMA's 24 / 240: its producer warps' page lookups, query tile and
   // tail copy spilled 140 bytes at 24 registers and 28 at 40 (NVRTC 13.0); the consumers' code,
   // the paged cp.async kernel's, spills nothing at 224.
   static constexpr int kProducerRegs = PAGED && Tr::kTma ? 56 : Tr::kProducerRegs;
