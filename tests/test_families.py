@@ -43,10 +43,9 @@ def test_record_names_real_headers_and_consistent_tables(name):
             # every family covers every head dim, but the wgmma backward (dK + dV in registers: <= 128;
             # select_backward_specs sends larger ones to attn_bwd_mma), the TMA kernel with an f32
             # mask (its d=256 ring does not fit: tma_serves sends it to attn_fwd_wgmma) and its short
-            # rows (two one-warpgroup blocks an SM fit at d = 64 only; tma_serves_short), and the
-            # paged prefill's TMA page boxes (d = 128, measured there; prefill_tma_serves)
+            # rows (two one-warpgroup blocks an SM fit at d = 64 only; tma_serves_short); the paged
+            # prefill's TMA page boxes name the buckets measured (64, 128, 256; prefill_tma_serves)
             top = WGMMA_BWD_MAX_HEAD_DIM if name == "attn_bwd_wgmma" else \
-                128 if name == "attn_prefill_tma" else \
                 192 if (name, table) == ("attn_fwd_tma", "mask4") else \
                 64 if (name, table) == ("attn_fwd_tma", "short") else MAX_HEAD_DIM
             if name == "attn_fwd_fp8":  # fp8 rows are whole 128-byte rows: buckets 128 and 256 (smaller pad up)
@@ -87,8 +86,8 @@ def _some_specs():
                 if d in (128, 256):
                     yield KernelSpec("attn_fwd_fp8", "e4m3", d, arch, softcap=d == 256)
                 yield KernelSpec("attn_prefill_wgmma", "bf16", d, arch, softcap=d == 128)
-                if d == 128:
-                    yield KernelSpec("attn_prefill_tma", "bf16", d, arch, alibi=True)
+                if d != 192:
+                    yield KernelSpec("attn_prefill_tma", "bf16", d, arch, alibi=d == 128)
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
                 yield KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=1, alibi=d == 128)
                 if d <= 128:

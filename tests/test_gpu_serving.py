@@ -116,6 +116,20 @@ def test_every_page_size(page_size):
     _check_prefill(out, lse, q, cu, ks, vs, True, causal=True)
 
 
+@pytest.mark.parametrize("D, page_size", [(64, 16), (256, 16), (40, 128), (128, 32)])
+def test_page_box_rows(D, page_size):
+    """Each of attn_prefill_tma's rows (the head-dim buckets 64 / 128 / 256, pages of a power of two
+    from 16: the page boxes, the partly filled last pages' V copied by the producer) on ragged
+    chunks, with the soft-cap."""
+    rng = np.random.default_rng(D + page_size)
+    prefixes, news = [300, 0, 517], [200, 77, 130]
+    cache, ids, ks, vs = _filled(rng, prefixes, news, page_size, 2, D, "bfloat16")
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = _rand(rng, (int(cu[-1]), 8, D), "bfloat16")
+    out, lse = pyattn.prefill(q, cache, ids, cu, softcap=20.0, return_lse=True)
+    _check_prefill(out, lse, q, cu, ks, vs, True, causal=True, softcap=20.0)
+
+
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_long_chunk(splits):
     """A 1500-token chunk over a 2000-token cached prefix (many tiles, every diagonal case)."""

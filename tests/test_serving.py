@@ -238,7 +238,7 @@ def test_prefill_spec_selection(arch):
     with pytest.raises(ValueError, match="family: attn_prefill_wgmma takes"):
         KernelSpec("attn_prefill_wgmma", "bf16", 128, "sm_80")
     with pytest.raises(ValueError, match="head_dim: attn_prefill_tma has rows for buckets"):
-        KernelSpec("attn_prefill_tma", "bf16", 256, "sm_90a")
+        KernelSpec("attn_prefill_tma", "bf16", 192, "sm_90a")
     with pytest.raises(ValueError, match="mask/softcap/alibi"):
         KernelSpec("attn_prefill_mma", "bf16", 128, "sm_80", mask="bool")
 
@@ -246,20 +246,22 @@ def test_prefill_spec_selection(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_paged_prefill_reads_page_boxes_where_pages_and_head_dim_allow(arch):
     """attn_prefill_tma (TMA page boxes) on sm_90a for pages of a power of two from 16 slots at the
-    head-dim buckets its table names (128); the cp.async gather for other pages, other buckets and
-    trees; and its traits the cp.async row's tile with TMA on."""
+    head-dim buckets its table names (64, 128, 256); the cp.async gather for other pages, other
+    buckets and trees; and its traits at d = 128 the cp.async row's tile with TMA on."""
     for d, page, tree, tma in ((128, 16, False, True), (120, 256, False, True), (128, 8, False, False),
-                               (128, 48, False, False), (128, 16, True, False), (64, 16, False, False),
-                               (256, 16, False, False)):
+                               (128, 48, False, False), (128, 16, True, False), (64, 16, False, True),
+                               (40, 32, False, True), (256, 16, False, True), (192, 16, False, False)):
         spec, _ = prefill_specs("bfloat16", d, arch, False, False, False, tree, page)
         want = ("attn_prefill_tma" if tma else f"attn_{'tree' if tree else 'prefill'}_wgmma") if arch == "sm_90a" \
             else f"attn_{'tree' if tree else 'prefill'}_mma"
         assert spec.family == want, (d, page, tree)
-        if spec.family == "attn_prefill_tma":
+        if spec.family == "attn_prefill_tma" and spec.head_dim == 128:
             cp = KernelSpec("attn_prefill_wgmma", "bf16", spec.head_dim, arch)
             assert (spec.tiles._replace(reason=""), spec.shared_bytes, spec.threads) == \
                 (cp.tiles._replace(reason=""), cp.shared_bytes, cp.threads)
             assert ", 0, true, true>" in spec.traits  # WS and TMA, nothing after
+        if spec.family == "attn_prefill_tma":
+            assert spec.tiles.ws and spec.tiles.warps == 12 and not spec.tiles.persistent
 
 
 def _serving_specs(arch):
@@ -270,8 +272,8 @@ def _serving_specs(arch):
                                  ("bfloat16", 256, {"softcap": True}, True)):
         spec, cspec = prefill_specs(dtype, d, arch, False, mods.get("softcap", False), mods.get("alibi", False), tree)
         out.append(spec)
-    if arch == "sm_90a":  # the TMA page boxes (pages of 16)
-        out.append(prefill_specs("bfloat16", 128, arch, False, True, True, False, 16)[0])
+    if arch == "sm_90a":  # the TMA page boxes (pages of 16), with and without overlap
+        out += [prefill_specs("bfloat16", d, arch, False, True, d == 128, False, 16)[0] for d in (128, 256)]
     return out
 
 

@@ -76,13 +76,17 @@ ATTN_PREFILL_MMA = _family("attn_prefill_mma", ATTN_FWD_MMA, ATTN_FWD_MMA.tables
 ATTN_TREE_WGMMA = _family("attn_tree_wgmma", ATTN_FWD_WGMMA, {a: _TREE_SM90 for a in WGMMA_ARCHS}, True, True)
 ATTN_TREE_MMA = _family("attn_tree_mma", ATTN_FWD_MMA, every_arch(_TREE_MMA), True, False)
 
-# attn_prefill_tma: the wgmma kernel on TMA traits (one producer warp issues page boxes), only where
-# a row names the bucket exactly. d = 128: the cp.async paged row's tile (the dense TMA kernel's
-# too, there persistent), 2 consumer warpgroups, 128-key tiles, 3 stages with overlap.
+# attn_prefill_tma: the wgmma kernel on TMA traits (the producer warpgroup issues page boxes), only
+# where a row names the bucket exactly. Measured on the 4k chunk over 16k (pages of 16, bf16, Hq 32,
+# Hkv 8; dev/probe_serving.py --dims, H200) against attn_prefill_wgmma's cp.async row in one run.
 _PREFILL_TMA_SM90 = (
-    WgmmaTile(128, 128, 2, 3, True, 1, "paged, TMA page boxes: the 4k chunk over 16k (pages of 16) against "
-                                       "attn_prefill_wgmma's cp.async gather on the same tile (dev/probe_serving.py, "
-                                       "H200)", ws=True),
+    WgmmaTile(64, 128, 2, 3, True, 1, "1.384 ms against the cp.async row's 1.597 (dense 1.225); 4 stages 1.389, "
+                                      "64-key tiles x 4 1.645", ws=True),
+    WgmmaTile(128, 128, 2, 3, True, 1, "the cp.async row's tile: 1.784-1.801 ms against 2.212-2.233 (dense "
+                                       "1.899-1.944; by ncu both 1.77); 64-key tiles x 4 / 6 2.159-2.196 / "
+                                       "2.132-2.151", ws=True),
+    WgmmaTile(256, 64, 2, 2, False, 1, "3.902 ms against the cp.async row's 4.804 (dense 3.662); no overlap: a "
+                                       "third stage does not fit", ws=True),
 )
 
 
@@ -104,5 +108,5 @@ def prefill_tma_serves(arch: str, head_dim: int, page_size: int, tree: bool) -> 
     """Whether attn_prefill_tma runs a paged prefill at head-dim bucket ``head_dim`` (a multiple of
     64) on ``arch`` over pages of ``page_size`` slots: not a tree, pages a power of two from 16, and
     a row of its table names exactly that bucket."""
-    return (not tree and page_size >= _MIN_TMA_PAGE and page_size & (page_size - 1) == 0
-            and arch in WGMMA_ARCHS and any(r.max_head_dim == head_dim for r in table_rows(ATTN_PREFILL_TMA, "dense", arch)))
+    return (not tree and page_size >= _MIN_TMA_PAGE and page_size & (page_size - 1) == 0 and arch in WGMMA_ARCHS
+            and any(r.max_head_dim == head_dim for r in table_rows(ATTN_PREFILL_TMA, "dense", arch)))
