@@ -236,8 +236,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::load_mask_tma(int st, int n
 
 // WS: the stages' barriers at `full` ("full" takes the 128 producer threads' arrivals, or with
 // TMA one and then the bytes, PAGED with TMA one a producer warp; "empty" one per consumer warp,
-// 8 * STAGES bytes later). Thread 0
-// initialises them and fences its inits (earlier ones too); the caller syncs the block.
+// 8 * STAGES bytes later). Thread 0 initialises them and fences its inits (earlier ones too); the
+// caller syncs the block.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
 AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::init_ring(unsigned full) {

@@ -13,10 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
-import pyattn
 import pyattn.jit as jit
 from pyattn.kernels.params import ATTN_FWD_PARAMS, PAGED_FWD_EXTRA, PAGED_FWD_PARAMS
-from pyattn.kernels.families import override_tiles, tile_table
 from pyattn.kernels.specs import KernelSpec
 from pyattn.ops._prefill import prefill_specs
 from pyattn.paged.book import OutOfPagesError, PageBook

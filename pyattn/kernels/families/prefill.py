@@ -5,8 +5,8 @@ kernels' main loops (their traits, shared memory and tile tables) with K/V rows 
 a sequence's page list, ragged new tokens against each sequence's cached keys, GQA row groups and
 key splits (``kernels_src/attention_prefill_*.cuh``). ``attn_prefill_tma`` is attn_prefill_wgmma on
 TMA traits: K/V come as page boxes through tensor maps over the pools (pages of a power of two
-from 16 slots) instead of the producer warpgroup's cp.async gather. ``attn_tree_wgmma`` / ``attn_tree_mma`` are
-the same kernels with a draft tree's ancestor masks over the last keys (speculative decoding's
+from 16 slots) instead of the producer warpgroup's cp.async gather. ``attn_tree_wgmma`` /
+``attn_tree_mma`` are the same kernels with a draft tree's ancestor masks over the last keys (speculative decoding's
 verification), on tiles of 64 rows: a tree is at most 64 tokens, so the dense tables' 128-row
 tiles would leave half of a block idle.
 """
@@ -99,8 +99,8 @@ def _tma_check(spec) -> None:
 
 ATTN_PREFILL_TMA = _family("attn_prefill_tma", ATTN_FWD_WGMMA, {a: _PREFILL_TMA_SM90 for a in WGMMA_ARCHS}, False,
                            True, check=_tma_check)
-# TMA boxes of min(page, 128) slots from a 128-byte-swizzled map: a power of two from 16 (the TMA
-# decode's rule: attn_decode_tma)
+# Pages the boxes take (min(page, block_n) slots a box, from a 128-byte-swizzled map): a power of
+# two from 16 (the TMA decode's rule: attn_decode_tma)
 _MIN_TMA_PAGE = 16
 
 
