@@ -39,10 +39,8 @@ struct AttnFwdWgmmaMainloop {
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
   static constexpr bool OVERLAP = Tr::kOverlap;
   static constexpr bool kPaged = PAGED;
-  // setmaxnreg of the producer warpgroup and of the consumers. PAGED on TMA traits takes the
-  // cp.async rows' 56 / 224, not TMA's 24 / 240: its producer warps' page lookups, query tile and
-  // tail copy spilled 140 bytes at 24 registers and 28 at 40 (NVRTC 13.0); the consumers' code,
-  // the paged cp.async kernel's, spills nothing at 224.
+  // setmaxnreg of the producer warpgroup / the consumers. PAGED on TMA traits: the cp.async rows'
+  // 56 / 224 (its producer spilled 140 bytes at TMA's 24, 28 at 40; NVRTC 13.0; 0 at 224 below).
   static constexpr int kProducerRegs = PAGED && Tr::kTma ? 56 : Tr::kProducerRegs;
   static constexpr int kConsumerRegs = PAGED && Tr::kTma ? 224 : Tr::kConsumerRegs;
   static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
