@@ -39,8 +39,8 @@ struct AttnFwdWgmmaMainloop {
   static constexpr int STAGES = Tr::kStages, AHEAD = Tr::kLookahead;
   static constexpr bool OVERLAP = Tr::kOverlap;
   static constexpr bool kPaged = PAGED;
-  // setmaxnreg of the producer warpgroup / the consumers. PAGED on TMA traits: the cp.async rows'
-  // 56 / 224 (its producer spilled 140 bytes at TMA's 24, 28 at 40; NVRTC 13.0; 0 at 224 below).
+  // setmaxnreg of the producer warpgroup / consumers. PAGED on TMA traits: the cp.async rows' 56 /
+  // 224 (its producer spilled 140 bytes at TMA's 24, 28 at 40; its consumers none at 224; NVRTC 13.0).
   static constexpr int kProducerRegs = PAGED && Tr::kTma ? 56 : Tr::kProducerRegs;
   static constexpr int kConsumerRegs = PAGED && Tr::kTma ? 224 : Tr::kConsumerRegs;
   static constexpr int S_REGS = BN / 2;  // f32 accumulator registers per thread of a m64 x BN tile
