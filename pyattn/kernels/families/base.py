@@ -17,7 +17,7 @@ from ..params import ParamStruct
 
 __all__ = ["DTYPES", "FP8_DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
            "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment",
-           "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family",
+           "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family", "tma_page_boxes",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
 
 # The records and tile rows below are NamedTuples or plain classes, not frozen dataclasses: a
@@ -102,6 +102,13 @@ class Alignment(NamedTuple):
 TENSOR_CORE_ALIGNMENT = Alignment(qkv=16, out_elems=2)
 # The paged-cache kernels copy 16-byte chunks of pool rows (and of decode's query rows).
 PAGED_ALIGNMENT = Alignment(pool=16)
+
+
+def tma_page_boxes(page_size: int) -> bool:
+    """Whether the TMA-fed paged kernels (attn_decode_tma, attn_prefill_tma) take pages of
+    ``page_size`` slots: a power of two from 16, so that a box of min(page, block_n) slots never
+    straddles a page; smaller pages would make boxes too small for TMA to pay."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
 
 
 def every_arch(rows: tuple) -> dict:

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 from ..params import DECODE_PARAMS
 from . import tables
-from .base import CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, entry_name
+from .base import (CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, entry_name,
+                   tma_page_boxes)
 
 __all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "decode_row", "tma_decode_serves",
            "PAGED_ALIGNMENT"]
@@ -125,11 +126,9 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
 def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") -> bool:
     """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
     64-column boxes (128 bytes), or an 8-bit one at a bucket of whole 128-column boxes (the 64
-    bucket keeps the cp.async kernel), per-token or per-channel key scales alike; pages of a power
-    of two from 16 slots (a box of min(page, block_n) slots then never straddles a page; smaller
-    pages would make boxes too small for TMA to pay)."""
-    return (arch in WGMMA_ARCHS and head_dim % (128 if kv else 64) == 0 and page_size >= 16
-            and page_size & (page_size - 1) == 0)
+    bucket keeps the cp.async kernel), per-token or per-channel key scales alike; pages that
+    :func:`~.base.tma_page_boxes` takes."""
+    return arch in WGMMA_ARCHS and head_dim % (128 if kv else 64) == 0 and tma_page_boxes(page_size)
 
 
 # Shared memory an SM has for blocks (each block also reserves 1 KiB), per arch.

@@ -14,7 +14,7 @@ tiles would leave half of a block idle.
 from __future__ import annotations
 
 from ..params import PAGED_FWD_PARAMS
-from .base import Alignment, Family, every_arch, score_mods
+from .base import Alignment, Family, every_arch, score_mods, tma_page_boxes
 from .mma import ATTN_FWD_MMA, MmaTile
 from .tables import rows as table_rows
 from .wgmma import ATTN_FWD_WGMMA, WGMMA_ARCHS, WgmmaTile
@@ -99,14 +99,11 @@ def _tma_check(spec) -> None:
 
 ATTN_PREFILL_TMA = _family("attn_prefill_tma", ATTN_FWD_WGMMA, {a: _PREFILL_TMA_SM90 for a in WGMMA_ARCHS}, False,
                            True, check=_tma_check)
-# Pages the boxes take (min(page, block_n) slots a box, from a 128-byte-swizzled map): a power of
-# two from 16 (the TMA decode's rule: attn_decode_tma)
-_MIN_TMA_PAGE = 16
 
 
 def prefill_tma_serves(arch: str, head_dim: int, page_size: int, tree: bool) -> bool:
     """Whether attn_prefill_tma runs a paged prefill at head-dim bucket ``head_dim`` (a multiple of
-    64) on ``arch`` over pages of ``page_size`` slots: not a tree, pages a power of two from 16, and
-    a row of its table names exactly that bucket."""
-    return (not tree and page_size >= _MIN_TMA_PAGE and page_size & (page_size - 1) == 0 and arch in WGMMA_ARCHS
+    64) on ``arch`` over pages of ``page_size`` slots: not a tree, pages that
+    :func:`~.base.tma_page_boxes` takes, and a row of its table names exactly that bucket."""
+    return (not tree and tma_page_boxes(page_size) and arch in WGMMA_ARCHS
             and any(r.max_head_dim == head_dim for r in table_rows(ATTN_PREFILL_TMA, "dense", arch)))
