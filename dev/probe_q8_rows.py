@@ -6,10 +6,14 @@ Times ``pyattn.decode`` over int8 PagedKVCaches filled as ``scripts/bench_quant.
 * per-channel keys (``key_scales="channel"``) with each ``--channel`` row (keys per warp x stages,
   put in the sm_90a d <= 128 row of attn_decode_tma's "kv8" table through ``override_tiles``),
   beside per-token keys on the table as it is (the 10% target of issue 13);
-* per-token keys at the forced split counts of ``--splits`` (0: the automatic choice).
+* per-token keys at the forced split counts of ``--splits`` (0: the automatic choice), and with
+  each ``--token`` row (keys per warp x warps x stages x blocks an SM, the row's fields);
+* ``--family attn_decode_swap``: the rows of the swapped-role kernel (<= 8 query rows) instead.
+A ``--channel`` row ``KxS`` may add ``xB``: the row's blocks an SM too.
 
     PYTHONPATH=. python dev/probe_q8_rows.py [--points 1x32768,8x32768,64x32768] [--channel 32x2,16x3,16x4]
                                              [--splits 0,2,4,6,8,12] [--kind int8|fp8|bf16]
+                                             [--family attn_decode_swap] [--token 32x4x2x3,16x4x4x3]
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ def main() -> int:
     ap.add_argument("--channel", default="32x2,16x3,16x4,16x2")
     ap.add_argument("--splits", default="0,2,4,6,8,12")
     ap.add_argument("--kind", default="int8", help="the per-token cache: int8, fp8 or bf16 (the split sweep's)")
+    ap.add_argument("--family", default="attn_decode_tma", help="whose kv8 table the rows go into")
+    ap.add_argument("--token", default="", help="per-token rows KWxWxSxB (keys per warp, warps, stages, blocks/SM)")
     args = ap.parse_args()
     bench = harness.Bench(torch)
-    base = tile_table("attn_decode_tma", "sm_90a", "kv8")
+    fam = args.family
+    base = tile_table(fam, "sm_90a", "kv8")
     for point in args.points.split(","):
         B, L = (int(x) for x in point.split("x"))
         q = pyattn.asarray(torch.randn(B, 1, bq.HQ, bq.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
@@ -49,14 +56,20 @@ def main() -> int:
             if splits:
                 t = us(lambda: pyattn.decode(q, *token, num_splits=splits, stream=bench.stream))
                 cells.append(f"splits {splits}: {t:.1f}")
+        for row in filter(None, args.token.split(",")):
+            kpw, w, st, mb = (int(x) for x in row.split("x"))
+            rows = (base[0]._replace(keys_per_warp=kpw, warps=w, stages=st, min_blocks=mb),) + base[1:]
+            with override_tiles(fam, "sm_90a", rows, table="kv8"):
+                t = us(lambda: pyattn.decode(q, *token, stream=bench.stream))
+                cells.append(f"token {row}: {t:.1f}")
         del token
         chan = bq.new_cache(args.kind + "c", B, L) if args.kind != "bf16" and args.channel else None
         if chan is not None:
             bq.fill(bench, *chan, L, 1)
         for row in filter(None, args.channel.split(",") if args.kind != "bf16" else []):
-            kpw, st = (int(x) for x in row.split("x"))
-            rows = (base[0]._replace(channel=(kpw, st)),) + base[1:]
-            with override_tiles("attn_decode_tma", "sm_90a", rows, table="kv8"):
+            kpw, st, *mb = (int(x) for x in row.split("x"))
+            rows = (base[0]._replace(channel=(kpw, st), min_blocks=mb[0] if mb else base[0].min_blocks),) + base[1:]
+            with override_tiles(fam, "sm_90a", rows, table="kv8"):
                 try:
                     t = us(lambda: pyattn.decode(q, *chan, stream=bench.stream))
                     cells.append(f"channel {row}: {t:.1f} ({t_token / t:.3f}x per-token)")

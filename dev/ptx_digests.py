@@ -8,9 +8,9 @@ Usage: PYTHONPATH=. python dev/ptx_digests.py OUT.json        (digests of this t
 
 Run it on the tree before a change (e.g. ``git stash``) and after, then compare. The PTX is
 normalised first: comments, ``.loc`` / ``.file`` line info and the ``.global`` constants of the
-traits are dropped, and a traits type's trailing ``false`` argument (``ELb0EE`` in the mangled
-names) is read as absent, so that a new defaulted template argument alone does not count as a
-change. Where two digests differ only by PTX register numbering, compare the variants' SASS
+traits are dropped, and a traits type's trailing ``false`` / ``0`` arguments (``ELb0EE`` /
+``ELi0EE`` in the mangled names) are read as absent, so that new defaulted template arguments
+alone do not count as a change. Where two digests differ only by PTX register numbering, compare the variants' SASS
 (``dev/sass_map.py --all``). The variants: the attn_fwd_tma / attn_fwd_wgmma / attn_fwd_fp8 /
 paged prefill / tree ones of ``dev/compile_sweep.py``'s lists, and the prefill selections at
 d = 64 / 128 / 256, 1k / 4k keys, causal or not, with and without a soft-cap, on a small grid
@@ -73,7 +73,12 @@ def digest(spec) -> tuple:
             continue
         if ".debug_str" in stripped:
             break
-        kept.append(line.replace("ELb0EE", "EE"))
+        while True:  # trailing defaulted false / 0 template arguments, however many
+            short = line.replace("ELb0EE", "EE").replace("ELi0EE", "EE")
+            if short == line:
+                break
+            line = short
+        kept.append(line)
     return f"{spec.describe()} {spec.entry_name}", hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--decode", action="store_true", help="the 16-bit paged decode variants instead")
     ap.add_argument("--kv", default="", help="with --decode: an 8-bit cache kind (int8, fp8e4m3), per-token "
-                    "and per-channel keys")
+                    "and per-channel keys (the TMA kernel's m16 row tiles and its swapped roles too)")
     ap.add_argument("--paged", action="store_true", help="the paged prefill variants instead")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args()
@@ -50,8 +50,9 @@ def main() -> None:
             from pyattn.kernels.families.decode import tma_decode_serves
             specs = [KernelSpec("attn_decode", "bf16", d, args.arch, q_tiles=1, kv=args.kv, key_channel=kc)
                      for d in args.dims for kc in (False, True)]
-            specs += [KernelSpec("attn_decode_tma", "bf16", d, args.arch, q_tiles=1, kv=args.kv, **mods)
+            specs += [KernelSpec(fam, "bf16", d, args.arch, q_tiles=1, kv=args.kv, **mods)
                       for d in args.dims if tma_decode_serves(args.arch, d, 16, args.kv)
+                      for fam in ("attn_decode_tma", "attn_decode_swap")
                       for mods in ({}, {"softcap": True, "alibi": True}, {"key_channel": True})]
     if args.paged:
         from pyattn.kernels.specs import KernelSpec

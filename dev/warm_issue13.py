@@ -29,9 +29,10 @@ def specs(arch: str) -> list:
                     for mods in (False, True):
                         out += [KernelSpec("attn_decode", tag, d, arch, q_tiles=mt, kv=kv, key_channel=kc,
                                            softcap=mods, alibi=mods) for kc in (False, True)]
-                        if tma_decode_serves(arch, d, 16, kv):  # pages of 16+ slots
-                            out.append(KernelSpec("attn_decode_tma", tag, d, arch, q_tiles=mt, kv=kv,
-                                                  softcap=mods, alibi=mods))
+                        if tma_decode_serves(arch, d, 16, kv):  # pages of 16+ slots; <= 8 rows: swapped roles
+                            out += [KernelSpec(fam, tag, d, arch, q_tiles=mt, kv=kv, key_channel=kc, softcap=mods,
+                                               alibi=mods) for kc in (False, True)
+                                    for fam in ("attn_decode_tma",) + ("attn_decode_swap",) * (mt == 1)]
             for mt in range(1, decode_max_q_tiles(arch, d) + 1):  # SparQ's decode over chosen keys (16-bit)
                 out.append(KernelSpec("attn_decode", tag, d, arch, q_tiles=mt))
     return list(dict.fromkeys(out))

@@ -237,6 +237,7 @@ __device__ __forceinline__ void attn_decode16(const DecodeParams& p) {
 
 #include "attention_decode_q8.cuh"
 #include "attention_decode_tma.cuh"
+#include "decode_q8_swap.cuh"
 #include "attention_decode_q8_tma.cuh"
 
 namespace pyattn {

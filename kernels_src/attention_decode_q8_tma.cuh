@@ -23,7 +23,7 @@
 // Keys a box does not hold (past the block's range in its last tile, or slots of the last page past
 // the sequence) may be stale pool memory: their scales are zero-filled, their scores masked to -inf,
 // and each consumer warp zeroes its own V code rows there before P V (0 x a NaN code is NaN).
-// Requires decode_q8_stage.cuh, attention_decode_q8.cuh (cp_async_4), attention_decode_tma.cuh
+// Requires decode_q8_stage.cuh, decode_q8_swap.cuh, attention_decode_q8.cuh (cp_async_4), attention_decode_tma.cuh
 // (ProducerChunks), tma.cuh and mbarrier.cuh.
 #pragma once
 #include "mbarrier.cuh"
@@ -129,6 +129,10 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
   if (warp == W) {
     decode_produce_q8<Tr>(sK, sV, sKs, sVs, sSeg, p, blk, full0, empty0);
+    return;
+  }
+  if constexpr (Tr::kSwap) {  // blocks of 8 rows: keys on the MMAs' M side (decode_q8_swap.cuh)
+    q8s_consume<Tr, SOFTCAP, ALIBI>(p, blk, smem_raw, sK, sV, sKs, sVs, sSeg, full0, empty0);
     return;
   }
 

@@ -8,7 +8,7 @@
 namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int KEYS_PER_WARP_, int WARPS_, int M_TILES_, int STAGES_, int KV_ = 0,
-          int PRODUCER_ = 0>
+          int PRODUCER_ = 0, int SWAP_ = 0>
 struct AttnDecodeTraits {
   using T = T_;
   // cache elements: 0 = T, 1 = int8, 2 = fp8 e4m3 (attention_decode_q8.cuh); 3 / 4 = int8 / fp8 e4m3 whose
@@ -25,7 +25,10 @@ struct AttnDecodeTraits {
   static constexpr int kWarps = WARPS_;
   static constexpr int kThreads = 32 * WARPS_;
   static constexpr int kMTiles = M_TILES_;
-  static constexpr int kRows = 16 * M_TILES_;
+  // 1: the 8-bit TMA kernel's consumers with the MMA roles swapped (decode_q8_swap.cuh): blocks
+  // of 8 query rows on the MMAs' N side.
+  static constexpr int kSwap = SWAP_;
+  static constexpr int kRows = SWAP_ ? 8 : 16 * M_TILES_;
   static constexpr int kBlockN = KEYS_PER_WARP_ * WARPS_;
   static constexpr int kStages = STAGES_;
   static constexpr int kStride = HEAD_DIM_ + 8;     // 16-byte row padding: conflict-free ldmatrix
@@ -53,6 +56,7 @@ struct AttnDecodeTraits {
   static_assert(PRODUCER_ == 0 || KV_ == 0 || HEAD_DIM_ % 128 == 0,
                 "the producer warp fills 16-bit rings, or 8-bit ones in 128-column boxes");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
+  static_assert(SWAP_ == 0 || (KV_ != 0 && PRODUCER_ && M_TILES_ == 1), "swapped roles: the 8-bit TMA kernel, 8 rows");
   // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
   static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;
 
@@ -304,46 +308,18 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
   }
 }
 
-// Merge the warps' online-softmax states of one block through shared memory and store its rows:
-// the output and LSE (num_splits == 1) or the split's fp32 partial and LSE.
+// The second phase of decode_epilogue (and of the swapped-role 8-bit decode's, decode_q8_swap.cuh),
+// from the warps' states in shared memory ([W][ROWS][kAccStride]
+// unnormalised O, then [W][ROWS] maxima in log2 units and [W][ROWS] row sums): the merge, the
+// stores of the rows (output or split partial) and their LSE, and the fused split combine.
 template <class Tr>
-__device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&acc)[Tr::kMTiles][Tr::kHeadDim / 8][4],
-                                                float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
-                                                float sl2, unsigned char* smem_raw, int split, int kv_head, int b,
-                                                int r0, int n_rows) {
+__device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned char* smem_raw, int split, int kv_head,
+                                             int b, int r0, int n_rows) {
   using T = typename Tr::T;
-  constexpr int D = Tr::kHeadDim, MT = Tr::kMTiles, ROWS = Tr::kRows, W = Tr::kWarps, AS = Tr::kAccStride;
-  constexpr int DT = D / 8;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // -- merge the warps' states: each warp leaves (max, sum, unnormalised O) in shared memory
-  cp_async_wait<0>();
-  decode_sync<Tr>();  // the ring is free to reuse
-  float* sAcc = reinterpret_cast<float*>(smem_raw);  // [W][ROWS][AS]
-  float* sM = sAcc + W * ROWS * AS;                   // [W][ROWS] max (log2 units), then weights
-  float* sL = sM + W * ROWS;                          // [W][ROWS] row sums
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
-      const int rr = mi * 16 + h * 8 + g;
-      if (t == 0) {
-        sM[warp * ROWS + rr] = row_max[mi][h] == -inf() ? -inf() : row_max[mi][h] * sl2;
-        sL[warp * ROWS + rr] = sum;
-      }
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        float* dst = sAcc + (warp * ROWS + rr) * AS;
-        if constexpr (Tr::kKv == 0) {
-          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = make_float2(acc[mi][dt][2 * h], acc[mi][dt][2 * h + 1]);
-        } else {  // permuted columns: two scalar stores
-          dst[Tr::acc_col(dt, t, 0)] = acc[mi][dt][2 * h];
-          dst[Tr::acc_col(dt, t, 1)] = acc[mi][dt][2 * h + 1];
-        }
-      }
-    }
+  constexpr int D = Tr::kHeadDim, ROWS = Tr::kRows, W = Tr::kWarps, AS = Tr::kAccStride;
+  float* sAcc = reinterpret_cast<float*>(smem_raw);
+  float* sM = sAcc + W * ROWS * AS;
+  float* sL = sM + W * ROWS;
   decode_sync<Tr>();
   if (threadIdx.x < ROWS) {
     const int r = threadIdx.x, gr = r0 + r;
@@ -393,6 +369,48 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
   }
   // Null counters: the host merges the splits in a second launch (pyattn.ops._decode.fused_combine).
   if (p.num_splits > 1 && p.split_counters != nullptr) decode_combine_last<Tr>(p, smem_raw, kv_head, b, r0, n_rows);
+}
+
+// Merge the warps' online-softmax states of one block through shared memory and store its rows:
+// the output and LSE (num_splits == 1) or the split's fp32 partial and LSE.
+template <class Tr>
+__device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&acc)[Tr::kMTiles][Tr::kHeadDim / 8][4],
+                                                float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                                float sl2, unsigned char* smem_raw, int split, int kv_head, int b,
+                                                int r0, int n_rows) {
+  constexpr int D = Tr::kHeadDim, MT = Tr::kMTiles, ROWS = Tr::kRows, W = Tr::kWarps, AS = Tr::kAccStride;
+  constexpr int DT = D / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // -- merge the warps' states: each warp leaves (max, sum, unnormalised O) in shared memory
+  cp_async_wait<0>();
+  decode_sync<Tr>();  // the ring is free to reuse
+  float* sAcc = reinterpret_cast<float*>(smem_raw);  // [W][ROWS][AS]
+  float* sM = sAcc + W * ROWS * AS;                   // [W][ROWS] max (log2 units), then weights
+  float* sL = sM + W * ROWS;                          // [W][ROWS] row sums
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mi][h];
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      const int rr = mi * 16 + h * 8 + g;
+      if (t == 0) {
+        sM[warp * ROWS + rr] = row_max[mi][h] == -inf() ? -inf() : row_max[mi][h] * sl2;
+        sL[warp * ROWS + rr] = sum;
+      }
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        float* dst = sAcc + (warp * ROWS + rr) * AS;
+        if constexpr (Tr::kKv == 0) {
+          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = make_float2(acc[mi][dt][2 * h], acc[mi][dt][2 * h + 1]);
+        } else {  // permuted columns: two scalar stores
+          dst[Tr::acc_col(dt, t, 0)] = acc[mi][dt][2 * h];
+          dst[Tr::acc_col(dt, t, 1)] = acc[mi][dt][2 * h + 1];
+        }
+      }
+    }
+  decode_merge<Tr>(p, smem_raw, split, kv_head, b, r0, n_rows);
 }
 
 }  // namespace pyattn

@@ -70,6 +70,16 @@ __device__ __forceinline__ float pow2_ceil(float x) {
   return __uint_as_float((__float_as_uint(x) + 0x007fffffu) & 0xff800000u);
 }
 
+// A query row's power-of-two scale that puts its largest magnitude amax in [2^14, 2^15) (exact,
+// inside fp16's range), and its inverse.
+__device__ __forceinline__ void q8_row_scale(float amax, float& scale, float& inv) {
+  int ex = 0;
+  if (amax > 0.f) frexpf(amax, &ex);  // amax = m * 2^ex, m in [0.5, 1)
+  const int e = min(max(15 - ex, -100), 100);
+  scale = ldexpf(1.f, e);
+  inv = ldexpf(1.f, -e);
+}
+
 // Q's A fragments in the permuted head-dim order, kept in registers: k16 step 4 gi + kk, quad lane
 // t reads columns p0 = 16 q8_kchunk(gi, t) + 4 kk (pair a0/a1) and p0 + 2 (a2/a3) of rows g, g + 8.
 // S = Q K^T runs in fp16 whatever T is: int8 / e4m3 codes become fp16 in 1-2 instructions per
@@ -102,11 +112,7 @@ __device__ __forceinline__ void q8_query_fragments(const typename Tr::T* sQ, uns
     for (int h = 0; h < 2; ++h) {
       amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 1));
       amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 2));
-      int ex = 0;
-      if (amax[h] > 0.f) frexpf(amax[h], &ex);  // amax = m * 2^ex, m in [0.5, 1)
-      const int e = min(max(15 - ex, -100), 100);
-      row_scale[h] = ldexpf(1.f, e);
-      row_inv[mi][h] = ldexpf(1.f, -e);
+      q8_row_scale(amax[h], row_scale[h], row_inv[mi][h]);
     }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {

@@ -160,8 +160,8 @@ def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monke
 
 def _sparse_and_quant_specs(arch):
     """The block-sparse prefill variants (plain and with soft-cap, which runs on mma.sync) and the
-    8-bit-cache decode kernels of ``arch`` (cp.async, and on sm_90a the TMA-fed one), at the
-    head-dim extremes of each."""
+    8-bit-cache decode kernels of ``arch`` (cp.async, and on sm_90a the TMA-fed one, with m16 row
+    tiles and with swapped roles), at the head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
     specs = [select_attention_spec(dt, d, arch, softcap=cap, sparse=sp)
@@ -176,6 +176,11 @@ def _sparse_and_quant_specs(arch):
                   for tag, d, kv, mods, kc in (("bf16", 128, "int8", False, False), ("f16", 128, "fp8e4m3", True, False),
                                                ("bf16", 256, "fp8e4m3", False, True), ("f16", 256, "int8", True, False),
                                                ("bf16", 128, "int8", True, True))]
+        # up to 8 rows: the same kernel with the keys on the MMAs' M side
+        specs += [KernelSpec("attn_decode_swap", tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods,
+                             key_channel=kc)
+                  for tag, d, kv, mods, kc in (("bf16", 128, "int8", False, False), ("f16", 128, "fp8e4m3", True, True),
+                                               ("bf16", 256, "fp8e4m3", True, False), ("f16", 256, "int8", False, True))]
     return specs
 
 

@@ -27,7 +27,7 @@ CUH = pathlib.Path(__file__).resolve().parents[1] / "kernels_src" / "decode_comm
     (dict(head_dim=256, q_tiles=2), r"^q_tiles: attn_decode at head_dim 256 on sm_90a takes 1 to 1"),
     (dict(mask="bool", q_tiles=1), r"^mask/softcap/alibi:"),
     (dict(family="merge_states", q_tiles=1),
-     r"^q_tiles: only attn_fwd_tma / attn_decode / attn_decode_tma takes q_tiles"),
+     r"^q_tiles: only attn_fwd_tma / attn_decode / attn_decode_tma / attn_decode_swap takes q_tiles"),
     (dict(family="kv_append", head_dim=32, q_tiles=1), r"^q_tiles: only attn_fwd_tma / attn_decode"),
     (dict(family="attn_fwd_mma", q_tiles=1), r"^q_tiles: only attn_fwd_tma / attn_decode"),
     (dict(family="merge_states", softcap=True), r"^mask/softcap/alibi:"),
@@ -39,11 +39,11 @@ def test_decode_spec_rejected(kw, match):
         KernelSpec(**args)
 
 
-def _cuh_smem(d, kpw, warps, mt, stages, kv=0, producer=0):
+def _cuh_smem(d, kpw, warps, mt, stages, kv=0, producer=0, swap=0):
     """kPipeBytes / kMergeBytes evaluated from AttnDecodeTraits' own constexpr lines."""
     body = CUH.read_text().split("struct AttnDecodeTraits {")[1].split("};")[0]
     env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages, "KV_": kv,
-           "PRODUCER_": producer}
+           "PRODUCER_": producer, "SWAP_": swap}
     for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
         if name != "kSmemBytes":
             # plain integer arithmetic on the names above; `c ? a : b` read as Python's `a if c else b`
@@ -219,12 +219,41 @@ def test_tma_decode_launch_bounds_follow_the_variants_own_ring(kv, d):
     ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
 @pytest.mark.parametrize("key_channel", [False, True])
 def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
-    """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies)."""
+    """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies);
+    over 8-bit caches up to 8 rows take the swapped-role blocks, 9 and more the m16 row tiles."""
     from pyattn.ops._decode import _spec
     kc = key_channel and bool(kv)
     assert tma_decode_serves(arch, d, page, kv) is tma
-    spec = _spec("bfloat16", d, arch, False, 4, False, False, kv, 0, kc, page)
-    assert spec.family == ("attn_decode_tma" if tma else "attn_decode")
+    for rows in (1, 4, 8, 9, 16):
+        spec = _spec("bfloat16", d, arch, False, rows, False, False, kv, 0, kc, page)
+        family = ("attn_decode_swap" if kv and rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
+        assert spec.family == family, rows
+        assert spec.tiles.block_m == (8 if family == "attn_decode_swap" else 16), rows
+
+
+@pytest.mark.parametrize("kv, num", [("int8", 1), ("fp8e4m3", 2)])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("kc", [False, True])
+def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
+    """attn_decode_swap: attn_decode_tma's 8-bit ring and rows at blocks of 8 query rows (Q and the
+    warp merge sized for 8), the traits' SWAP_ set; its shared memory is the traits' formula's and
+    its launch bounds ask for the blocks that fit; 16-bit caches are refused."""
+    t = tile_config("attn_decode_swap", "sm_90a", d, kv)
+    tma = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=kc)
+    spec = KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=kc)
+    st = spec.tiles
+    assert (st.block_m, st.block_n, st.stages, st.warps) == (8, tma.tiles.block_n, tma.tiles.stages, t.warps)
+    consumers, stages = st.warps - 1, st.stages
+    ring = 8 * (d + 8) * 2 + 1024 + stages * st.block_n * 2 * (d + 4) + kc * stages * st.block_n // 16 * (16 + d * 2 + 128)
+    assert spec.shared_bytes == max(ring, consumers * 8 * (d + 10) * 4) == _cuh_smem(
+        d, st.block_n // consumers, consumers, 1, stages, num + 2 * kc, 1, 1)
+    assert st.min_blocks == max(1, min(t.min_blocks, (228 << 10) // (spec.shared_bytes + 1024)))
+    assert spec.template_id.endswith(f"1, {stages}, {num + 2 * kc}, 1, 1>, false, false>")
+    assert spec.entry_name != tma.entry_name
+    with pytest.raises(ValueError, match="attn_decode_swap: 8-bit caches only"):
+        KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=1)
+    with pytest.raises(ValueError, match="q_tiles"):
+        KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=2, kv=kv)
 
 
 def test_decode_shared_bytes_when_the_warp_merge_dominates():

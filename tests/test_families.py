@@ -90,6 +90,8 @@ def _some_specs():
                     yield KernelSpec("attn_prefill_tma", "bf16", d, arch, alibi=d == 128)
                 yield KernelSpec("attn_tree_wgmma", "f16", d, arch)
                 yield KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=1, alibi=d == 128)
+                if d in (128, 256):
+                    yield KernelSpec("attn_decode_swap", "bf16", d, arch, q_tiles=1, kv="int8", softcap=d == 256)
                 if d <= 128:
                     yield KernelSpec("attn_bwd_wgmma", "bf16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_prefill_mma", "f16", d, arch, alibi=d == 64)
@@ -133,13 +135,15 @@ def test_a_formula_that_disagrees_with_the_traits_fails_to_compile():
     (("attn_decode", "f16", 64, "sm_80", False, "none", True, True, 3), r"^q_tiles: attn_decode at head_dim 64"),
     (("attn_decode", "f16", 96, "sm_80", False, "none", False, False, 1, 0, "int8"), r"^head_dim: 8-bit caches"),
     (("merge_states", "f16", 64, "sm_80", False, "none", False, False, 1), r"^q_tiles: only attn_fwd_tma / attn_decode"
-     r" / attn_decode_tma takes"),
+     r" / attn_decode_tma / attn_decode_swap takes"),
     (("attn_fwd_simt", "f16", 64, "sm_80", False, "none", False, False, 0, 1),
      r"^sparse: block-sparse tile lists are read by attn_fwd_mma / attn_fwd_wgmma, got attn_fwd_simt"),
     (("attn_sparse", "f16", 64, "sm_80", False, "none", False, False, 0, 0, "int8"),
-     r"^kv: only attn_decode / attn_decode_tma / kv_append / kv_key_pages read quantized caches, got attn_sparse"),
+     r"^kv: only attn_decode / attn_decode_tma / attn_decode_swap / kv_append / kv_key_pages read quantized caches, "
+     r"got attn_sparse"),
     (("attn_decode", "f16", 64, "sm_80", False, "none", False, False, 1, 0, "", True),
-     r"^key_channel: per-channel key scales are read by attn_decode / attn_decode_tma over an 8-bit cache"),
+     r"^key_channel: per-channel key scales are read by attn_decode / attn_decode_tma / attn_decode_swap over an "
+     r"8-bit cache"),
     (("kv_append", "f16", 32, "sm_80", False, "none", False, False, 0, 0, "int8", True), r"^key_channel: "),
     (("kv_key_pages", "f16", 32, "sm_80"), r"^kv: kv_key_pages quantizes 8-bit caches"),
 ])

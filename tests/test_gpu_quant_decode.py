@@ -201,14 +201,17 @@ def test_per_channel_decode_matches_dequantized_reference(lengths, page_size, Hk
 @pytest.mark.parametrize("key_scales", ["token", "channel"])
 @pytest.mark.parametrize("kind, group, q_len, D, page, mods", [
     ("int8", 16, 16, 128, 16, "softcap"), ("fp8_e4m3", 4, 1, 256, 64, "alibi"), ("int8", 8, 3, 128, 256, "window"),
-    ("fp8_e4m3", 1, 9, 96, 32, ""), ("int8", 4, 1, 256, 16, ""), ("fp8_e4m3", 16, 2, 128, 128, "softcap")])
+    ("fp8_e4m3", 1, 9, 96, 32, ""), ("int8", 4, 1, 256, 16, ""), ("fp8_e4m3", 16, 2, 128, 128, "softcap"),
+    # up to 8 rows: the TMA kernel's swapped-role blocks (attn_decode_swap)
+    ("int8", 8, 1, 128, 16, "softcap"), ("fp8_e4m3", 4, 2, 128, 32, "window"), ("int8", 1, 3, 96, 16, "alibi")])
 def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, group, q_len, D, page, mods):
     """The decode issue's corners on 8-bit caches, through the TMA-fed kernel and the cp.async one,
     per-token and per-channel key scales: GQA groups to 16 and up to 16 query tokens, pages of
     16..256 slots, ragged lengths ending mid-page (the TMA boxes then hold slots past the sequence:
     stale codes, masked), a forked sequence sharing its parent's pages, soft-cap / ALiBi / window,
     head dim 96 in the 128 bucket (the map's columns past 96 arrive as zeros; per-channel records
-    hold 96 channel scales, the ring's rest is zeroed)."""
+    hold 96 channel scales, the ring's rest is zeroed). Up to 8 rows (group x q_len) the TMA kernel
+    runs with the keys on the MMAs' M side (attn_decode_swap), 9 and more on m16 row tiles."""
     loader, families = q8_loader
     rng = np.random.default_rng(group * 100 + q_len + D)
     Hkv, lengths, t = 2, [1500, 37, 700], DTYPES["bfloat16"]
@@ -231,8 +234,8 @@ def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, g
     if mods == "alibi":
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(ids), Hkv * group)).astype(np.float32)
     out, lse = pyattn.decode(q, cache, ids, return_lse=True, **opts)
-    assert {f for f in families if f.startswith("attn_decode")} == {"attn_decode_tma" if loader == "tma"
-                                                                     else "attn_decode"}
+    tma = "attn_decode_swap" if group * q_len <= 8 else "attn_decode_tma"
+    assert {f for f in families if f.startswith("attn_decode")} == {tma if loader == "tma" else "attn_decode"}
     for b, (k, v) in enumerate(seqs):
         o = {**opts, "alibi_slopes": opts["alibi_slopes"][b:b + 1]} if mods == "alibi" else opts
         if key_scales == "token":

@@ -181,9 +181,10 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
 @pytest.mark.parametrize("kind, key_scales, D", [("int8", "token", 128), ("fp8_e4m3", "token", 128),
                                                 ("int8", "channel", 128), ("int8", "token", 64)])
 def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
-    """An 8-bit cache takes attn_decode_tma too (per-token or per-channel key scales): its code pools
-    as uint8 maps, boxes of 128 codes (one 128-byte swizzle row) x min(page, block_n) slots. The 64
-    head-dim bucket keeps the cp.async kernel, whose launch encodes no map."""
+    """An 8-bit cache takes the TMA-fed decode too (per-token or per-channel key scales; a group of 4
+    at q_len 1 the swapped-role blocks, attn_decode_swap): its code pools as uint8 maps, boxes of 128
+    codes (one 128-byte swizzle row) x min(page, block_n) slots. The 64 head-dim bucket keeps the
+    cp.async kernel, whose launch encodes no map."""
     from pyattn.runtime import tensormap
 
     c = pyattn.PagedKVCache(64, 16, 2, D, kind, key_scales=key_scales)
@@ -199,6 +200,7 @@ def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
         assert keys == [] and fake_driver.CALLS["cuTensorMapEncodeTiled"] == 0
         assert name.startswith("pyattn_attn_decode_") and "tma" not in name
         return
-    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_tma")
+    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_swap")
+    assert name in fake_driver.PDL_LAUNCHES  # it waits for its predecessor in-kernel as attn_decode_tma does
     for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
         assert (dtype, dims, strides, box, swizzle) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128)

@@ -47,8 +47,9 @@ def test_per_channel_cache_appends_then_requantizes_pages(gpu):
     cache._keys.check()
     q = np.ones((2, 1, 8, 128), ml_dtypes.bfloat16)
     pyattn.decode(pyattn.asarray(q), cache, [a, b])
-    assert [n for n, _ in _launched()][0] == "attn_decode_tma"  # the fake GPU is sm_90a, pages of 16
-    assert any(spec.family == "attn_decode_tma" and spec.key_channel for _, spec in registry.loaded_kernels())
+    # the fake GPU is sm_90a, pages of 16; a group of 4: the swapped-role blocks of the TMA-fed decode
+    assert [n for n, _ in _launched()][0] == "attn_decode_swap"
+    assert any(spec.family == "attn_decode_swap" and spec.key_channel for _, spec in registry.loaded_kernels())
     scale, chan, idx, kept = cache.read_key_scales()
     assert scale.shape == (40, 2) and chan.shape == (40, 2, 128) and chan.dtype == np.float16
     assert idx.shape == (40, 2, 4) and kept.shape == (40, 16, 2, 4) and kept.dtype == np.float16

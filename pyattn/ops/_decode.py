@@ -48,8 +48,11 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     tma = tma_decode_serves(arch, bucket, page_size, kv)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
-    return KernelSpec("attn_decode_tma" if tma else "attn_decode", tag, bucket, arch, ptx, softcap=softcap,
-                      alibi=alibi, q_tiles=q_tiles, kv=kv, key_channel=key_channel)
+    # Up to 8 rows over an 8-bit cache: the keys on the MMAs' M side (attn_decode_swap), not an m16
+    # row tile that is half padding or more.
+    family = ("attn_decode_swap" if kv and rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
+    return KernelSpec(family, tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
+                      key_channel=key_channel)
 
 
 def blocks_per_sm(spec, kernel) -> int:
@@ -133,7 +136,7 @@ def _build(P, device) -> DecodePlan:
                       device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
                       layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
-                      min(pool.page_size, t.block_n) if spec.family == "attn_decode_tma" else 0)
+                      min(pool.page_size, t.block_n) if t.ws else 0)  # the TMA kernels' producer warp
     return plan
 
 

@@ -41,6 +41,7 @@ _WHERE = {
     "split_combine": ("fixed", "SPLIT_COMBINE"),
     "attn_decode": ("decode", "ATTN_DECODE"),
     "attn_decode_tma": ("decode", "ATTN_DECODE_TMA"),
+    "attn_decode_swap": ("decode", "ATTN_DECODE_SWAP"),
     "kv_append": ("fixed", "KV_APPEND"),
     "attn_sparse": ("fixed", "ATTN_SPARSE"),
     "mask_bits": ("fixed", "MASK_BITS"),

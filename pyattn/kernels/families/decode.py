@@ -13,7 +13,7 @@ from . import tables
 from .base import (CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, entry_name,
                    tma_page_boxes)
 
-__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "decode_row", "tma_decode_serves",
+__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "ATTN_DECODE_SWAP", "decode_row", "tma_decode_serves",
            "PAGED_ALIGNMENT"]
 
 
@@ -136,10 +136,10 @@ _SM_SHARED = {"sm_80": 164 << 10, "sm_86": 100 << 10, "sm_89": 100 << 10, "sm_90
 
 
 def _spec_tiles(spec, t: TileConfig) -> TileConfig:
-    """The row at the spec's row tiles, its launch bounds asking for no more blocks an SM than
-    shared memory lets in: more would only cap registers (sm_90a, two row tiles: 3 blocks asked,
-    2 fit, 92 bytes of spill at 168 registers)."""
-    t = t._replace(block_m=16 * spec.q_tiles, m_tiles=spec.q_tiles)
+    """The row at the spec's row tiles (attn_decode_swap: one block of 8 rows), its launch bounds
+    asking for no more blocks an SM than shared memory lets in: more would only cap registers
+    (sm_90a, two row tiles: 3 blocks asked, 2 fit, 92 bytes of spill at 168 registers)."""
+    t = t._replace(block_m=8 if spec.family == "attn_decode_swap" else 16 * spec.q_tiles, m_tiles=spec.q_tiles)
     fit = _SM_SHARED.get(spec.arch, 0) // (_smem_bytes(spec, t) + 1024)
     return t._replace(min_blocks=max(1, min(t.min_blocks, fit))) if fit else t
 
@@ -156,7 +156,7 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
     per-channel kernel bounded for one block (no register cap), which then ran one block an SM
     with half the splits, 1.46x slower at B8 x 32k (BENCHMARKS.md, thirty-first session)."""
     if spec.key_channel:
-        row = decode_row(spec.arch, spec.head_dim, spec.kv, tma=True)
+        row = tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim)  # the family's own
         kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
         t = t._replace(block_n=kpw * row.warps, stages=stages)
     t = _spec_tiles(spec, t)
@@ -166,8 +166,9 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
 def _traits(spec, t) -> str:
     kv = KV_KINDS[spec.kv] + (2 if spec.key_channel else 0)  # AttnDecodeTraits: 3 / 4 = per-channel key scales
     consumers = t.warps - t.ws  # the producer warp (ws) computes nothing
+    swap = ", 1" if spec.family == "attn_decode_swap" else ""  # SWAP_: 8 rows on the MMAs' N side
     return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // consumers}, {consumers}, "
-            f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}>")
+            f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}{swap}>")
 
 
 def _smem_bytes(spec, t) -> int:
@@ -184,13 +185,16 @@ def _smem_bytes(spec, t) -> int:
 
 
 def _check(spec) -> None:
-    if spec.family == "attn_decode_tma" and spec.head_dim % (128 if spec.kv else 64):
+    if spec.family == "attn_decode_swap" and not spec.kv:
+        raise ValueError(f"attn_decode_swap: 8-bit caches only, got kv={spec.kv!r}")
+    if spec.family != "attn_decode" and spec.head_dim % (128 if spec.kv else 64):
         raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
                          f"at buckets of 128 columns, got kv={spec.kv!r}, head_dim {spec.head_dim}")
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
-    most = decode_row(spec.arch, spec.head_dim, spec.kv, spec.family == "attn_decode_tma").max_q_tiles
+    most = 1 if spec.family == "attn_decode_swap" else decode_row(spec.arch, spec.head_dim, spec.kv,
+                                                                      spec.family == "attn_decode_tma").max_q_tiles
     if not 1 <= spec.q_tiles <= most:
         raise ValueError(f"q_tiles: attn_decode at head_dim {spec.head_dim} on {spec.arch} takes 1 to {most}, "
                          f"got {spec.q_tiles}")
@@ -211,6 +215,20 @@ ATTN_DECODE = Family(
 ATTN_DECODE_TMA = Family(
     name="attn_decode_tma", label="the TMA-fed decode", header="attention_decode.cuh", params=DECODE_PARAMS,
     tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS}, "kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
+    template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
+    traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
+    entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
+    key_channel=True,
+)
+
+
+# The 8-bit TMA decode with the MMA roles swapped (kernels_src/decode_q8_swap.cuh): blocks of at
+# most 8 query rows (a GQA group of 4 or 8 at q_len 1) take the keys on the MMAs' M side and the
+# rows on N = 8, where attn_decode_tma's m16 row tile left half or more of its MMAs, accumulator
+# and softmax as padding. Its producer warp, ring and rows are attn_decode_tma's.
+ATTN_DECODE_SWAP = Family(
+    name="attn_decode_swap", label="the TMA-fed 8-bit decode on 8-row blocks", header="attention_decode.cuh",
+    params=DECODE_PARAMS, tables={"kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
