@@ -32,7 +32,10 @@ struct AttnDecodeTraits {
   static constexpr int kBlockN = KEYS_PER_WARP_ * WARPS_;
   static constexpr int kStages = STAGES_;
   static constexpr int kStride = HEAD_DIM_ + 8;     // 16-byte row padding: conflict-free ldmatrix
-  static constexpr int kAccStride = HEAD_DIM_ + 8;  // fp32 rows of the warp merge (2-way at worst)
+  // fp32 rows of the warp merge (2-way at worst). Swapped roles store float2 pairs of rows 2t + j at
+  // columns 16 g + ..: a stride of d + 2 spreads the pairs of a half warp over 8 bank pairs (2-way);
+  // d + 8 put them on 2 (8-way).
+  static constexpr int kAccStride = SWAP_ ? HEAD_DIM_ + 2 : HEAD_DIM_ + 8;
   static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
   // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
   // swizzled rows) and their fp32 scales; per-channel keys add per stage each 16-key segment's page

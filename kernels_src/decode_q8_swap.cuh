@@ -326,10 +326,11 @@ __device__ __forceinline__ void q8s_epilogue(const DecodeParams& p, const float 
     }
   }
 #pragma unroll
-  for (int dm = 0; dm < DM; ++dm)
+  for (int dm = 0; dm < DM; ++dm)  // rows g and g + 8 of an O^T tile: adjacent channels (swap_col)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      sAcc[(warp * ROWS + 2 * t + (e & 1)) * AS + swap_col<Tr>(dm, g, e >> 1)] = acc[dm][e] * vref;
+    for (int j = 0; j < 2; ++j)
+      *reinterpret_cast<float2*>(sAcc + (warp * ROWS + 2 * t + j) * AS + swap_col<Tr>(dm, g, 0)) =
+          make_float2(acc[dm][j] * vref, acc[dm][j + 2] * vref);
   decode_merge<Tr>(p, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }
 

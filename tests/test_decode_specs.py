@@ -245,7 +245,7 @@ def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
     assert (st.block_m, st.block_n, st.stages, st.warps) == (8, tma.tiles.block_n, tma.tiles.stages, t.warps)
     consumers, stages = st.warps - 1, st.stages
     ring = 8 * (d + 8) * 2 + 1024 + stages * st.block_n * 2 * (d + 4) + kc * stages * st.block_n // 16 * (16 + d * 2 + 128)
-    assert spec.shared_bytes == max(ring, consumers * 8 * (d + 10) * 4) == _cuh_smem(
+    assert spec.shared_bytes == max(ring, consumers * 8 * (d + 4) * 4) == _cuh_smem(
         d, st.block_n // consumers, consumers, 1, stages, num + 2 * kc, 1, 1)
     assert st.min_blocks == max(1, min(t.min_blocks, (228 << 10) // (spec.shared_bytes + 1024)))
     assert spec.template_id.endswith(f"1, {stages}, {num + 2 * kc}, 1, 1>, false, false>")

@@ -181,7 +181,8 @@ def _smem_bytes(spec, t) -> int:
         ring = t.block_m * (d + 8) * 2 + 1024 * t.ws + t.stages * t.block_n * 2 * (d + 4)
     if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
         ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
-    return max(ring, (t.warps - t.ws) * t.block_m * (d + 10) * 4)
+    acc_stride = d + (2 if spec.family == "attn_decode_swap" else 8)  # AttnDecodeTraits::kAccStride
+    return max(ring, (t.warps - t.ws) * t.block_m * (acc_stride + 2) * 4)
 
 
 def _check(spec) -> None:
