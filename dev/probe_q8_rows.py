@@ -41,8 +41,8 @@ def main() -> int:
     ap.add_argument("--token", default="", help="per-token rows KWxWxSxB (keys per warp, warps, stages, blocks/SM)")
     args = ap.parse_args()
     bench = harness.Bench(torch)
-    fam = args.family
-    base = tile_table(fam, "sm_90a", "kv8")
+    fam, table = args.family, "dense" if args.kind == "bf16" else "kv8"
+    base = tile_table(fam, "sm_90a", table)
     for point in args.points.split(","):
         B, L = (int(x) for x in point.split("x"))
         q = pyattn.asarray(torch.randn(B, 1, bq.HQ, bq.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
@@ -59,7 +59,7 @@ def main() -> int:
         for row in filter(None, args.token.split(",")):
             kpw, w, st, mb = (int(x) for x in row.split("x"))
             rows = (base[0]._replace(keys_per_warp=kpw, warps=w, stages=st, min_blocks=mb),) + base[1:]
-            with override_tiles(fam, "sm_90a", rows, table="kv8"):
+            with override_tiles(fam, "sm_90a", rows, table=table):
                 t = us(lambda: pyattn.decode(q, *token, stream=bench.stream))
                 cells.append(f"token {row}: {t:.1f}")
         del token

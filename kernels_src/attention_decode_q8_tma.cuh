@@ -91,7 +91,7 @@ template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles;
-  constexpr int S = Tr::kStages, W = Tr::kWarps, NT = KW / 8, H = D / 128, SEGB = SegRec<D>::kBytes;
+  constexpr int S = Tr::kStages, W = Tr::kWarps, NT = KW / 8, SEGB = SegRec<D>::kBytes;
   constexpr bool kMods = SOFTCAP || ALIBI, KC = Tr::kKeyChannel;
   // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
   // most 256 rows (a TMA box dimension's limit); 128-column boxes.
@@ -143,11 +143,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   float row_max[MT][2], row_sum[MT][2];
   init_softmax_state<MT, D / 8>(acc, row_max, row_sum);
   const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
-  if (KC && p.head_dim < D) {  // r past head_dim in every record: zeros (the copies bring head_dim entries)
-    for (int rec = warp; rec < S * (KB / 16); rec += W)
-      for (int i = 16 + 2 * p.head_dim + 2 * lane; i < SegRec<D>::kKept; i += 64)
-        *reinterpret_cast<__half*>(sSeg + rec * SEGB + i) = __ushort_as_half(0);
-  }
+  if constexpr (KC) q8_zero_r_tails<Tr>(sSeg, p.head_dim);
   cp_async_wait<0>();
   decode_sync<Tr>();  // Q landed for every consumer warp
   unsigned qf[MT][D / 16][4];
@@ -175,15 +171,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     const unsigned char* tK = sK + st * KB * D;
     unsigned char* tV = sV + st * KB * D;
-    const int valid = blk.end - n0;  // this warp's rows from `valid` on hold no key of the range
-    if (valid < KW) {  // the warp's 16-byte chunks of those V rows, a lane each in turn
-      const int r0 = max(valid, 0);
-      for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-        reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] =
-            make_uint4(0, 0, 0, 0);
-      tma::fence_shared();  // these generic writes before the stage's next TMA writes
-      __syncwarp();
-    }
+    q8_zero_v_tail<Tr>(tV, wrow, blk.end - n0);  // this warp's rows past the range's keys
     float s[MT][NT][4];
     if constexpr (KC) {
       q8_scores_channel<Tr, true>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows, sQh, qs,

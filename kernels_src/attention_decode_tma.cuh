@@ -23,6 +23,7 @@
 #include "mbarrier.cuh"
 #include "tma.cuh"
 #include "pdl.cuh"
+#include "decode_swap.cuh"
 
 namespace pyattn {
 
@@ -98,6 +99,122 @@ __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename 
   });
 }
 
+// Zero this warp's V rows of a stage from `valid` on (tV: its first row; keys past the block's range
+// or the sequence: stale pool memory, and 0 x NaN is NaN in P V), a lane a 16-byte chunk in turn,
+// fenced before the stage's next TMA writes.
+template <class Tr>
+__device__ __forceinline__ void decode16_zero_v_tail(typename Tr::T* tV, int valid) {
+  constexpr int KW = Tr::kKeysPerWarp, KB = Tr::kBlockN, H = Tr::kHeadDim / 64;
+  if (valid >= KW) return;
+  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
+  for (int i = lane; i < (KW - r0) * H * 8; i += 32)
+    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 64 + (r0 + i / (8 * H)) * 64)[i % 8] = make_uint4(0, 0, 0, 0);
+  tma::fence_shared();
+  __syncwarp();
+}
+
+// Swapped roles (Traits::kSwap, decode_swap.cuh), one ring stage of one warp: S^T = K Q^T over its
+// KW keys (tK, tV: its first key row in the stage's swizzled boxes; n0: that key), the masks and
+// modifiers, the softmax and O^T += V^T P^T. K's A fragments are the rows-on-M kernel's ldmatrix
+// loads of K with the two middle matrices swapped; V^T's are ldmatrix.trans of V in the order that
+// kernel reads K.
+template <class Tr, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void decode16s_stage(const unsigned (&qb)[Tr::kHeadDim / 16][2], const typename Tr::T* tK,
+                                                const typename Tr::T* tV, int n0, const DecodeParams& p,
+                                                const DecodeCols<ALIBI>& cols, const DecodeBlock<Tr>& blk, float sl2,
+                                                float (&acc)[Tr::kHeadDim / 16][4], float (&cmax)[2],
+                                                float (&csum)[2]) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KW = Tr::kKeysPerWarp, MK = KW / 16, DM = D / 16;
+  constexpr int KG = DM % 4 == 0 ? 4 : 2, VG = DM % 8 == 0 ? 8 : DM % 4 == 0 ? 4 : 2;  // loads a batch
+  constexpr bool kMods = SOFTCAP || ALIBI;
+  const int lane = threadIdx.x % 32, g = lane / 4;
+  // Element (row r, column c) of the stage's [D / 64][BLOCK_N][64] 128-byte-swizzled boxes; c a
+  // multiple of 8. Lanes 8i .. 8i + 7 address matrix i: rows (lane & 7) + 8 (lane >> 4), column
+  // c0 + 8 ((lane >> 3) & 1).
+  const auto at = [&](const T* base, int r0, int c0) {
+    const int r = r0 + (lane & 7) + ((lane >> 4) << 3), c = c0 + ((lane >> 3) & 1) * 8;
+    return base + (c >> 6) * (Tr::kBlockN * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+  };
+  float s[MK][4];
+#pragma unroll
+  for (int mk = 0; mk < MK; ++mk) {
+    s[mk][0] = s[mk][1] = s[mk][2] = s[mk][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < DM; k0 += KG) {
+      unsigned ka[KG][4];
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) ldmatrix_x4(ka[kk], at(tK, mk * 16, (k0 + kk) * 16));
+#pragma unroll
+      for (int kk = 0; kk < KG; ++kk) {
+        const unsigned a[4] = {ka[kk][0], ka[kk][2], ka[kk][1], ka[kk][3]};
+        mma_16816<T>(s[mk], a, qb[k0 + kk][0], qb[k0 + kk][1]);
+      }
+    }
+  }
+  if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
+    cols.template mask<MK, SOFTCAP>(s, p, blk.band, n0 + g);
+  swap_online_softmax<MK, DM>(s, acc, cmax, csum, sl2);
+#pragma unroll
+  for (int mk = 0; mk < MK; ++mk) {
+    const unsigned b0 = movmatrix_trans(pack2<T>(s[mk][0], s[mk][1]));  // keys 2t, 2t + 1 x row g
+    const unsigned b1 = movmatrix_trans(pack2<T>(s[mk][2], s[mk][3]));  // keys 2t + 8, 2t + 9
+#pragma unroll
+    for (int d0 = 0; d0 < DM; d0 += VG) {
+      unsigned va[VG][4];
+#pragma unroll
+      for (int dp = 0; dp < VG; ++dp) ldmatrix_x4_trans(va[dp], at(tV, mk * 16, (d0 + dp) * 16));
+#pragma unroll
+      for (int dp = 0; dp < VG; ++dp) mma_16816<T>(acc[d0 + dp], va[dp], b0, b1);
+    }
+  }
+}
+
+// The consumer warps of attn_decode16_tma with swapped roles: from Q's load to the stored rows.
+template <class Tr, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const DecodeBlock<Tr>& blk,
+                                                  unsigned char* smem_raw, const typename Tr::T* sK,
+                                                  typename Tr::T* sV, unsigned full0, unsigned empty0) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, S = Tr::kStages, H = D / 64;
+  constexpr bool kMods = SOFTCAP || ALIBI;
+  static_assert(Tr::kRows == 8 && Tr::kMTiles == 1, "swapped roles: one n8 tile of rows");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [8][kStride]
+  load_q<Tr>(sQ, p, blk);
+  cp_async_commit();
+  const DecodeCols<ALIBI> cols(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
+  float acc[D / 16][4];
+#pragma unroll
+  for (int dm = 0; dm < D / 16; ++dm) acc[dm][0] = acc[dm][1] = acc[dm][2] = acc[dm][3] = 0.f;
+  float cmax[2] = {-inf(), -inf()}, csum[2] = {0.f, 0.f};
+  const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  cp_async_wait<0>();
+  decode_sync<Tr>();  // Q landed for every consumer warp
+  unsigned qb[D / 16][2];  // Q^T's B fragments: row g, columns 16 kk + 2t.. and + 8
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x2(qb[kk], sQ + (lane & 7) * Tr::kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int st = j % S, n0 = blk.n_first + j * KB + warp * KW;  // this warp's first key
+    pipe::wait(full0 + 8 * st, (j / S) & 1);
+    const T* tK = sK + st * H * KB * 64 + warp * KW * 64;
+    T* tV = sV + st * H * KB * 64 + warp * KW * 64;
+    decode16_zero_v_tail<Tr>(tV, blk.end - n0);
+    decode16s_stage<Tr, SOFTCAP, ALIBI>(qb, tK, tV, n0, p, cols, blk, sl2, acc, cmax, csum);
+    __syncwarp();
+    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+  }
+  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
+  // O^T element (tile dm, e): channel 16 dm + g + 8 (e >> 1), row 2t + (e & 1)
+  swap_epilogue<Tr>(p, cmax, csum, sl2, smem_raw, blk, [&](float* row0, float* row1) {
+#pragma unroll
+    for (int dm = 0; dm < D / 16; ++dm) {
+      row0[16 * dm + g] = acc[dm][0], row1[16 * dm + g] = acc[dm][1];
+      row0[16 * dm + g + 8] = acc[dm][2], row1[16 * dm + g + 8] = acc[dm][3];
+    }
+  });
+}
+
 template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   using T = typename Tr::T;
@@ -138,6 +255,10 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     decode_produce_tma<Tr>(sK, sV, p, blk, full0, empty0);
     return;
   }
+  if constexpr (Tr::kSwap) {  // blocks of 8 rows: keys on the MMAs' M side (decode_swap.cuh)
+    decode16s_consume<Tr, SOFTCAP, ALIBI>(p, blk, smem_raw, sK, sV, full0, empty0);
+    return;
+  }
 
   load_q<Tr>(sQ, p, blk);
   cp_async_commit();
@@ -156,14 +277,7 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     T* tK = sK + st * H * KB * 64 + warp * KW * 64;
     T* tV = sV + st * H * KB * 64 + warp * KW * 64;
-    const int valid = blk.end - n0;  // this warp's rows from `valid` on hold no key of the range
-    if (valid < KW) {  // the warp's 16-byte chunks of those rows, a lane each in turn
-      const int r0 = max(valid, 0);
-      for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-        reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 64 + (r0 + i / (8 * H)) * 64)[i % 8] = make_uint4(0, 0, 0, 0);
-      tma::fence_shared();  // these generic writes before the stage's next TMA writes
-      __syncwarp();
-    }
+    decode16_zero_v_tail<Tr>(tV, blk.end - n0);  // this warp's rows past the range's keys
     decode16_stage<Tr, SOFTCAP, ALIBI, kQRegs, true>(sQ, qf, tK, tV, n0, p, rows, blk.band, blk.qi_lo, blk.qi_hi,
                                                      blk.kv_len, sl2, acc, row_max, row_sum);
     __syncwarp();

@@ -25,17 +25,19 @@ struct AttnDecodeTraits {
   static constexpr int kWarps = WARPS_;
   static constexpr int kThreads = 32 * WARPS_;
   static constexpr int kMTiles = M_TILES_;
-  // 1: the 8-bit TMA kernel's consumers with the MMA roles swapped (decode_q8_swap.cuh): blocks
-  // of 8 query rows on the MMAs' N side.
+  // 1: the TMA kernels' consumers with the MMA roles swapped (decode_swap.cuh): blocks of 8 query
+  // rows on the MMAs' N side.
   static constexpr int kSwap = SWAP_;
   static constexpr int kRows = SWAP_ ? 8 : 16 * M_TILES_;
   static constexpr int kBlockN = KEYS_PER_WARP_ * WARPS_;
   static constexpr int kStages = STAGES_;
   static constexpr int kStride = HEAD_DIM_ + 8;     // 16-byte row padding: conflict-free ldmatrix
-  // fp32 rows of the warp merge (2-way at worst). Swapped roles store float2 pairs of rows 2t + j at
-  // columns 16 g + ..: a stride of d + 2 spreads the pairs of a half warp over 8 bank pairs (2-way);
-  // d + 8 put them on 2 (8-way).
-  static constexpr int kAccStride = SWAP_ ? HEAD_DIM_ + 2 : HEAD_DIM_ + 8;
+  // fp32 rows of the warp merge (2-way at worst). Swapped roles store rows 2t + j: the 8-bit
+  // kernel float2 pairs at columns 16 g + .., which a stride of d + 2 spreads over 8 bank pairs of a
+  // half warp (2-way; d + 8: 8-way), the 16-bit one scalars at columns g + .., which d + 4 puts on
+  // 32 banks (d + 8: 2-way).
+  static constexpr int kSwapPad = KV_ ? 2 : 4;
+  static constexpr int kAccStride = SWAP_ ? HEAD_DIM_ + kSwapPad : HEAD_DIM_ + 8;
   static constexpr int kChunksPerRow = HEAD_DIM_ / 8;
   // 16-bit: Q and the K/V ring, rows padded. 8-bit: Q, then per stage K and V codes (unpadded,
   // swizzled rows) and their fp32 scales; per-channel keys add per stage each 16-key segment's page
@@ -59,7 +61,7 @@ struct AttnDecodeTraits {
   static_assert(PRODUCER_ == 0 || KV_ == 0 || HEAD_DIM_ % 128 == 0,
                 "the producer warp fills 16-bit rings, or 8-bit ones in 128-column boxes");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
-  static_assert(SWAP_ == 0 || (KV_ != 0 && PRODUCER_ && M_TILES_ == 1), "swapped roles: the 8-bit TMA kernel, 8 rows");
+  static_assert(SWAP_ == 0 || (PRODUCER_ && M_TILES_ == 1), "swapped roles: the TMA kernels, 8 rows");
   // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
   static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;
 
@@ -312,9 +314,9 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
 }
 
 // The second phase of decode_epilogue (and of the swapped-role 8-bit decode's, decode_q8_swap.cuh),
-// from the warps' states in shared memory ([W][ROWS][kAccStride]
-// unnormalised O, then [W][ROWS] maxima in log2 units and [W][ROWS] row sums): the merge, the
-// stores of the rows (output or split partial) and their LSE, and the fused split combine.
+// from the warps' states in shared memory ([W][ROWS][kAccStride] unnormalised O, then [W][ROWS]
+// maxima in log2 units and [W][ROWS] row sums): the merge, the stores of the rows (output or
+// split partial) and their LSE, and the fused split combine.
 template <class Tr>
 __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned char* smem_raw, int split, int kv_head,
                                              int b, int r0, int n_rows) {

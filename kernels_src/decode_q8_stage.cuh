@@ -5,6 +5,7 @@
 // the two differ in the ring's layout only (the TMA template argument below).
 // Requires decode_common.cuh, q8_codes.cuh, common.cuh and mma.cuh.
 #pragma once
+#include "tma.cuh"
 
 namespace pyattn {
 
@@ -287,6 +288,63 @@ __device__ __forceinline__ void q8_scores_channel(const unsigned char* tK, const
   }
 }
 
+// NG codes (Traits::kVGroup) of each of a 16-key step's 4 V rows of this lane, keys r0 + 2t, + 1,
+// + 8, + 9, at logical byte vg NG 8 + NG g of the row: the lane owns NG head-dim columns of them.
+template <class Tr, bool TMA>
+__device__ __forceinline__ void q8_v_rows(const unsigned char* tV, int r0, int vg, unsigned (&vw)[4][Tr::kVGroup / 4]) {
+  constexpr int NG = Tr::kVGroup;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int rk = r0 + 2 * t, rr[4] = {rk, rk + 1, rk + 8, rk + 9};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int byte = vg * NG * 8 + NG * g;  // logical byte in the row
+    const unsigned char* src = tV + q8_chunk_at<Tr, TMA>(rr[i], byte >> 4) + (byte & 15);
+    if constexpr (NG == 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(src);
+      vw[i][0] = x.x, vw[i][1] = x.y, vw[i][2] = x.z, vw[i][3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(src);
+      vw[i][0] = x.x, vw[i][1] = x.y;
+    }
+  }
+}
+
+// Word w4 of those rows interleaved byte by byte: lo[c] holds channel c's codes of keys (2t, 2t+1)
+// as an fp16 pair, hi[c] those of (2t+8, 2t+9).
+template <int KV, int N>
+__device__ __forceinline__ void q8_v_pairs(const unsigned (&vw)[4][N], int w4, unsigned (&lo)[4], unsigned (&hi)[4]) {
+  codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x5140), lo[0], lo[1]);
+  codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), lo[2], lo[3]);
+  codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), hi[0], hi[1]);
+  codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), hi[2], hi[3]);
+}
+
+// TMA ring: zero this warp's V code rows of a stage from `valid` on (keys past the block's range or
+// the sequence: stale pool memory, and 0 x a NaN code is NaN in P V), a lane a 16-byte chunk in turn,
+// fenced before the stage's next TMA writes.
+template <class Tr>
+__device__ __forceinline__ void q8_zero_v_tail(unsigned char* tV, int wrow, int valid) {
+  constexpr int KW = Tr::kKeysPerWarp, KB = Tr::kBlockN, H = Tr::kHeadDim / 128;
+  if (valid >= KW) return;
+  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
+  for (int i = lane; i < (KW - r0) * H * 8; i += 32)
+    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] = make_uint4(0, 0, 0, 0);
+  tma::fence_shared();
+  __syncwarp();
+}
+
+// Per-channel keys, TMA ring: r past head_dim in every stage's segment records set to zeros (the
+// record copies bring head_dim entries), the consumer warps' share each.
+template <class Tr>
+__device__ __forceinline__ void q8_zero_r_tails(unsigned char* sSeg, int head_dim) {
+  constexpr int D = Tr::kHeadDim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (head_dim >= D) return;
+  for (int rec = warp; rec < Tr::kStages * (Tr::kBlockN / 16); rec += Tr::kWarps)
+    for (int i = 16 + 2 * head_dim + 2 * lane; i < SegRec<D>::kKept; i += 64)
+      *reinterpret_cast<__half*>(sSeg + rec * SegRec<D>::kBytes + i) = __ushort_as_half(0);
+}
+
 // The online softmax of the stage's (masked) scores, then O += P V over the warp's keys. P is
 // multiplied by each key's V scale over vref, a per-warp running power of two (so that P * scale
 // / vref stays in [0, 1], fp16's range); O is kept in units of vref and rescaled when vref grows,
@@ -300,7 +358,7 @@ __device__ __forceinline__ void q8_softmax_pv(float (&s)[Tr::kMTiles][Tr::kKeysP
                                               float sl2) {
   constexpr int D = Tr::kHeadDim, KW = Tr::kKeysPerWarp, MT = Tr::kMTiles, NT = KW / 8, DT = D / 8;
   constexpr int NG = Tr::kVGroup, KV = Tr::kCode;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int t = threadIdx.x % 4;
   online_softmax<MT, NT, DT, true>(s, acc, row_max, row_sum, sl2);
   // -- P *= V scale / vref (after the row sums, which must not see it)
   float2 vsc[NT];
@@ -337,31 +395,14 @@ __device__ __forceinline__ void q8_softmax_pv(float (&s)[Tr::kMTiles][Tr::kKeysP
   for (int kk = 0; kk < KW / 16; ++kk) {
     unsigned a[MT][4];
     p_fragments<__half, MT, NT>(s, kk, a);
-    const int rk = wrow + kk * 16 + 2 * t;
-    const int rr[4] = {rk, rk + 1, rk + 8, rk + 9};
 #pragma unroll
     for (int vg = 0; vg < D / (8 * NG); ++vg) {
-      unsigned vw[4][NG / 4];  // NG codes of each of the 4 rows
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int byte = vg * NG * 8 + NG * g;  // logical byte in the row
-        const unsigned char* src = tV + q8_chunk_at<Tr, TMA>(rr[i], byte >> 4) + (byte & 15);
-        if constexpr (NG == 16) {
-          const uint4 x = *reinterpret_cast<const uint4*>(src);
-          vw[i][0] = x.x, vw[i][1] = x.y, vw[i][2] = x.z, vw[i][3] = x.w;
-        } else {
-          const uint2 x = *reinterpret_cast<const uint2*>(src);
-          vw[i][0] = x.x, vw[i][1] = x.y;
-        }
-      }
+      unsigned vw[4][NG / 4];
+      q8_v_rows<Tr, TMA>(tV, wrow + kk * 16, vg, vw);
 #pragma unroll
       for (int w4 = 0; w4 < NG / 4; ++w4) {
-        // Interleave rows (2t, 2t+1) and (2t+8, 2t+9) byte by byte: one code pair per B register.
-        unsigned b0[4], b1[4];
-        codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x5140), b0[0], b0[1]);
-        codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), b0[2], b0[3]);
-        codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), b1[0], b1[1]);
-        codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), b1[2], b1[3]);
+        unsigned b0[4], b1[4];  // one code pair per B register
+        q8_v_pairs<KV>(vw, w4, b0, b1);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int dt = vg * NG + w4 * 4 + e;

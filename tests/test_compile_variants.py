@@ -62,9 +62,9 @@ def built(session_cache_dir):
 
 def test_build_many_returns_one_result_per_spec_in_order(built):
     specs = _all_specs()
-    # 156 attention variants (sm_90a: 28) + 8 paged-cache kernels per arch (+ 6 TMA decode on sm_90a),
-    # + on sm_90a the fp8 attention variants (d = 128, 256) and their V^T pass
-    assert len(specs) == 205
+    # 156 attention variants (sm_90a: 28) + 8 paged-cache kernels per arch (+ 6 TMA decode and 6 of its
+    # swapped-role blocks on sm_90a), + on sm_90a the fp8 attention variants (d = 128, 256) and their V^T pass
+    assert len(specs) == 211
     assert [s for s, *_ in built] == specs
 
 
@@ -108,8 +108,11 @@ def _modifier_specs(arch):
     specs = [KernelSpec(fam, dt, d, arch, mask=kinds[(i + j) % 4], softcap=True, alibi=True)
              for i, (fam, dt) in enumerate(pairs) for j, d in enumerate((32, 256))]
     # decode takes no mask tensor; two row tiles at d=32 (its largest q_tiles), one at d=256
-    return specs + [KernelSpec("attn_decode", "bf16", d, arch, softcap=True, alibi=True, q_tiles=mt)
-                    for d, mt in ((32, 2), (256, 1))]
+    specs += [KernelSpec("attn_decode", "bf16", d, arch, softcap=True, alibi=True, q_tiles=mt)
+              for d, mt in ((32, 2), (256, 1))]
+    if arch in WGMMA_ARCHS:  # the TMA decode's swapped-role blocks (up to 8 rows), 16-bit caches
+        specs += [KernelSpec("attn_decode_swap", "f16", d, arch, softcap=True, alibi=True, q_tiles=1) for d in (64, 256)]
+    return specs
 
 
 def test_tma_variants_with_modifiers_compile(session_cache_dir, monkeypatch):

@@ -220,38 +220,40 @@ def test_tma_decode_launch_bounds_follow_the_variants_own_ring(kv, d):
 @pytest.mark.parametrize("key_channel", [False, True])
 def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
     """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies);
-    over 8-bit caches up to 8 rows take the swapped-role blocks, 9 and more the m16 row tiles."""
+    up to 8 rows take the TMA kernel's swapped-role blocks, 9 and more its m16 row tiles."""
     from pyattn.ops._decode import _spec
     kc = key_channel and bool(kv)
     assert tma_decode_serves(arch, d, page, kv) is tma
     for rows in (1, 4, 8, 9, 16):
         spec = _spec("bfloat16", d, arch, False, rows, False, False, kv, 0, kc, page)
-        family = ("attn_decode_swap" if kv and rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
+        family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
         assert spec.family == family, rows
         assert spec.tiles.block_m == (8 if family == "attn_decode_swap" else 16), rows
 
 
-@pytest.mark.parametrize("kv, num", [("int8", 1), ("fp8e4m3", 2)])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("kv, num", [("", 0), ("int8", 1), ("fp8e4m3", 2)])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kc", [False, True])
 def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
-    """attn_decode_swap: attn_decode_tma's 8-bit ring and rows at blocks of 8 query rows (Q and the
-    warp merge sized for 8), the traits' SWAP_ set; its shared memory is the traits' formula's and
-    its launch bounds ask for the blocks that fit; 16-bit caches are refused."""
+    """attn_decode_swap: attn_decode_tma's ring and rows (16- or 8-bit) at blocks of 8 query rows
+    (Q and the warp merge sized for 8, the merge's rows at d + 4 / d + 2), the traits' SWAP_ set;
+    its shared memory is the traits' formula's and its launch bounds ask for the blocks that fit."""
+    if (kc and not kv) or (kv and d == 64):  # per-channel keys are 8-bit; 8-bit boxes are 128 columns
+        return
     t = tile_config("attn_decode_swap", "sm_90a", d, kv)
     tma = KernelSpec("attn_decode_tma", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=kc)
     spec = KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=kc)
     st = spec.tiles
     assert (st.block_m, st.block_n, st.stages, st.warps) == (8, tma.tiles.block_n, tma.tiles.stages, t.warps)
     consumers, stages = st.warps - 1, st.stages
-    ring = 8 * (d + 8) * 2 + 1024 + stages * st.block_n * 2 * (d + 4) + kc * stages * st.block_n // 16 * (16 + d * 2 + 128)
-    assert spec.shared_bytes == max(ring, consumers * 8 * (d + 4) * 4) == _cuh_smem(
-        d, st.block_n // consumers, consumers, 1, stages, num + 2 * kc, 1, 1)
+    ring = 8 * (d + 8) * 2 + 1024 + (stages * st.block_n * 2 * (d + 4) if kv else 2 * stages * st.block_n * d * 2)
+    ring += kc * stages * st.block_n // 16 * (16 + d * 2 + 128)
+    merge = consumers * 8 * (d + (4 if kv else 6)) * 4
+    assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, st.block_n // consumers, consumers, 1, stages,
+                                                              num + 2 * kc, 1, 1)
     assert st.min_blocks == max(1, min(t.min_blocks, (228 << 10) // (spec.shared_bytes + 1024)))
     assert spec.template_id.endswith(f"1, {stages}, {num + 2 * kc}, 1, 1>, false, false>")
     assert spec.entry_name != tma.entry_name
-    with pytest.raises(ValueError, match="attn_decode_swap: 8-bit caches only"):
-        KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=1)
     with pytest.raises(ValueError, match="q_tiles"):
         KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=2, kv=kv)
 
@@ -274,15 +276,17 @@ def test_append_templates():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_specs_list(arch):
-    """Both decode kernels of sm_90a are warmed (pages of 16 and more take the TMA one)."""
+    """Both decode kernels of sm_90a are warmed (pages of 16 and more take the TMA one, up to 8 rows
+    its swapped-role blocks)."""
     specs = decode_specs(arch)
     tma = 6 if arch in WGMMA_ARCHS else 0
-    assert len(specs) == 8 + tma and len(set(specs)) == 8 + tma
+    assert len(specs) == 8 + 2 * tma and len(set(specs)) == 8 + 2 * tma
     fams = [s.family for s in specs]
-    assert (fams.count("attn_decode"), fams.count("attn_decode_tma"), fams.count("kv_append")) == (6, tma, 2)
+    assert (fams.count("attn_decode"), fams.count("attn_decode_tma"), fams.count("attn_decode_swap"),
+            fams.count("kv_append")) == (6, tma, tma, 2)
     assert all(s.arch == arch and s.q_tiles == (s.family != "kv_append") for s in specs)
     both = decode_specs(arch, q_tiles=(1, 2))
-    assert len(both) == 12 + (10 if tma else 0)  # q_tiles 2 only where it fits: d=64 and d=128
+    assert len(both) == 12 + (16 if tma else 0)  # q_tiles 2 only where it fits: d=64 and d=128
 
 
 CODES = {"ptr": "Q", "mut_ptr": "Q", "f32_ptr": "Q", "f32_cptr": "Q", "i32_cptr": "Q", "i32_ptr": "Q", "u64_cptr": "Q",

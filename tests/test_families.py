@@ -92,6 +92,7 @@ def _some_specs():
                 yield KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=1, alibi=d == 128)
                 if d in (128, 256):
                     yield KernelSpec("attn_decode_swap", "bf16", d, arch, q_tiles=1, kv="int8", softcap=d == 256)
+                yield KernelSpec("attn_decode_swap", "f16", d, arch, q_tiles=1, alibi=d == 64)
                 if d <= 128:
                     yield KernelSpec("attn_bwd_wgmma", "bf16", d, arch, alibi=d == 64)
             yield KernelSpec("attn_prefill_mma", "f16", d, arch, alibi=d == 64)

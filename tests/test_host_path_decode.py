@@ -23,7 +23,7 @@ from _host_path_helpers import _da, _repeat_calls
 
 def test_decode_repeat_calls(gpu, cache, full_decode):
     """A steady decode loop: one context check and one launch (two splits, their combine fused in),
-    attn_decode_tma's as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx
+    the TMA decode's as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx
     with programmatic stream serialization: kernels_src/pdl.cuh); the partials share the output's
     block; q's new address is read."""
     c, ids = cache
@@ -31,7 +31,8 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     fake_driver.PDL_LAUNCHES.clear()
     assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
-    assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_tma") for n in fake_driver.PDL_LAUNCHES)
+    # a GQA group of 4 at q_len 1: the TMA decode's swapped-role blocks (attn_decode_swap)
+    assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_swap") for n in fake_driver.PDL_LAUNCHES)
     (attr,) = list(launch._tls.buf.config.attrs)[: launch._tls.buf.config.numAttrs]  # this thread's launch config
     assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert attr.value.programmaticStreamSerializationAllowed == 1

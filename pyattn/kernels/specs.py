@@ -182,7 +182,8 @@ _WARM_DECODE_DIMS = (64, 128, 256)
 
 def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool = False) -> list:
     """The paged-cache kernels without modifiers: decode (its split combine fused in; on sm_90a
-    both the cp.async and the TMA kernel, which pages of 16 slots and more take) and append."""
+    both the cp.async and the TMA kernel, which pages of 16 slots and more take, with its
+    swapped-role blocks for up to 8 rows) and append."""
     from .families.decode import decode_row, tma_decode_serves
     specs = []
     for tag in ("f16", "bf16"):
@@ -192,6 +193,8 @@ def decode_specs(arch: str, head_dims=_WARM_DECODE_DIMS, q_tiles=(1,), ptx: bool
             if tma_decode_serves(arch, d, 16):
                 specs += [KernelSpec("attn_decode_tma", tag, d, arch, ptx, q_tiles=mt)
                           for mt in q_tiles if mt <= decode_row(arch, d, tma=True).max_q_tiles]
+                if 1 in q_tiles:  # GQA groups of 4 / 8 at q_len 1
+                    specs.append(KernelSpec("attn_decode_swap", tag, d, arch, ptx, q_tiles=1))
         specs.append(KernelSpec("kv_append", tag, HEAD_DIM_BUCKETS[0], arch, ptx))
     return specs
 

@@ -48,9 +48,9 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
     tma = tma_decode_serves(arch, bucket, page_size, kv)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
-    # Up to 8 rows over an 8-bit cache: the keys on the MMAs' M side (attn_decode_swap), not an m16
-    # row tile that is half padding or more.
-    family = ("attn_decode_swap" if kv and rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
+    # Up to 8 rows: the keys on the MMAs' M side (attn_decode_swap), not an m16 row tile that is half
+    # padding or more.
+    family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
     return KernelSpec(family, tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
                       key_channel=key_channel)
 
@@ -133,7 +133,7 @@ def _build(P, device) -> DecodePlan:
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * blocks_per_sm(spec, kernel),
-                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
+                      device.sm_count if t.ws and not kv else 0,  # the 16-bit TMA decode's long splits
                       layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
                       min(pool.page_size, t.block_n) if t.ws else 0)  # the TMA kernels' producer warp

@@ -181,13 +181,11 @@ def _smem_bytes(spec, t) -> int:
         ring = t.block_m * (d + 8) * 2 + 1024 * t.ws + t.stages * t.block_n * 2 * (d + 4)
     if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
         ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
-    acc_stride = d + (2 if spec.family == "attn_decode_swap" else 8)  # AttnDecodeTraits::kAccStride
+    acc_stride = d + ((2 if spec.kv else 4) if spec.family == "attn_decode_swap" else 8)  # Traits' kAccStride
     return max(ring, (t.warps - t.ws) * t.block_m * (acc_stride + 2) * 4)
 
 
 def _check(spec) -> None:
-    if spec.family == "attn_decode_swap" and not spec.kv:
-        raise ValueError(f"attn_decode_swap: 8-bit caches only, got kv={spec.kv!r}")
     if spec.family != "attn_decode" and spec.head_dim % (128 if spec.kv else 64):
         raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
                          f"at buckets of 128 columns, got kv={spec.kv!r}, head_dim {spec.head_dim}")
@@ -223,13 +221,14 @@ ATTN_DECODE_TMA = Family(
 )
 
 
-# The 8-bit TMA decode with the MMA roles swapped (kernels_src/decode_q8_swap.cuh): blocks of at
-# most 8 query rows (a GQA group of 4 or 8 at q_len 1) take the keys on the MMAs' M side and the
-# rows on N = 8, where attn_decode_tma's m16 row tile left half or more of its MMAs, accumulator
-# and softmax as padding. Its producer warp, ring and rows are attn_decode_tma's.
+# The TMA-fed decode with the MMA roles swapped (kernels_src/decode_swap.cuh): blocks of at most 8
+# query rows (a GQA group of 4 or 8 at q_len 1) take the keys on the MMAs' M side and the rows on
+# N = 8, where attn_decode_tma's m16 row tile left half or more of its MMAs, accumulator and
+# softmax as padding. Its producer warp, ring and rows are attn_decode_tma's, 16- and 8-bit.
 ATTN_DECODE_SWAP = Family(
-    name="attn_decode_swap", label="the TMA-fed 8-bit decode on 8-row blocks", header="attention_decode.cuh",
-    params=DECODE_PARAMS, tables={"kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
+    name="attn_decode_swap", label="the TMA-fed decode on 8-row blocks", header="attention_decode.cuh",
+    params=DECODE_PARAMS, tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS},
+                                  "kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
