@@ -133,7 +133,8 @@ def _build(P, device) -> DecodePlan:
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * blocks_per_sm(spec, kernel),
-                      device.sm_count if t.ws and not kv else 0,  # the 16-bit TMA decode's long splits
+                      # the 16-bit TMA decode's m16 rows; its swapped-role blocks fill the wave
+                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
                       layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
                       min(pool.page_size, t.block_n) if t.ws else 0)  # the TMA kernels' producer warp
@@ -279,7 +280,10 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
     B1 x 32k 42.8 against 44.8; B2 x 16k / 32k 8 splits 41.8 / 73.6 against 16 at 42.5 / 74.5;
     B4 x 16k / 32k even; B8 x 32k (2 splits) 267.4 against 262.6 at 4, hence the 4-split floor.
     The 8-bit kernels (their dequantization is the longer path) were best at the wave's count
-    (int8 B1 x 32k: 32 splits 33.8 us, 16 splits 35.2) and keep it.
+    (int8 B1 x 32k: 32 splits 33.8 us, 16 splits 35.2) and keep it, and so is the 16-bit kernel's
+    swapped-role variant (up to 8 rows: half the MMAs, 116 registers; BENCHMARKS.md, thirty-fourth
+    session): B1 x 32k 32 splits 41.1 us against 16 at 45.3, B1 x 16k 25.0 / 26.7, B2 x 32k 16
+    splits 72.4 against 8 at 77.6, B4 x 32k 8 splits 135.8 against 4 at 144.9.
 
     Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
     takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least
