@@ -177,18 +177,9 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
                                                   typename Tr::T* sV, unsigned full0, unsigned empty0) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, S = Tr::kStages, H = D / 64;
-  constexpr bool kMods = SOFTCAP || ALIBI;
-  static_assert(Tr::kRows == 8 && Tr::kMTiles == 1, "swapped roles: one n8 tile of rows");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [8][kStride]
-  load_q<Tr>(sQ, p, blk);
-  cp_async_commit();
-  const DecodeCols<ALIBI> cols(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
-  float acc[D / 16][4];
-#pragma unroll
-  for (int dm = 0; dm < D / 16; ++dm) acc[dm][0] = acc[dm][1] = acc[dm][2] = acc[dm][3] = 0.f;
-  float cmax[2] = {-inf(), -inf()}, csum[2] = {0.f, 0.f};
-  const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  SwapWarp<Tr, ALIBI> w(p, blk, sQ, SOFTCAP || ALIBI);
   cp_async_wait<0>();
   decode_sync<Tr>();  // Q landed for every consumer warp
   unsigned qb[D / 16][2];  // Q^T's B fragments: row g, columns 16 kk + 2t.. and + 8
@@ -200,17 +191,17 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
     const T* tK = sK + st * H * KB * 64 + warp * KW * 64;
     T* tV = sV + st * H * KB * 64 + warp * KW * 64;
     decode16_zero_v_tail<Tr>(tV, blk.end - n0);
-    decode16s_stage<Tr, SOFTCAP, ALIBI>(qb, tK, tV, n0, p, cols, blk, sl2, acc, cmax, csum);
+    decode16s_stage<Tr, SOFTCAP, ALIBI>(qb, tK, tV, n0, p, w.cols, blk, w.sl2, w.acc, w.cmax, w.csum);
     __syncwarp();
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
   pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   // O^T element (tile dm, e): channel 16 dm + g + 8 (e >> 1), row 2t + (e & 1)
-  swap_epilogue<Tr>(p, cmax, csum, sl2, smem_raw, blk, [&](float* row0, float* row1) {
+  swap_epilogue<Tr>(p, w.cmax, w.csum, w.sl2, smem_raw, blk, [&](float* row0, float* row1) {
 #pragma unroll
     for (int dm = 0; dm < D / 16; ++dm) {
-      row0[16 * dm + g] = acc[dm][0], row1[16 * dm + g] = acc[dm][1];
-      row0[16 * dm + g + 8] = acc[dm][2], row1[16 * dm + g + 8] = acc[dm][3];
+      row0[16 * dm + g] = w.acc[dm][0], row1[16 * dm + g] = w.acc[dm][1];
+      row0[16 * dm + g + 8] = w.acc[dm][2], row1[16 * dm + g + 8] = w.acc[dm][3];
     }
   });
 }

@@ -217,17 +217,9 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MK = KW / 16;
   constexpr int S = Tr::kStages, SEGB = SegRec<D>::kBytes;
   constexpr bool kMods = SOFTCAP || ALIBI, KC = Tr::kKeyChannel;
-  static_assert(Tr::kRows == 8 && Tr::kMTiles == 1, "swapped roles: one n8 tile of rows");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [8][kStride]
-  load_q<Tr>(sQ, p, blk);
-  cp_async_commit();
-  const DecodeCols<ALIBI> cols(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len);
-  float acc[D / 16][4];
-#pragma unroll
-  for (int dm = 0; dm < D / 16; ++dm) acc[dm][0] = acc[dm][1] = acc[dm][2] = acc[dm][3] = 0.f;
-  float cmax[2] = {-inf(), -inf()}, csum[2] = {0.f, 0.f};
-  const float sl2 = kMods ? 1.f : p.scale_log2;  // with modifiers s is final (log2 units) before the softmax
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  SwapWarp<Tr, ALIBI> w(p, blk, sQ, kMods);
   if constexpr (KC) q8_zero_r_tails<Tr>(sSeg, p.head_dim);
   cp_async_wait<0>();
   decode_sync<Tr>();  // Q landed for every consumer warp
@@ -262,13 +254,13 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
       q8s_scores<Tr>(tK, sKs + st * KB, wrow, qb, cinv, s);
     }
     if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
-      cols.template mask<MK, SOFTCAP>(s, p, blk.band, n0 + g);
-    q8s_softmax_pv<Tr>(s, tV, sVs + st * KB, wrow, vref, acc, cmax, csum, sl2);
+      w.cols.template mask<MK, SOFTCAP>(s, p, blk.band, n0 + g);
+    q8s_softmax_pv<Tr>(s, tV, sVs + st * KB, wrow, vref, w.acc, w.cmax, w.csum, w.sl2);
     __syncwarp();
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
   pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
-  q8s_epilogue<Tr>(p, acc, cmax, csum, vref, sl2, smem_raw, blk);
+  q8s_epilogue<Tr>(p, w.acc, w.cmax, w.csum, vref, w.sl2, smem_raw, blk);
 }
 
 }  // namespace pyattn

@@ -103,6 +103,29 @@ __device__ __forceinline__ void swap_online_softmax(float (&s)[MK][4], float (&a
   }
 }
 
+// One consumer warp's start with swapped roles: Q's copy issued (its rows in sQ, [8][kStride]), the
+// rows' modifiers, and an empty softmax state: O^T = 0 (m16 channel tiles x this lane's rows 2t,
+// 2t + 1), the rows' running max -inf and partial sums 0; sl2 the softmax's log2 scale (1 with
+// modifiers: their scores are final, in log2 units).
+template <class Tr, bool ALIBI>
+struct SwapWarp {
+  DecodeCols<ALIBI> cols;
+  float acc[Tr::kHeadDim / 16][4];
+  float cmax[2], csum[2];
+  float sl2;
+
+  __device__ __forceinline__ SwapWarp(const DecodeParams& p, const DecodeBlock<Tr>& blk, typename Tr::T* sQ, bool mods)
+      : cols(p, blk.b, blk.kv_head, blk.r0, blk.n_rows, blk.kv_len), sl2(mods ? 1.f : p.scale_log2) {
+    static_assert(Tr::kRows == 8 && Tr::kMTiles == 1, "swapped roles: one n8 tile of rows");
+    load_q<Tr>(sQ, p, blk);
+    cp_async_commit();
+#pragma unroll
+    for (int dm = 0; dm < Tr::kHeadDim / 16; ++dm) acc[dm][0] = acc[dm][1] = acc[dm][2] = acc[dm][3] = 0.f;
+    cmax[0] = cmax[1] = -inf();
+    csum[0] = csum[1] = 0.f;
+  }
+};
+
 // The warps' states into shared memory as decode_epilogue's first phase leaves them: this lane's
 // rows 2t + j's maxima (log2 units) and sums reduced over g, and O^T's elements through
 // store(row 2t, row 2t + 1) (each variant's channel order); then that epilogue's merge and stores.
