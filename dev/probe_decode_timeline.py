@@ -3,8 +3,9 @@
 The per-call time of a decode is linear in its bytes with a fixed part of ~10 us that is inside
 the kernel (Nsight Compute's kernel duration equals the per-call time back to back: thirty-second
 session). This probe says where in the block it goes. It copies ``pyattn/`` and ``kernels_src/``
-to a temporary directory, patches stamps into ``attn_decode16_tma`` and ``attn_decode_q8_tma``
-(thread 0, the first consumer warp's lane 0: ``%globaltimer`` at entry and exit, ``clock64`` after
+to a temporary directory, patches stamps into ``attn_decode16_tma`` and ``attn_decode_q8_tma``, their
+swapped-role consumers included (thread 0, the first consumer warp's lane 0: ``%globaltimer`` at
+entry and exit, ``clock64`` after
 the barrier set-up, when Q has landed, when the first stage is full, after the key loop, before
 the split combine, when a block learns it combines, at exit; written to a module global,
 ``pyattn_tl``, read back after the call), then runs each point's decode in a child process on that
@@ -34,32 +35,45 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = "bf16:1x1024,bf16:1x4096,int8:1x1024,int8:1x32768,int8:8x4096"
 _ENTRY = "  extern __shared__ __align__(16) unsigned char smem_raw[];\n"
-_BEGIN = ("  const unsigned long long _g0 = pyattn_tl_now(); const long long _c0 = clock64();\n"
-          "  long long _st[4] = {0, 0, 0, 0};\n")
-_STAMP = "_st[{i}] = clock64();"
-_EXIT = ("  if (threadIdx.x == 0) {{ unsigned long long* _t = pyattn_tl_at(); _t[0] = _g0; _t[1] = pyattn_tl_now();\n"
-         "    _t[2] = _c0; _t[3] = _st[0]; _t[4] = _st[1]; _t[5] = _st[2]; _t[6] = _st[3]; _t[9] = clock64(); }}\n")
+# Thread 0 (the first consumer warp's lane 0) writes each stamp straight to its block's slots of
+# pyattn_tl, so the same anchors serve the kernels' own consumers and the swapped-role ones
+# (decode_swap.cuh), which are functions of their own.
+_SLOT = "if (threadIdx.x == 0) pyattn_tl_at()[{i}] = {v};"
+_BEGIN = ("  " + _SLOT.format(i=0, v="pyattn_tl_now()") + " " + _SLOT.format(i=2, v="clock64()") + "\n")
+_EXIT = ("  " + _SLOT.format(i=1, v="pyattn_tl_now()") + " " + _SLOT.format(i=9, v="clock64()") + "\n")
+_Q_LANDED = "  decode_sync<Tr>();  // Q landed for every consumer warp\n"
+_FIRST_FULL = "    pipe::wait(full0 + 8 * st, (j / S) & 1);\n"
+_LOOP_END = "  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys\n"
+# The m16 kernels' epilogue call (the swapped consumers end in decode_swap.cuh's swap_epilogue).
 _EPILOGUE = ("  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, "
              "blk.n_rows);\n")
-# (file, [(anchor, text put before it, text put after it)]) -- each anchor must occur exactly once (the
-# combine's sub-phase stamps, slots 10-12, only where their lines are)
+# (file, [(anchor, text put before it, text put after it)]): every occurrence of an anchor is patched,
+# and each must occur at least once (the combine's sub-phase stamps, slots 10-12, only where their
+# lines are)
 _KERNEL = [
     (_ENTRY, "", _BEGIN),
     ("  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued\n", "",
-     "  " + _STAMP.format(i=0) + "\n"),
-    ("  decode_sync<Tr>();  // Q landed for every consumer warp\n", "", "  " + _STAMP.format(i=1) + "\n"),
-    ("    pipe::wait(full0 + 8 * st, (j / S) & 1);\n", "", "    if (j == 0) " + _STAMP.format(i=2) + "\n"),
-    (_EPILOGUE, "  " + _STAMP.format(i=3) + "\n", _EXIT),
+     "  " + _SLOT.format(i=3, v="clock64()") + "\n"),
+    (_Q_LANDED, "", "  " + _SLOT.format(i=4, v="clock64()") + "\n"),
+    (_FIRST_FULL, "", "    if (j == 0) " + _SLOT.format(i=5, v="clock64()") + "\n"),
+    (_LOOP_END, "  " + _SLOT.format(i=6, v="clock64()") + "\n", ""),
 ]
 _PATCHES = {
-    "attention_decode_q8_tma.cuh": _KERNEL,
-    "attention_decode_tma.cuh": _KERNEL,
+    "attention_decode_q8_tma.cuh": _KERNEL + [(_EPILOGUE, "", _EXIT)],
+    "attention_decode_tma.cuh": _KERNEL + [(_EPILOGUE, "", _EXIT)],
+    "decode_q8_swap.cuh": [(_Q_LANDED, "", "  " + _SLOT.format(i=4, v="clock64()") + "\n"),
+                           (_FIRST_FULL, "", "    if (j == 0) " + _SLOT.format(i=5, v="clock64()") + "\n"),
+                           (_LOOP_END, "  " + _SLOT.format(i=6, v="clock64()") + "\n", "")],
+    "decode_swap.cuh": [("  decode_merge<Tr>(p, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);\n", "",
+                         _EXIT)],
     "decode_common.cuh": [
         ("#pragma once\n", "", "extern \"C\" __device__ unsigned long long pyattn_tl[14 * 16384];\n"
          "__device__ __forceinline__ unsigned long long* pyattn_tl_at() {\n"
          "  return pyattn_tl + 14 * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }\n"
          "__device__ __forceinline__ unsigned long long pyattn_tl_now() {\n"
          "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"),
+    ],
+    "decode_merge.cuh": [
         ("  __threadfence();  // this block's partial stores are visible device-wide before it is counted\n"
          "  decode_sync<Tr>();\n", "", "  if (threadIdx.x == 0) pyattn_tl_at()[10] = clock64();\n"),
         ("  if (!s_last) return;\n", "", "  if (threadIdx.x == 0) pyattn_tl_at()[8] = clock64();\n"),
@@ -77,9 +91,9 @@ def _patch(dst: Path) -> None:
         path = dst / "kernels_src" / name
         text = path.read_text()
         for anchor, before, after in edits:
-            if name == "decode_common.cuh" and "pyattn_tl_at()[1" in before + after and anchor not in text:
+            if name == "decode_merge.cuh" and "pyattn_tl_at()[1" in before + after and anchor not in text:
                 continue  # a combine sub-phase stamp whose line this tree's merge does not have
-            assert text.count(anchor) == 1, (name, anchor)
+            assert text.count(anchor) >= 1, (name, anchor)
             text = text.replace(anchor, before + anchor + after)
         path.write_text(text)
 
@@ -88,7 +102,8 @@ def _modules() -> list:
     """The module handles of the loaded TMA decode kernels (a dev probe may read the registry)."""
     from pyattn.kernels import registry
 
-    return [k.module.handle for k in list(registry._kernels.values()) if "decode_tma" in k.name]
+    return [k.module.handle for k in list(registry._kernels.values())
+            if "decode_tma" in k.name or "decode_swap" in k.name]
 
 
 def _child(points: str) -> None:

@@ -320,6 +320,6 @@ def test_max_splits_matches_the_kernels_combine_bound():
     from pyattn.jit.source import kernel_source_dir
     from pyattn.validate.paged import MAX_SPLITS
 
-    text = (kernel_source_dir() / "decode_common.cuh").read_text()
+    text = (kernel_source_dir() / "decode_merge.cuh").read_text()
     (bound,) = re.findall(r"constexpr int kMaxDecodeSplits = (\d+);", text)
     assert int(bound) == MAX_SPLITS

@@ -3,7 +3,7 @@
 Flash-decoding: one block per (split, kv head, row block, sequence) reads its keys once for the
 whole GQA group; when batch x kv heads is too small to fill the GPU, each sequence's keys are
 split across blocks and their fp32 partials merged by LSE: by the last block of a unit's splits
-to finish, in the same launch (``decode_combine_last`` in ``kernels_src/decode_common.cuh``), when
+to finish, in the same launch (``decode_combine_last`` in ``kernels_src/decode_merge.cuh``), when
 that block's share is small; else by a second launch, ``split_combine`` (see :func:`fused_combine`).
 """
 
