@@ -2,53 +2,12 @@
 // codes, Q's fp16 fragments in the permuted head-dim order, S = Q K^T on the codes, and the
 // softmax plus O += P V with the V scales folded into P. Shared by the cp.async kernel
 // (attention_decode_q8.cuh, every arch) and the TMA-fed one (attention_decode_q8_tma.cuh, sm_90a);
-// the two differ in the ring's layout only (the TMA template argument below).
+// the two differ in the ring's layout only (the TMA template argument below; decode_q8_ring.cuh).
 // Requires decode_common.cuh, q8_codes.cuh, common.cuh and mma.cuh.
 #pragma once
-#include "tma.cuh"
+#include "decode_q8_ring.cuh"
 
 namespace pyattn {
-
-// The cp.async ring's swizzle: chunk c of row r (rows of D bytes) is stored at c ^ q8_swizzle(r).
-// Rows 2i and 2i+1 land in opposite halves of the 128-byte bank window (K reads: 2 rows x 4
-// chunks per phase); rows 0, 2, 4, 6 in four different chunk pairs (V reads: 4 rows x 2 chunks).
-template <int CHUNKS>
-__device__ __forceinline__ int q8_swizzle(int r) {
-  const int x = (((r >> 1) & 3) << 1) ^ ((r & 1) << 2);
-  return CHUNKS >= 8 ? x : (x & (CHUNKS - 1));
-}
-
-// Byte offset of 16-byte chunk c of ring row r in a stage. cp.async ring: rows of D bytes,
-// q8_swizzle. TMA ring: the boxes as the copy writes them, [D / 128][BLOCK_N][128 bytes] with the
-// 128-byte swizzle (chunk c % 8 of a 128-byte row at (c % 8) ^ (r % 8); the stage starts on a
-// 1024-byte boundary, where that pattern starts).
-template <class Tr, bool TMA>
-__device__ __forceinline__ int q8_chunk_at(int r, int c) {
-  if constexpr (TMA) {
-    return (c >> 3) * (Tr::kBlockN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-  } else {
-    return r * Tr::kHeadDim + ((c ^ q8_swizzle<Tr::kHeadDim / 16>(r)) << 4);
-  }
-}
-
-// The chunk quad lane t reads for K fragment group gi (64 head-dim columns): a phase reads rows
-// r, r + 1 and the same t's. cp.async ring: chunks 4 gi + t (q8_swizzle separates the two rows).
-// TMA ring: rows r and r ^ 1 store chunk c at c ^ r and c ^ r ^ 1 -- for the same 4 consecutive
-// chunks that is the same 4 positions (a 2-way conflict) -- so a group takes every other chunk
-// of its 128-byte region (2t + gi % 2): one row's four land on even positions, the other's on odd.
-template <bool TMA>
-__device__ __forceinline__ int q8_kchunk(int gi, int t) {
-  return TMA ? 8 * (gi >> 1) + 2 * t + (gi & 1) : 4 * gi + t;
-}
-
-// Per-channel keys: each 16-key segment's page record in the ring: [S, idx, 0, 0] (16 bytes), fp16
-// r[D], then the segment's 16 slots x kKeptChannels fp16 kept values.
-constexpr int kKeptChannels = 4;  // as kv_pages.cuh / pyattn.quant.KEPT_CHANNELS
-template <int D>
-struct SegRec {
-  static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
-};
-
 
 // D = A B + C on m16n8k8 (fp16 inputs, fp32 accumulate): the kept channels' rank-4 correction.
 __device__ __forceinline__ void mma_1688_f16(float (&d)[4], const unsigned (&a)[2], unsigned b) {
@@ -317,32 +276,6 @@ __device__ __forceinline__ void q8_v_pairs(const unsigned (&vw)[4][N], int w4, u
   codes_to_half2<KV>(__byte_perm(vw[0][w4], vw[1][w4], 0x7362), lo[2], lo[3]);
   codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x5140), hi[0], hi[1]);
   codes_to_half2<KV>(__byte_perm(vw[2][w4], vw[3][w4], 0x7362), hi[2], hi[3]);
-}
-
-// TMA ring: zero this warp's V code rows of a stage from `valid` on (keys past the block's range or
-// the sequence: stale pool memory, and 0 x a NaN code is NaN in P V), a lane a 16-byte chunk in turn,
-// fenced before the stage's next TMA writes.
-template <class Tr>
-__device__ __forceinline__ void q8_zero_v_tail(unsigned char* tV, int wrow, int valid) {
-  constexpr int KW = Tr::kKeysPerWarp, KB = Tr::kBlockN, H = Tr::kHeadDim / 128;
-  if (valid >= KW) return;
-  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
-  for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] = make_uint4(0, 0, 0, 0);
-  tma::fence_shared();
-  __syncwarp();
-}
-
-// Per-channel keys, TMA ring: r past head_dim in every stage's segment records set to zeros (the
-// record copies bring head_dim entries), the consumer warps' share each.
-template <class Tr>
-__device__ __forceinline__ void q8_zero_r_tails(unsigned char* sSeg, int head_dim) {
-  constexpr int D = Tr::kHeadDim;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (head_dim >= D) return;
-  for (int rec = warp; rec < Tr::kStages * (Tr::kBlockN / 16); rec += Tr::kWarps)
-    for (int i = 16 + 2 * head_dim + 2 * lane; i < SegRec<D>::kKept; i += 64)
-      *reinterpret_cast<__half*>(sSeg + rec * SegRec<D>::kBytes + i) = __ushort_as_half(0);
 }
 
 // The online softmax of the stage's (masked) scores, then O += P V over the warp's keys. P is
