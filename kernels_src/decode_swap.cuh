@@ -45,9 +45,9 @@ struct DecodeCols {
     }
   }
 
-  // S^T element (key tile mk, e) is key key0 + 16 mk + g + 8 (e >> 1), row 2t + (e & 1): past the
-  // end, outside the band, or a padding row -> -inf; with modifiers kept scores become final, in
-  // log2 units (as DecodeRows::mask).
+  // S^T element (key tile mk, e) is key key0 + 16 mk + 8 (e >> 1) (key0: the warp's first key plus
+  // g), row 2t + (e & 1): past the end, outside the band, or a padding row -> -inf; with modifiers
+  // kept scores become final, in log2 units (as DecodeRows::mask).
   template <int MK, bool SOFTCAP>
   __device__ __forceinline__ void mask(float (&s)[MK][4], const DecodeParams& p, const Band& band, int key0) const {
     constexpr bool kMods = SOFTCAP || ALIBI;
