@@ -18,6 +18,8 @@
 // Rows a box does not hold (keys past the block's range in its last tile, or slots of the last
 // page past the sequence) may be stale or never-written pool memory: the scores of those keys
 // become -inf, and each consumer warp zeroes its own V rows there before P V (0 x NaN is NaN).
+// Blocks of at most 8 query rows (Traits::kSwap, the attn_decode_swap family) run consumers with the
+// MMA roles swapped, keys on M (decode16s_*, below; decode_swap.cuh); the producer is the same.
 // Requires attention_decode.cuh (decode16_stage), tma.cuh and mbarrier.cuh.
 #pragma once
 #include "mbarrier.cuh"
@@ -184,7 +186,8 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
   decode_sync<Tr>();  // Q landed for every consumer warp
   unsigned qb[D / 16][2];  // Q^T's B fragments: row g, columns 16 kk + 2t.. and + 8
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x2(qb[kk], sQ + (lane & 7) * Tr::kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldmatrix_x2(qb[kk], sQ + (lane & 7) * Tr::kStride + kk * 16 + ((lane >> 3) & 1) * 8);
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, n0 = blk.n_first + j * KB + warp * KW;  // this warp's first key
     pipe::wait(full0 + 8 * st, (j / S) & 1);

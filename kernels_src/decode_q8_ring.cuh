@@ -57,7 +57,8 @@ __device__ __forceinline__ void q8_zero_v_tail(unsigned char* tV, int wrow, int 
   if (valid >= KW) return;
   const int lane = threadIdx.x % 32, r0 = max(valid, 0);
   for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] = make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] =
+        make_uint4(0, 0, 0, 0);
   tma::fence_shared();
   __syncwarp();
 }

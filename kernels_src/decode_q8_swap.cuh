@@ -59,7 +59,8 @@ __device__ __forceinline__ void q8s_key_frag(unsigned lo, unsigned hi, unsigned 
 
 // S^T += K Q^T over one 16-key tile (ring rows r0 ..) for B fragments qb.
 template <class Tr>
-__device__ __forceinline__ void q8s_tile_scores(const unsigned char* tK, int r0, const unsigned (&qb)[Tr::kHeadDim / 16][2],
+__device__ __forceinline__ void q8s_tile_scores(const unsigned char* tK, int r0,
+                                                const unsigned (&qb)[Tr::kHeadDim / 16][2],
                                                 float (&s)[4]) {
   constexpr int G64 = Tr::kHeadDim / 64;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -232,7 +233,8 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
     if (warp == 0) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        unsigned* r = reinterpret_cast<unsigned*>(sQh + g * Tr::kStride + 16 * q8_kchunk<true>(ks / 4, t) + 4 * (ks % 4));
+        const int col = 16 * q8_kchunk<true>(ks / 4, t) + 4 * (ks % 4);
+        unsigned* r = reinterpret_cast<unsigned*>(sQh + g * Tr::kStride + col);
         r[0] = qb[ks][0];
         r[1] = qb[ks][1];
       }

@@ -13,8 +13,8 @@ from . import tables
 from .base import (CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA_ARCHS, Family, TileConfig, entry_name,
                    tma_page_boxes)
 
-__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "ATTN_DECODE_SWAP", "decode_row", "tma_decode_serves",
-           "PAGED_ALIGNMENT"]
+__all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "ATTN_DECODE_SWAP", "decode_row",
+           "tma_decode_serves", "PAGED_ALIGNMENT"]
 
 
 class DecodeTile(NamedTuple):
@@ -187,7 +187,7 @@ def _smem_bytes(spec, t) -> int:
 
 def _check(spec) -> None:
     if spec.family != "attn_decode" and spec.head_dim % (128 if spec.kv else 64):
-        raise ValueError(f"attn_decode_tma: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
+        raise ValueError(f"{spec.family}: 16-bit caches at head-dim buckets of whole 64-column boxes, 8-bit ones "
                          f"at buckets of 128 columns, got kv={spec.kv!r}, head_dim {spec.head_dim}")
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
