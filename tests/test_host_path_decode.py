@@ -205,3 +205,23 @@ def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
     assert name in fake_driver.PDL_LAUNCHES  # it waits for its predecessor in-kernel as attn_decode_tma does
     for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
         assert (dtype, dims, strides, box, swizzle) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128)
+
+
+def test_swapped_blocks_fill_the_wave_where_m16_rows_take_one_block_an_sm(gpu):
+    """A 16-bit decode's split count below one wave (8 KV heads, one 16k-token sequence): a group of
+    4 at q_len 1 (4 rows: the swapped-role blocks) takes the wave's count, 264 slots (the fake GPU's
+    132 SMs x 2 blocks) over 8 units; the same cache at q_len 4 (16 rows: attn_decode_tma's m16
+    tiles) one block an SM, 132 / 8 (sm_slots), as measured for each (BENCHMARKS.md, thirty-fourth
+    session)."""
+    c = pyattn.PagedKVCache(1040, 16, 8, 64, "bfloat16")
+    sid = c.add_sequence()
+    kv = np.zeros((1, 16384, 8, 64), ml_dtypes.bfloat16)
+    c.append([sid], kv, kv)
+    gpu.record_launches = True
+    got = {}
+    for q_len in (1, 4):
+        fake_driver.LAUNCHES.clear()
+        pyattn.decode(_da((1, q_len, 32, 64), ml_dtypes.bfloat16), c, [sid])
+        name, grid = fake_driver.LAUNCHES[0][:2]
+        got[q_len] = (name.split("_bf16")[0], grid[0])
+    assert got == {1: ("pyattn_attn_decode_swap", 264 // 8), 4: ("pyattn_attn_decode_tma", 132 // 8)}
