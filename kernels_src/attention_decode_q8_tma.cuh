@@ -171,7 +171,7 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     const unsigned char* tK = sK + st * KB * D;
     unsigned char* tV = sV + st * KB * D;
-    q8_zero_v_tail<Tr>(tV, wrow, blk.end - n0);  // this warp's rows past the range's keys
+    tma::zero_rows_from<KW, D / 128, KB>(tV + wrow * 128, blk.end - n0);  // V rows past the range's keys
     float s[MT][NT][4];
     if constexpr (KC) {
       q8_scores_channel<Tr, true>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows, sQh, qs,

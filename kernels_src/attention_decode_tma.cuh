@@ -101,20 +101,6 @@ __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename 
   });
 }
 
-// Zero this warp's V rows of a stage from `valid` on (tV: its first row; keys past the block's range
-// or the sequence: stale pool memory, and 0 x NaN is NaN in P V), a lane a 16-byte chunk in turn,
-// fenced before the stage's next TMA writes.
-template <class Tr>
-__device__ __forceinline__ void decode16_zero_v_tail(typename Tr::T* tV, int valid) {
-  constexpr int KW = Tr::kKeysPerWarp, KB = Tr::kBlockN, H = Tr::kHeadDim / 64;
-  if (valid >= KW) return;
-  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
-  for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 64 + (r0 + i / (8 * H)) * 64)[i % 8] = make_uint4(0, 0, 0, 0);
-  tma::fence_shared();
-  __syncwarp();
-}
-
 // Swapped roles (Traits::kSwap, decode_swap.cuh), one ring stage of one warp: S^T = K Q^T over its
 // KW keys (tK, tV: its first key row in the stage's swizzled boxes; n0: that key), the masks and
 // modifiers, the softmax and O^T += V^T P^T. K's A fragments are the rows-on-M kernel's ldmatrix
@@ -193,7 +179,7 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     const T* tK = sK + st * H * KB * 64 + warp * KW * 64;
     T* tV = sV + st * H * KB * 64 + warp * KW * 64;
-    decode16_zero_v_tail<Tr>(tV, blk.end - n0);
+    tma::zero_rows_from<KW, H, KB>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
     decode16s_stage<Tr, SOFTCAP, ALIBI>(qb, tK, tV, n0, p, w.cols, blk, w.sl2, w.acc, w.cmax, w.csum);
     __syncwarp();
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
@@ -271,7 +257,7 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     T* tK = sK + st * H * KB * 64 + warp * KW * 64;
     T* tV = sV + st * H * KB * 64 + warp * KW * 64;
-    decode16_zero_v_tail<Tr>(tV, blk.end - n0);  // this warp's rows past the range's keys
+    tma::zero_rows_from<KW, H, KB>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
     decode16_stage<Tr, SOFTCAP, ALIBI, kQRegs, true>(sQ, qf, tK, tV, n0, p, rows, blk.band, blk.qi_lo, blk.qi_hi,
                                                      blk.kv_len, sl2, acc, row_max, row_sum);
     __syncwarp();

@@ -1,6 +1,6 @@
 // Where an 8-bit decode ring stage keeps its codes and records, for both 8-bit kernels (the cp.async
 // ring of attention_decode_q8.cuh and the TMA boxes of attention_decode_q8_tma.cuh, whose consumers
-// are decode_q8_stage.cuh's and decode_q8_swap.cuh's), and the TMA ring's zero fills.
+// are decode_q8_stage.cuh's and decode_q8_swap.cuh's), and the per-channel records' zero fill.
 // Requires common.cuh; includes tma.cuh (fence_shared).
 #pragma once
 #include "tma.cuh"
@@ -47,21 +47,6 @@ struct SegRec {
   static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
 };
 
-
-// TMA ring: zero this warp's V code rows of a stage from `valid` on (keys past the block's range or
-// the sequence: stale pool memory, and 0 x a NaN code is NaN in P V), a lane a 16-byte chunk in turn,
-// fenced before the stage's next TMA writes.
-template <class Tr>
-__device__ __forceinline__ void q8_zero_v_tail(unsigned char* tV, int wrow, int valid) {
-  constexpr int KW = Tr::kKeysPerWarp, KB = Tr::kBlockN, H = Tr::kHeadDim / 128;
-  if (valid >= KW) return;
-  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
-  for (int i = lane; i < (KW - r0) * H * 8; i += 32)
-    reinterpret_cast<uint4*>(tV + (i / 8 % H) * KB * 128 + (wrow + r0 + i / (8 * H)) * 128)[i % 8] =
-        make_uint4(0, 0, 0, 0);
-  tma::fence_shared();
-  __syncwarp();
-}
 
 // Per-channel keys, TMA ring: r past head_dim in every stage's segment records set to zeros (the
 // record copies bring head_dim entries), the consumer warps' share each.

@@ -248,7 +248,7 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
     pipe::wait(full0 + 8 * st, (j / S) & 1);
     const unsigned char* tK = sK + st * KB * D;
     unsigned char* tV = sV + st * KB * D;
-    q8_zero_v_tail<Tr>(tV, wrow, blk.end - n0);  // this warp's rows past the range's keys
+    tma::zero_rows_from<KW, D / 128, KB>(tV + wrow * 128, blk.end - n0);  // V rows past the range's keys
     float s[MK][4];
     if constexpr (KC) {
       q8s_scores_channel<Tr>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qb, cinv, sQh, s);

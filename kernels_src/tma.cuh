@@ -43,5 +43,20 @@ __device__ __forceinline__ void load_bulk(unsigned dst, const void* src, unsigne
 // (bulk copy) accesses of it.
 __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Zero rows [valid, ROWS) of a warp's share of a ring stage held as BOXES boxes of BOX_ROWS rows of
+// 128 bytes (rows: the warp's first row in the first box), a lane a 16-byte chunk in turn, fenced
+// before the stage's next TMA writes. The decodes' TMA rings: keys past a block's range or its
+// sequence are stale pool memory there, and 0 x NaN is NaN in P V.
+template <int ROWS, int BOXES, int BOX_ROWS>
+__device__ __forceinline__ void zero_rows_from(unsigned char* rows, int valid) {
+  if (valid >= ROWS) return;
+  const int lane = threadIdx.x % 32, r0 = max(valid, 0);
+  for (int i = lane; i < (ROWS - r0) * BOXES * 8; i += 32)
+    reinterpret_cast<uint4*>(rows + (i / 8 % BOXES) * BOX_ROWS * 128 + (r0 + i / (8 * BOXES)) * 128)[i % 8] =
+        make_uint4(0, 0, 0, 0);
+  fence_shared();
+  __syncwarp();
+}
+
 }  // namespace tma
 }  // namespace pyattn
