@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyattn.ops.decode import choose_num_splits
+from pyattn.ops.decode import choose_num_splits, keyed_splits
 
 
 @pytest.mark.parametrize("args, expect", [((8, 512, 132), 15), ((64, 64, 132), 2), ((512, 64, 132), 1),
@@ -112,3 +112,26 @@ def test_num_splits_of_the_ragged_benchmark_batch():
     one split before (its 64k-token blocks ~3x a slot's mean load), 7 now."""
     assert choose_num_splits(512, 1024, 264) == 1
     assert choose_num_splits(512, 1024, 264, 0.16) == 7
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 5000))
+def test_keyed_splits_drops_only_empty_splits(splits, max_tiles):
+    """The kernel gives each split ceil(tiles / splits) tiles: keyed_splits keeps that share and
+    drops exactly the splits that it leaves without a tile (the longest sequence's)."""
+    s = keyed_splits(splits, max_tiles)
+    assert 1 <= s <= splits
+    if splits == 1 or max_tiles == 0:
+        assert s == splits
+        return
+    per = -(-max_tiles // splits)
+    assert -(-max_tiles // s) == per  # each kept split keeps the same share
+    assert (s - 1) * per < max_tiles  # every kept split holds a tile
+    assert all(min(max_tiles, (k + 1) * per) <= k * per for k in range(s, splits))  # the dropped ones none
+
+
+@pytest.mark.parametrize("splits, tiles, expect", [(33, 256, 32), (33, 512, 32), (33, 520, 33), (16, 256, 16), (33, 128, 32),
+                                                   (7, 1024, 7), (13, 20, 10), (4, 3, 3)])
+def test_keyed_splits_figures(splits, tiles, expect):
+    """B1 x 32k (8 units, 264 slots: 33 splits) over 256 tiles of 128 keys: 8 tiles a split, 32 of them."""
+    assert keyed_splits(splits, tiles) == expect

@@ -28,7 +28,7 @@ from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.options import LOG2E
 from ..validate.paged import MAX_SPLITS
 
-__all__ = ["DecodePlan", "run_decode", "choose_num_splits", "blocks_per_sm"]
+__all__ = ["DecodePlan", "run_decode", "choose_num_splits", "keyed_splits", "blocks_per_sm"]
 
 _F32 = np.dtype(np.float32)
 # Split partials up to this size share the output's block: a tiny decode's host time is mostly
@@ -337,4 +337,20 @@ def _fill_bucket(fill: float) -> float:
     return min(1.0, math.ceil(fill * 32) / 32)
 
 
-_num_splits = functools.lru_cache(maxsize=4096)(choose_num_splits)
+def keyed_splits(splits: int, max_tiles: int) -> int:
+    """``splits`` less those that would get no key tile: the kernel gives each split ``per =
+    ceil(tiles / splits)`` tiles (``DecodeBlock``, decode_common.cuh), so only ``ceil(tiles / per)``
+    of them hold keys, each as many as before. A split without keys still launches its block,
+    writes an empty partial and is read by the combine. Measured on an H200 (B1 x 32k, Hkv 8,
+    256 tiles, where the wave's 33 splits leave one empty; ``dev/probe_decode_fixed.py --splits
+    32,33``, BENCHMARKS.md, thirty-fifth session): 32 splits 41.3 / 28.1 / 27.5 us a call against
+    33's 42.1 / 29.1 / 28.4 (bf16 / int8 / fp8)."""
+    if splits <= 1 or max_tiles <= 0:
+        return splits
+    return -(-max_tiles // -(-max_tiles // splits))
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(units: int, max_tiles: int, slots: int, fill: float, tile_keys: int, sm_slots: int) -> int:
+    """The decode's split count: :func:`choose_num_splits`, then :func:`keyed_splits`."""
+    return keyed_splits(choose_num_splits(units, max_tiles, slots, fill, tile_keys, sm_slots), max_tiles)

@@ -22,9 +22,9 @@ from ..runtime.stream import check_stream_arg
 from ..validate.options import check_bool
 from ..validate.paged import (check_block_table, check_csr, check_pools, check_q_address, check_query,
                               check_table_form)
-from ._decode import choose_num_splits, run_decode
+from ._decode import choose_num_splits, keyed_splits, run_decode
 
-__all__ = ["decode", "paged_decode", "choose_num_splits", "run_decode"]
+__all__ = ["decode", "paged_decode", "choose_num_splits", "keyed_splits", "run_decode"]
 
 _memo = Memo()  # signature -> problem
 _quick = Memo()  # quick key -> pipeline.device.Bound
