@@ -175,6 +175,26 @@ def test_fused_combine_beyond_its_shared_weights():
             _check_decode(out, lse, q, ks, vs, causal=True)
 
 
+@pytest.mark.parametrize("group, q_len, D, splits", [
+    (4, 1, 128, 32), (4, 1, 128, 33), (1, 8, 128, 17), (2, 3, 256, 12), (8, 1, 64, 5), (4, 2, 128, 64),
+    (8, 1, 128, 256), (2, 3, 256, 40)])
+def test_swapped_blocks_combine_many_splits(group, q_len, D, splits):
+    """Up to 8 query rows a KV head (on sm_90a the swapped-role blocks, attn_decode_swap) at up to
+    256 splits: the last split's block merges them (rows of 1 to 8 query tokens), over two sequences
+    (two units a KV head) with splits past their key tiles (empty) and the LSE asked."""
+    rng = np.random.default_rng(group * 1000 + q_len * 100 + splits)
+    lengths = [3000, 1900]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, 16, 2, D, "bfloat16", "nhd", extra=1)
+    table = np.zeros((2, max(len(p) for p in pages)), np.int32)
+    for b, pg in enumerate(pages):
+        table[b, :len(pg)] = pg
+    q = _rand(rng, (2, q_len, 2 * group, D), "bfloat16")
+    for _ in range(2):  # the second call reuses the split counters the first set back to 0
+        out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=table,
+                                       seq_lens=np.array(lengths, np.int32), num_splits=splits, return_lse=True)
+        _check_decode(out, lse, q, ks, vs, causal=True)
+
+
 def test_fused_combine_with_more_units_than_the_first_counter_block():
     """2,560 (kv head, sequence) units split twice: the stream's counter block grows past its first
     1,024 counters, and every unit's last split merges."""

@@ -249,6 +249,30 @@ def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, g
                            extra=2.0**-10 * dots * 2 * np.abs(vd).max(), lse_extra=2.0**-10 * dots, **o)
 
 
+@pytest.mark.parametrize("key_scales", ["token", "channel"])
+@pytest.mark.parametrize("kind, splits", [("int8", 33), ("fp8_e4m3", 20)])
+def test_8_bit_swapped_blocks_combine_many_splits(kind, splits, key_scales):
+    """The 8-bit swapped-role blocks (4 rows, sm_90a) at more splits than the keys' tiles (some
+    empty), per-token and per-channel keys: the fused combine of the last split's block."""
+    rng = np.random.default_rng(splits)
+    Hkv, D, lengths, t = 2, 128, [2500, 900], DTYPES["bfloat16"]
+    cache = pyattn.PagedKVCache(sum(-(-n // 16) for n in lengths) + 2, 16, Hkv, D, kind, key_scales=key_scales)
+    seqs = [(rng.standard_normal((n, Hkv, D)).astype(t), rng.standard_normal((n, Hkv, D)).astype(t)) for n in lengths]
+    ids = _fill(cache, seqs, "bfloat16")
+    q = rng.standard_normal((len(ids), 1, Hkv * 4, D)).astype(t)
+    out, lse = pyattn.decode(q, cache, ids, num_splits=splits, return_lse=True)
+    for b, (k, v) in enumerate(seqs):
+        if key_scales == "token":
+            kd, vd = _dequant(k.astype(np.float32), kind), _dequant(v.astype(np.float32), kind)
+            _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True)
+        else:
+            kd, vd = _dequant_keys(cache, ids[b]), _dequant_values(cache, ids[b])
+            dots = np.abs(np.einsum("thgd,nhd->thgn", np.abs(q[b].astype(np.float64).reshape(1, Hkv, 4, D)),
+                                    np.abs(kd))).max() / np.sqrt(D)
+            _check_dequant(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kd[None], vd[None], "bfloat16", causal=True,
+                           extra=2.0**-10 * dots * 2 * np.abs(vd).max(), lse_extra=2.0**-10 * dots)
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_per_channel_keys_fix_outlier_channels(kind):
     """The measured case of BENCHMARKS.md (4 key channels x30): per-channel key scales cut the
