@@ -47,7 +47,6 @@ struct SegRec {
   static constexpr int kR = 16, kKept = 16 + 2 * D, kBytes = kKept + 16 * kKeptChannels * 2, kChunks = kBytes / 16;
 };
 
-
 // Per-channel keys, TMA ring: r past head_dim in every stage's segment records set to zeros (the
 // record copies bring head_dim entries), the consumer warps' share each.
 template <class Tr>
