@@ -130,8 +130,9 @@ def test_keyed_splits_drops_only_empty_splits(splits, max_tiles):
     assert all(min(max_tiles, (k + 1) * per) <= k * per for k in range(s, splits))  # the dropped ones none
 
 
-@pytest.mark.parametrize("splits, tiles, expect", [(33, 256, 32), (33, 512, 32), (33, 520, 33), (16, 256, 16), (33, 128, 32),
-                                                   (7, 1024, 7), (13, 20, 10), (4, 3, 3)])
+@pytest.mark.parametrize("splits, tiles, expect", [(33, 256, 32), (33, 512, 32), (33, 520, 33), (16, 256, 16),
+                                                   (33, 128, 32), (7, 1024, 7), (13, 20, 10), (4, 3, 3)])
 def test_keyed_splits_figures(splits, tiles, expect):
-    """B1 x 32k (8 units, 264 slots: 33 splits) over 256 tiles of 128 keys: 8 tiles a split, 32 of them."""
+    """B1 x 32k (8 units, 264 slots: 33 splits) over 256 tiles of 128 keys (the 8-bit kernels') or
+    512 of 64 (bf16's): 8 or 16 tiles a split, 32 splits."""
     assert keyed_splits(splits, tiles) == expect

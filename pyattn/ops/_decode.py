@@ -341,10 +341,10 @@ def keyed_splits(splits: int, max_tiles: int) -> int:
     """``splits`` less those that would get no key tile: the kernel gives each split ``per =
     ceil(tiles / splits)`` tiles (``DecodeBlock``, decode_common.cuh), so only ``ceil(tiles / per)``
     of them hold keys, each as many as before. A split without keys still launches its block,
-    writes an empty partial and is read by the combine. Measured on an H200 (B1 x 32k, Hkv 8,
-    256 tiles, where the wave's 33 splits leave one empty; ``dev/probe_decode_fixed.py --splits
-    32,33``, BENCHMARKS.md, thirty-fifth session): 32 splits 41.3 / 28.1 / 27.5 us a call against
-    33's 42.1 / 29.1 / 28.4 (bf16 / int8 / fp8)."""
+    writes an empty partial and is read by the combine. Measured on an H200 (B1 x 32k, Hkv 8: the
+    wave's 33 splits over 512 key tiles of 64 (bf16) or 256 of 128 (8-bit) leave one empty;
+    ``dev/probe_decode_fixed.py --splits 32,33``, BENCHMARKS.md, thirty-fifth session): 32 splits
+    41.3 / 28.1 / 27.5 us a call against 33's 42.1 / 29.1 / 28.4 (bf16 / int8 / fp8)."""
     if splits <= 1 or max_tiles <= 0:
         return splits
     return -(-max_tiles // -(-max_tiles // splits))
