@@ -164,7 +164,9 @@ def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
 def test_tma_decode_maps_describe_the_pools(gpu, cache):
     """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) reads the pools through a
     pair of tensor maps: (head dim, slot, kv head, page) with the pools' byte strides, boxes of 64
-    columns x min(page, block_n) slots, 128-byte swizzle; encoded and uploaded once per pool pair."""
+    columns x min(page, block_n) slots, 128-byte swizzle, an L2 fetch of each box row's own 128 bytes
+    (not the default 256: the next kv head's row is another block's); encoded and uploaded once per
+    pool pair."""
     from pyattn.runtime import tensormap
 
     c, ids = cache
@@ -172,8 +174,9 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     pyattn.decode(q, c, ids)
     keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
     assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr))
-    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
-        assert (dtype, dims, strides, box, swizzle) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128)
+    for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
+        assert (dtype, dims, strides, box, swizzle, l2) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128,
+                                                            128)
     encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
     pyattn.decode(q, c, ids)
     assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
@@ -203,8 +206,9 @@ def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
         return
     assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_swap")
     assert name in fake_driver.PDL_LAUNCHES  # it waits for its predecessor in-kernel as attn_decode_tma does
-    for dtype, _, (dims, strides), box, swizzle in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
-        assert (dtype, dims, strides, box, swizzle) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128)
+    for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
+        assert (dtype, dims, strides, box, swizzle, l2) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128,
+                                                            128)
 
 
 def test_swapped_blocks_fill_the_wave_where_m16_rows_take_one_block_an_sm(gpu):

@@ -234,7 +234,10 @@ _MAX_MAPS = 64
 def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
     """The device address of the tensor maps (K pool, V pool) attn_decode_tma and attn_prefill_tma
     read their page boxes through: (head dim, slot, kv head, page), boxes of 128 bytes (64 16-bit
-    columns, or 128 8-bit codes) x ``box`` slots, 128-byte swizzle.
+    columns, or 128 8-bit codes) x ``box`` slots, 128-byte swizzle, and an L2 fetch of each row's
+    own 128 bytes: the default 256-byte promotion also fetched the next kv head's row, which another
+    block reads at another time (H200, GQA 32/8, D 128, B64 x 32k, dev/probe_q8_pages.py): int8
+    1052 -> 994 us at pages of 16, 1205 -> 1072 at 128; bf16 1978 -> 1931, 2021 -> 1909.
 
     Maps live in device memory, not in the parameter struct: DecodeParams stays one layout for every
     decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered
@@ -247,7 +250,7 @@ def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
         tag, size = ("u8", 1) if pool.kv else (DTYPES[pool.dtype.name][0], pool.dtype.itemsize)
         raw = b"".join(
             encode_tiled(tag, ptr, rank4(pool.head_dim, pool.page_size, pool.heads_kv, pool.num_pages,
-                                         strides, size), (128 // size, box))
+                                         strides, size), (128 // size, box), l2_promotion=128)
             for ptr, strides in ((k, pool.k_strides), (v, pool.v_strides)))
         # (rank4 reads every validated pool: its strides are whole 16-byte multiples.)
         maps = upload([np.frombuffer(raw, np.uint8)], device, s)[0]

@@ -21,7 +21,7 @@ __all__ = ["MAX_MEMO", "rank4", "encode_tiled"]
 MAX_MEMO = 256  # maps kept; each is 128 bytes (the key a few more): a bounded, small cache
 
 _memo: dict = {}
-_args: dict = {}  # (dtype, layout, box, swizzle) -> the encode call's arguments but the address
+_args: dict = {}  # (dtype, layout, box, swizzle, l2_promotion) -> the encode call's arguments but the address
 _lock = threading.Lock()
 _enums = None
 _OPAQUE = struct.Struct("16Q")
@@ -62,13 +62,16 @@ def _driver_enums():
                  "f32": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "u8": t.CU_TENSOR_MAP_DATA_TYPE_UINT8}
         swizzles = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
                     64: sw.CU_TENSOR_MAP_SWIZZLE_64B, 128: sw.CU_TENSOR_MAP_SWIZZLE_128B}
-        _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles,
-                  d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        l2 = d.CUtensorMapL2promotion
+        promotions = {0: l2.CU_TENSOR_MAP_L2_PROMOTION_NONE, 64: l2.CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
+                      128: l2.CU_TENSOR_MAP_L2_PROMOTION_L2_128B, 256: l2.CU_TENSOR_MAP_L2_PROMOTION_L2_256B}
+        _enums = (d, types, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles, promotions,
                   d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     return _enums
 
 
-def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int = 128) -> bytes:
+def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int = 128,
+                 l2_promotion: int = 256) -> bytes:
     """The 128 bytes of a tensor map over ``layout`` at address ``ptr``.
 
     One copy moves ``box = (inner, rows)``: ``inner`` elements of the contiguous axis (``swizzle``
@@ -88,26 +91,31 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
     swizzle : int
         32, 64 or 128: the swizzle span in bytes (``inner`` elements fill it); 0: none (then
         ``inner`` elements are any multiple of 16 bytes).
+    l2_promotion : int
+        0, 64, 128 or 256: the bytes the L2 fetches for each box row it misses (0: the row's own
+        sectors). 256 (the default, the dense prefill maps') may fetch a neighbouring head's row
+        along; maps whose boxes other blocks do not read soon after (the decode pools') want the
+        row's own 128 (see ``pyattn.ops._decode.pool_maps``).
 
     Raises
     ------
     CudaError
         When the driver refuses the map (its error name says why).
     """
-    key = (dtype, ptr, layout, box, swizzle)
+    key = (dtype, ptr, layout, box, swizzle, l2_promotion)
     found = _memo.get(key)
     if found is not None:
         return found
     d = _driver_enums()[0]
-    shape_key = (dtype, layout, box, swizzle)  # everything but the address
+    shape_key = (dtype, layout, box, swizzle, l2_promotion)  # everything but the address
     args = _args.get(shape_key)
     if args is None:  # the binding takes its own integer wrappers, not ints: made once per layout
-        _, types, interleave, swizzles, l2, fill = _driver_enums()
+        _, types, interleave, swizzles, promotions, fill = _driver_enums()
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         dims, strides = layout
         args = ((types[dtype], u32(4)),
                 ([u64(x) for x in dims], [u64(x) for x in strides], [u32(box[0]), u32(box[1]), u32(1), u32(1)],
-                 [u32(1)] * 4, interleave, swizzles[swizzle], l2, fill))
+                 [u32(1)] * 4, interleave, swizzles[swizzle], promotions[l2_promotion], fill))
         with _lock:
             if len(_args) >= MAX_MEMO:
                 _args.clear()
