@@ -58,14 +58,15 @@ def time_us(fn, s, dev, n=20, reps=5):
 
 
 def _quantized_pool(pool, k, kv):
-    """Timing stand-in for an 8-bit NHD pool: random codes, positive fp32 scales, and its PoolInfo."""
+    """Timing stand-in for an 8-bit NHD pool: random codes, positive fp32 scales (head-major, as a
+    PagedKVCache keeps them), and its PoolInfo."""
     import dataclasses
 
     codes = [torch.randint(-100, 100, k.shape, device="cuda", dtype=torch.int8) for _ in range(2)]
-    scales = [torch.rand(k.shape[:-1], device="cuda", dtype=torch.float32) + 0.01 for _ in range(2)]
-    ps, h = k.shape[1], k.shape[2]
-    info = dataclasses.replace(pool, dtype=np.dtype(np.int8), kv=kv, ks_strides=(ps * h, h, 1),
-                               vs_strides=(ps * h, h, 1))
+    n, ps, h = k.shape[:3]
+    scales = [torch.rand((n, h, ps), device="cuda", dtype=torch.float32) + 0.01 for _ in range(2)]
+    info = dataclasses.replace(pool, dtype=np.dtype(np.int8), kv=kv, ks_strides=(ps * h, 1, ps),
+                               vs_strides=(ps * h, 1, ps))
     return info, [pyattn.asarray(x) for x in codes], [pyattn.asarray(x) for x in scales]
 
 

@@ -185,7 +185,7 @@ def code_mismatches(cache, seqs, kind, k, v) -> int:
             continue
         codes, scales = quantize_rows(x, QKIND[kind])
         got = pool.numpy()[table].reshape(AB, -1, HKV, D)[:, :ACTX]
-        got_s = spool.numpy()[table].reshape(AB, -1, HKV)[:, :ACTX]
+        got_s = np.swapaxes(spool.numpy()[table], -1, -2).reshape(AB, -1, HKV)[:, :ACTX]  # (page, head, slot)
         n += int((got.view(np.uint8) != codes.view(np.uint8)).sum())
         n += int((got_s.view(np.uint32) != scales.view(np.uint32)).sum())
     return n

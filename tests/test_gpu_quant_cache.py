@@ -49,11 +49,12 @@ def _pools(cache) -> tuple:
 
 
 def _read(pools, cache, sid) -> tuple:
-    """Codes (n, H, D) and scales (n, H) of sequence ``sid``, through its pages."""
+    """Codes (n, H, D) and scales (n, H) of sequence ``sid``, through its pages (the scale pools
+    are (page, head, slot))."""
     pages, n, ps = cache.book.pages(sid), cache.length(sid), cache.page_size
     idx = np.arange(n)
     p, s = pages[idx // ps], idx % ps
-    return tuple(a[p, s] for a in pools)
+    return tuple(a[p, s] if i < 2 else a[p, :, s] for i, a in enumerate(pools))
 
 
 def _assert_bits(got, want, what):
@@ -82,7 +83,7 @@ def test_appends_match_the_reference(dtype, src, page_size, H, D):
     few one-token steps (a decode loop)."""
     rng = np.random.default_rng(page_size * 1000 + D)
     cache = pyattn.PagedKVCache(64, page_size, H, D, dtype)
-    assert cache.kv == CACHE_DTYPES[dtype] and cache.k_scale.shape == (64, page_size, H)
+    assert cache.kv == CACHE_DTYPES[dtype] and cache.k_scale.shape == (64, H, page_size)
     ids = [cache.add_sequence() for _ in range(3)]
     model = {sid: [np.zeros((0, H, D), SRC[src])] * 2 for sid in ids}
 
@@ -274,4 +275,4 @@ def test_per_channel_pages_follow_the_rule(ops, page_size, num_pages, dtype, see
         p, s = cache.book.pages(sid)[idx // page_size], idx % page_size
         want_codes, want_scales = quantize_rows(rows, cache.kv)
         _assert_bits(vc[p, s], want_codes, f"sequence {sid} V codes")
-        _assert_bits(vs[p, s], want_scales, f"sequence {sid} V scales")
+        _assert_bits(vs[p, :, s], want_scales, f"sequence {sid} V scales")

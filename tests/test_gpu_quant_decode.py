@@ -162,7 +162,7 @@ def _dequant_values(cache, sid) -> np.ndarray:
     pages, n, ps = cache.book.pages(sid), cache.length(sid), cache.page_size
     idx = np.arange(n)
     p, s = pages[idx // ps], idx % ps
-    return dequantize(codes[p, s], scales[p, s]).astype(np.float64)
+    return dequantize(codes[p, s], scales[p, :, s]).astype(np.float64)
 
 
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])

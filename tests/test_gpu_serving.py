@@ -234,7 +234,9 @@ def test_accept_keeps_the_branch_then_decode_sees_it(dtype):
         pages, n = cache.book.pages(sid), cache.length(sid)
         at = np.arange(n)
         pools = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.kv else [])
-        return [x.numpy()[pages[at // ps], at % ps].copy() for x in pools]
+        # (the scale pools are (page, head, slot))
+        return [x.numpy()[pages[at // ps], at % ps].copy() if i < 2 else x.numpy()[pages[at // ps], :, at % ps].copy()
+                for i, x in enumerate(pools)]
 
     before = {s: rows(s) for s in ids + [fork]}
     if dtype != "int8":

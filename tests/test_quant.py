@@ -309,8 +309,8 @@ def test_cache_constructor_pools_and_pool_info(fake_device, dtype, kv, name):
     assert (p.num_pages, p.page_size, p.heads_kv, p.head_dim, p.dtype, p.kv) == (6, 16, 3, 128, c.dtype, kv)
     assert p.k_strides == p.v_strides == (16 * 3 * 128, 3 * 128, 128)
     if kv:
-        assert c.k_scale.shape == c.v_scale.shape == (6, 16, 3) and c.k_scale.dtype == np.float32
-        assert p.ks_strides == p.vs_strides == (16 * 3, 3, 1)
+        assert c.k_scale.shape == c.v_scale.shape == (6, 3, 16) and c.k_scale.dtype == np.float32
+        assert p.ks_strides == p.vs_strides == (3 * 16, 1, 16)  # (page, slot, head) of (page, head, slot)
         assert f"{name} codes + float32 scales per token and kv head" in repr(c)
     else:
         assert c.k_scale is None and c.v_scale is None and p.ks_strides == p.vs_strides == (0, 0, 0)

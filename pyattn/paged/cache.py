@@ -85,8 +85,9 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         The pools, (num_pages, page_size, num_kv_heads, head_dim), of ``dtype`` (the codes, for a
         quantized cache); slots not covered by a sequence hold stale data.
     k_scale, v_scale : DeviceArray or None
-        Quantized caches: float32 (num_pages, page_size, num_kv_heads), the scale of each code
-        row (value = code * scale). None for float16 / bfloat16 caches. With
+        Quantized caches: float32 (num_pages, num_kv_heads, page_size), the scale of each code
+        row (value = code * scale; slot ``s`` of kv head ``h`` of page ``p`` at ``[p, h, s]``). None
+        for float16 / bfloat16 caches. With
         ``key_scales="channel"``, ``k_scale`` is float32 (num_pages, num_kv_heads, 4 + head_dim / 2
         + 2 page_size): per (page, kv head) the page scale ``S`` at ``[..., 0]``, the kept channels'
         indices (4 bytes) at ``[..., 1]``, from ``[..., 4]`` on the float16 relative channel scales
@@ -158,8 +159,13 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         shape = (self.book.num_pages, self.book.page_size, self.num_kv_heads, self.head_dim)
         self.k = empty(shape, dt, device=device)
         self.v = empty(shape, dt, device=device)
-        self.k_scale = empty(shape[:3], np.float32, device=device) if kv else None
-        self.v_scale = empty(shape[:3], np.float32, device=device) if kv else None
+        # Scales head-major: a decode block (one kv head) reads its page's scales as one contiguous
+        # run. Slot-major, each block's 4-byte scale shared a 32-byte sector with the other heads',
+        # read by other blocks at other times; at pages of 128 the int8 decode was 3% slower (H200,
+        # B64 x 32k: 1034 -> 1000 us; pages of 16 level; BENCHMARKS.md, thirty-sixth session).
+        sshape = (shape[0], shape[2], shape[1])
+        self.k_scale = empty(sshape, np.float32, device=device) if kv else None
+        self.v_scale = empty(sshape, np.float32, device=device) if kv else None
         self.key_scales, self._keys, self._stage, self._kscratch = "token", None, None, None
         if channel:  # one record per (page, kv head): [S, idx, 0, 0, fp16 r[head_dim], fp16 kept[page_size][4]]
             self.key_scales, self._keys = "channel", KeyStager(self.book.page_size)
@@ -170,10 +176,13 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         self._sq, self.v_sum, self._vrows = (SparqRows() if sparq else None), None, None
         self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
         st = self.k.elem_strides[:3]
-        sst = self.k_scale.elem_strides if kv else (0, 0, 0)
-        vst = self.v_scale.elem_strides if kv else (0, 0, 0)
-        if channel:  # the decode reads S of a key's page at (page, any slot, head)
-            sst = (sst[0], 0, sst[1])
+        def by_slot(s):  # the kernels' (page, slot, head) strides of a head-major scale pool
+            return (s[0], s[2], s[1])
+
+        sst = by_slot(self.k_scale.elem_strides) if kv else (0, 0, 0)
+        vst = by_slot(self.v_scale.elem_strides) if kv else (0, 0, 0)
+        if channel:  # the decode reads S of a key's page at (page, any slot, head): record (page, head)
+            sst = (self.k_scale.elem_strides[0], 0, self.k_scale.elem_strides[1])
         self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, vst, channel)
         # What a decode's problem takes from the cache, for memo keys: not the cache (a key would
         # keep its pools alive), and the layout as a number (hashing the dataclass costs ~0.4 us).
