@@ -33,6 +33,7 @@ OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
 LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields) per launch, when recording
 PDL_LAUNCHES: list = []  # kernel names launched as programmatic dependents (cuLaunchKernelEx), always
+TMAP_L2: list = []  # the L2 promotion each tensor map was encoded with (CUtensorMapL2promotion), always
 _CTX = 0xC0000
 
 
@@ -196,6 +197,7 @@ class _Fake:
     def cuTensorMapEncodeTiled(self, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2,
                                fill):
         # A map's 128 bytes: here the address and a counter (a kernel never reads them).
+        TMAP_L2.append(l2)
         return OK, types.SimpleNamespace(opaque=[int(ptr), next(self.ids)] + [0] * 14)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
@@ -267,6 +269,7 @@ def install(monkeypatch) -> _Fake:
     CALLS.clear()
     LAUNCHES.clear()
     PDL_LAUNCHES.clear()
+    TMAP_L2.clear()
     fake.finalizers_before = set(weakref.finalize._registry)  # see uninstall()
     return fake
 

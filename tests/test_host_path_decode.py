@@ -177,9 +177,22 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
         assert (dtype, dims, strides, box, swizzle, l2) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128,
                                                             128)
+    promotion = driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+    assert fake_driver.TMAP_L2 == [promotion, promotion]  # what the driver was asked for
     encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
     pyattn.decode(q, c, ids)
     assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
+
+
+def test_dense_prefill_maps_keep_the_default_promotion(gpu):
+    """The dense sm_90a prefill's q / k / v maps keep the 256-byte L2 promotion (their rows are
+    reused across query tiles; measured level with 128, BENCHMARKS.md, thirty-sixth session): only
+    the decode pools' maps ask for their rows' own 128 bytes."""
+    q, k, v = (_da((1, 256, 8, 64), ml_dtypes.bfloat16) for _ in range(3))
+    fake_driver.TMAP_L2.clear()
+    pyattn.attention(q, k, v)
+    assert len(fake_driver.TMAP_L2) == 3  # q, k, v
+    assert set(fake_driver.TMAP_L2) == {driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B}
 
 
 @pytest.mark.parametrize("kind, key_scales, D", [("int8", "token", 128), ("fp8_e4m3", "token", 128),
