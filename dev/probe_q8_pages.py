@@ -7,8 +7,9 @@ Times ``pyattn.decode`` over PagedKVCaches filled as ``scripts/bench_quant.py`` 
 K/V appended from torch; Hq 32, Hkv 8, D 128) at each page size (``quant_caches.PAGE`` set before
 ``new_cache``), bf16 queries of each ``--qlen`` (1: the swapped-role blocks for GQA 4; 3: 12 rows, the
 m16 ones), GPU us through ``harness.Bench.gpu_ms``. Found with it (BENCHMARKS.md, thirty-fifth
-session): the per-token 8-bit kernels lose 10-14% at B64 x 32k from pages of 32 on, where bf16 loses
-1-2% and per-channel keys gain.
+session): the per-token 8-bit kernels lost 10-14% at B64 x 32k from pages of 32 on; the thirty-sixth
+traced that to the pool maps' 256-byte L2 promotion and the slot-major scale pools (page 128 now
+2-3% behind page 16).
 """
 
 from __future__ import annotations
