@@ -108,6 +108,30 @@ def test_key_padding_masks(kind):
     assert np.isneginf(lse.numpy()[2]).all()
 
 
+@pytest.mark.parametrize("kind", ["bf16", "f32"])
+@pytest.mark.parametrize("tma", [True, False])
+def test_lowest_float_mask_values_hide_keys(kind, tma):
+    """The masks HF transformers builds: finfo(dtype).min where a key is hidden. Such a term hides
+    its key as -inf does, and a row hidden so at every key is an empty row (0, LSE -inf), not NaN.
+    (bf16 inputs add a float mask's terms to scale * q.k in the accumulator, whose reference in log2
+    units overflows at a row max that low.) ``tma=False``: a view off 16 bytes, attn_fwd_wgmma."""
+    rng = np.random.default_rng(8)
+    B, Sq, Sk, H, D = 1, 130, 512, 2, 128
+    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
+    low = np.finfo(np.float32).min if kind == "f32" else float(ml_dtypes.finfo(ml_dtypes.bfloat16).min)
+    hide = rng.random((B, H, Sq, Sk)) < 0.5
+    hide[:, :, 5] = True  # every key of row 5
+    hide[:, :, 64:] &= np.arange(Sk) >= 256  # rows 64..: the first two key tiles all visible
+    buf = np.zeros((B, H, Sq, Sk + 16), MASK_DTYPES[kind])
+    off = 0 if tma else 1
+    buf[..., off:off + Sk] = np.where(hide, low, 0.0)
+    mask = _view(pyattn.asarray(buf), off, (B, H, Sq, Sk), (H * Sq * (Sk + 16), Sq * (Sk + 16), Sk + 16, 1))
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=mask, return_lse=True)
+    out, lse = out.numpy(), lse.numpy()
+    _check(out, lse, q, k, v, mask=np.where(hide, -np.inf, 0.0))
+    assert (out[:, 5] == 0).all() and np.isneginf(lse[..., 5]).all()
+
+
 def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
     """A float mask view one element into its buffer (rows still 16-byte strided): TMA cannot read
     it, so that call runs attn_fwd_wgmma, which reads such a mask in place; the same problem with
