@@ -11,7 +11,7 @@ bucket's row taken out of attn_fwd_tma's table with ``override_tiles``, so the c
 copies the tiles), each against the dense (or causal) time timed again right after it (the clock
 drifts down as the GPU heats: 10% over a run). ``--row`` adds a column per row given: the float-mask
 call on attn_fwd_tma with that row in its table (e.g. ``128,128,2,2,0,0`` for 2 stages without
-overlap); ``--no-cp`` drops the cp.async column.
+overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async column.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=["bool", "bf16", "f32"])
     ap.add_argument("--no-cp", action="store_true", help="skip the attn_fwd_wgmma (cp.async) column")
     ap.add_argument("--row", nargs="*", default=[], help="float-mask rows to time as well: D,BLOCK_N,WARPGROUPS,"
-                    "STAGES,OVERLAP,SPLIT_KV (warp-specialized)")
+                    "STAGES,OVERLAP,SPLIT_KV[,PERSISTENT] (warp-specialized)")
     args = ap.parse_args()
-    rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp))
-            for d, n, w, st, ov, sp in (map(int, r.split(",")) for r in args.row)]
+    rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]))
+            for d, n, w, st, ov, sp, *pe in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
         probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D])
@@ -86,7 +86,8 @@ def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=()) -> None
                 tab = rows_with(tile_table("attn_fwd_tma", "sm_90a", table), D, row)
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):
                     cols.append((f"{row.block_n}x{row.stages}{'+ov' if row.overlap else ''}"
-                                 f"{'+split' if row.split_kv else ''}", run(opts), run(base_opts)))
+                                 f"{'+split' if row.split_kv else ''}{'+pers' if row.persistent else ''}", run(opts),
+                                 run(base_opts)))
             print(f"{kind + ' ' + name:40} " + " | ".join(f"{c} {t:8.3f} ms {t / b:5.2f}x" for c, t, b in cols),
                   flush=True)
             del m
