@@ -113,8 +113,9 @@ def test_key_padding_masks(kind):
 def test_lowest_float_mask_values_hide_keys(kind, tma):
     """The masks HF transformers builds: finfo(dtype).min where a key is hidden. Such a term hides
     its key as -inf does, and a row hidden so at every key is an empty row (0, LSE -inf), not NaN.
-    (bf16 inputs add a float mask's terms to scale * q.k in the accumulator, whose reference in log2
-    units overflows at a row max that low.) ``tma=False``: a view off 16 bytes, attn_fwd_wgmma."""
+    (The wgmma kernels add m / scale to raw scores, which overflows to -inf for such terms; another
+    form of the sum, e.g. a score in natural-log units, must not turn them into NaN rows.)
+    ``tma=False``: a view off 16 bytes, attn_fwd_wgmma."""
     rng = np.random.default_rng(8)
     B, Sq, Sk, H, D = 1, 130, 512, 2, 128
     q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
