@@ -176,13 +176,11 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         self._sq, self.v_sum, self._vrows = (SparqRows() if sparq else None), None, None
         self.k.stream.synchronize()  # allocated on pyattn's stream; appends and decodes may use others
         st = self.k.elem_strides[:3]
-        def by_slot(s):  # the kernels' (page, slot, head) strides of a head-major scale pool
-            return (s[0], s[2], s[1])
-
-        sst = by_slot(self.k_scale.elem_strides) if kv else (0, 0, 0)
-        vst = by_slot(self.v_scale.elem_strides) if kv else (0, 0, 0)
-        if channel:  # the decode reads S of a key's page at (page, any slot, head): record (page, head)
-            sst = (self.k_scale.elem_strides[0], 0, self.k_scale.elem_strides[1])
+        # The kernels read scales by (page, slot, head) strides: per-token scales are head-major
+        # (page, head, slot); a per-channel record is (page, head), read at any slot of its page.
+        ks, vs = (self.k_scale.elem_strides, self.v_scale.elem_strides) if kv else ((0, 0, 0), (0, 0, 0))
+        sst = (ks[0], 0, ks[1]) if channel else (ks[0], ks[2], ks[1])
+        vst = (vs[0], vs[2], vs[1])
         self.pool_info = PoolInfo(shape[0], shape[1], shape[2], shape[3], dt, st, st, kv, sst, vst, channel)
         # What a decode's problem takes from the cache, for memo keys: not the cache (a key would
         # keep its pools alive), and the layout as a number (hashing the dataclass costs ~0.4 us).
