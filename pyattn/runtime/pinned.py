@@ -137,17 +137,37 @@ class StagingPool:
         self._free: list[tuple[PinnedBuffer, object]] = []
         self._lock = threading.Lock()
 
+    KEEP = 8  # buffers kept for reuse
+
     def acquire(self, nbytes: int) -> PinnedBuffer:
-        """Return a pinned buffer of at least ``nbytes`` whose previous copies have completed."""
+        """Return a pinned buffer of at least ``nbytes`` whose previous copies have completed.
+
+        When every kept buffer is still in flight and the pool is full (a loop of small calls
+        queued ahead of the GPU, each uploading a few bytes of tables), this waits for the oldest
+        one that fits instead of allocating another: the extra buffer would later be freed, and
+        ``cuMemFreeHost`` waits for the whole device, so the loop's queue drained at every call
+        (H200, a B8 x 4k decode with ragged NumPy lengths: 74-104 us a call in a loop against 38
+        with no upload; BENCHMARKS.md, thirty-eighth session)."""
         driver = _drv()
+        fits = lambda b: b.nbytes >= nbytes and b.write_combined == self.write_combined  # noqa: E731
+        taken = None
         with self._lock:
             for i, (buf, ev) in enumerate(self._free):
-                if buf.nbytes >= nbytes and buf.write_combined == self.write_combined and (
-                        ev is None or int(driver.cuEventQuery(ev)[0]) == 0):
+                if fits(buf) and (ev is None or int(driver.cuEventQuery(ev)[0]) == 0):
                     del self._free[i]
                     if ev is not None:
                         driver.cuEventDestroy(ev)
                     return buf
+            if len(self._free) >= self.KEEP:
+                taken = next(((i, b, e) for i, (b, e) in enumerate(self._free) if fits(b)), None)
+                if taken is not None:
+                    del self._free[taken[0]]
+        if taken is not None:
+            _, buf, ev = taken
+            if ev is not None:  # (outside the lock: other threads may take other buffers meanwhile)
+                check(driver.cuEventSynchronize(ev), "cuEventSynchronize")
+                driver.cuEventDestroy(ev)
+            return buf
         # Round up to a power of two so buffers get reused across slightly different sizes.
         return PinnedBuffer(1 << max(int(nbytes) - 1, 4095).bit_length(), self.write_combined)
 
@@ -160,7 +180,7 @@ class StagingPool:
             check(driver.cuEventRecord(ev, stream.handle), "cuEventRecord")
         with self._lock:
             self._free.append((buf, ev))
-            if len(self._free) > 8:  # bound the pinned memory kept around
+            if len(self._free) > self.KEEP:  # bound the pinned memory kept around
                 old, old_ev = self._free.pop(0)
                 if old_ev is not None:
                     driver.cuEventSynchronize(old_ev)
