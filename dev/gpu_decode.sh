@@ -38,6 +38,7 @@ if has tests; then
   stamp tests
   timeout 300 python -m pytest -q -p no:cacheprovider -ra tests/test_gpu_decode.py tests/test_gpu_quant_decode.py \
     tests/test_gpu_quant_cache.py tests/test_gpu_serving.py tests/test_gpu_sparq.py tests/test_gpu_boundary.py \
+    tests/test_gpu_contiguous.py \
     2>&1 | tee "$OUT/tests.log" | tail -8
 fi
 if has bench; then

@@ -122,7 +122,9 @@ struct DecodeBlock {
     // so that their blocks are not the last to start; null keeps the batch's own order.
     b = p.batch_order != nullptr ? __ldg(p.batch_order + blockIdx.z) : blockIdx.z;
     r0 = (blockIdx.y % p.row_blocks) * Tr::kRows;
-    kv_len = p.kv_len[b];
+    // One length for the whole batch comes by value (contiguous_decode(..., cache_seqlens=int)):
+    // a decode step then needs no per-call device table.
+    kv_len = p.kv_len != nullptr ? p.kv_len[b] : p.uniform_len;
     n_rows = p.group * p.q_len;
     pages = p.page_indptr != nullptr ? p.page_indices + p.page_indptr[b] : p.page_indices + b * p.table_stride;
     band = make_band(p, p.q_len, kv_len);

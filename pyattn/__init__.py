@@ -19,6 +19,7 @@ _EXPORTS = {
     "block_sparse_attention": "ops.block_sparse",
     "decode": "ops.decode",
     "paged_decode": "ops.decode",
+    "contiguous_decode": "ops.contiguous",
     "prefill": "ops.prefill",
     "verify_tree": "ops.prefill",
     "sparq_decode": "ops.sparq",

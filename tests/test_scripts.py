@@ -238,8 +238,9 @@ def test_reports_print_from_results_with_gaps(capsys):
         bench_decode.derive(r, 4000.0)
     assert len(bench_decode.table(rows)) == len(rows) + 2
     passed = [t["pass"] for t in bench_decode.targets(rows)]
-    # x cuDNN 0.8 (B1, B8), n/a (the failed B64 row), paged / contiguous 1.0 (B1, B8)
-    assert passed == [False, False, None, True, True], passed
+    # x cuDNN 0.8 (B1, B8), n/a (the failed B64 row), paged / contiguous 1.0 (B1, B8), each followed by
+    # the NumPy-table ratio, which has no target
+    assert passed == [False, False, None, True, None, True, None], passed
     bench_prefill.print_report({"environment": env, "ceilings": {"matmul_float16_tflops": 700.0}, "configs": [
         {"dtype": "float16", "head_dim": 64, "seqlen": 1024, "causal": False, "batch": 16, "heads": 32,
          "pyattn_ms": 1.0, "pyattn_tflops": 300.0, "fa2_ms": 1.1}, {"dtype": "bfloat16", "head_dim": 64,

@@ -95,7 +95,8 @@ def blocked(monkeypatch):
 def calls(draw):
     """``(entry name, function, positional args, keyword args, what was broken)``."""
     entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
-                                  "merge_states", "paged_decode", "decode", "prefill", "verify_tree",
+                                  "merge_states", "paged_decode", "contiguous_decode", "decode", "prefill",
+                                  "verify_tree",
                                   "attention_backward", "attention_varlen_backward",
                                   "sparq_decode"]))
     B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
@@ -165,6 +166,11 @@ def calls(draw):
             pool = Dev((8, 16, 2, D), dt)
             args += [pool, pool]
             kwargs = {"block_table": np.zeros((B, 2), np.int32), "seq_lens": np.full(B, 3, np.int32)}
+        elif entry == "contiguous_decode":
+            kc = Dev((B, 24, 2, D), dt)
+            args += [kc, kc, np.full(B, 3, np.int32)]
+            names, kwargs = ["q", "k_cache", "v_cache", "cache_seqlens"], {}
+            options.append("layout")
         else:
             args.append(draw(st.just("CACHE")))  # replaced by the test's cache
             args.append(list(range(B)))
@@ -252,6 +258,9 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
         lambda: pyattn.merge_states(q, np.zeros((1, 4, 8), np.float32), q, np.zeros((1, 4, 8), np.float32)),
         lambda: pyattn.paged_decode(np.zeros((1, 1, 4, 32), np.float16), Dev((8, 16, 2, 32)), Dev((8, 16, 2, 32)),
                                     block_table=np.zeros((1, 2), np.int32), seq_lens=np.full(1, 3, np.int32)),
+        lambda: pyattn.contiguous_decode(np.zeros((2, 1, 4, 32), np.float16), Dev((2, 24, 2, 32)), Dev((2, 24, 2, 32)),
+                                         np.array([3, 24], np.int32)),
+        lambda: pyattn.contiguous_decode(Dev((2, 3, 4, 32)), Dev((2, 2, 64, 32)), Dev((2, 2, 64, 32)), 5, layout="hnd"),
         lambda: pyattn.decode(np.zeros((1, 1, 4, 32), np.float16), cache(32, np.float16), [0]),
         lambda: pyattn.prefill(np.zeros((1, 8, 4, 32), np.float16), cache(32, np.float16, [20]), [0]),
         lambda: pyattn.prefill(Dev((8, 4, 32)), cache(32, np.float16, [20, 8]), [0, 1],

@@ -64,7 +64,8 @@ MERGE_STATES_PARAMS = ParamStruct(
 
 # Decode over a paged KV cache. Sequence b's pages: page_indices[page_indptr[b] + i] (CSR), or
 # page_indices[b * table_stride + i] when page_indptr is null (a padded block table); its kv_len[b]
-# tokens are key t at slot t % page_size of page i = t / page_size. Pool strides (page, slot,
+# tokens (uniform_len tokens for every sequence when kv_len is null: pyattn.contiguous_decode with
+# one length, no per-call table) are key t at slot t % page_size of page i = t / page_size. Pool strides (page, slot,
 # head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
@@ -86,7 +87,7 @@ DECODE_PARAMS = ParamStruct(
     (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "mut_ptr"), ("lse", "f32_ptr"), ("o_part", "f32_ptr"),
      ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("batch_order", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"),
-     ("v_scale", "f32_cptr"), ("tmaps", "ptr"), ("num_splits", "i32"),
+     ("v_scale", "f32_cptr"), ("tmaps", "ptr"), ("num_splits", "i32"), ("uniform_len", "i32"),
      ("table_stride", "i64"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
     + _pool_strides("ks") + _pool_strides("vs")

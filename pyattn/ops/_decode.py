@@ -165,7 +165,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     q, k, v : int
         Device addresses of the queries and of the K and V pools.
     tables : (indices, indptr or None, table_stride, kv_len, order or None): device int32 arrays
-        (``.ptr``); ``order``, the batch entries longest first: their blocks start first
+        (``.ptr``); ``order``, the batch entries longest first: their blocks start first;
+        ``kv_len`` may be an int, every sequence's length (passed by value, no device array)
     max_len : int
         The longest sequence (host value) for the split heuristic.
     alibi_ptr : int
@@ -209,11 +210,12 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len, order = tables
+    uniform = isinstance(kv_len, int)
     tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s) if plan.tma_box else 0
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
-                              indptr.ptr if indptr is not None else 0, kv_len.ptr,
+                              indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
-                              table_stride)
+                              kv_len if uniform else 0, table_stride)
     # The TMA kernels wait for the stream's previous kernel in-kernel (kernels_src/pdl.cuh), so they
     # launch as its programmatic dependents: their launch and block start overlap its tail.
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params, pdl=bool(plan.tma_box))

@@ -98,11 +98,11 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
                              f"got {i.ptr:#x}")
     k, v = ins
     if k.ordinal is not None and v.ordinal is not None and k.ordinal != v.ordinal:
-        raise ValueError(f"v_pool: expected an array on k_pool's device {k.ordinal}, got device {v.ordinal}")
+        raise ValueError(f"{v.name}: expected an array on {k.name}'s device {k.ordinal}, got device {v.ordinal}")
     if k.dtype != v.dtype:
-        raise TypeError(f"v_pool: expected dtype {k.dtype} (k_pool's), got {v.dtype}")
+        raise TypeError(f"{v.name}: expected dtype {k.dtype} ({k.name}'s), got {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"v_pool: expected shape {k.shape} (k_pool's), got {v.shape}")
+        raise ValueError(f"{v.name}: expected shape {k.shape} ({k.name}'s), got {v.shape}")
     if layout == "nhd":
         num_pages, page_size, heads, dim = k.shape
         perm = (0, 1, 2)
@@ -110,11 +110,11 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
         num_pages, heads, page_size, dim = k.shape
         perm = (0, 2, 1)
     if dim % 8 or not 8 <= dim <= 256:
-        raise ValueError(f"k_pool: head_dim must be a multiple of 8 in [8, 256], got {dim}")
+        raise ValueError(f"{k.name}: head_dim must be a multiple of 8 in [8, 256], got {dim}")
     if num_pages < 1 or page_size < 1 or heads < 1:
-        raise ValueError(f"k_pool: expected at least one page, slot and head, got shape {k.shape}")
+        raise ValueError(f"{k.name}: expected at least one page, slot and head, got shape {k.shape}")
     if heads > _MAX_GRID_YZ:
-        raise ValueError(f"k_pool: at most {_MAX_GRID_YZ} kv heads, got {heads}")
+        raise ValueError(f"{k.name}: at most {_MAX_GRID_YZ} kv heads, got {heads}")
     strides = tuple(tuple(i.strides[a] for a in perm) for i in ins)
     return PoolInfo(num_pages, page_size, heads, dim, k.dtype, *strides)
 
