@@ -48,6 +48,26 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     assert p[7] != 0  # the stream's split counters
 
 
+def test_equal_lengths_go_to_the_kernel_by_value(gpu, cache):
+    """A batch whose sequences are equally long (a batch of one always) passes the length by value
+    (a null kv_len pointer: no dependent read at each block's start); a ragged one reads the
+    cache's device lengths; the longest-first order only when ragged."""
+    c, ids = cache
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids)
+    pyattn.decode(_da((1, 1, 8, 64), ml_dtypes.bfloat16), c, ids[:1])
+    (_, _, _, p), (_, _, _, p1) = fake_driver.LAUNCHES
+    assert p[10] == 0 and p1[10] == 0 and p[11] == 0
+    one = np.zeros((1, 1, 2, 64), ml_dtypes.bfloat16)
+    c.append(ids[:1], one, one)  # one sequence a token longer
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(q, c, ids)
+    ((_, _, _, p),) = fake_driver.LAUNCHES
+    assert p[10] != 0 and p[11] != 0
+
+
 def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache):
     """16 query tokens x a GQA group of 4 at 33 splits: the fused combine's last block would read
     4 items (4 consumer warps of attn_decode_tma) x 3 batches of splits per thread (over its

@@ -30,6 +30,17 @@ _memo = Memo()  # signature -> problem
 _quick = Memo()  # quick key -> pipeline.device.Bound
 
 
+def _cache_tables(cache, ids, s) -> tuple:
+    """The cache's decode tables, max and total length; when every sequence of the batch has the
+    same length (a batch of one always), the length goes to the kernel by value: each block then
+    starts without a dependent read of its length (H200, B1 x 4k bf16 page 16: BENCHMARKS.md,
+    thirty-eighth session). The cache's host mirror holds what its device table holds."""
+    tables, max_len, total_len = cache.decode_tables(ids, s)
+    if max_len * len(ids) == total_len:
+        tables = (*tables[:3], max_len, tables[4])
+    return tables, max_len, total_len
+
+
 def _check(P, ptrs) -> None:
     """The per-call address check of a repeat decode (q's; the slopes are read as float32 words)."""
     check_q_address(ptrs[0])
@@ -211,7 +222,7 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
 
     def launch_fn(device, s, dq, alibi_ptr):
         cache.order(s)
-        tables, max_len, total_len = cache.decode_tables(ids, s)
+        tables, max_len, total_len = _cache_tables(cache, ids, s)
         return run_decode(P, device, dq.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, alibi_ptr, s, return_lse,
                           scales, total_len)
 
@@ -232,7 +243,7 @@ def _repeat(bound, cache, ids, arrays, stream, return_lse, reads):
     P, device = bound.problem, bound.device
     s, (q, alibi) = begin(bound, stream, arrays, reads)  # (q's address checked: _check)
     cache.order(s)
-    tables, max_len, total_len = cache.decode_tables(ids, s)
+    tables, max_len, total_len = _cache_tables(cache, ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)
     out, lse = run_decode(P, device, q, cache.k.ptr, cache.v.ptr, tables, max_len, alibi, s, return_lse, scales,
                           total_len)
