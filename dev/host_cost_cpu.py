@@ -9,7 +9,8 @@ host time per repeat call, Python function calls and C calls per call (``sys.set
 driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch tensors with
 ``stream=None`` (torch's current stream, rule 2), on CuPy-like CUDA-array-interface objects with a
 stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
-``decode(q, cache, ids)`` with a DeviceArray q or a torch q. The per-stage times of the attention
+``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``contiguous_decode`` with one int
+length and with ragged NumPy lengths (an upload a call). The per-stage times of the attention
 call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
 """
 
@@ -115,6 +116,8 @@ def calls():
     cache.append(ids, kv, kv)
     qd = pyattn.empty((2, 1, 8, 64), ml_dtypes.bfloat16)
     tq = torch.Tensor(qd.shape, qd.ptr, "bfloat16")
+    kc = pyattn.empty((2, 256, 2, 64), ml_dtypes.bfloat16)  # contiguous caches (batch, max_len, Hkv, D)
+    ragged = np.array([256, 100], np.int32)
     keep = [None]
 
     def run(f):
@@ -131,6 +134,8 @@ def calls():
         "attention DLPack only": run(lambda: pyattn.attention(j, j, j)),
         "decode DeviceArray q": run(lambda: pyattn.decode(qd, cache, ids)),
         "decode torch q": run(lambda: pyattn.decode(tq, cache, ids)),
+        "contiguous_decode, int length": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200)),
+        "contiguous_decode, NumPy ragged": run(lambda: pyattn.contiguous_decode(qd, kc, kc, ragged)),
     }, d
 
 
