@@ -211,6 +211,19 @@ def full_decode(monkeypatch):
     """Counts the decode calls that took the full path."""
     from pyattn.ops import decode as op
 
+    return _spy_full(monkeypatch, op)
+
+
+@pytest.fixture
+def full_contig(monkeypatch):
+    """Counts the contiguous_decode calls that took the full path."""
+    from pyattn.ops import contiguous as op
+
+    return _spy_full(monkeypatch, op)
+
+
+def _spy_full(monkeypatch, op) -> list:
+    """Wrap ``op._full`` (an op module's full path): each call's positional arguments go to the list."""
     calls = []
     real = op._full
     monkeypatch.setattr(op, "_full", lambda *a, **k: calls.append(a) or real(*a, **k))

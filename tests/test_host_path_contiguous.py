@@ -12,20 +12,9 @@ import pytest
 
 import fake_driver
 import pyattn
-from _host_path_helpers import _da, _repeat_calls
+from _host_path_helpers import _da, _repeat_calls  # (fixtures gpu, full_contig: conftest.py)
 
 BF16 = ml_dtypes.bfloat16
-
-
-@pytest.fixture
-def full_contig(monkeypatch):
-    """Counts the contiguous_decode calls that took the full path."""
-    from pyattn.ops import contiguous as op
-
-    calls = []
-    real = op._full
-    monkeypatch.setattr(op, "_full", lambda *a, **k: calls.append(a) or real(*a, **k))
-    return calls
 
 
 def test_int_lengths_take_the_repeat_path(gpu, full_contig):
