@@ -5,7 +5,7 @@
 
 bf16 GQA 32/8 D 128, q_len 1. Per point: ``pyattn.decode`` over a page-16 PagedKVCache, then
 ``pyattn.contiguous_decode`` over contiguous (B, L, Hkv, D) caches with one int length, once per
-``pyattn.ops.contiguous.VIEW_PAGE`` in ``--views`` (0: no cap, one page a sequence when L is a
+``pyattn.ops._contiguous.VIEW_PAGE`` in ``--views`` (0: no cap, one page a sequence when L is a
 power of two), and the same with ragged NumPy lengths (the longest L, the others L/2: the upload
 path). GPU us through ``harness.Bench.gpu_ms`` (caches replicated past 4x the L2, calls rotating),
 ``--rounds`` alternating rounds, each figure the round's; outputs checked against the first view's.
@@ -23,7 +23,7 @@ sys.path.insert(0, "scripts")
 import harness  # noqa: E402
 
 import pyattn  # noqa: E402
-import pyattn.ops.contiguous as contiguous  # noqa: E402
+import pyattn.ops._contiguous as contiguous  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 

@@ -1,6 +1,6 @@
 """``pyattn.contiguous_decode`` without a GPU: its validation and the paged view of the caches.
 
-The view (``pyattn.ops.contiguous.paged_view``) must address every (sequence, token, head) of the
+The view (``pyattn.ops._contiguous.paged_view``) must address every (sequence, token, head) of the
 caches exactly where the caches hold it, for any strides the validators accept; the property test
 below walks every address of random geometries. Device arrays are faked with
 ``__cuda_array_interface__`` (never dereferenced).
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import pyattn
 from pyattn.interop.inputs import read
-from pyattn.ops.contiguous import VIEW_PAGE, paged_view
+from pyattn.ops._contiguous import VIEW_PAGE, paged_view
 from pyattn.validate.contiguous import check_caches, check_seqlens
 from test_decode_validation import F16, FakeDev
 

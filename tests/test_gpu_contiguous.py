@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.ops.contiguous import paged_view
+from pyattn.ops._contiguous import paged_view
 from pyattn.interop.inputs import read
 from pyattn.validate.contiguous import check_caches
 
@@ -50,6 +50,12 @@ def _caches(rng, lengths, max_len, Hkv, D, dtype, layout, pad):
     return kd, vd, ks, vs
 
 
+def _written(cache_view, layout):
+    """The whole buffer under a cache view (its owner), on the host, as (B, L + pad, Hkv, D)."""
+    x = cache_view.owner.numpy()
+    return x if layout == "nhd" else x.transpose(0, 2, 1, 3)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 3), max_len=st.sampled_from([16, 100, 256, 320, 1024, 4096]),
        pad=st.sampled_from([0, 0, 8, 128]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 4, 8]),
@@ -57,16 +63,27 @@ def _caches(rng, lengths, max_len, Hkv, D, dtype, layout, pad):
        dtype=st.sampled_from(["float16", "bfloat16"]), layout=st.sampled_from(["nhd", "hnd"]),
        form=st.sampled_from(["int", "numpy equal", "numpy ragged", "device ragged", "device equal"]),
        splits=st.sampled_from([None, None, 1, 3]), mods=st.sampled_from(["", "", "softcap", "alibi", "window"]),
-       q_on_device=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       q_on_device=st.booleans(), n_new=st.sampled_from([0, 0, 1, 3]), seed=st.integers(0, 2**31 - 1))
 def test_contiguous_decode_matches_dense(B, max_len, pad, Hkv, group, q_len, D, dtype, layout, form, splits, mods,
-                                         q_on_device, seed):
+                                         q_on_device, n_new, seed):
+    """Every length form, layout and geometry; with n_new > 0 the new tokens' K/V (device with a
+    device q, else NumPy) are written first: the attention covers them, and the caches hold them
+    at their positions with nothing else changed (the NaN past each sequence stays)."""
     rng = np.random.default_rng(seed)
+    top = max_len - n_new
     if "ragged" in form:
-        lengths = [int(x) for x in rng.integers(0, max_len + 1, B)]
-        lengths[0] = max_len  # the longest at the caches' end
+        lengths = [int(x) for x in rng.integers(0, top + 1, B)]
+        lengths[0] = top  # the longest at the caches' end
     else:
-        lengths = [int(rng.integers(q_len, max_len + 1))] * B
+        lengths = [int(rng.integers(max(0, q_len - n_new), top + 1))] * B
     kd, vd, ks, vs = _caches(rng, lengths, max_len, Hkv, D, dtype, layout, pad)
+    new = {}
+    if n_new:
+        kn, vn = _rand(rng, (B, n_new, Hkv, D), dtype), _rand(rng, (B, n_new, Hkv, D), dtype)
+        new = {"k_new": pyattn.asarray(kn), "v_new": pyattn.asarray(vn)} if q_on_device else {"k_new": kn, "v_new": vn}
+        before = [_written(x, layout) for x in (kd, vd)]
+        ks = [np.concatenate([k, kn[b]]) for b, k in enumerate(ks)]
+        vs = [np.concatenate([v, vn[b]]) for b, v in enumerate(vs)]
     Hq = Hkv * group
     q = _rand(rng, (B, q_len, Hq, D), dtype)
     opts = dict(causal=True, window=(60, 0) if mods == "window" else None)
@@ -79,11 +96,17 @@ def test_contiguous_decode_matches_dense(B, max_len, pad, Hkv, group, q_len, D, 
     if lens is None:
         lens = pyattn.asarray(np.array(lengths, np.int32))
     out, lse = pyattn.contiguous_decode(pyattn.asarray(q) if q_on_device else q, kd, vd, lens, layout=layout,
-                                        num_splits=splits, return_lse=True, **opts)
+                                        num_splits=splits, return_lse=True, **new, **opts)
     if q_on_device:
         out, lse = out.numpy(), lse.numpy()
     assert out.shape == q.shape and lse.shape == (B, Hq, q_len)
     _check_decode(out, lse, q, ks, vs, **opts)
+    if n_new:
+        for x, was, src in zip((kd, vd), before, (kn, vn)):
+            want = was.copy()
+            for b, n in enumerate(lengths):
+                want[b, n:n + n_new] = src[b]
+            np.testing.assert_array_equal(_written(x, layout).view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
@@ -130,3 +153,21 @@ def test_torch_caches_written_just_before_the_call():
     ks = [f(kc[b, :, :n]).transpose(1, 0, 2).astype(ml_dtypes.bfloat16) for b in range(B)]
     vs = [f(vc[b, :, :n]).transpose(1, 0, 2).astype(ml_dtypes.bfloat16) for b in range(B)]
     _check_decode(got.astype(ml_dtypes.bfloat16), None, f(q).astype(ml_dtypes.bfloat16), ks, vs, causal=True)
+
+
+def test_a_decode_loop_appending_each_step():
+    """A prompt's K/V written by one call (n_new = 300, q_len 1), then eight steps of one new token
+    each with a growing int length (the repeat path after the first step), every step's output
+    against the reference over everything written so far."""
+    rng = np.random.default_rng(11)
+    B, Hkv, D, L = 2, 2, 128, 1024
+    kc, vc = (pyattn.asarray(np.full((B, L, Hkv, D), np.nan, ml_dtypes.bfloat16)) for _ in range(2))
+    ks, vs, n = [np.zeros((0, Hkv, D), ml_dtypes.bfloat16)] * B, [np.zeros((0, Hkv, D), ml_dtypes.bfloat16)] * B, 0
+    for step, n_new in enumerate([300] + [1] * 8):
+        kn, vn = _rand(rng, (B, n_new, Hkv, D), "bfloat16"), _rand(rng, (B, n_new, Hkv, D), "bfloat16")
+        q = _rand(rng, (B, 1, 4 * Hkv, D), "bfloat16")
+        out = pyattn.contiguous_decode(pyattn.asarray(q), kc, vc, n, k_new=pyattn.asarray(kn), v_new=pyattn.asarray(vn))
+        ks = [np.concatenate([k, kn[b]]) for b, k in enumerate(ks)]
+        vs = [np.concatenate([v, vn[b]]) for b, v in enumerate(vs)]
+        n += n_new
+        _check_decode(out.numpy(), None, q, ks, vs, causal=True)

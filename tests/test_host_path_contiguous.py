@@ -84,3 +84,65 @@ def test_ragged_host_lengths_upload_every_call(gpu, full_contig):
     pyattn.contiguous_decode(q, kc, kc, np.array([77, 77], np.int32))  # equal values: by value
     ((_, _, _, p),) = fake_driver.LAUNCHES
     assert p[10] == 0 and p[11] == 0
+
+
+def _u32(x: int) -> tuple:
+    """The two int32 fields packed in one recorded 64-bit word (low, high)."""
+    return x & 0xFFFFFFFF, x >> 32
+
+
+def test_new_tokens_are_appended_before_the_decode(gpu, full_contig):
+    """k_new / v_new (device, (batch, n_new, Hkv, D)): one kv_append launch over the caches' view
+    (the new tokens' addresses and strides, batch x n_new items), then the decode; a decode loop
+    of such calls with a growing int length takes the repeat path, two launches a step."""
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), BF16)
+    kc, vc = _da((2, 256, 2, 64), BF16), _da((2, 256, 2, 64), BF16)
+    kn, vn = _da((2, 3, 2, 64), BF16), _da((2, 3, 2, 64), BF16)
+    fake_driver.LAUNCHES.clear()
+    for length in (10, 13, 16):
+        pyattn.contiguous_decode(q, kc, vc, length, k_new=kn, v_new=vn)
+    assert len(full_contig) == 1
+    names = [n for n, _, _, _ in fake_driver.LAUNCHES]
+    assert len(names) == 6 and all(n.startswith("pyattn_kv_append") for n in names[::2])
+    assert all(n.startswith("pyattn_attn_decode") for n in names[1::2])
+    (_, _, _, a), (_, _, _, d) = fake_driver.LAUNCHES[-2:]
+    assert a[:2] == (kn.ptr, vn.ptr) and a[6:10] == (128, 64, 128, 64)  # token and head strides
+    assert _u32(a[10]) == (6, 0) and a[11] == kc.ptr  # 2 x 3 items, no table patches; the K cache
+    assert d[1:3] == (kc.ptr, vc.ptr) and d[10] == 0  # the length (16 + 3) by value
+
+
+def test_new_tokens_validation(gpu):
+    q = _da((2, 1, 8, 64), BF16)
+    kc = _da((2, 256, 2, 64), BF16)
+    kn = _da((2, 3, 2, 64), BF16)
+    with pytest.raises(ValueError, match="k_new, v_new: give both or neither, got k_new alone"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn)
+    with pytest.raises(ValueError, match=r"v_new: expected shape \(2, n_new >= 1, 2, 64\), got \(2, 3, 4, 64\)"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=_da((2, 3, 4, 64), BF16))
+    with pytest.raises(TypeError, match="k_new: expected dtype bfloat16"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=_da((2, 3, 2, 64), np.float16), v_new=kn)
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected an int in \[0, 253\] \(max_len 256 - 3 new"):
+        pyattn.contiguous_decode(q, kc, kc, 254, k_new=kn, v_new=kn)
+    pyattn.contiguous_decode(q, kc, kc, 253, k_new=kn, v_new=kn)  # bound, then the repeat path's check
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected an int in \[0, 253\]"):
+        pyattn.contiguous_decode(q, kc, kc, 254, k_new=kn, v_new=kn)
+    with pytest.raises(ValueError, match=r"<= 253 \(max_len 256 - 3 new tokens\), got cache_seqlens\[1\] = 254"):
+        pyattn.contiguous_decode(q, kc, kc, np.array([3, 254], np.int32), k_new=kn, v_new=kn)
+    other = _da((2, 3, 2, 64), BF16, strides=(2 * 3 * 2 * 64 * 2, 256, 128, 2))  # K's strides differ
+    with pytest.raises(ValueError, match="v_new: expected k_new's element strides"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=other)
+
+
+def test_host_new_tokens_are_uploaded(gpu, full_contig):
+    """NumPy k_new / v_new: uploaded with the call (C-contiguous rows), the full path every time."""
+    gpu.record_launches = True
+    q = _da((2, 1, 8, 64), BF16)
+    kc = _da((2, 256, 2, 64), BF16)
+    kn = np.zeros((2, 1, 2, 64), BF16)
+    fake_driver.LAUNCHES.clear()
+    for length in (5, 6):
+        pyattn.contiguous_decode(q, kc, kc, length, k_new=kn, v_new=kn)
+    assert len(full_contig) == 2
+    (_, _, _, a) = fake_driver.LAUNCHES[0]
+    assert a[6:10] == (128, 64, 128, 64) and _u32(a[10]) == (2, 0)

@@ -21,9 +21,28 @@ from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 from ..runtime.mailbox import Mailbox
 
-__all__ = ["Appender"]
+__all__ = ["Appender", "pool_fields", "append_grid"]
 
 _BLOCKS_PER_SM = 8
+
+
+def pool_fields(pool, k: int, v: int, k_scale: int = 0, v_scale: int = 0, ks=(0, 0, 0), vs=(0, 0, 0)) -> dict:
+    """kv_append's per-pool fields (``KV_APPEND_PARAMS`` after the per-call ones) of the pools
+    ``pool`` (a :class:`~pyattn.validate.paged.PoolInfo`) at device addresses ``k``, ``v``; the
+    scale pools' addresses and (page, slot, head) strides for 8-bit pools."""
+    pk, pv = pool.k_strides, pool.v_strides
+    return {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale,
+            "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
+            "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
+            "ks_stride_page": ks[0], "ks_stride_slot": ks[1], "ks_stride_h": ks[2],
+            "vs_stride_page": vs[0], "vs_stride_slot": vs[1], "vs_stride_h": vs[2],
+            "heads_kv": pool.heads_kv, "head_dim": pool.head_dim, "page_size": pool.page_size}
+
+
+def append_grid(threads: int, block: int, sm_count: int) -> int:
+    """Blocks of a kv_append launch of ``threads`` threads: enough to cover them, at most a few an SM
+    (the kernel strides over the rest)."""
+    return max(1, min(-(-threads // block), sm_count * _BLOCKS_PER_SM))
 
 
 class Appender:
@@ -112,8 +131,7 @@ class Appender:
         packer, threads_per_item, block = self._packer or self._pack_cache_fields(spec)
         params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
                              n_items, patch[2])
-        threads = max(n_items * threads_per_item, patch[2])
-        grid = max(1, min(-(-threads // block), self._cache.device.sm_count * _BLOCKS_PER_SM))
+        grid = append_grid(max(n_items * threads_per_item, patch[2]), block, self._cache.device.sm_count)
         launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
 
     def _pack_cache_fields(self, spec) -> tuple:
@@ -122,16 +140,10 @@ class Appender:
         c = self._cache
         H, D = c.num_kv_heads, c.head_dim
         pi = c.pool_info
-        pk, pv, pks, pvs = pi.k_strides, pi.v_strides, pi.ks_strides, pi.vs_strides
-        k_scale = c.k_scale.ptr if c.kv else 0
+        k_scale, pks = (c.k_scale.ptr, pi.ks_strides) if c.kv else (0, (0, 0, 0))
         if c.key_scales == "channel":  # kv_key_pages rewrites them; per-token K scales go nowhere
             k_scale, pks = c._kscratch.ptr, (0, 0, 0)
-        static = {"k": c.k.ptr, "v": c.v.ptr, "k_scale": k_scale, "v_scale": c.v_scale.ptr if c.kv else 0,
-                  "k_stride_page": pk[0], "k_stride_slot": pk[1], "k_stride_h": pk[2],
-                  "v_stride_page": pv[0], "v_stride_slot": pv[1], "v_stride_h": pv[2],
-                  "ks_stride_page": pks[0], "ks_stride_slot": pks[1], "ks_stride_h": pks[2],
-                  "vs_stride_page": pvs[0], "vs_stride_slot": pvs[1], "vs_stride_h": pvs[2],
-                  "heads_kv": H, "head_dim": D, "page_size": c.page_size}
+        static = pool_fields(pi, c.k.ptr, c.v.ptr, k_scale, c.v_scale.ptr if c.kv else 0, pks, pi.vs_strides)
         # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
         self._packer = (spec.params.partial(static), H * (32 if c.kv else D // 8), spec.threads)
         return self._packer

@@ -13,7 +13,7 @@ import numpy as np
 from .options import check_int
 from .paged import POOL_LAYOUTS, PoolInfo, check_pools
 
-__all__ = ["CACHE_AXES", "check_caches", "check_seqlens"]
+__all__ = ["CACHE_AXES", "check_caches", "check_seqlens", "check_new_tokens"]
 
 CACHE_AXES = {"nhd": "batch, max_len, heads_kv, head_dim", "hnd": "batch, heads_kv, max_len, head_dim"}
 
@@ -31,14 +31,55 @@ def check_caches(k_cache, v_cache, layout: str) -> PoolInfo:
     return check_pools(k_cache, v_cache, layout)
 
 
-def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch):
+def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
+    """Validate the new tokens' K/V Args (or both None): (batch, n_new, heads_kv, head_dim) in the
+    caches' dtype; device ones with 16-byte rows (the append kernel copies 16-byte chunks) and the
+    same (batch, token) strides for K and V, the batch stride a whole number of token strides, so
+    that token i of sequence b is one row index for both. Returns ``(n_new, rows a sequence)``:
+    token i of sequence b is row ``b * rows + i`` of the token stride (``(0, 0)`` without them)."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"k_new, v_new: give both or neither, got {'k_new' if v_new is None else 'v_new'} alone")
+    if k_new is None:
+        return 0, 0
+    want = f"({batch}, n_new >= 1, {pool.heads_kv}, {pool.head_dim})"
+    for i in (k_new, v_new):
+        if i.dtype != pool.dtype:
+            raise TypeError(f"{i.name}: expected dtype {pool.dtype} (the caches'), got {i.dtype}")
+        if len(i.shape) != 4 or i.shape[0] != batch or i.shape[1] < 1 or i.shape[2:] != (pool.heads_kv, pool.head_dim):
+            raise ValueError(f"{i.name}: expected shape {want}, got {i.shape}")
+        if i.on_device:
+            if i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1]):
+                raise ValueError(f"{i.name}: the head_dim axis must be contiguous and other strides multiples of 8 "
+                                 f"elements, got element strides {i.strides}")
+            if i.ptr % 16:
+                raise ValueError(f"{i.name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, "
+                                 f"got {i.ptr:#x}")
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"v_new: expected shape {k_new.shape} (k_new's), got {v_new.shape}")
+    n = k_new.shape[1]
+    if not k_new.on_device or not v_new.on_device:
+        return n, n  # (host tokens are uploaded C-contiguous, K and V alike)
+    sb, st = k_new.strides[0], k_new.strides[1]
+    if (sb, st, k_new.strides[2]) != tuple(v_new.strides[:3]):
+        raise ValueError(f"v_new: expected k_new's element strides {k_new.strides}, got {v_new.strides}")
+    if n > 1 and (st <= 0 or sb % st):
+        raise ValueError(f"k_new: the batch stride must be a whole number of token strides, got element strides "
+                         f"{k_new.strides}")
+    return n, (sb // st if n > 1 else 1)
+
+
+def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch, n_new: int = 0):
     """The cached lengths: an int (every sequence), or an int32 (batch,) Arg whose values come back
     as a NumPy array (a device one through ``fetch``: one synchronisation). Every length must lie
-    in ``[0, max_len]``: the kernel reads keys up to it."""
+    in ``[0, max_len - n_new]``: the kernels write and read keys up to it plus ``n_new``."""
+    top = max_len - n_new
     if isinstance(cache_seqlens, (bool, np.bool_)):
         raise TypeError("cache_seqlens: expected an int or an int32 array, got bool")
     if isinstance(cache_seqlens, Integral):
-        return check_int("cache_seqlens", cache_seqlens, 0, max_len)
+        if n_new and not 0 <= cache_seqlens <= top:
+            raise ValueError(f"cache_seqlens: expected an int in [0, {top}] (max_len {max_len} - {n_new} new "
+                             f"tokens), got {cache_seqlens}")
+        return check_int("cache_seqlens", cache_seqlens, 0, top)
     a = cache_seqlens
     if a.dtype != np.int32:
         raise TypeError(f"cache_seqlens: expected an int or an int32 array, got dtype {a.dtype}")
@@ -47,8 +88,9 @@ def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch):
     if a.on_device and batch > 1 and a.strides[0] != 1:
         raise ValueError(f"cache_seqlens: expected a contiguous array, got element strides {a.strides}")
     lens = fetch(a) if a.on_device else np.asarray(a.obj)
-    bad = np.flatnonzero((lens < 0) | (lens > max_len))
+    bad = np.flatnonzero((lens < 0) | (lens > top))
     if bad.size:
-        raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens[i] <= {max_len} (the caches' max_len), "
+        room = "the caches' max_len" if not n_new else f"max_len {max_len} - {n_new} new tokens"
+        raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens[i] <= {top} ({room}), "
                          f"got cache_seqlens[{int(bad[0])}] = {int(lens[bad[0]])}")
     return lens

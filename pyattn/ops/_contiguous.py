@@ -1,0 +1,118 @@
+"""contiguous_decode's plan pieces: the caches seen as a page pool, its kept page table, and the
+append of new tokens into the caches (the paged cache's kv_append kernel over that pool).
+
+- The caches are read as a pool of pages of ``P`` slots (the largest power of two from 16 up to
+  :data:`VIEW_PAGE` that divides ``max_len`` and the sequence stride): sequence ``b``'s page ``j``
+  is pool page ``b * per + j``. That table is the same at every call on caches of one geometry, so
+  it is built and uploaded once (one synchronisation) and kept, as the TMA decode's tensor maps are.
+  Where no such ``P`` exists, each sequence is one page of ``max_len`` slots (on sm_90a the TMA
+  kernel takes only power-of-two pages from 16; other pages run on the cp.async kernel).
+- Token ``t`` of sequence ``b`` is pool slot ``b * per * P + t`` either way (the table is
+  linear), so the append's destinations need no table lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from ..kernels.registry import get_kernel
+from ..kernels.specs import DTYPES, KernelSpec
+from ..paged.appender import append_grid, pool_fields
+from ..pipeline.host import upload
+from ..pipeline.plans import ptx_requested
+from ..runtime.launch import launch
+from ..validate.paged import PoolInfo
+
+__all__ = ["VIEW_PAGE", "paged_view", "page_table", "Append", "new_tokens", "launch_append"]
+
+# The largest page the caches are viewed as. On an H200 (bf16 GQA 32/8 D 128) the TMA decode over
+# pages of 64 to 256 slots ran level with each other and 1-3% ahead of pages of 16 (BENCHMARKS.md,
+# thirty-eighth session, dev/probe_contiguous.py, which sets this to compare).
+VIEW_PAGE = 128
+
+# (device ordinal, batch, pages a sequence stride spans, pages a sequence holds) -> DeviceArray:
+# the view's page table, built once per cache geometry (bounded: caches that come and go push the
+# oldest out).
+_tables: dict = {}
+_MAX_TABLES = 32
+
+
+def paged_view(pool: PoolInfo, max_page: int = VIEW_PAGE) -> tuple:
+    """``(pool, per, cols)``: validated caches (one page of ``max_len`` slots per sequence) seen
+    as a pool of pages of a power of two ``P`` in ``[16, max_page]``, sequence ``b``'s page ``j``
+    being pool page ``b * per + j`` (``cols = max_len / P`` pages a sequence). ``P`` must divide
+    ``max_len``, and both caches' sequence strides must be the same whole number ``per`` of
+    ``P``-slot spans; else ``(pool, 1, 1)``."""
+    L, ks, vs = pool.page_size, pool.k_strides, pool.v_strides  # strides (sequence, slot, head)
+    P = max_page
+    while P >= 16:
+        if L % P == 0 and ks[1] > 0 and vs[1] > 0 and ks[0] > 0 and ks[0] % (P * ks[1]) == 0 \
+                and vs[0] % (P * vs[1]) == 0 and ks[0] // (P * ks[1]) == vs[0] // (P * vs[1]):
+            per, cols = ks[0] // (P * ks[1]), L // P
+            view = PoolInfo((pool.num_pages - 1) * per + cols, P, pool.heads_kv, pool.head_dim, pool.dtype,
+                            (P * ks[1], ks[1], ks[2]), (P * vs[1], vs[1], vs[2]))
+            return view, per, cols
+        P //= 2
+    return pool, 1, 1
+
+
+def page_table(device, batch: int, per: int, cols: int, s):
+    """The view's (batch, cols) page table on ``device``: row b = b * per + [0, cols)."""
+    key = (device.ordinal, batch, per, cols)
+    table = _tables.get(key)
+    if table is None:
+        host = (np.arange(batch, dtype=np.int64)[:, None] * per + np.arange(cols)).astype(np.int32)
+        (table,) = upload([host], device, s)
+        s.synchronize()  # once per geometry: a later call on another stream then reads it safely
+        if len(_tables) >= _MAX_TABLES:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = table
+    return table
+
+
+class Append(NamedTuple):
+    """What a call's append of new tokens keeps between calls (one geometry, one new-token layout)."""
+
+    n_new: int
+    dst0: np.ndarray  # int32 (batch * n_new,): the new tokens' pool slots at length 0 (add the length)
+    src: np.ndarray  # int32 (batch * n_new,): their rows of the new tokens' token stride
+    k_strides: tuple  # (token, head) element strides of the new K tokens on the device
+    v_strides: tuple
+
+
+def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, k_strides: tuple,
+               v_strides: tuple) -> Append:
+    """The :class:`Append` of ``n_new`` tokens a sequence, token i of sequence b being row
+    ``b * rows + i`` of the new tokens (:func:`pyattn.validate.contiguous.check_new_tokens`)."""
+    b, i = np.arange(batch, dtype=np.int64)[:, None], np.arange(n_new)
+    dst0 = (b * (per * view.page_size) + i).ravel()
+    if view.num_pages * view.page_size >= 2**31:
+        raise ValueError(f"k_cache: the append addresses pool slots in int32; these caches hold "
+                         f"{view.num_pages * view.page_size} slots")
+    return Append(n_new, dst0.astype(np.int32), (b * rows + i).ravel().astype(np.int32), k_strides, v_strides)
+
+
+@functools.lru_cache(maxsize=16)
+def _append_spec(dtype: str, arch: str, ptx: bool) -> KernelSpec:
+    """kv_append's spec for a 16-bit pool of ``dtype`` (a spec costs microseconds a decode step)."""
+    return KernelSpec("kv_append", DTYPES[dtype][0], 32, arch, ptx)
+
+
+def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k_src: int, v_src: int) -> None:
+    """Write the new tokens (device addresses ``k_src``, ``v_src``) at positions ``lens[b]`` on of
+    each sequence of the caches ``k``, ``v`` (``lens``: an int, or a host int array (batch,)): one
+    kv_append launch, its items uploaded."""
+    shift = lens if isinstance(lens, int) else np.repeat(np.asarray(lens, np.int64), ap.n_new)
+    (items,) = upload([np.concatenate([(ap.dst0 + shift).astype(np.int32, copy=False), ap.src])], device, s)
+    spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
+    n_items = len(ap.src)
+    values = {"k_src": k_src, "v_src": v_src, "dst": items.ptr, "src": items.ptr + 4 * n_items, "patch": 0,
+              "table": 0, "k_src_stride_t": ap.k_strides[0], "k_src_stride_h": ap.k_strides[1],
+              "v_src_stride_t": ap.v_strides[0], "v_src_stride_h": ap.v_strides[1], "n_items": n_items,
+              "n_patches": 0, **pool_fields(view, k, v)}
+    threads = n_items * view.heads_kv * (view.head_dim // 8)  # one thread a 16-byte chunk (16-bit caches)
+    launch(get_kernel(spec, device), (append_grid(threads, spec.threads, device.sm_count), 1, 1),
+           (spec.threads, 1, 1), 0, s, spec.params.pack(values))
