@@ -7,7 +7,9 @@ tolerance rule ``pyattn.reference.error_bound`` (2x a naive same-precision atten
 2. one decode step over a paged KV cache filled from NumPy K/V;
 3. split-KV: ``merge_states`` of two ``attention(..., return_lse=True)`` calls over the two
    halves of the keys, passed as they are (the LSE is (batch, heads, seq) in every op);
-4. timings of a (1, 4096, 16, 128) float16 causal call: NumPy in/out (wall, copies included),
+4. a decode loop over a contiguous KV cache (``contiguous_decode``: the new tokens' K/V written
+   into device buffers by the same call);
+5. timings of a (1, 4096, 16, 128) float16 causal call: NumPy in/out (wall, copies included),
    the same with the inputs in pinned ``pyattn.pinned_empty`` arrays (sent without a staging copy),
    and device-resident (CUDA events).
 
@@ -84,7 +86,21 @@ def main():
     check(err <= bound and lse_err <= 1e-3, f"merge_states of 2 x 512 keys: max err {err:.2e} <= {bound:.2e}, "
           f"LSE err {lse_err:.1e} <= 1e-3")
 
-    # 4. Timings (informative): the first call also compiles (or loads) the kernel.
+    # 4. A contiguous KV cache (flash_attn_with_kvcache's form): one (batch, max_len, heads, dim)
+    # device buffer per K and V. The first call writes a 100-token prompt's K/V (k_new / v_new) and
+    # attends its last query; each later step writes one new token and decodes over all of them.
+    kc, vc = (pyattn.empty((2, 512, 2, 64), ml_dtypes.bfloat16) for _ in range(2))
+    ks, vs, n = np.zeros((2, 0, 2, 64), ml_dtypes.bfloat16), np.zeros((2, 0, 2, 64), ml_dtypes.bfloat16), 0
+    for n_new in [100] + [1] * 5:
+        k, v = randn(2, n_new, 2, 64).astype(ml_dtypes.bfloat16), randn(2, n_new, 2, 64).astype(ml_dtypes.bfloat16)
+        q = randn(2, 1, 8, 64).astype(ml_dtypes.bfloat16)
+        out = pyattn.contiguous_decode(q, kc, vc, n, k_new=k, v_new=v)  # n tokens cached before k / v
+        ks, vs, n = np.concatenate([ks, k], 1), np.concatenate([vs, v], 1), n + n_new
+        err = np.abs(out.astype(np.float64) - attention_ref(q, ks, vs, causal=True)).max()
+        bound = error_bound(q, ks, vs, causal=True)
+        check(err <= bound, f"contiguous cache, {n} tokens: max err {err:.2e} <= bound {bound:.2e}")
+
+    # 5. Timings (informative): the first call also compiles (or loads) the kernel.
     q, k, v = (randn(1, 4096, 16, 128).astype(np.float16) for _ in range(3))
     walls = []
     for _ in range(6):
