@@ -124,9 +124,12 @@ def test_new_tokens_validation(gpu):
         pyattn.contiguous_decode(q, kc, kc, 10, k_new=_da((2, 3, 2, 64), np.float16), v_new=kn)
     with pytest.raises(ValueError, match=r"cache_seqlens: expected an int in \[0, 253\] \(max_len 256 - 3 new"):
         pyattn.contiguous_decode(q, kc, kc, 254, k_new=kn, v_new=kn)
-    pyattn.contiguous_decode(q, kc, kc, 253, k_new=kn, v_new=kn)  # bound, then the repeat path's check
+    pyattn.contiguous_decode(q, kc, kc, 253, k_new=kn, v_new=kn)  # bound, then the repeat path's checks
     with pytest.raises(ValueError, match=r"cache_seqlens: expected an int in \[0, 253\]"):
         pyattn.contiguous_decode(q, kc, kc, 254, k_new=kn, v_new=kn)
+    off = _da((2, 3, 2, 64), BF16, ptr=kn.ptr + 8)
+    with pytest.raises(ValueError, match="v_new: the append kernel copies 16-byte chunks"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=off)
     with pytest.raises(ValueError, match=r"<= 253 \(max_len 256 - 3 new tokens\), got cache_seqlens\[1\] = 254"):
         pyattn.contiguous_decode(q, kc, kc, np.array([3, 254], np.int32), k_new=kn, v_new=kn)
     other = _da((2, 3, 2, 64), BF16, strides=(2 * 3 * 2 * 64 * 2, 256, 128, 2))  # K's strides differ

@@ -11,7 +11,7 @@ from numbers import Integral
 import numpy as np
 
 from .options import check_int
-from .paged import POOL_LAYOUTS, PoolInfo, check_pools
+from .paged import POOL_LAYOUTS, PoolInfo, check_pools, check_token_chunks
 
 __all__ = ["CACHE_AXES", "check_caches", "check_seqlens", "check_new_tokens"]
 
@@ -48,12 +48,7 @@ def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
         if len(i.shape) != 4 or i.shape[0] != batch or i.shape[1] < 1 or i.shape[2:] != (pool.heads_kv, pool.head_dim):
             raise ValueError(f"{i.name}: expected shape {want}, got {i.shape}")
         if i.on_device:
-            if i.strides[-1] != 1 or any(st % 8 for st in i.strides[:-1]):
-                raise ValueError(f"{i.name}: the head_dim axis must be contiguous and other strides multiples of 8 "
-                                 f"elements, got element strides {i.strides}")
-            if i.ptr % 16:
-                raise ValueError(f"{i.name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, "
-                                 f"got {i.ptr:#x}")
+            check_token_chunks(i)
     if k_new.shape != v_new.shape:
         raise ValueError(f"v_new: expected shape {k_new.shape} (k_new's), got {v_new.shape}")
     n = k_new.shape[1]

@@ -16,7 +16,7 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
-           "check_append", "check_token_rows", "check_token_address", "KEY_SCALES"]
+           "check_append", "check_token_rows", "check_token_chunks", "check_token_address", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -323,12 +323,19 @@ def check_token_address(name: str, ptr: int) -> None:
         raise _chunks_error(name, f"address {ptr:#x}")
 
 
-def check_token_rows(i) -> None:
-    """A device token array (an Arg) the append kernel can read: 16-byte chunks, collapsible rows."""
+def check_token_chunks(i) -> None:
+    """A device token array (an Arg) read in 16-byte chunks: head_dim contiguous, other strides
+    multiples of 8 elements, a 16-byte aligned address."""
     st = i.strides
     if st[-1] != 1 or any(x % 8 for x in st[:-1]):
         raise _chunks_error(i.name, f"element strides {st}")
     check_token_address(i.name, i.ptr)
+
+
+def check_token_rows(i) -> None:
+    """A device token array (an Arg) the append kernel can read: 16-byte chunks, collapsible rows."""
+    check_token_chunks(i)
+    st = i.strides
     if len(i.shape) == 4 and i.shape[0] > 1 and i.shape[1] > 0 and st[0] != i.shape[1] * st[1]:
         # (batch, t, H, D): token row r = b * t + i needs stride_b == t * stride_t
         raise ValueError(f"{i.name}: (batch, t) must collapse into one token axis (stride_b == t * "
