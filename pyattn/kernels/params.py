@@ -64,9 +64,9 @@ MERGE_STATES_PARAMS = ParamStruct(
 
 # Decode over a paged KV cache. Sequence b's pages: page_indices[page_indptr[b] + i] (CSR), or
 # page_indices[b * table_stride + i] when page_indptr is null (a padded block table); its kv_len[b]
-# tokens (uniform_len tokens for every sequence when kv_len is null: pyattn.contiguous_decode with
-# one length, no per-call table) are key t at slot t % page_size of page i = t / page_size. Pool strides (page, slot,
-# head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
+# tokens (uniform_len tokens for every sequence when kv_len is null: a batch of equal lengths, its
+# length by value) are key t at slot t % page_size of page i = t / page_size. Pool strides (page,
+# slot, head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
 # o_part[s][b][qi][hq][:head_dim] and natural-log LSE to lse_part[s][b][qi][hq], and the last

@@ -145,9 +145,10 @@ class StagingPool:
         When every kept buffer is still in flight and the pool is full (a loop of small calls
         queued ahead of the GPU, each uploading a few bytes of tables), this waits for the oldest
         one that fits instead of allocating another: the extra buffer would later be freed, and
-        ``cuMemFreeHost`` waits for the whole device, so the loop's queue drained at every call
-        (H200, a B8 x 4k decode with ragged NumPy lengths: 74-104 us a call in a loop against 38
-        with no upload; BENCHMARKS.md, thirty-eighth session)."""
+        ``cuMemFreeHost`` (like ``cuMemHostAlloc``) waits for the whole device, so the loop's
+        queue drained at every call (H200, a B8 x 4k decode loop with ragged NumPy lengths: 74-104
+        us a call before, 35 after, against 38 for the kernel alone; BENCHMARKS.md,
+        thirty-eighth session)."""
         driver = _drv()
         fits = lambda b: b.nbytes >= nbytes and b.write_combined == self.write_combined  # noqa: E731
         taken = None
