@@ -132,6 +132,8 @@ def test_new_tokens_validation(gpu):
         pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=off)
     with pytest.raises(ValueError, match=r"<= 253 \(max_len 256 - 3 new tokens\), got cache_seqlens\[1\] = 254"):
         pyattn.contiguous_decode(q, kc, kc, np.array([3, 254], np.int32), k_new=kn, v_new=kn)
+    with pytest.raises(TypeError, match="v_new: expected a device array as k_new is, got a host array"):
+        pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=np.zeros((2, 3, 2, 64), BF16))
     other = _da((2, 3, 2, 64), BF16, strides=(2 * 3 * 2 * 64 * 2, 256, 128, 2))  # K's strides differ
     with pytest.raises(ValueError, match="v_new: expected k_new's element strides"):
         pyattn.contiguous_decode(q, kc, kc, 10, k_new=kn, v_new=other)

@@ -51,8 +51,12 @@ def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
             check_token_chunks(i)
     if k_new.shape != v_new.shape:
         raise ValueError(f"v_new: expected shape {k_new.shape} (k_new's), got {v_new.shape}")
+    if k_new.on_device != v_new.on_device:
+        where = "a device" if k_new.on_device else "a host"
+        raise TypeError(f"v_new: expected {where} array as k_new is, got {'a host' if k_new.on_device else 'a device'} "
+                        "array")
     n = k_new.shape[1]
-    if not k_new.on_device or not v_new.on_device:
+    if not k_new.on_device:
         return n, n  # (host tokens are uploaded C-contiguous, K and V alike)
     sb, st = k_new.strides[0], k_new.strides[1]
     if (sb, st, k_new.strides[2]) != tuple(v_new.strides[:3]):
