@@ -10,7 +10,8 @@ driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch ten
 ``stream=None`` (torch's current stream, rule 2), on CuPy-like CUDA-array-interface objects with a
 stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
 ``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``contiguous_decode`` with one int
-length and with ragged NumPy lengths (an upload a call). The per-stage times of the attention
+length, with ragged NumPy lengths (an upload a call) and with an int length and one new token a
+sequence (k_new / v_new: an append launch too). The per-stage times of the attention
 call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
 """
 
@@ -118,6 +119,7 @@ def calls():
     tq = torch.Tensor(qd.shape, qd.ptr, "bfloat16")
     kc = pyattn.empty((2, 256, 2, 64), ml_dtypes.bfloat16)  # contiguous caches (batch, max_len, Hkv, D)
     ragged = np.array([256, 100], np.int32)
+    kn = pyattn.empty((2, 1, 2, 64), ml_dtypes.bfloat16)  # one new token a sequence
     keep = [None]
 
     def run(f):
@@ -136,6 +138,7 @@ def calls():
         "decode torch q": run(lambda: pyattn.decode(tq, cache, ids)),
         "contiguous_decode, int length": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200)),
         "contiguous_decode, NumPy ragged": run(lambda: pyattn.contiguous_decode(qd, kc, kc, ragged)),
+        "contiguous_decode, int + k_new": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200, k_new=kn, v_new=kn)),
     }, d
 
 

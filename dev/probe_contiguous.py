@@ -7,7 +7,9 @@ bf16 GQA 32/8 D 128, q_len 1. Per point: ``pyattn.decode`` over a page-16 PagedK
 ``pyattn.contiguous_decode`` over contiguous (B, L, Hkv, D) caches with one int length, once per
 ``pyattn.ops._contiguous.VIEW_PAGE`` in ``--views`` (0: no cap, one page a sequence when L is a
 power of two), and the same with ragged NumPy lengths (the longest L, the others L/2: the upload
-path). GPU us through ``harness.Bench.gpu_ms`` (caches replicated past 4x the L2, calls rotating),
+path), and with one int length L - 1 and one new token a sequence written by the call (``k_new`` /
+``v_new``: a decode step's append and attention; the token already at L - 1 in the first replica).
+GPU us through ``harness.Bench.gpu_ms`` (caches replicated past 4x the L2, calls rotating),
 ``--rounds`` alternating rounds, each figure the round's; outputs checked against the first view's.
 """
 
@@ -41,6 +43,8 @@ def main() -> int:
         g = torch.Generator(device="cuda").manual_seed(B + L)
         k, v = (torch.randn(n_rep * B, L, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         q = harness.to_pyattn(torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g), bench.stream)
+        # one new token a sequence, written at position L - 1 (the token already there: the output is the same)
+        kn, vn = (harness.to_pyattn(x[:B, L - 1:L].contiguous(), bench.stream) for x in (k, v))
         kd, vd = (harness.to_pyattn(x, bench.stream) for x in (k, v))
         reps = [tuple(pyattn.DeviceArray(x.ptr + r * B * x.strides[0], (B, L, HKV, D), x.dtype, x.device,
                                          strides=x.strides, owner=x, stream=x.stream) for x in (kd, vd))
@@ -63,13 +67,14 @@ def main() -> int:
             first = None
             for view in (views if rnd % 2 == 0 else views[::-1]):
                 contiguous.VIEW_PAGE = view or (1 << 30)
-                for name, lens in (("int", L), ("ragged", ragged)):
-                    fns = [lambda kv=kv, n=lens: pyattn.contiguous_decode(q, *kv, n, stream=bench.stream)
-                           for kv in reps]
+                for name, lens in (("int", L), ("ragged", ragged), ("int + k_new", L - 1)):
+                    new = dict(k_new=kn, v_new=vn) if name == "int + k_new" else {}
+                    fns = [lambda kv=kv, n=lens, new=new: pyattn.contiguous_decode(q, *kv, n, stream=bench.stream,
+                                                                                   **new) for kv in reps]
                     t = bench.gpu_ms(fns, loop=10, reps=3)
                     out = harness.to_torch(fns[0]()).float()
                     first = out if first is None and name == "int" else first
-                    err = (out - first).abs().max().item() if name == "int" else float("nan")
+                    err = (out - first).abs().max().item() if name != "ragged" else float("nan")
                     cells.append(f"v{view or 'L'} {name} {t.ms * 1e3:.1f}" + (f" (d {err:.0e})" if err > 0 else ""))
             contiguous.VIEW_PAGE = 128
             print(f"B{B} x {L} round {rnd}: " + ", ".join(cells), flush=True)
