@@ -170,6 +170,9 @@ def calls(draw):
             kc = Dev((B, 24, 2, D), dt)
             args += [kc, kc, np.full(B, 3, np.int32)]
             names, kwargs = ["q", "k_cache", "v_cache", "cache_seqlens"], {}
+            if draw(st.booleans()):  # new tokens written by the call (keyword arrays)
+                kwargs = {"k_new": arr((B, 2, 2, D)), "v_new": arr((B, 2, 2, D))}
+                names += ["k_new", "v_new"]
             options.append("layout")
         else:
             args.append(draw(st.just("CACHE")))  # replaced by the test's cache
@@ -178,11 +181,12 @@ def calls(draw):
     defect = draw(st.sampled_from(["array", "option"]))
     if defect == "array":
         n = draw(st.integers(0, len(names) - 1))
-        i = {"parents": 3}.get(names[n], n)  # the argument's position (verify_tree's parents follow the cache)
         what = draw(st.sampled_from(sorted(ARRAY_DEFECTS)))
-        good = args[i]
+        where = kwargs if names[n] in kwargs else args  # (keyword arrays: contiguous_decode's k_new, v_new)
+        i = names[n] if where is kwargs else {"parents": 3}.get(names[n], n)  # (verify_tree's parents follow the cache)
+        good = where[i]
         shape = tuple(good.shape) if hasattr(good, "shape") else tuple(good.__cuda_array_interface__["shape"])
-        args[i] = ARRAY_DEFECTS[what](shape, good.dtype if names[n] == "parents" else dt)
+        where[i] = ARRAY_DEFECTS[what](shape, good.dtype if names[n] == "parents" else dt)
         return entry, args, kwargs, f"{names[n]} {what}"
     name = draw(st.sampled_from(options))
     value = _bad_value(draw, name)
@@ -261,6 +265,9 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
         lambda: pyattn.contiguous_decode(np.zeros((2, 1, 4, 32), np.float16), Dev((2, 24, 2, 32)), Dev((2, 24, 2, 32)),
                                          np.array([3, 24], np.int32)),
         lambda: pyattn.contiguous_decode(Dev((2, 3, 4, 32)), Dev((2, 2, 64, 32)), Dev((2, 2, 64, 32)), 5, layout="hnd"),
+        lambda: pyattn.contiguous_decode(np.zeros((2, 1, 4, 32), np.float16), Dev((2, 24, 2, 32)), Dev((2, 24, 2, 32)),
+                                         3, k_new=np.zeros((2, 2, 2, 32), np.float16),
+                                         v_new=np.zeros((2, 2, 2, 32), np.float16)),
         lambda: pyattn.decode(np.zeros((1, 1, 4, 32), np.float16), cache(32, np.float16), [0]),
         lambda: pyattn.prefill(np.zeros((1, 8, 4, 32), np.float16), cache(32, np.float16, [20]), [0]),
         lambda: pyattn.prefill(Dev((8, 4, 32)), cache(32, np.float16, [20, 8]), [0, 1],
