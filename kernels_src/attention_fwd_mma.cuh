@@ -173,8 +173,7 @@ __device__ __forceinline__ void attn_fwd_mma(const AttnFwdParams& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum = quad_sum(sum);
       const int row = row0 + mi * 16 + 8 * h;
       if (row >= sq) continue;
       const bool empty = sum == 0.f;

@@ -183,8 +183,7 @@ __device__ __forceinline__ void attn_fwd_tf32(const AttnFwdParams& p) {
         float mx = row_max[mi][h];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+        mx = quad_max(mx);
         // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
         const float ref = mx == -inf() ? 0.f : mx * sl2;
         corr[h] = fast_exp2(fmaf(row_max[mi][h], sl2, -ref));
@@ -238,8 +237,7 @@ __device__ __forceinline__ void attn_fwd_tf32(const AttnFwdParams& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum = quad_sum(sum);
       const int row = row0 + mi * 16 + 8 * h;
       if (row >= sq) continue;
       const bool empty = sum == 0.f;

@@ -288,8 +288,7 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = ml.row_sum[h];
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    sum = quad_sum(sum);
     const int row = ml.row_a + 8 * h;
     // the quad's rows: the shuffles below run on every lane (kBottomAlign: rows before 0 are not stored)
     const bool row_in = row < ml.sq && (!Tr::kBottomAlign || row >= 0);

@@ -302,8 +302,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) m4[i % 4] = fmaxf(m4[i % 4], fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
     float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    mx = quad_max(mx);
     // A row's first visible key: +inf > kLazyLog2 (corr 0). No visible key yet: NaN, not moved,
     // max stays -inf and the row exponentiates against 0, never (-inf) - (-inf).
     const bool move = (mx - row_max[h]) * sl2 > kLazyLog2;

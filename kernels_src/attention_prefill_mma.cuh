@@ -200,8 +200,7 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum = quad_sum(sum);
       const int row = row0 + mi * 16 + 8 * h;
       if (row >= rows) continue;
       const int tk = tok[mi][h], head = head0 + (row - tk * rg);

@@ -113,8 +113,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = ml.row_sum[h];
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    sum = quad_sum(sum);
     const int row = ml.row_a + 8 * h;
     if (row >= rows) continue;
     const int tok = ml.tok[h], head = head0 + (row - tok * rg);

@@ -198,8 +198,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum = quad_sum(sum);
       const int rr = mi * 16 + h * 8 + g;
       if (t == 0) {
         sM[warp * ROWS + rr] = row_max[mi][h] == -inf() ? -inf() : row_max[mi][h] * sl2;

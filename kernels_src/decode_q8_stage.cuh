@@ -70,8 +70,7 @@ __device__ __forceinline__ void q8_query_fragments(const typename Tr::T* sQ, uns
     float row_scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 1));
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(kFullMask, amax[h], 2));
+      amax[h] = quad_max(amax[h]);
       q8_row_scale(amax[h], row_scale[h], row_inv[mi][h]);
     }
 #pragma unroll
@@ -301,8 +300,7 @@ __device__ __forceinline__ void q8_softmax_pv(float (&s)[Tr::kMTiles][Tr::kKeysP
     vsc[nt] = *reinterpret_cast<const float2*>(tVs + wrow + nt * 8 + 2 * t);
     vmax = fmaxf(vmax, fmaxf(vsc[nt].x, vsc[nt].y));
   }
-  vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 1));
-  vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, 2));
+  vmax = quad_max(vmax);
   const float vref_new = fmaxf(vref, pow2_ceil(vmax));
   if (vref_new != vref) {  // O was accumulated in units of the old vref (0 before any key: O is 0)
     const float r = vref > 0.f ? vref / vref_new : 0.f;

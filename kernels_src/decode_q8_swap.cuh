@@ -36,8 +36,7 @@ __device__ __forceinline__ void q8s_query(const typename Tr::T* sQ, unsigned (&q
   for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
     for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(to_float(at(ks)[e])));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));  // the row's 4 lanes: one scale a row
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+  amax = quad_max(amax);  // the row's 4 lanes: one scale a row
   float scale, inv;
   q8_row_scale(amax, scale, inv);
 #pragma unroll

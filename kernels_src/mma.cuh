@@ -144,8 +144,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
       float mx = row_max[mi][h];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      mx = quad_max(mx);
       // A row with no visible key yet keeps max -inf: exponentiate against 0, never (-inf) - (-inf).
       const float ref = mx == -inf() ? 0.f : mx * sl2;
       corr[h] = fast_exp2(fmaf(row_max[mi][h], sl2, -ref));
