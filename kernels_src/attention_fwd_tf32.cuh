@@ -236,8 +236,7 @@ __device__ __forceinline__ void attn_fwd_tf32(const AttnFwdParams& p) {
   for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = row_sum[mi][h];
-      sum = quad_sum(sum);
+      const float sum = quad_sum(row_sum[mi][h]);
       const int row = row0 + mi * 16 + 8 * h;
       if (row >= sq) continue;
       const bool empty = sum == 0.f;

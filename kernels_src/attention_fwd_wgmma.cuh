@@ -287,8 +287,7 @@ __device__ __forceinline__ void wgmma_fwd_store(const Mainloop& ml, const AttnFw
   float invs[2];  // O_STAGE: both rows' factors, for the staged store after the loop
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = ml.row_sum[h];
-    sum = quad_sum(sum);
+    const float sum = quad_sum(ml.row_sum[h]);
     const int row = ml.row_a + 8 * h;
     // the quad's rows: the shuffles below run on every lane (kBottomAlign: rows before 0 are not stored)
     const bool row_in = row < ml.sq && (!Tr::kBottomAlign || row >= 0);

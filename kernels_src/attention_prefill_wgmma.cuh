@@ -112,8 +112,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   // -- epilogue: normalise; store O and the LSE, or this split's fp32 partial row and LSE
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = ml.row_sum[h];
-    sum = quad_sum(sum);
+    const float sum = quad_sum(ml.row_sum[h]);
     const int row = ml.row_a + 8 * h;
     if (row >= rows) continue;
     const int tok = ml.tok[h], head = head0 + (row - tok * rg);

@@ -197,8 +197,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeParams& p, float (&a
   for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = row_sum[mi][h];
-      sum = quad_sum(sum);
+      const float sum = quad_sum(row_sum[mi][h]);
       const int rr = mi * 16 + h * 8 + g;
       if (t == 0) {
         sM[warp * ROWS + rr] = row_max[mi][h] == -inf() ? -inf() : row_max[mi][h] * sl2;
