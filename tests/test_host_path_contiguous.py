@@ -6,6 +6,8 @@ length and the addresses every call; ragged host lengths take the full path and 
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -151,3 +153,31 @@ def test_host_new_tokens_are_uploaded(gpu, full_contig):
     assert len(full_contig) == 2
     (_, _, _, a) = fake_driver.LAUNCHES[0]
     assert a[6:10] == (128, 64, 128, 64) and _u32(a[10]) == (2, 0)
+
+
+@pytest.mark.parametrize("layout, max_len, lens", [("nhd", 256, 7), ("hnd", 256, np.array([5, 130], np.int32)),
+                                                   ("nhd", 100, np.array([0, 97], np.int32))])
+def test_append_items_address_each_new_token(gpu, layout, max_len, lens):
+    """The kv_append items the call hands its kernel (read from the mailbox, pinned memory on the
+    fake driver too): token i of sequence b goes to the view's slot of position lens[b] + i (the
+    view's page table is linear: slot b * per * P + t), from row b * n_new + i of the new tokens;
+    on the 128-slot view (max_len 256) and on one page a sequence (max_len 100)."""
+    gpu.record_launches = True
+    B, H, D, n = 2, 2, 64, 3
+    shape = (B, max_len, H, D) if layout == "nhd" else (B, H, max_len, D)
+    kc = _da(shape, BF16)
+    kn = _da((B, n, H, D), BF16)
+    fake_driver.LAUNCHES.clear()
+    pyattn.contiguous_decode(_da((B, 1, 8, D), BF16), kc, kc, lens, k_new=kn, v_new=kn, layout=layout)
+    (_, _, _, a), _ = fake_driver.LAUNCHES
+    items = np.ctypeslib.as_array((ctypes.c_int32 * (2 * B * n)).from_address(a[2]))
+    dst, src = items[:B * n].reshape(B, n), items[B * n:].reshape(B, n)
+    seq_stride, slot_stride = kc.elem_strides[0], kc.elem_strides[1 if layout == "nhd" else 2]
+    L = np.broadcast_to(np.asarray(lens), (B,))
+    for b in range(B):
+        for i in range(n):
+            # the kernel reads slot dst as page dst // P, slot dst % P of the view, whose page stride is
+            # P slot strides: element offset dst * slot stride, which must be the cache's (b, L[b] + i)
+            assert dst[b, i] * slot_stride == b * seq_stride + (L[b] + i) * slot_stride
+            assert src[b, i] == b * n + i
+    assert a[3] == a[2] + 4 * B * n  # the sources follow the destinations
