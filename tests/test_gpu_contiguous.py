@@ -4,8 +4,10 @@ Caches are filled with NaN past each sequence's length (and in the padding of a 
 stride), so a read past a length or through a wrong page of the paged view shows up as NaN. Every
 length form (an int, equal or ragged NumPy lengths, ragged or equal device lengths) and both
 layouts run, on geometries that take the view's 128-slot pages, smaller ones, and one page of
-``max_len`` slots a sequence; torch tensors written by torch just before the call are read in
-stream order and the bf16 result goes back to torch.
+``max_len`` slots a sequence; with new tokens (``k_new`` / ``v_new``) the caches' bytes are
+compared after the call too, and a decode loop writes a prompt, then a token a step. torch tensors
+written by torch just before the call are read in stream order and the bf16 result goes back to
+torch.
 """
 
 from __future__ import annotations
