@@ -21,10 +21,9 @@ import numpy as np
 
 from ..kernels.registry import get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
-from ..paged.appender import append_grid, pool_fields
+from ..paged.appender import launch_kv_append, pool_fields, post_items
 from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
-from ..runtime.launch import launch
 from ..runtime.mailbox import Mailbox
 from ..validate.paged import PoolInfo
 
@@ -81,13 +80,11 @@ class Append(NamedTuple):
     n_new: int
     dst0: np.ndarray  # int32 (batch * n_new,): the new tokens' pool slots at length 0 (add the length)
     src: np.ndarray  # int32 (batch * n_new,): their rows of the new tokens' token stride
-    k_strides: tuple  # (token, head) element strides of the new K tokens on the device
-    v_strides: tuple
+    strides: tuple  # (token, head) element strides of the new K and V tokens on the device
     packers: dict  # (device ordinal, K cache address, V cache address) -> kv_append's PartialPack
 
 
-def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, k_strides: tuple,
-               v_strides: tuple) -> Append:
+def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, strides: tuple) -> Append:
     """The :class:`Append` of ``n_new`` tokens a sequence, token i of sequence b being row
     ``b * rows + i`` of the new tokens (:func:`pyattn.validate.contiguous.check_new_tokens`)."""
     b, i = np.arange(batch, dtype=np.int64)[:, None], np.arange(n_new)
@@ -95,7 +92,7 @@ def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, k_st
     if view.num_pages * view.page_size >= 2**31:
         raise ValueError(f"k_cache: the append addresses pool slots in int32; these caches hold "
                          f"{view.num_pages * view.page_size} slots")
-    return Append(n_new, dst0.astype(np.int32), (b * rows + i).ravel().astype(np.int32), k_strides, v_strides, {})
+    return Append(n_new, dst0.astype(np.int32), (b * rows + i).ravel().astype(np.int32), strides, {})
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,11 +102,10 @@ def _append_spec(dtype: str, arch: str, ptx: bool) -> KernelSpec:
 
 
 def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k_src: int, v_src: int) -> None:
-    """Write the new tokens (device addresses ``k_src``, ``v_src``) at positions ``lens[b]`` on of
-    each sequence of the caches ``k``, ``v`` (``lens``: an int, or a host int array (batch,)): one
-    kv_append launch. Its items go through this thread's mailbox (pinned memory the kernel reads in
-    place; an upload was ~30 us of a decode step's host time on the fake driver,
-    ``dev/host_cost_cpu.py``), or are uploaded when they do not fit a slot."""
+    """Write the new tokens (device addresses ``k_src``, ``v_src``) into the caches ``k``, ``v``
+    from position ``lens[b]`` of each sequence b on (``lens``: an int, or a host int array
+    (batch,)): one kv_append launch, its items through this thread's mailbox (an upload was ~30 us
+    of a decode step's host time on the fake driver, ``dev/host_cost_cpu.py``)."""
     spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
     key = (device.ordinal, k, v)
     packer = ap.packers.get(key)
@@ -117,22 +113,13 @@ def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k
         if len(ap.packers) >= _MAX_PACKERS:
             ap.packers.pop(next(iter(ap.packers)))
         packer = ap.packers[key] = spec.params.partial(pool_fields(view, k, v))
-    n_items = len(ap.src)
     shift = lens if isinstance(lens, int) else np.repeat(np.asarray(lens, np.int32), ap.n_new)
     box = _mailbox(device)
-    posted = box.take(2 * n_items)
-    if posted is not None:
-        items, view_, slot = posted
-        np.add(ap.dst0, shift, out=view_[:n_items], casting="unsafe")
-        view_[n_items:] = ap.src
-    else:
-        (d_items,) = upload([np.concatenate([(ap.dst0 + shift).astype(np.int32, copy=False), ap.src])], device, s)
-        items = d_items.ptr
-    params = packer.pack(k_src, v_src, items, items + 4 * n_items, 0, 0, *ap.k_strides, *ap.v_strides, n_items, 0)
-    threads = n_items * view.heads_kv * (view.head_dim // 8)  # one thread a 16-byte chunk (16-bit caches)
-    launch(get_kernel(spec, device), (append_grid(threads, spec.threads, device.sm_count), 1, 1),
-           (spec.threads, 1, 1), 0, s, params)
-    if posted is not None:
+    items, slot, keep = post_items(box, [ap.dst0 + shift, ap.src], device, s)
+    # 16-bit caches: one thread a 16-byte chunk of a token's row of every kv head
+    launch_kv_append(get_kernel(spec, device), packer, view.heads_kv * (view.head_dim // 8), spec.threads,
+                     device.sm_count, s, items, len(ap.src), (k_src, ap.strides), (v_src, ap.strides))
+    if slot is not None:
         box.sent(slot, s)
 
 

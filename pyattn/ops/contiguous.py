@@ -138,18 +138,14 @@ def _full(params, qkey):
                     alibi_slopes=a["alibi_slopes"], scale=params["scale"], num_splits=params["num_splits"])
     if whole.num_pages != P.batch:
         raise ValueError(f"k_cache: expected {P.batch} sequences (q's batch), got shape {a['k_cache'].shape}")
-    n_new, rows = check_new_tokens(a["k_new"], a["v_new"], pool, P.batch)
+    n_new, rows, new_strides = check_new_tokens(a["k_new"], a["v_new"], pool, P.batch)
     lens_arg = cache_seqlens if isinstance(cache_seqlens, (Integral, np.bool_)) else read("cache_seqlens",
                                                                                           cache_seqlens)
     lens = check_seqlens(lens_arg, P.batch, whole.page_size, fetch_values, n_new)
     if not isinstance(lens, int) and (P.batch == 0 or int(lens.min()) == int(lens.max())):
         lens = int(lens[0]) if P.batch else 0  # equal lengths: by value
-    ap = None
-    if n_new:
-        host_new = not a["k_new"].on_device
-        strides = [(pool.heads_kv * pool.head_dim, pool.head_dim) if host_new else
-                   (x.strides[1] if n_new > 1 else x.strides[0], x.strides[2]) for x in (a["k_new"], a["v_new"])]
-        ap = C.new_tokens(pool, per, P.batch, n_new, rows, *strides)
+    host_new = n_new > 0 and not a["k_new"].on_device
+    ap = C.new_tokens(pool, per, P.batch, n_new, rows, new_strides) if n_new else None
     if isinstance(lens, int):
         max_len, total_len, order, dev_lens = lens + n_new, (lens + n_new) * P.batch, None, None
     else:
@@ -173,13 +169,13 @@ def _full(params, qkey):
         return run_decode(P, device, dq.ptr, kc.ptr, vc.ptr, (table, None, cols, kv_len, ordr), max_len, alibi_ptr, s,
                           return_lse, total_len=total_len)
 
-    dev_new = [a["k_new"], a["v_new"]] if n_new and a["k_new"].on_device else [None, None]
+    dev_new = [a["k_new"], a["v_new"]] if n_new and not host_new else [None, None]
     if not P.q_on_device:
         device, s, (kc, vc, dv_lens, *new) = start(stream, [a["k_cache"], a["v_cache"], dev_lens, *dev_new])
         return _host_q(P, a["q"], a["alibi_slopes"], s, launch_fn, return_lse)
     ordered = [a["q"], a["k_cache"], a["v_cache"], a["alibi_slopes"], *dev_new]
     device, s, (dq, kc, vc, dal, *new, dv_lens) = start(stream, ordered + [dev_lens])
-    if qkey is not None and type(cache_seqlens) is int and (not n_new or not host_new):
+    if qkey is not None and type(cache_seqlens) is int and not host_new:
         bound = bind(P, device, ordered, _check)
         if bound is not None:
             _quick.put(qkey, _Hit(bound, per, cols, whole.page_size, ap))

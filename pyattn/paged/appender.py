@@ -21,7 +21,7 @@ from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 from ..runtime.mailbox import Mailbox
 
-__all__ = ["Appender", "pool_fields", "append_grid"]
+__all__ = ["Appender", "pool_fields", "post_items", "launch_kv_append"]
 
 _BLOCKS_PER_SM = 8
 
@@ -39,10 +39,35 @@ def pool_fields(pool, k: int, v: int, k_scale: int = 0, v_scale: int = 0, ks=(0,
             "heads_kv": pool.heads_kv, "head_dim": pool.head_dim, "page_size": pool.page_size}
 
 
-def append_grid(threads: int, block: int, sm_count: int) -> int:
-    """Blocks of a kv_append launch of ``threads`` threads: enough to cover them, at most a few an SM
-    (the kernel strides over the rest)."""
-    return max(1, min(-(-threads // block), sm_count * _BLOCKS_PER_SM))
+def post_items(box: Mailbox, parts: list, device, s) -> tuple:
+    """The int32 ``parts``, concatenated, where kv_append reads them: a slot of ``box`` (pinned host
+    memory the kernel reads in place, as a decode step's items go) when they fit one, else uploaded.
+    Returns ``(device address, slot or None, keep-alive)``; once every kernel that reads them is
+    queued, the caller hands a slot back with ``box.sent(slot, s)``."""
+    posted = box.take(sum(len(p) for p in parts))
+    if posted is not None:
+        items, view, slot = posted
+        np.concatenate(parts, out=view)
+        return items, slot, None
+    (d_items,) = upload([np.concatenate(parts)], device, s)
+    return d_items.ptr, None, d_items
+
+
+def launch_kv_append(kernel, packer, threads_per_item: int, block: int, sm_count: int, s, items: int,
+                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0)) -> None:
+    """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
+    ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
+    tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
+    ``patch`` = (address of n int32 offsets then n values, int32 block they index, n): the decode
+    table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too. ``packer``: the
+    struct with the pools' fields packed (:func:`pool_fields`); a few blocks an SM at most (the
+    kernel strides over the rest)."""
+    (k_src, ks), (v_src, vs) = k_new, v_new
+    params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
+                         n_items, patch[2])
+    threads = max(n_items * threads_per_item, patch[2])
+    grid = max(1, min(-(-threads // block), sm_count * _BLOCKS_PER_SM))
+    launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
 
 
 class Appender:
@@ -97,16 +122,7 @@ class Appender:
             parts = [plan.dst, plan.copy_dst, parts[1], -1 - plan.copy_src]
         if n_patches:
             parts.append(patches[1])
-        # The items go to the kernels through the cache's mailbox (read in place from pinned host
-        # memory) when they fit a slot, as a decode step's do; else uploaded.
-        n = 2 * n_items + (2 * n_patches if n_patches else 0)
-        posted = self.box().take(n)
-        if posted is not None:
-            items, view, slot = posted
-            np.concatenate(parts, out=view)
-        else:
-            (d_items,) = upload([np.concatenate(parts)], cache.device, s)
-            items = d_items.ptr
+        items, slot, keep = post_items(self.box(), parts, cache.device, s)
         patch = (items + 8 * n_items, table.buf.ptr, n_patches) if n_patches else (0, 0, 0)
         self.launch(spec, kernel, s, items, n_items, rows[0], rows[1], patch)
         if patches is not None:  # the decode table followed this append (its patches ride in this launch)
@@ -117,22 +133,15 @@ class Appender:
             cache._append_key_pages(spec.dtype, dk, rows[0][1], counts, before, plan.dst, s)
         if cache._sq is not None:
             cache._append_sparq(grown, items, n_items, s)
-        if posted is not None:  # (after every kernel that reads the items)
+        if slot is not None:  # (after every kernel that reads the items)
             self.box().sent(slot, s)
 
     def launch(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)),
                patch=(0, 0, 0)) -> None:
-        """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
-        ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
-        tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
-        ``patch`` = (address of n int32 offsets then n values, int32 block they index, n): the
-        decode table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too."""
-        (k_src, ks), (v_src, vs) = k_new, v_new
+        """:func:`launch_kv_append` on the cache's pools (their fields packed once)."""
         packer, threads_per_item, block = self._packer or self._pack_cache_fields(spec)
-        params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
-                             n_items, patch[2])
-        grid = append_grid(max(n_items * threads_per_item, patch[2]), block, self._cache.device.sm_count)
-        launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
+        launch_kv_append(kernel, packer, threads_per_item, block, self._cache.device.sm_count, s, items, n_items,
+                         k_new, v_new, patch)
 
     def _pack_cache_fields(self, spec) -> tuple:
         """The struct with the cache's fields packed, threads an item, threads a block (every

@@ -35,12 +35,13 @@ def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
     """Validate the new tokens' K/V Args (or both None): (batch, n_new, heads_kv, head_dim) in the
     caches' dtype; device ones with 16-byte rows (the append kernel copies 16-byte chunks) and the
     same (batch, token) strides for K and V, the batch stride a whole number of token strides, so
-    that token i of sequence b is one row index for both. Returns ``(n_new, rows a sequence)``:
-    token i of sequence b is row ``b * rows + i`` of the token stride (``(0, 0)`` without them)."""
+    that token i of sequence b is one row index for both. Returns ``(n_new, rows, strides)``:
+    token i of sequence b is row ``b * rows + i`` of the element ``strides`` (token, head) of K and
+    V alike (host tokens: as uploaded, C-contiguous); ``(0, 0, None)`` without them."""
     if (k_new is None) != (v_new is None):
         raise ValueError(f"k_new, v_new: give both or neither, got {'k_new' if v_new is None else 'v_new'} alone")
     if k_new is None:
-        return 0, 0
+        return 0, 0, None
     want = f"({batch}, n_new >= 1, {pool.heads_kv}, {pool.head_dim})"
     for i in (k_new, v_new):
         if i.dtype != pool.dtype:
@@ -57,14 +58,16 @@ def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
                         "array")
     n = k_new.shape[1]
     if not k_new.on_device:
-        return n, n  # (host tokens are uploaded C-contiguous, K and V alike)
-    sb, st = k_new.strides[0], k_new.strides[1]
-    if (sb, st, k_new.strides[2]) != tuple(v_new.strides[:3]):
+        return n, n, (pool.heads_kv * pool.head_dim, pool.head_dim)
+    sb, st, sh = k_new.strides[:3]
+    if (sb, st, sh) != tuple(v_new.strides[:3]):
         raise ValueError(f"v_new: expected k_new's element strides {k_new.strides}, got {v_new.strides}")
-    if n > 1 and (st <= 0 or sb % st):
+    if n == 1:  # one token a sequence: rows are sequences
+        return n, 1, (sb, sh)
+    if st <= 0 or sb % st:
         raise ValueError(f"k_new: the batch stride must be a whole number of token strides, got element strides "
                          f"{k_new.strides}")
-    return n, (sb // st if n > 1 else 1)
+    return n, sb // st, (st, sh)
 
 
 def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch, n_new: int = 0):
