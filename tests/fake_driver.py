@@ -17,6 +17,7 @@ import ctypes
 import gc
 import itertools
 import sys
+import threading
 import types
 import weakref
 
@@ -25,7 +26,7 @@ from cuda.bindings import driver
 
 from pyattn import jit
 from pyattn.kernels import registry
-from pyattn.ops import _decode, block_sparse
+from pyattn.ops import _contiguous, _decode, block_sparse
 from pyattn.pipeline import chunks, plans
 from pyattn.runtime import _resource, device, memory, pinned, stream, tensormap
 
@@ -264,6 +265,11 @@ def install(monkeypatch) -> _Fake:
     # tests, before these were reset).
     monkeypatch.setattr(chunks, "_pipelines", {})
     monkeypatch.setattr(block_sparse, "_lists", {})
+    # contiguous_decode's kept page tables (fake device blocks) and its per-thread mailboxes (views
+    # of the fake's pinned blocks, freed with it: a later test wrote through one and the process
+    # segfaulted in the next teardown's gc).
+    monkeypatch.setattr(_contiguous, "_tables", {})
+    monkeypatch.setattr(_contiguous, "_boxes", threading.local())
     for memo in plans._memos:  # what they hold names the devices replaced above
         monkeypatch.setattr(memo, "_entries", {})
     CALLS.clear()
