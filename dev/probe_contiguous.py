@@ -33,12 +33,11 @@ HQ, HKV, D = 32, 8, 128
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--views", default="16,64,128,256,0")
-    ap.add_argument("--points", default="1x4096,1x32768,8x4096,8x32768,64x4096,64x32768")
+    ap.add_argument("--points", type=harness.batch_lengths, default="1x4096,1x32768,8x4096,8x32768,64x4096,64x32768")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     bench, views = harness.Bench(torch), [int(x) for x in args.views.split(",")]
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         n_rep = bench.replicas(B * L * HKV * D * 4)
         g = torch.Generator(device="cuda").manual_seed(B + L)
         k, v = (torch.randn(n_rep * B, L, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -46,9 +45,7 @@ def main() -> int:
         # one new token a sequence, written at position L - 1 (the token already there: the output is the same)
         kn, vn = (harness.to_pyattn(x[:B, L - 1:L].contiguous(), bench.stream) for x in (k, v))
         kd, vd = (harness.to_pyattn(x, bench.stream) for x in (k, v))
-        reps = [tuple(pyattn.DeviceArray(x.ptr + r * B * x.strides[0], (B, L, HKV, D), x.dtype, x.device,
-                                         strides=x.strides, owner=x, stream=x.stream) for x in (kd, vd))
-                for r in range(n_rep)]
+        reps = harness.replica_views((kd, vd), B, n_rep)
         caches = []
         for r in range(n_rep):
             cache = pyattn.PagedKVCache(B * L // 16 + 1, 16, HKV, D, "bfloat16")

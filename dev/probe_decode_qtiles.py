@@ -27,15 +27,14 @@ from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="8x32768,64x4096,1x32768")
+    ap.add_argument("--points", type=harness.batch_lengths, default="8x32768,64x4096,1x32768")
     ap.add_argument("--qlens", default="1,4,8")
     args = ap.parse_args()
     bench = harness.Bench(torch)
     base = tile_table("attn_decode_tma", "sm_90a", "dense")
     variants = {"table": base[0], "max_q_tiles 1": base[0]._replace(max_q_tiles=1),
                 "min_blocks 1": base[0]._replace(min_blocks=1)}
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         cache = bq.new_cache("bf16", B, L)
         bq.fill(bench, *cache, L, 1)
         for q_len in (int(x) for x in args.qlens.split(",")):

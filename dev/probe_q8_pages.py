@@ -39,12 +39,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="int8,fp8,int8c,bf16")
     ap.add_argument("--pages", default="16,32,64,128")
-    ap.add_argument("--points", default="64x32768,8x32768")
+    ap.add_argument("--points", type=harness.batch_lengths, default="64x32768,8x32768")
     ap.add_argument("--qlen", default="1", help="comma list of query tokens a sequence")
     args = ap.parse_args()
     bench = harness.Bench(torch)
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         queries = {ql: pyattn.asarray(torch.randn(B, ql, qc.HQ, qc.D, device="cuda", dtype=torch.bfloat16),
                                       stream=bench.stream) for ql in (int(x) for x in args.qlen.split(","))}
         for kind in args.kinds.split(","):

@@ -33,7 +33,7 @@ from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="1x32768,8x32768,64x32768")
+    ap.add_argument("--points", type=harness.batch_lengths, default="1x32768,8x32768,64x32768")
     ap.add_argument("--channel", default="32x2,16x3,16x4,16x2")
     ap.add_argument("--splits", default="0,2,4,6,8,12")
     ap.add_argument("--kind", default="int8", help="the per-token cache: int8, fp8 or bf16 (the split sweep's)")
@@ -43,8 +43,7 @@ def main() -> int:
     bench = harness.Bench(torch)
     fam, table = args.family, "dense" if args.kind == "bf16" else "kv8"
     base = tile_table(fam, "sm_90a", table)
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         q = pyattn.asarray(torch.randn(B, 1, bq.HQ, bq.D, device="cuda", dtype=torch.bfloat16), stream=bench.stream)
         cells = []
         token = bq.new_cache(args.kind, B, L)

@@ -30,15 +30,14 @@ HQ, HKV, D, CHUNK = 32, 8, 128, 2048
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="8x32768,1x32768,64x4096")
+    ap.add_argument("--points", type=harness.batch_lengths, default="8x32768,1x32768,64x4096")
     ap.add_argument("--pages", default="1,8,16")
     ap.add_argument("--rows", default="")
     ap.add_argument("--q-len", type=int, default=1)
     args = ap.parse_args()
     bench = harness.Bench(torch)
     variants = {"table": tile_table("attn_decode", "sm_90a"), **decode_rows(args.rows)}
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         q = pyattn.asarray(torch.randn(B, args.q_len, HQ, D, device="cuda", dtype=torch.bfloat16),
                            stream=bench.stream)
         cells = []

@@ -90,7 +90,7 @@ def gathers(bench, cache, ids, call, run_decode, splits, select, rows="") -> Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="8x32768,1x32768")
+    ap.add_argument("--points", type=harness.batch_lengths, default="8x32768,1x32768")
     ap.add_argument("--select", default="group")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ncu", action="store_true")
@@ -117,8 +117,7 @@ def run(args) -> int:
         _decode_args[:] = a
         return run_decode(*a)
     smod.run_decode = keep
-    for point in args.points.split(","):
-        B, L = (int(x) for x in point.split("x"))
+    for B, L in args.points:
         r, k = bs.D // 4, L // 8
         cache = pyattn.PagedKVCache(B * -(-L // args.page) + 8, args.page, bs.HKV, bs.D, "bfloat16", sparq=True)
         ids = [cache.add_sequence() for _ in range(B)]

@@ -146,9 +146,7 @@ def bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, detai
         tables = [(k_d, v_d, np.arange(r * B, (r + 1) * B, dtype=np.int32).reshape(B, 1), lens) for r in range(n_rep)]
         caches = []
         # contiguous_decode over each replica's B sequences (views), one int length: no per-call table
-        views = [tuple(pyattn.DeviceArray(x.ptr + r * B * x.strides[0], (B, *x.shape[1:]), x.dtype, x.device,
-                                          strides=x.strides, owner=x, stream=x.stream) for x in (k_d, v_d))
-                 for r in range(n_rep)]
+        views = harness.replica_views((k_d, v_d), B, n_rep)
     else:
         caches = fill_caches(bench, k_nhd, v_nhd, B, n_rep, page)
         tables = [(c.k, c.v, *c.block_table(s)) for c, s in caches]
@@ -290,7 +288,7 @@ def targets(rows: list) -> list:
 def parse_args(argv=None):
     p = harness.parser(__doc__)
     p.add_argument("--splits", type=int, default=None, help="force pyattn's num_splits (default: its choice)")
-    p.add_argument("--configs", help="comma list of BATCHxCTX, e.g. 8x4096,64x32768 (default: all six)")
+    p.add_argument("--configs", type=harness.batch_lengths, help="comma list of BATCHxCTX, e.g. 8x4096,64x32768 (default: all six)")
     p.add_argument("--layouts", default="p16,p128,contig", help="comma list of p16, p128, contig")
     p.add_argument("--budget", type=float, default=240.0, help="skip shapes not started after this many s")
     p.add_argument("--kv-heads", type=int, default=HKV, choices=(1, 2, 4, 8, 16, 32),
@@ -299,8 +297,7 @@ def parse_args(argv=None):
     args.reps, args.loop = (3, 10) if args.quick else (7, 20)
     try:
         args.layouts = [x for x in args.layouts.split(",") if x]
-        args.shapes = ([tuple(int(n) for n in c.lower().split("x")) for c in args.configs.split(",") if c]
-                       if args.configs else SHAPES)
+        args.shapes = args.configs or SHAPES
         assert all(len(x) == 2 for x in args.shapes) and args.layouts and set(args.layouts) <= set(LAYOUTS)
         assert args.splits is None or 1 <= args.splits <= 256
     except (ValueError, AssertionError):

@@ -310,7 +310,7 @@ def targets(result) -> list:
 
 def parse_args(argv=None):
     p = harness.parser(__doc__)
-    p.add_argument("--configs", help="comma list of BATCHxCTX (default: 1/8/64 x 4096/32768)")
+    p.add_argument("--configs", type=harness.batch_lengths, help="comma list of BATCHxCTX (default: 1/8/64 x 4096/32768)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     p.add_argument("--sections", default="speed,accuracy", help="comma list of speed, accuracy")
     p.add_argument("--budget", type=float, default=420.0, help="skip speed shapes not started after this many s")
@@ -318,8 +318,7 @@ def parse_args(argv=None):
     try:
         args.kinds = [k for k in args.kinds.split(",") if k]
         args.sections = [s for s in args.sections.split(",") if s]
-        args.shapes = ([tuple(int(n) for n in c.lower().split("x")) for c in args.configs.split(",") if c]
-                       if args.configs else QUICK if args.quick else SHAPES)
+        args.shapes = args.configs or QUICK if args.quick else SHAPES
         assert all(len(s) == 2 and min(s) > 0 for s in args.shapes)
         assert args.kinds and set(args.kinds) <= set(KINDS) and args.sections
         assert set(args.sections) <= {"speed", "accuracy"}

@@ -247,15 +247,14 @@ def targets(result) -> list:
 
 def parse_args(argv=None):
     p = harness.parser(__doc__)
-    p.add_argument("--configs", help="comma list of BATCHxCTX")
+    p.add_argument("--configs", type=harness.batch_lengths, help="comma list of BATCHxCTX")
     p.add_argument("--page", type=int, default=64, help="page size of the caches (a multiple of 8)")
     p.add_argument("--sections", default="speed,accuracy", help="comma list of speed, accuracy")
     p.add_argument("--budget", type=float, default=300.0, help="skip speed shapes not started after this many s")
     args = p.parse_args(argv)
     try:
         args.sections = [s for s in args.sections.split(",") if s]
-        args.shapes = ([tuple(int(n) for n in c.lower().split("x")) for c in args.configs.split(",") if c]
-                       if args.configs else QUICK if args.quick else CONFIGS)
+        args.shapes = args.configs or QUICK if args.quick else CONFIGS
         assert all(len(s) == 2 and min(s) > 0 for s in args.shapes) and args.page % 8 == 0 and args.page > 0
         assert args.sections and set(args.sections) <= {"speed", "accuracy"}
     except (ValueError, AssertionError):

@@ -330,6 +330,26 @@ def to_pyattn(t, stream):
         return pyattn.asarray(t.view(torch.int16), stream=stream).view(ml_dtypes.bfloat16)
 
 
+def batch_lengths(text: str) -> list:
+    """``"8x32768,1x4096"`` as [(8, 32768), (1, 4096)]: the (batch, length) points of ``--points``
+    and ``--configs`` (an argparse ``type``; raises ArgumentTypeError on anything else)."""
+    try:
+        out = [tuple(int(n) for n in c.lower().split("x")) for c in text.split(",") if c]
+    except ValueError:
+        out = []
+    if not out or not all(len(x) == 2 and min(x) > 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected BATCHxLENGTH,... with positive numbers, got {text!r}")
+    return out
+
+
+def replica_views(arrays, B: int, n_rep: int) -> list:
+    """Per replica r, views of sequences [r B, (r + 1) B) of each pyattn array in ``arrays``
+    (axis 0 the sequence): ``[(view of arrays[0], view of arrays[1], ...), ...]``, zero-copy."""
+    return [tuple(pyattn.DeviceArray(x.ptr + r * B * x.strides[0], (B, *x.shape[1:]), x.dtype, x.device,
+                                     strides=x.strides, owner=x, stream=x.stream) for x in arrays)
+            for r in range(n_rep)]
+
+
 def to_torch(a):
     """A pyattn array (or a torch tensor, returned as is) as a torch tensor, zero-copy (bf16 as its
     uint16 bits through DLPack, as the README says)."""

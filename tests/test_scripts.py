@@ -163,6 +163,22 @@ def test_alternating_rounds_reverse_every_other_pass():
     assert list(harness.alternating([], 3)) == [] and list(harness.alternating("ab", 0)) == []
 
 
+@pytest.mark.parametrize("bad", ["", "8", "8x", "8x4096x2", "0x4096", "8x-1", "ax4096", ","])
+def test_batch_lengths_parse_points_and_refuse_the_rest(bad):
+    """--points / --configs (harness.batch_lengths): BATCHxLENGTH pairs, positive; a script's parser
+    turns the refusal into a usage error."""
+    import argparse
+
+    import bench_decode
+
+    assert harness.batch_lengths("8x4096,1X32768,") == [(8, 4096), (1, 32768)]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected BATCHxLENGTH"):
+        harness.batch_lengths(bad)
+    assert bench_decode.parse_args(["--configs", "64x4096"]).shapes == [(64, 4096)]
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--configs", bad or "x"])
+
+
 def test_report_helpers():
     assert harness.fmt(None, ".1f") == harness.fmt(float("nan"), ".1f") == harness.fmt(True, ".1f") == "n/a"
     assert harness.fmt(3.14159, ".2f") == "3.14"
