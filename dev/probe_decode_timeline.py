@@ -39,7 +39,8 @@ _ENTRY = "  extern __shared__ __align__(16) unsigned char smem_raw[];\n"
 # pyattn_tl, so the same anchors serve the kernels' own consumers and the swapped-role ones
 # (decode_swap.cuh), which are functions of their own.
 _SLOT = "if (threadIdx.x == 0) pyattn_tl_at()[{i}] = {v};"
-_BEGIN = ("  " + _SLOT.format(i=0, v="pyattn_tl_now()") + " " + _SLOT.format(i=2, v="clock64()") + "\n")
+_BEGIN = ("  " + _SLOT.format(i=0, v="pyattn_tl_now()") + " " + _SLOT.format(i=2, v="clock64()") + " "
+          + _SLOT.format(i=13, v="pyattn_tl_smid()") + "\n")
 _EXIT = ("  " + _SLOT.format(i=1, v="pyattn_tl_now()") + " " + _SLOT.format(i=9, v="clock64()") + "\n")
 _Q_LANDED = "  decode_sync<Tr>();  // Q landed for every consumer warp\n"
 _FIRST_FULL = "    pipe::wait(full0 + 8 * st, (j / S) & 1);\n"
@@ -71,7 +72,9 @@ _PATCHES = {
          "__device__ __forceinline__ unsigned long long* pyattn_tl_at() {\n"
          "  return pyattn_tl + 14 * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }\n"
          "__device__ __forceinline__ unsigned long long pyattn_tl_now() {\n"
-         "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"),
+         "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
+         "__device__ __forceinline__ unsigned long long pyattn_tl_smid() {\n"
+         "  unsigned s; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s)); return 1ull + s; }\n"),
     ],
     "decode_merge.cuh": [
         ("  __threadfence();  // this block's partial stores are visible device-wide before it is counted\n"
@@ -134,9 +137,12 @@ def _child(points: str) -> None:
             host = np.zeros(size // 8, np.uint64)
             driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)
             rows = host.reshape(-1, 14)
-            rows = rows[rows[:, 0] != 0]
+            index = np.nonzero(rows[:, 0] != 0)[0]
+            rows = rows[index]
             if len(rows):
                 _summary(point, rows.astype(np.int64))
+                if SPREAD:
+                    _spread(point, rows.astype(np.int64), index, driver)
         cache = seqs = q = None
         qc.drop(bench)
 
@@ -168,11 +174,47 @@ def _summary(point: str, rows) -> None:
           f"{sum(1 for r in rows.tolist() if r[8])} combining; phases median/max us: " + ", ".join(cells), flush=True)
 
 
+SPREAD = False
+
+
+def _spread(point: str, rows, index, driver) -> None:
+    """How the blocks' key loops differ: their percentiles, by SM, within a unit (the splits of one
+    (batch, kv head): consecutive block indices, grid.x = splits), and when the blocks end."""
+    import numpy as np
+
+    ns = (rows[:, 1] - rows[:, 0]) / np.maximum(rows[:, 9] - rows[:, 2], 1)
+    loop = (rows[:, 6] - rows[:, 5]) * ns / 1e3
+    end = (rows[:, 1] - rows[:, 0].min()) / 1e3
+    sm = rows[:, 13] - 1
+    pct = np.percentile(loop, [0, 10, 50, 90, 100])
+    by_sm = {s: loop[sm == s].mean() for s in np.unique(sm)}
+    per_sm = np.bincount(sm)
+    means = np.array(list(by_sm.values()))
+    print(f"  {point} key loop us p0/p10/p50/p90/max {'/'.join(f'{x:.1f}' for x in pct)}; blocks an SM "
+          f"{per_sm.min()}-{per_sm.max()} over {len(by_sm)} SMs; SM means {means.min():.1f}-{means.max():.1f} "
+          f"(sd {means.std():.1f}); block ends p50/p90/max {'/'.join(f'{x:.1f}' for x in np.percentile(end, [50, 90, 100]))} us")
+    splits = int(os.environ.get("SPLITS", "0"))
+    if splits > 1:
+        units = index // splits
+        spread = [loop[units == u].max() - loop[units == u].min() for u in np.unique(units)]
+        mean_gap = [loop[units == u].max() - loop[units == u].mean() for u in np.unique(units)]
+        print(f"  {point} within a unit ({splits} splits): max - min key loop median {np.median(spread):.1f} us, "
+              f"max - mean median {np.median(mean_gap):.1f} us (the global max - median "
+              f"{pct[4] - pct[2]:.1f})")
+    slow = np.argsort(-loop)[:8]
+    print(f"  {point} slowest blocks (index, SM, key loop us, blocks on that SM): "
+          + ", ".join(f"({index[i]}, {sm[i]}, {loop[i]:.1f}, {per_sm[sm[i]]})" for i in slow))
+
+
 def main() -> int:
+    global SPREAD
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=POINTS)
+    ap.add_argument("--spread", action="store_true", help="also how the blocks' key loops differ (SPLITS=n: "
+                    "within each unit of n splits)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    SPREAD = args.spread
     if args.child:
         _child(args.points)
         return 0
@@ -182,7 +224,8 @@ def main() -> int:
         shutil.copytree(ROOT / "kernels_src", dst / "kernels_src")
         _patch(dst)
         env = dict(os.environ, PYTHONPATH=str(dst), PYATTN_CACHE_DIR=str(dst / "cache"), PYTHONUNBUFFERED="1")
-        run = subprocess.run([sys.executable, __file__, "--child", "--points", args.points], env=env,
+        run = subprocess.run([sys.executable, __file__, "--child", "--points", args.points]
+                             + (["--spread"] if args.spread else []), env=env,
                              capture_output=True, text=True, cwd=ROOT)
         print(run.stdout, run.stderr[-3000:] if run.returncode else "", end="")
         return run.returncode
