@@ -194,14 +194,14 @@ struct FastMods {
   // the raw scores s0, s1 here, times mscale: one fma a score in place, before the main loop's
   // branches on the tile (an fma in score(), inside them, cost a register move a score to merge
   // them: SASS). Otherwise score() adds them after the other modifiers.
-  // A bf16 pair by its bits, each the upper half of its fp32: one shift or and a term, where
-  // __bfloat1622float2 took three instructions a pair (PRMT, 2 IMAD.U32; NVRTC 13.0 SASS).
+  // A 16-bit pair by pair_to_float2 (common.cuh: a bf16 by its bits, one instruction a term).
   __device__ __forceinline__ void terms(unsigned word, float& a, float& b, float& s0, float& s1) const {
     if constexpr (Mods::kMask == kMaskF16) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
+      const float2 f = pair_to_float2<__half>(word);
       a = f.x, b = f.y;
     } else if constexpr (Mods::kMask == kMaskBF16) {
-      a = __uint_as_float(word << 16), b = __uint_as_float(word & 0xffff0000u);
+      const float2 f = pair_to_float2<__nv_bfloat16>(word);
+      a = f.x, b = f.y;
     }
     if constexpr (kMaskOnly) s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
   }

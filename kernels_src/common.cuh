@@ -33,6 +33,17 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Two 16-bit values packed in a word (the first in the low half) as floats. A bf16 is the upper half
+// of its fp32, so by its bits each takes one shift or one and, where __bfloat1622float2 took a PRMT
+// and two IMAD.U32 a pair (NVRTC 13.0 SASS, thirty-seventh session).
+template <typename T> __device__ __forceinline__ float2 pair_to_float2(unsigned w);
+template <> __device__ __forceinline__ float2 pair_to_float2<__half>(unsigned w) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(unsigned w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 // Round-to-nearest-even conversions back to the storage type.
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }

@@ -100,8 +100,8 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const int G = p.group, R = p.r, tid = threadIdx.x, ps = p.page_size, warp = tid / 32, lane = tid % 32;
   const int Gp = (G + 3) & ~3;
   float* qt_s = reinterpret_cast<float*>(smem);                           // [R][Gp]
-  int* chan_s = reinterpret_cast<int*>(qt_s + kSparqMaxGroup * kSparqMaxDim);  // [R]
-  unsigned* hist_s = reinterpret_cast<unsigned*>(chan_s + kSparqMaxDim);  // [bins]
+  int* off_s = reinterpret_cast<int*>(qt_s + kSparqMaxGroup * kSparqMaxDim);  // [R] chosen kt rows' page offsets
+  unsigned* hist_s = reinterpret_cast<unsigned*>(off_s + kSparqMaxDim);  // [bins]
   float* red = reinterpret_cast<float*>(hist_s + kSparqBins);             // [warps][G][2]: a warp's running state
   int* flag = reinterpret_cast<int*>(red + kSparqWarps * kSparqMaxGroup * 2);
   const float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
@@ -109,7 +109,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
     const int j = e / Gp, h = e % Gp;
     qt_s[e] = h < G ? qt[h * R + j] : 0.f;
   }
-  for (int j = tid; j < R; j += kSparqThreads) chan_s[j] = sparq_i(p, p.off_chan)[row * R + j];
+  for (int j = tid; j < R; j += kSparqThreads) off_s[j] = sparq_i(p, p.off_chan)[row * R + j] * ps;
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = 0u;
   for (int i = tid; i < kSparqWarps * kSparqMaxGroup; i += kSparqThreads) red[2 * i] = -inf(), red[2 * i + 1] = 0.f;
   __syncthreads();
@@ -118,11 +118,13 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const int* pages = sparq_pages(p, b);
 
   // Steps of kSparqChunk keys; a thread's 8 keys lie in one page (page_size % 8 == 0): 16 bytes of
-  // each chosen kt row.
+  // each chosen kt row. A thread past the sequence's end reads the sequence's first keys instead
+  // and never uses what it sums, so the loads take no predicate and no zeroed registers (slots past
+  // the end inside the last page are read alike, never counted).
   for (int step = 0; step < p.chunk_steps && c0 + step * kSparqChunk < n; ++step) {
     const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
-    const T* base = kt;
-    if (nv > 0) base += pages[i0 / ps] * p.kt_stride_page + i0 % ps;
+    const int at = nv > 0 ? i0 : 0;
+    const T* base = kt + pages[at / ps] * p.kt_stride_page + at % ps;
     float sel[kSparqKeys];
 #pragma unroll
     for (int e = 0; e < kSparqKeys; ++e) sel[e] = 0.f;
@@ -134,14 +136,18 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
         for (int e = 0; e < kSparqKeys; ++e) acc[hh][e] = 0.f;
 #pragma unroll 8
       for (int j = 0; j < R; ++j) {
-        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-        if (nv > 0)  // the slots past the sequence's end are in the page: read, never counted
-          raw = *reinterpret_cast<const uint4*>(base + static_cast<long long>(chan_s[j]) * ps);
-        const T* e8 = reinterpret_cast<const T*>(&raw);
+        const uint4 raw = *reinterpret_cast<const uint4*>(base + off_s[j]);
+        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float k8[kSparqKeys];
+#pragma unroll
+        for (int e = 0; e < kSparqKeys; e += 2) {
+          const float2 f = pair_to_float2<T>(words[e / 2]);
+          k8[e] = f.x, k8[e + 1] = f.y;
+        }
         const float4 qv = *reinterpret_cast<const float4*>(qt_s + j * Gp + hc);
 #pragma unroll
         for (int e = 0; e < kSparqKeys; ++e) {
-          const float k = to_float(e8[e]);
+          const float k = k8[e];
           acc[0][e] = fmaf(qv.x, k, acc[0][e]);
           acc[1][e] = fmaf(qv.y, k, acc[1][e]);
           acc[2][e] = fmaf(qv.z, k, acc[2][e]);
