@@ -166,24 +166,19 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   }
 
   for (int j = 0; j < blk.n_tiles; ++j) {
-    const int st = j % S, wrow = warp * KW;   // this warp's first ring row
-    const int n0 = blk.n_first + j * KB + wrow;  // this warp's first key
-    pipe::wait(full0 + 8 * st, (j / S) & 1);
-    const unsigned char* tK = sK + st * KB * D;
-    unsigned char* tV = sV + st * KB * D;
-    tma::zero_rows_from<KW, D / 128, KB>(tV + wrow * 128, blk.end - n0);  // V rows past the range's keys
+    const int wrow = warp * KW;  // this warp's first ring row
+    const Q8TmaStage<Tr> ts(sK, sV, full0, blk, j, wrow);  // (decode_q8_swap.cuh)
     float s[MT][NT][4];
     if constexpr (KC) {
-      q8_scores_channel<Tr, true>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows, sQh, qs,
-                                  s);
+      q8_scores_channel<Tr, true>(ts.tK, sSeg + (ts.st * (KB / 16) + wrow / 16) * SEGB, wrow, qf, row_inv, hi_rows,
+                                  sQh, qs, s);
     } else {
-      q8_scores<Tr, true>(tK, sKs + st * KB, wrow, qf, row_inv, s);
+      q8_scores<Tr, true>(ts.tK, sKs + ts.st * KB, wrow, qf, row_inv, s);
     }
-    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
-      rows.template mask<NT, SOFTCAP>(s, p, blk.band, n0 + 2 * t);
-    q8_softmax_pv<Tr, true>(s, tV, sVs + st * KB, wrow, vref, acc, row_max, row_sum, sl2);
-    __syncwarp();
-    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, ts.n0, blk.kv_len))
+      rows.template mask<NT, SOFTCAP>(s, p, blk.band, ts.n0 + 2 * t);
+    q8_softmax_pv<Tr, true>(s, ts.tV, sVs + ts.st * KB, wrow, vref, acc, row_max, row_sum, sl2);
+    ts.release(empty0, lane);
   }
 
   pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys

@@ -206,6 +206,31 @@ __device__ __forceinline__ void q8s_epilogue(const DecodeParams& p, const float 
   });
 }
 
+// A consumer warp's turn at TMA ring stage j of the 8-bit decodes (q8s_consume below and
+// attention_decode_q8_tma.cuh's rows-on-M consumers): the stage waited full, this warp's V rows
+// past the range's keys zeroed (0 x NaN is NaN), its stage, first key (wrow: its first ring row)
+// and the stage's K / V boxes; release() hands the stage back once the warp's reads are done.
+template <class Tr>
+struct Q8TmaStage {
+  int st, n0;
+  const unsigned char* tK;
+  unsigned char* tV;
+  __device__ __forceinline__ Q8TmaStage(const unsigned char* sK, unsigned char* sV, unsigned full0,
+                                        const DecodeBlock<Tr>& blk, int j, int wrow) {
+    constexpr int S = Tr::kStages, KB = Tr::kBlockN, D = Tr::kHeadDim;
+    st = j % S;
+    n0 = blk.n_first + j * KB + wrow;
+    pipe::wait(full0 + 8 * st, (j / S) & 1);
+    tK = sK + st * KB * D;
+    tV = sV + st * KB * D;
+    tma::zero_rows_from<Tr::kKeysPerWarp, D / 128, KB>(tV + wrow * 128, blk.end - n0);
+  }
+  __device__ __forceinline__ void release(unsigned empty0, int lane) const {
+    __syncwarp();
+    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+  }
+};
+
 // The consumer warps of attn_decode_q8_tma with swapped roles (Traits::kSwap): from Q's load to the
 // stored rows. The producer warp, the ring and its barriers are the kernel's.
 template <class Tr, bool SOFTCAP, bool ALIBI>
@@ -215,7 +240,7 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
                                             unsigned empty0) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, KW = Tr::kKeysPerWarp, MK = KW / 16;
-  constexpr int S = Tr::kStages, SEGB = SegRec<D>::kBytes;
+  constexpr int SEGB = SegRec<D>::kBytes;
   constexpr bool kMods = SOFTCAP || ALIBI, KC = Tr::kKeyChannel;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -242,23 +267,18 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
   }
   float vref = 0.f;  // this warp's running V-scale reference (a power of two; 0: no key yet)
   for (int j = 0; j < blk.n_tiles; ++j) {
-    const int st = j % S, wrow = warp * KW;      // this warp's first ring row
-    const int n0 = blk.n_first + j * KB + wrow;  // this warp's first key
-    pipe::wait(full0 + 8 * st, (j / S) & 1);
-    const unsigned char* tK = sK + st * KB * D;
-    unsigned char* tV = sV + st * KB * D;
-    tma::zero_rows_from<KW, D / 128, KB>(tV + wrow * 128, blk.end - n0);  // V rows past the range's keys
+    const int wrow = warp * KW;  // this warp's first ring row
+    const Q8TmaStage<Tr> ts(sK, sV, full0, blk, j, wrow);
     float s[MK][4];
     if constexpr (KC) {
-      q8s_scores_channel<Tr>(tK, sSeg + (st * (KB / 16) + wrow / 16) * SEGB, wrow, qb, cinv, sQh, s);
+      q8s_scores_channel<Tr>(ts.tK, sSeg + (ts.st * (KB / 16) + wrow / 16) * SEGB, wrow, qb, cinv, sQh, s);
     } else {
-      q8s_scores<Tr>(tK, sKs + st * KB, wrow, qb, cinv, s);
+      q8s_scores<Tr>(ts.tK, sKs + ts.st * KB, wrow, qb, cinv, s);
     }
-    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, n0, blk.kv_len))
-      w.cols.template mask<MK, SOFTCAP>(s, p, blk.band, n0 + g);
-    q8s_softmax_pv<Tr>(s, tV, sVs + st * KB, wrow, vref, w.acc, w.cmax, w.csum, w.sl2);
-    __syncwarp();
-    if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
+    if (kMods || !band_tile_full<KW>(blk.band, blk.qi_lo, blk.qi_hi, ts.n0, blk.kv_len))
+      w.cols.template mask<MK, SOFTCAP>(s, p, blk.band, ts.n0 + g);
+    q8s_softmax_pv<Tr>(s, ts.tV, sVs + ts.st * KB, wrow, vref, w.acc, w.cmax, w.csum, w.sl2);
+    ts.release(empty0, lane);
   }
   pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   q8s_epilogue<Tr>(p, w.acc, w.cmax, w.csum, vref, w.sl2, smem_raw, blk);
