@@ -20,7 +20,13 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   int* chan_s = flag + kSparqMaxDim;                            // [R] (first the partial ranks)
   float* th = reinterpret_cast<float*>(chan_s + kSparqThreads);  // [G], then [warps]
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(rh) * G * p.q_stride_h;
-  for (int e = tid; e < G * D; e += kSparqThreads) qs[e] = to_float(q[(e / D) * p.q_stride_h + e % D]);
+  // The stage runs once a row, so its time is mostly fetching its code (Nsight Compute: "no
+  // instruction" 5.6 of ~12 stall cycles an instruction, thirty-ninth session): loops are kept
+  // short in code (a thread a channel, no runtime divisions, no unrolling).
+  static_assert(kSparqMaxDim <= kSparqThreads, "a thread a channel");
+#pragma unroll 1
+  for (int h = 0; h < G; ++h)
+    if (tid < D) qs[h * D + tid] = to_float(q[h * p.q_stride_h + tid]);
   unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
   if (tid < 4) sparq_i(p, p.off_ctr)[row * 4 + tid] = 0;
@@ -28,10 +34,11 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc)). The
   // ranks are counted by tpc threads a channel, a slice of the D others each, and positions among
   // the chosen come from warp ballots: one thread a channel counting all D took 12 us at D 128.
-  for (int c = tid; c < D; c += kSparqThreads) {
+  if (tid < D) {
     float s = 0.f;
-    for (int h = 0; h < G; ++h) s += fabsf(qs[h * D + c]);
-    w[c] = s;
+#pragma unroll 1
+    for (int h = 0; h < G; ++h) s += fabsf(qs[h * D + tid]);
+    w[tid] = s;
   }
   __syncthreads();
   const int tpc = max(1, kSparqThreads / D), slice = (D + tpc - 1) / tpc;
@@ -50,6 +57,7 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   bool chosen = false;
   if (tid < D) {
     int rank = 0;
+#pragma unroll 1
     for (int t = 0; t < tpc; ++t) rank += part[t * D + tid];
     chosen = rank < R;
   }
@@ -59,14 +67,17 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   if (tid < D) flag[tid] = chosen;
   if (chosen) {
     int pos = __popc(ballot & ((1u << lane) - 1u));
+#pragma unroll 1
     for (int w2 = 0; w2 < warp; ++w2) pos += wcount[w2];
     sparq_i(p, p.off_chan)[row * R + pos] = tid;
     chan_s[pos] = tid;
   }
   __syncthreads();
   // -- per head: the temperature (paper: softmax(q[i1] . K[:, i1] / sqrt(d * |q[i1]|_1 / |q|_1)))
+#pragma unroll 1
   for (int h = warp; h < G; h += kSparqWarps) {
     float all = 0.f, sel = 0.f;
+#pragma unroll 1
     for (int c = lane; c < D; c += 32) {
       const float a = fabsf(qs[h * D + c]);
       all += a;
@@ -79,17 +90,15 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   __syncthreads();
   // -- the decode's query rows: q, then q~ (the chosen channels only)
   T* qx = static_cast<T*>(p.qx) + static_cast<long long>(row) * 2 * G * D;
-  for (int e = tid; e < 2 * G * D; e += kSparqThreads) {
-    const int hh = e / D, c = e % D;
-    const float x = hh < G ? qs[hh * D + c] : (flag[c] ? qs[(hh - G) * D + c] * th[hh - G] : 0.f);
-    qx[e] = from_float<T>(x);
+#pragma unroll 1
+  for (int hh = 0; hh < 2 * G && tid < D; ++hh) {
+    const float x = hh < G ? qs[hh * D + tid] : (flag[tid] ? qs[(hh - G) * D + tid] * th[hh - G] : 0.f);
+    qx[hh * D + tid] = from_float<T>(x);
   }
   // -- q~ on the chosen channels, as the score stage reads them: [G][R]
   float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
-  for (int e = tid; e < G * R; e += kSparqThreads) {
-    const int h = e / R;
-    qt[e] = to_float(from_float<T>(qs[h * D + chan_s[e % R]] * th[h]));
-  }
+#pragma unroll 1
+  for (int h = 0; h < G && tid < R; ++h) qt[h * R + tid] = to_float(from_float<T>(qs[h * D + chan_s[tid]] * th[h]));
 }
 
 template <typename T, class P>
