@@ -36,22 +36,13 @@ def main() -> int:
     args = ap.parse_args()
     bench, views = harness.Bench(torch), [int(x) for x in args.views.split(",")]
     for B, L in args.points:
-        n_rep = bench.replicas(B * L * HKV * D * 4)
-        g = torch.Generator(device="cuda").manual_seed(B + L)
-        k, v = (torch.randn(n_rep * B, L, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        n_rep, g, k, v = harness.random_kv(bench, B, L, HKV, D)
         kh, vh = (x.transpose(1, 2).contiguous() for x in (k, v))  # (n_rep B, Hkv, L, D)
         qt = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
         q = harness.to_pyattn(qt, bench.stream)
         nhd = harness.replica_views([harness.to_pyattn(x, bench.stream) for x in (k, v)], B, n_rep)
         hnd = harness.replica_views([harness.to_pyattn(x, bench.stream) for x in (kh, vh)], B, n_rep)
-        caches = []
-        for r in range(n_rep):
-            cache = pyattn.PagedKVCache(B * L // 16 + 1, 16, HKV, D, "bfloat16")
-            ids = [cache.add_sequence() for _ in range(B)]
-            for t0 in range(0, L, 4096):
-                cache.append(ids, *(harness.to_pyattn(x[r * B:(r + 1) * B, t0:t0 + 4096].contiguous(), bench.stream)
-                                    for x in (k, v)), stream=bench.stream)
-            caches.append((cache, ids))
+        caches = harness.paged_replicas(bench, k, v, B, n_rep, 16, 4096)
         ref = harness.to_torch(pyattn.decode(q, *caches[0], stream=bench.stream)).float()
         qs = qt.transpose(1, 2)
         sdpa = [harness.sdpa(torch, "cudnn", qs, kh[r * B:(r + 1) * B], vh[r * B:(r + 1) * B], enable_gqa=True)

@@ -122,21 +122,6 @@ def bench_torch(bench, q, k, v, B: int, n_rep: int, args) -> dict:
     return res
 
 
-def fill_caches(bench, k_nhd, v_nhd, B: int, n_rep: int, page: int) -> list:
-    """One PagedKVCache per replica with B sequences of k_nhd / v_nhd (S, ctx, Hkv, D), appended a
-    page of tokens at a time: [(cache, seq_ids)]."""
-    ctx, out = k_nhd.shape[1], []
-    for r in range(n_rep):
-        cache = pyattn.PagedKVCache(B * -(-ctx // page) + 1, page, HKV, D, "bfloat16")
-        seqs = [cache.add_sequence() for _ in range(B)]
-        for t0 in range(0, ctx, page):
-            k, v = (harness.to_pyattn(x[r * B:(r + 1) * B, t0:t0 + page].contiguous(), bench.stream)
-                    for x in (k_nhd, v_nhd))
-            cache.append(seqs, k, v, stream=bench.stream)
-        out.append((cache, seqs))
-    return out
-
-
 def bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, detail) -> None:
     """Fill ``row`` with pyattn's figures for one layout (and the detail list for DETAIL)."""
     page, ps, splits = LAYOUTS[row["layout"]], bench.stream, args.splits
@@ -148,7 +133,7 @@ def bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, detai
         # contiguous_decode over each replica's B sequences (views), one int length: no per-call table
         views = harness.replica_views((k_d, v_d), B, n_rep)
     else:
-        caches = fill_caches(bench, k_nhd, v_nhd, B, n_rep, page)
+        caches = harness.paged_replicas(bench, k_nhd, v_nhd, B, n_rep, page, page)
         tables = [(c.k, c.v, *c.block_table(s)) for c, s in caches]
 
     def pd(k, v, table, lens, **kw):

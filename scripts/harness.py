@@ -14,7 +14,8 @@ torch, so ``--help`` works anywhere. Public pyattn names only.
 - :meth:`Bench.wall_ms` for host paths; ceilings of the same run (copy GB/s, matmul TFLOP/s,
   pinned copies); :func:`sdpa` (torch SDPA on its FA2 or cuDNN backend); :func:`environment`,
   :func:`save_json` and the report helpers every script prints with (defined in harness_report.py,
-  imported here: callers use ``harness.<name>`` for all of them).
+  imported here: callers use ``harness.<name>`` for all of them); the array helpers likewise from
+  harness_arrays.py (``to_pyattn``, ``to_torch``, ``replica_views``, ``paged_replicas``, ...).
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ import pyattn
 # sys.path); imported back so that every caller keeps one module to import: harness.fmt, harness.environment...
 from harness_report import (_cu, attempt, end_run, env_line, environment, fmt, md_table, print_targets, save_json,
                             unheld_note)
+# The array helpers likewise (harness_arrays.py).
+from harness_arrays import (DlpackOnly, batch_lengths, paged_replicas, random_kv, replica_views, tiny_decode,
+                            to_pyattn, to_torch)
 
 # The names scripts, dev/ and tests use; listing the re-exported ones here also tells pyflakes they are not unused.
 __all__ = ["SDPA_BACKENDS", "MAX_PREROLL_MS", "load_torch", "open_bench", "over_budget", "parser", "Timing", "Bench",
-           "sdpa", "to_pyattn", "to_torch", "tiny_decode", "DlpackOnly", "environment", "env_line", "save_json",
-           "attempt", "fmt", "md_table", "unheld_note", "end_run", "print_targets"]
+           "sdpa", "to_pyattn", "to_torch", "tiny_decode", "DlpackOnly", "batch_lengths", "replica_views",
+           "paged_replicas", "random_kv", "environment", "env_line", "save_json", "attempt", "fmt", "md_table",
+           "unheld_note", "end_run", "print_targets"]
 
 SDPA_BACKENDS = {"fa2": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 MAX_PREROLL_MS = 2000.0  # the longest device wait queued before a loop
@@ -316,79 +321,3 @@ def sdpa(torch, backend: str, q, k, v, **kw):
             warnings.simplefilter("ignore")  # e.g. the enable_gqa notices
             return f(q, k, v, **kw)
     return run
-
-
-def to_pyattn(t, stream):
-    """A torch tensor as a zero-copy pyattn array (bf16 through its int16 bits if DLPack refuses it)."""
-    try:
-        return pyattn.asarray(t, stream=stream)
-    except Exception:  # noqa: BLE001
-        if str(t.dtype) != "torch.bfloat16":
-            raise
-        import ml_dtypes
-        import torch
-        return pyattn.asarray(t.view(torch.int16), stream=stream).view(ml_dtypes.bfloat16)
-
-
-def batch_lengths(text: str) -> list:
-    """``"8x32768,1x4096"`` as [(8, 32768), (1, 4096)]: the (batch, length) points of ``--points``
-    and ``--configs`` (an argparse ``type``; raises ArgumentTypeError on anything else)."""
-    try:
-        out = [tuple(int(n) for n in c.lower().split("x")) for c in text.split(",") if c]
-    except ValueError:
-        out = []
-    if not out or not all(len(x) == 2 and min(x) > 0 for x in out):
-        raise argparse.ArgumentTypeError(f"expected BATCHxLENGTH,... with positive numbers, got {text!r}")
-    return out
-
-
-def replica_views(arrays, B: int, n_rep: int) -> list:
-    """Per replica r, views of sequences [r B, (r + 1) B) of each pyattn array in ``arrays``
-    (axis 0 the sequence): ``[(view of arrays[0], view of arrays[1], ...), ...]``, zero-copy."""
-    return [tuple(pyattn.DeviceArray(x.ptr + r * B * x.strides[0], (B, *x.shape[1:]), x.dtype, x.device,
-                                     strides=x.strides, owner=x, stream=x.stream) for x in arrays)
-            for r in range(n_rep)]
-
-
-def to_torch(a):
-    """A pyattn array (or a torch tensor, returned as is) as a torch tensor, zero-copy (bf16 as its
-    uint16 bits through DLPack, as the README says)."""
-    import torch
-
-    if torch.is_tensor(a):
-        return a
-    if a.dtype.name == "bfloat16":
-        return torch.from_dlpack(a.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_dlpack(a)
-
-
-def tiny_decode(rng, dtype=None) -> tuple:
-    """bench_boundary's tiny decode: a paged cache (64 pages of 16 tokens, 2 KV heads, head_dim 64)
-    holding 2 sequences of 256 random tokens, and a one-token query of 8 heads for them, as a host
-    array. Returns ``(cache, ids, q)``. ``dtype``: bfloat16 (the default) or float16 (for CuPy,
-    which has no bfloat16)."""
-    import ml_dtypes
-
-    dt = np.dtype(ml_dtypes.bfloat16 if dtype is None else dtype)
-    cache = pyattn.PagedKVCache(64, 16, 2, 64, dt.name)
-    ids = [cache.add_sequence() for _ in range(2)]
-    kv = rng.standard_normal((2, 256, 2, 64)).astype(dt)
-    cache.append(ids, kv, kv)
-    return cache, ids, rng.standard_normal((2, 1, 8, 64)).astype(dt)
-
-
-class DlpackOnly:
-    """A torch tensor seen through DLPack only, as a JAX array is (shape, dtype, strides and
-    ``__dlpack__``, no array interface): JAX's stand-in where JAX is not installed."""
-
-    def __init__(self, t):
-        self.t, self.shape, self.dtype = t, tuple(t.shape), str(t.dtype)
-
-    def stride(self):
-        return self.t.stride()
-
-    def __dlpack__(self, **kw):
-        return self.t.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()

@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 PY_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.py"))
 # Modules the benchmarks import, not scripts to run (no --help of their own).
-HELPERS = {"harness.py", "harness_report.py", "quant_caches.py"}
+HELPERS = {"harness.py", "harness_report.py", "harness_arrays.py", "quant_caches.py"}
 MAINS = [n for n in PY_SCRIPTS if n not in HELPERS]
 # What scripts may use: pyattn's exports, pyattn.kernels.specs' public names, pyattn.jit's public functions.
 PUBLIC_MODULES = {"pyattn", "pyattn.kernels.specs", "pyattn.jit", "pyattn.quant", "pyattn.reference",
