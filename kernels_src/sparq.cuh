@@ -33,7 +33,9 @@
 // Why the shape (H200, B8 x 32k, BENCHMARKS.md "SparQ selection"): with 4 keys and 8-byte loads a
 // thread, 1024-key blocks, a counter claim a warp and a per-row refinement reading its candidates
 // from L2 once a pass, score took 96 us and select 48 us for 134 MB of kt and 8 MB of scores;
-// now 64-72 and 25. The score stage is latency-bound (a warp's 8 reads in flight, then its FMAs).
+// now 62-72 and 25. What bounds the score stage now is its reads' pattern: a quarter of each page's
+// kt rows come at ~2 TB/s whatever their length (thirty-ninth session); prep's time is mostly the
+// fetching of its own code (sparq_score.cuh).
 // The stages' sizes and shared helpers are in sparq_common.cuh, the prep and score stages in
 // sparq_score.cuh; select, finish and the entry point follow here.
 // Requires pyattn::SparqParams and common.cuh.
