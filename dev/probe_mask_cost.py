@@ -1,7 +1,7 @@
 """Dev probe: what a mask tensor costs the sm_90a prefill, (1, 16k, 2048 / D, D) bf16.
 
 Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] [--kinds bool bf16 f32]
-       [--no-cp] [--row D,BLOCK_N,WARPGROUPS,STAGES,OVERLAP,SPLIT_KV ...]
+       [--no-cp] [--row D,BLOCK_N,WARPGROUPS,STAGES,OVERLAP,SPLIT_KV ...] [--mods-warpgroups N]
 
 Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
 visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
@@ -11,7 +11,9 @@ bucket's row taken out of attn_fwd_tma's table with ``override_tiles``, so the c
 copies the tiles), each against the dense (or causal) time timed again right after it (the clock
 drifts down as the GPU heats: 10% over a run). ``--row`` adds a column per row given: the float-mask
 call on attn_fwd_tma with that row in its table (e.g. ``128,128,2,2,0,0`` for 2 stages without
-overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async column.
+overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async column;
+``--mods-warpgroups N`` adds a bool-mask column with the dense row's ``warpgroups_mods`` set to N
+(the warpgroups of its variants with a mask tensor or ALiBi: 2 at d = 64, where 3 spilled).
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ def main() -> None:
     ap.add_argument("--no-cp", action="store_true", help="skip the attn_fwd_wgmma (cp.async) column")
     ap.add_argument("--row", nargs="*", default=[], help="float-mask rows to time as well: D,BLOCK_N,WARPGROUPS,"
                     "STAGES,OVERLAP,SPLIT_KV[,PERSISTENT] (warp-specialized)")
+    ap.add_argument("--mods-warpgroups", type=int, default=0, help="bool masks also with the dense row's "
+                    "warpgroups_mods set to this (0: not)")
     args = ap.parse_args()
     rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]))
             for d, n, w, st, ov, sp, *pe in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
-        probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D])
+        probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D],
+              args.mods_warpgroups)
 
 
-def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=()) -> None:
+def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg: int = 0) -> None:
     H = 2048 // D
     rng = np.random.default_rng(0)
     import ml_dtypes
@@ -82,6 +87,11 @@ def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=()) -> None
             if cp_column:
                 with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
                     cols.append(("cp.async", run(opts), run(base_opts)))
+            if kind == "bool" and mods_wg:
+                tab = tuple(r._replace(warpgroups_mods=mods_wg) if r.max_head_dim == D else r
+                            for r in tile_table("attn_fwd_tma", "sm_90a", "dense"))
+                with override_tiles("attn_fwd_tma", "sm_90a", tab, table="dense"):
+                    cols.append((f"mods {mods_wg} WG", run(opts), run(base_opts)))
             for row in rows if kind != "bool" else ():
                 tab = rows_with(tile_table("attn_fwd_tma", "sm_90a", table), D, row)
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):

@@ -1,7 +1,8 @@
 """GPU tests of attn_fwd_tma's rows of three consumer warpgroups (192 query rows a block, the
 warpgroups' GEMM turns round robin on named barriers 1-3) against the fp64 reference; marked
-``gpu``, skipped without an sm_90a GPU. ALiBi and mask tensors keep such a row's
-``warpgroups_mods`` (two: at 160 registers a thread they spill), checked here too."""
+``gpu``, skipped without an sm_90a GPU. ALiBi and float masks keep such a row's
+``warpgroups_mods`` (two: at 160 registers a thread they spill); bool masks (packed bits) run at
+three; both checked here too."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_three_warpgroups_match_the_reference(D, case, launched):
     if D not in ROWS:
         pytest.skip(f"attn_fwd_tma has no three-warpgroup row for d={D}")
     row = ROWS[D]
-    mods = case in ("alibi", "bool_mask")
+    mods = case in ("alibi", "bool_mask")  # (the short row's max_keys_mods: a mask tensor or ALiBi)
     short = next((r for r in tile_table("attn_fwd_tma", "sm_90a", table="short") if r.max_head_dim == D), None)
     below = (short.max_keys_mods if mods and short.max_keys_mods else short.max_keys) if short else 0  # short row's
     rng = np.random.default_rng(CASES.index(case))
@@ -57,7 +58,7 @@ def test_three_warpgroups_match_the_reference(D, case, launched):
         opts["mask"] = rng.random((1, Hq, Sq, Sk)) < 0.7
     spec = select_attention_spec(dtype, D, "sm_90a", keys=Sk, mask="bool" if case == "bool_mask" else "none",
                                  alibi=case == "alibi", softcap=case == "softcap", causal=bool(opts.get("causal")))
-    wgs = row.warpgroups_mods if mods and row.warpgroups_mods else 3
+    wgs = row.warpgroups_mods if case == "alibi" and row.warpgroups_mods else 3
     assert (spec.family, spec.q_tiles, spec.tiles.block_m) == ("attn_fwd_tma", 0, 64 * wgs)
     on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)

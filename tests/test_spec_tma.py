@@ -31,8 +31,8 @@ def test_tma_kernel_selection():
             if row is None:
                 continue
             assert spec.tiles.block_n == row.block_n and spec.tiles.stages == row.stages
-            # a mask tensor takes the row's warpgroups_mods where it names them (registers)
-            wgs = row.warpgroups_mods if mask != "none" and row.warpgroups_mods else row.warpgroups
+            # a float mask takes the row's warpgroups_mods where it names them (registers); bits do not
+            wgs = row.warpgroups_mods if mask not in ("none", "bool") and row.warpgroups_mods else row.warpgroups
             assert spec.tiles.block_m == 64 * wgs
             if first > 1:  # below: the short row where one serves the mask kind, else cp.async
                 below = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=first - 1)
@@ -105,10 +105,15 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
 
     for r in tile_table("attn_fwd_tma", "sm_90a"):
         spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits")
-        dense = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", alibi=True)  # (warpgroups_mods)
-        assert (spec.tiles, spec.shared_bytes) == (dense.tiles, dense.shared_bytes)
-        assert spec.tiles.block_m == 64 * (r.warpgroups_mods or r.warpgroups)
-        assert spec.entry_name == dense.entry_name.replace("_alibi", "_maskbits")
+        plain = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")  # (bits keep the row's warpgroups)
+        alibi = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", alibi=True)  # (warpgroups_mods)
+        assert (spec.tiles, spec.shared_bytes) == (plain.tiles, plain.shared_bytes)
+        assert spec.tiles.block_m == 64 * r.warpgroups
+        assert alibi.tiles.block_m == 64 * (r.warpgroups_mods or r.warpgroups)
+        assert spec.entry_name == plain.entry_name + "_maskbits"
+        # soft-capped, bits spill more: the row's warpgroups_mods, as ALiBi (wgmma._spilling_mods)
+        capped = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits", softcap=1)
+        assert capped.tiles.block_m == alibi.tiles.block_m
     with pytest.raises(ValueError, match="packed to bits"):
         KernelSpec("attn_fwd_tma", "bf16", 128, "sm_90a", mask="bool")
     for family, arch in (("attn_fwd_wgmma", "sm_90a"), ("attn_fwd_mma", "sm_80"), ("attn_fwd_simt", "sm_80")):

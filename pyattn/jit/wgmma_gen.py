@@ -4,7 +4,7 @@ Each ``wgmma.mma_async`` shape is its own instruction with an operand list as lo
 accumulator (N / 2 registers per thread), so the ``wg::Mma<T, N, TRANS_B>`` specialisations are
 generated, for exactly the N the kernel instantiates: every ``block_n`` of the wgmma tile tables
 (Q K^T) and every head-dim bucket it takes (P V), see
-``pyattn.kernels.families.wgmma.wgmma_shapes``. ``tests/test_wgmma_gen.py`` checks the checked-in
+``pyattn.kernels.families.shapes.wgmma_shapes``. ``tests/test_wgmma_gen.py`` checks the checked-in
 header is what :func:`wgmma_header` gives for those shapes.
 
     python -m pyattn.jit.wgmma_gen            # rewrite kernels_src/wgmma.cuh

@@ -61,7 +61,7 @@ _WHERE = {
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",
-         "wgmma_shapes": "wgmma", "wgmma_fp8_shapes": "fp8", "BwdTile": "backward",
+         "wgmma_shapes": "shapes", "wgmma_fp8_shapes": "fp8", "BwdTile": "backward",
          "BwdWgmmaTile": "backward"}
 
 

@@ -2,7 +2,7 @@
 and attn_fwd_tma: the same kernel with its ring filled by TMA (dense calls).
 
 64 query rows per warpgroup, K/V in a ``stages``-deep ring of 128-byte swizzled tiles.
-:func:`wgmma_shapes` lists the instruction shapes its tiles use, from which
+``shapes.py`` lists the instruction shapes its tiles use, from which
 ``pyattn.jit.wgmma_gen`` generates ``kernels_src/wgmma.cuh``.
 """
 
@@ -12,13 +12,13 @@ and attn_fwd_tma: the same kernel with its ring filled by TMA (dense calls).
 from typing import NamedTuple
 
 from ..params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
-from .base import (CTYPES, HEAD_DIM_BUCKETS, TENSOR_CORE_ALIGNMENT, TMA_MASK_KINDS, WGMMA_ARCHS, Family, TileConfig,
+from .base import (CTYPES, TENSOR_CORE_ALIGNMENT, TMA_MASK_KINDS, WGMMA_ARCHS, Family, TileConfig,
                    score_mods)
 from .tables import row as table_row
 from .tables import rows as table_rows
 
-__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "wgmma_shapes",
-           "tma_serves", "tma_serves_short", "short_limit"]
+__all__ = ["WgmmaTile", "WGMMA_ARCHS", "ATTN_FWD_WGMMA", "ATTN_FWD_TMA", "tma_serves", "tma_serves_short",
+           "short_limit"]
 
 _TAKES = f"f16/bf16, a head-dim bucket that is a multiple of 64 and arch in {WGMMA_ARCHS}"
 
@@ -202,7 +202,10 @@ _SM90_TMA = (
                                       "0.98/1.08x) against 0.669/1.250/4.932 for two warpgroups; persistent "
                                       "blocks 1-8% slower from 2k (dev/probe_d64_rows.py, H200). From 2048 keys "
                                       "(below: the short row). At 160 registers ALiBi spills 228 bytes, packed "
-                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): those keep two warpgroups. "
+                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): ALiBi, float masks and soft-capped "
+                                      "bits (116-280) keep two (warpgroups_mods); bits alone at three: S 16k random / all "
+                                      "True / causal + random / key padding 6.064/5.383/3.063/5.136 -> 5.754/5.157/"
+                                      "2.903/5.051 ms (dev/probe_mask_cost.py --mods-warpgroups 3). "
                                       "Soft-capped, 1 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 4k/16k "
                                       "1.598/5.943 ms (causal 0.910/3.043) against 1.678/6.230 (0.896/3.217) on the "
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
@@ -316,22 +319,28 @@ def _check_tma(spec) -> None:
 
 
 def _wide_mods(mask: str, alibi: bool) -> bool:
-    """A mask tensor or ALiBi: the modifiers for which attn_fwd_tma's rows name ``warpgroups_mods``
-    and its short row ``max_keys_mods`` (selection and tiles must agree on them)."""
+    """A mask tensor or ALiBi: the modifiers of the short row's ``max_keys_mods`` and ``mods_row``
+    (selection and tiles must agree on them)."""
     return mask != "none" or bool(alibi)
+
+
+def _spilling_mods(mask: str, alibi: bool, softcap: int) -> bool:
+    """The modifiers that take a row's ``warpgroups_mods`` warpgroups: ALiBi, float masks, soft-capped
+    bits (they spill at the d = 64 row's three; bits alone spill 24 bytes and run faster: its reason)."""
+    return bool(alibi) or (mask != "none" and (mask != "bits" or bool(softcap)))
 
 
 def _tma_spec_tiles(spec, t):
     """q_tiles = 1: the "short" table's row instead of the table's (its ``mods_row`` with a mask
-    tensor or ALiBi); q_tiles = 2: that row's ``mods_row`` (a small grid, ``short_small_grid``); a
-    mask tensor or ALiBi: the row's ``warpgroups_mods`` warpgroups where it names them."""
+    tensor or ALiBi); q_tiles = 2: that row's ``mods_row`` (a small grid, ``short_small_grid``);
+    _spilling_mods: the row's ``warpgroups_mods`` warpgroups where it names them."""
     if spec.q_tiles:
         row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
         row = row.mods_row if row.mods_row and (spec.q_tiles == 2 or _wide_mods(spec.mask, spec.alibi)) else row
         t = row.config()
     else:
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
-        if _wide_mods(spec.mask, spec.alibi) and row.warpgroups_mods:
+        if _spilling_mods(spec.mask, spec.alibi, spec.softcap) and row.warpgroups_mods:
             t = row._replace(warpgroups=row.warpgroups_mods).config()
     return t._replace(poly_exp=(0, row.poly_exp_max, row.poly_exp)[spec.softcap])
 
@@ -379,22 +388,3 @@ def short_limit(row: WgmmaTile, mods: bool, causal: bool) -> int:
     if mods and row.max_keys_mods:
         return row.max_keys_mods
     return row.max_keys_causal if causal and not mods and row.max_keys_causal else row.max_keys
-
-
-def wgmma_shapes(tables=None) -> tuple:
-    """The N of every ``m64nNk16`` instruction the wgmma kernel instantiates, ascending.
-
-    Q K^T runs at N = block_n, P V at N = head_dim (each bucket the family takes), a bounded
-    soft-cap's row sums at N = 8 (P times ones); the wgmma backward's shapes
-    (``backward.bwd_wgmma_shapes``) are added.
-
-    Parameters
-    ----------
-    tables : mapping, optional
-        Tile tables as :attr:`Family.tables` (default: the family's own).
-    """
-    from .backward import bwd_wgmma_shapes  # the backward's wgmmas share the header
-
-    tables = ATTN_FWD_WGMMA.tables if tables is None else tables
-    block_ns = {row.block_n for by_arch in tables.values() for rows in by_arch.values() for row in rows}
-    return tuple(sorted(block_ns | {8} | {d for d in HEAD_DIM_BUCKETS if d % 64 == 0} | bwd_wgmma_shapes()))
