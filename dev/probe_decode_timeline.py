@@ -192,7 +192,8 @@ def _spread(point: str, rows, index, driver) -> None:
     means = np.array(list(by_sm.values()))
     print(f"  {point} key loop us p0/p10/p50/p90/max {'/'.join(f'{x:.1f}' for x in pct)}; blocks an SM "
           f"{per_sm.min()}-{per_sm.max()} over {len(by_sm)} SMs; SM means {means.min():.1f}-{means.max():.1f} "
-          f"(sd {means.std():.1f}); block ends p50/p90/max {'/'.join(f'{x:.1f}' for x in np.percentile(end, [50, 90, 100]))} us")
+          f"(sd {means.std():.1f}); block ends p50/p90/max "
+          f"{'/'.join(f'{x:.1f}' for x in np.percentile(end, [50, 90, 100]))} us")
     splits = int(os.environ.get("SPLITS", "0"))
     if splits > 1:
         units = index // splits
