@@ -140,9 +140,10 @@ def bench_layout(bench, row, B, ctx, n_rep, q_d, k_nhd, v_nhd, refs, args, detai
         kw = kw or {"block_table": table, "seq_lens": lens}
         return lambda: pyattn.paged_decode(q_d, k, v, num_splits=splits, stream=ps, **kw)
     pds = [pd(*t) for t in tables]
-    decs = [lambda c=c, s=s: pyattn.decode(q_d, c, s, num_splits=splits, stream=ps) for c, s in caches]
     if page is None:
         decs = [lambda kv=kv: pyattn.contiguous_decode(q_d, *kv, ctx, num_splits=splits, stream=ps) for kv in views]
+    else:
+        decs = [lambda c=c, s=s: pyattn.decode(q_d, c, s, num_splits=splits, stream=ps) for c, s in caches]
     tag = f"B{B} ctx{ctx} {row['layout']}"
     t = attempt(row, "paged_decode", lambda: bench.gpu_ms(pds, loop=args.loop, reps=args.reps, per_call=True,
                                                          label=f"paged_decode {tag}"))

@@ -26,7 +26,7 @@ from ..pipeline.plans import Memo
 from ..runtime.stream import check_stream_arg
 from ..validate.contiguous import check_caches, check_new_tokens, check_seqlens
 from ..validate.options import check_bool
-from ..validate.paged import check_q_address, check_query, check_token_address
+from ..validate.paged import check_pool_address, check_q_address, check_query, check_token_address
 from . import _contiguous as C
 from ._decode import run_decode
 from .decode import _alibi_ptr, _host_q
@@ -103,10 +103,8 @@ def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
 def _check(P, ptrs) -> None:
     """The per-call address checks of a repeat call (q, k_cache, v_cache, alibi_slopes, k_new, v_new)."""
     check_q_address(ptrs[0])
-    for name, ptr in (("k_cache", ptrs[1]), ("v_cache", ptrs[2])):
-        if ptr % 16:
-            raise ValueError(f"{name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, "
-                             f"got {ptr:#x}")
+    check_pool_address("k_cache", ptrs[1])
+    check_pool_address("v_cache", ptrs[2])
     check_token_address("k_new", ptrs[4])  # (0 when absent)
     check_token_address("v_new", ptrs[5])
 
@@ -153,7 +151,7 @@ def _full(params, qkey):
         order, dev_lens = longest_first(lens), (lens_arg if lens_arg.on_device and not n_new else None)
 
     def launch_fn(device, s, dq, alibi_ptr):
-        table, kv_len, ordr = C.page_table(device, P.batch, per, cols, s), lens, None
+        table, ordr = C.page_table(device, P.batch, per, cols, s), None
         if ap is not None:
             kn, vn = new
             if host_new:  # (uploaded C-contiguous)

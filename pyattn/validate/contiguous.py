@@ -11,7 +11,7 @@ from numbers import Integral
 import numpy as np
 
 from .options import check_int
-from .paged import POOL_LAYOUTS, PoolInfo, check_pools, check_token_chunks
+from .paged import PoolInfo, check_layout, check_pools, check_token_chunks
 
 __all__ = ["CACHE_AXES", "check_caches", "check_seqlens", "check_new_tokens"]
 
@@ -21,8 +21,7 @@ CACHE_AXES = {"nhd": "batch, max_len, heads_kv, head_dim", "hnd": "batch, heads_
 def check_caches(k_cache, v_cache, layout: str) -> PoolInfo:
     """Validate the K/V caches (Args) as pools of one page of ``max_len`` slots per sequence:
     device arrays, fp16/bf16, head_dim contiguous, 16-byte rows (as :func:`check_pools`)."""
-    if layout not in POOL_LAYOUTS:
-        raise ValueError(f"layout: expected one of {POOL_LAYOUTS}, got {layout!r}")
+    check_layout(layout)  # (first: the messages below name the layout's axes)
     for i in (k_cache, v_cache):
         if not i.on_device:
             raise TypeError(f"{i.name}: expected a device array (the KV cache lives on the GPU), got a host array")

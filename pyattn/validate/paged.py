@@ -16,7 +16,7 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
-           "check_append", "check_token_rows", "check_token_chunks", "check_token_address", "KEY_SCALES"]
+           "check_layout", "check_pool_address", "check_append", "check_token_rows", "check_token_chunks", "check_token_address", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -78,8 +78,7 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
     """Validate K/V pool Args of shape (num_pages, page_size, heads_kv, head_dim) (``"nhd"``) or
     (num_pages, heads_kv, page_size, head_dim) (``"hnd"``): device arrays, fp16/bf16, head_dim
     contiguous, 16-byte aligned rows (the kernel copies 16-byte chunks)."""
-    if layout not in POOL_LAYOUTS:
-        raise ValueError(f"layout: expected one of {POOL_LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     ins = [k_pool, v_pool]
     for i in ins:
         if not i.on_device:
@@ -93,9 +92,7 @@ def check_pools(k_pool, v_pool, layout: str = "nhd") -> PoolInfo:
             raise ValueError(f"{i.name}: the head_dim axis must be contiguous, got element strides {i.strides}")
         if any(st % 8 for st in i.strides[:-1]):
             raise ValueError(f"{i.name}: strides must be multiples of 8 elements (16-byte rows), got {i.strides}")
-        if i.ptr % 16:
-            raise ValueError(f"{i.name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, "
-                             f"got {i.ptr:#x}")
+        check_pool_address(i.name, i.ptr)
     k, v = ins
     if k.ordinal is not None and v.ordinal is not None and k.ordinal != v.ordinal:
         raise ValueError(f"{v.name}: expected an array on {k.name}'s device {k.ordinal}, got device {v.ordinal}")
@@ -150,6 +147,20 @@ def check_query(q, pool: PoolInfo, *, causal, window, softcap, alibi_slopes, sca
     return DecodeProblem(batch, q_len, heads_q, pool.heads_kv, dim, i.dtype, strides, i.on_device,
                          check_causal(causal), check_window(window), check_softcap(softcap), check_scale(scale, dim),
                          alibi, num_splits, pool)
+
+
+def check_layout(layout) -> str:
+    """A pool layout (``paged_decode``'s, ``contiguous_decode``'s): ``"nhd"`` or ``"hnd"``."""
+    if not isinstance(layout, str) or layout not in POOL_LAYOUTS:
+        raise ValueError(f"layout: expected one of {POOL_LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_pool_address(name: str, ptr: int) -> None:
+    """A K/V pool's address must be 16-byte aligned (the kernels copy 16-byte rows): checked by
+    :func:`check_pools` and on every repeat call over pools whose layout was checked before."""
+    if ptr % 16:
+        raise ValueError(f"{name}: the kernel copies 16-byte rows; the address must be 16-byte aligned, got {ptr:#x}")
 
 
 def check_q_address(ptr: int) -> None:
