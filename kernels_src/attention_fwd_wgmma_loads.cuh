@@ -222,11 +222,13 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::copy_v_rows(unsigned dst, i
 }
 
 // A mask tensor's tile for key tile n0 into stage st's mask slot: one copy per kMaskSwz-byte
-// column block, completing on `bar`.
+// column block (MASK_BITS: one of the packed words), completing on `bar`.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
 AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::load_mask_tma(int st, int n0, unsigned bar) const {
   constexpr int MB = Tr::kMaskBytes, SWZ = Tr::kMaskSwz;
+  if constexpr (Tr::kMaskBits)  // the packed words' box: BN / 32 words of BLOCK_M rows
+    tma::load_4d(sMask + st * Tr::kMaskTileBytes, maps + 3, bar, n0 / 32, tma_m.row, tma_m.head, tma_m.batch);
   if constexpr (MB > 0)
 #pragma unroll
     for (int c = 0; c < BN * MB / SWZ; ++c)
@@ -262,30 +264,33 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::init_ring(unsigned full) {
 // The mask tensor on key tile n0 in S's register layout, raw (FastMods::pair_at): an f32 mask's
 // values in mt, a bool or 16-bit mask's pair words in mw (index 2 i + h); nothing past the ends
 // is read.
-// A packed bool mask (FastMods::kBits): row half h's BN / 32 words of the tile in mw[BN / 32 * h + w],
-// one vector load each, straight from global memory (L2: the packed mask of a 16k x 16k call
-// is 32 MiB); zeros for rows past the end. No ring space: the dense ring's stages stay as deep.
+// A packed bool mask (FastMods::kBits): row half h's word in mw[h], this thread's keys of the tile
+// (mask_bits.cuh: word t of the tile's 128-key group holds lane t's keys, key 8 i + 2 t + e at bit
+// 2 i + e; a 64-key tile is the group's low or high 16 bits, shifted down), from the stage
+// (MASK_BITS) or else straight from global memory (L2: the packed mask of a 16k x 16k call is 32
+// MiB; no ring space, the dense ring's stages stay as deep); zeros for rows past the ends.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
 AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::gather_mask(float (&mt)[S_REGS], unsigned (&mw)[BN / 4],
                                                                  int n0) const {
   if constexpr (FastMods<Mods>::kBits) {
-    constexpr int W = BN / 32;
-    static_assert(W == 2 || W == 4, "packed mask: 64- or 128-key tiles");
+    static_assert(BN == 64 || BN == 128, "packed mask: 64- or 128-key tiles (n0 a multiple of BN)");
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = row_a + 8 * h;
-      const unsigned* at = reinterpret_cast<const unsigned*>(mods.mask) + row * mods.m_sq + n0 / 32;
-      if (row >= sq) {
-#pragma unroll
-        for (int w = 0; w < W; ++w) mw[W * h + w] = 0u;
-      } else if constexpr (W == 4) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(at));
-        mw[4 * h] = x.x, mw[4 * h + 1] = x.y, mw[4 * h + 2] = x.z, mw[4 * h + 3] = x.w;
+      unsigned x;
+      if constexpr (Tr::kMaskBits) {
+        // The stage's words (AttnFwdWgmmaTraits::kMaskBits): row r's group at r * 16. Rows before
+        // 0 or past the end arrived as zeros (a mask broadcast over the rows: copies of its row).
+        const char* tile = reinterpret_cast<const char*>(mask_smem) + stage * Tr::kMaskTileBytes;
+        x = *reinterpret_cast<const unsigned*>(tile + (row_a - m0 + 8 * h) * 16 + 4 * t);
       } else {
-        const uint2 x = __ldg(reinterpret_cast<const uint2*>(at));
-        mw[2 * h] = x.x, mw[2 * h + 1] = x.y;
+        const int row = row_a + 8 * h;
+        const unsigned* at = reinterpret_cast<const unsigned*>(mods.mask) + row * mods.m_sq + n0 / 128 * 4 + t;
+        // past the end, or before 0 (kBottomAlign)
+        x = static_cast<unsigned>(row) < static_cast<unsigned>(sq) ? __ldg(at) : 0u;
       }
+      if constexpr (BN == 64) x = (n0 & 64 ? x >> 16 : x) & 0xffffu;
+      mw[h] = x;
     }
   } else if constexpr (Tr::kTma && Tr::kMaskBytes > 0) {
     // The swizzled tile (AttnFwdWgmmaTraits): byte w of row r's column block sits in 16-byte

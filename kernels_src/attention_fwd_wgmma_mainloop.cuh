@@ -194,7 +194,7 @@ struct AttnFwdWgmmaMainloop {
   __device__ __forceinline__ void prefetch_maps() const {
     tma::prefetch(maps + 1);
     tma::prefetch(maps + 2);
-    if constexpr (Tr::kMaskBytes > 0) tma::prefetch(maps + 3);
+    if constexpr (Tr::kMaskBytes > 0 || Tr::kMaskBits) tma::prefetch(maps + 3);
   }
 
   // The query tile's copies (one per 128-byte column block), completing on `bar`.
@@ -319,9 +319,9 @@ struct AttnFwdWgmmaMainloop {
   __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const;
 
   // Whether key 2 t + e of n8 block i in row half h is visible by a bool mask as gather_mask gave
-  // it (and a packed one's words were shifted by 2 t in `step`): a compile-time bit of a word.
+  // it: a compile-time bit of a word (packed: bit 2 i + e of row half h's word).
   __device__ __forceinline__ static bool mask_visible(const unsigned (&mw)[BN / 4], int i, int h, int e) {
-    if constexpr (FastMods<Mods>::kBits) return mw[BN / 32 * h + i / 4] & (1u << (8 * (i % 4) + e));
+    if constexpr (FastMods<Mods>::kBits) return mw[h] & (1u << (2 * i + e));
     return mw[2 * i + h] & (e ? 0xff00u : 0xffu);
   }
 

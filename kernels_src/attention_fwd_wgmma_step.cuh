@@ -186,18 +186,15 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     constexpr bool kF32 = Mods::kMask == kMaskF32;
     constexpr bool kBits = FastMods<Mods>::kBits;
     gather_mask(mt, mw, n0);
-    constexpr unsigned kAllVisible = kBits ? ~0u : 0x0101u;
+    // packed bits: this thread's BN / 4 keys of each row half (gather_mask), bits 2 i + e
+    constexpr unsigned kAllVisible = kBits ? (BN == 128 ? ~0u : (1u << BN / 4) - 1u) : 0x0101u;
     unsigned all = FastMods<Mods>::kBool ? kAllVisible : 0u;
 #pragma unroll
-    for (int i = 0; i < (kF32 ? S_REGS : kBits ? BN / 16 : BN / 4); ++i) {
+    for (int i = 0; i < (kF32 ? S_REGS : kBits ? 2 : BN / 4); ++i) {
       if constexpr (FastMods<Mods>::kBool) all &= mw[i];
       else all |= kF32 ? __float_as_uint(mt[i]) : mw[i];
     }
     plain = __all_sync(kFullMask, all == (FastMods<Mods>::kBool ? kAllVisible : 0u));
-    if constexpr (kBits) {  // this thread's keys 2 t, 2 t + 1 of each n8 block at bits 8 (i % 4) + e
-#pragma unroll
-      for (int i = 0; i < BN / 16; ++i) mw[i] >>= 2 * t;
-    }
   }
   if constexpr (WITH_PV) {
     wg::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run

@@ -13,7 +13,8 @@ namespace pyattn {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
-          bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0, bool O_STAGE_ = false>
+          bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0, bool O_STAGE_ = false,
+          bool MASK_BITS_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -101,11 +102,22 @@ struct AttnFwdWgmmaTraits {
   // MASK_ROW (TMA only): the mask is one row that every query row reads (query stride 0: a
   // key-padding mask), so a stage holds one unswizzled row of the tile's keys (256 bytes of bf16
   // at 128 keys): the dense ring still fits, where a whole mask tile forces a shallower one.
+  // MASK_BITS (TMA only): a bool mask packed to bits (mask_bits.cuh) rides in the ring too, its
+  // BLOCK_M rows of BLOCK_N / 8 bytes unswizzled (3 KiB a stage at 192 x 128), where the consumers
+  // otherwise load their words from L2 right after issuing Q K^T and wait for them before the
+  // softmax (d = 64, whose GEMMs are short, could not hide that wait). The words are in the order
+  // of mask_bits.cuh, one word a row for each thread. A mask broadcast over the query rows (a
+  // key-padding mask) comes packed as BLOCK_M copies of its row, read at box row 0 (its
+  // mask_stride_q 0), so that a box is whole: a box of its one row and zeros measured 2.7% slower
+  // than the row read from global memory (BENCHMARKS.md, fortieth session).
+  static constexpr bool kMaskBits = MASK_BITS_;
   static constexpr int kMaskBytes = MASK_BYTES_;
   static constexpr bool kMaskRowOnly = MASK_ROW_;
   static constexpr int kMaskSwz = MASK_ROW_ || BLOCK_N_ * MASK_BYTES_ < 128 ? BLOCK_N_ * MASK_BYTES_ : 128;
-  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : 0;
+  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : MASK_BITS_ ? BLOCK_N_ / 8 : 0;
   static constexpr int kMaskTileBytes = (MASK_ROW_ ? 1 : BLOCK_M_) * kMaskRow;
+  static_assert(!MASK_BITS_ || (TMA_ && MASK_BYTES_ == 0 && !MASK_ROW_ && BLOCK_N_ == 128),
+                "MASK_BITS: TMA, no byte mask, 128-key tiles (a 16-byte row of words a box row)");
   static_assert(MASK_BYTES_ == 0 || (BLOCK_N_ * MASK_BYTES_) % 16 == 0, "mask tile rows: whole 16-byte chunks");
   static_assert(MASK_BYTES_ == 0 || !TMA_ || MASK_ROW_ || (kMaskSwz >= 32 && kMaskTileBytes % 1024 == 0),
                 "TMA mask tiles: a 32/64/128-byte swizzle, whole 1024-byte atoms");

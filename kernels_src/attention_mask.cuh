@@ -30,8 +30,8 @@ __device__ __forceinline__ SeqInfo seq_info(const AttnFwdParams& p, int b) {
   return s;
 }
 
-// kMaskBits: a bool mask packed by mask_bits.cuh (bit j of word w of a row = key 32 w + j visible,
-// rows of whole 16-byte groups, zero past the keys), read by attn_fwd_tma only.
+// kMaskBits: a bool mask packed by mask_bits.cuh (a row: 128-key groups of four words, word t
+// holding quad lane t's keys of the group; zero past the keys), read by attn_fwd_tma only.
 enum MaskKind { kMaskNone = 0, kMaskBool = 1, kMaskF16 = 2, kMaskBF16 = 3, kMaskF32 = 4, kMaskBits = 5 };
 
 // Compile-time score modifiers. kAny: scores go through score_mod() instead of the fused

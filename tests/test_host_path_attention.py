@@ -184,3 +184,28 @@ def test_a_refused_address_makes_no_driver_call(gpu):
     with pytest.raises(ValueError, match=r"^q: "):
         pyattn.attention(shifted, x, x)
     assert not fake_driver.CALLS
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 2, 300, 4200), (2, 1, 1, 4200), (1, 2, 300, 4200)])
+def test_bool_mask_words_map_for_the_staged_row(gpu, monkeypatch, mask_shape):
+    """d = 64 from 4096 keys (a row with stage_bits): the packed words' map is u32, unswizzled,
+    boxes of 4 words x 192 rows over (words, rows, heads, batch), broadcast axes of size 1; a
+    key-padding mask (B, 1, 1, Sk) is packed as 192 copies of its row, a whole box at row 0."""
+    import pyattn.ops._fwd as fwd
+
+    maps = []
+
+    def spy(dtype, ptr, layout, box, swizzle=128, l2_promotion=256):
+        maps.append((dtype, layout, box, swizzle))
+        return bytes(128)
+
+    monkeypatch.setattr(fwd, "encode_tiled", spy)
+    B, H, Sq, Sk, D = 2, 2, 300, 4200, 64
+    q, k = _da((B, Sq, H, D), ml_dtypes.bfloat16), _da((B, Sk, H, D), ml_dtypes.bfloat16)
+    pyattn.attention(q, k, k, mask=_da(mask_shape, np.bool_))
+    words = 33 * 4  # 4200 keys: 33 groups of 128
+    rows = Sq if mask_shape[2] > 1 else 192
+    dims = (words, rows, mask_shape[1], mask_shape[0])
+    steps = (4 * words if rows > 1 else 16, 4 * words * rows if dims[2] > 1 else 16,
+             4 * words * rows * dims[2] if dims[3] > 1 else 16)
+    assert maps[-1] == ("u32", (dims, steps), (4, 192), 0)

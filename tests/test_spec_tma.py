@@ -99,15 +99,19 @@ def test_short_row_of_the_tma_kernel():
 
 
 def test_bool_masks_reach_only_the_tma_kernel_packed():
-    """attn_fwd_tma reads bool masks as bits (no ring space, the dense rows); no other family reads
-    bits, and attn_fwd_tma no bool bytes."""
+    """attn_fwd_tma reads bool masks as bits (the dense rows; a row with ``stage_bits`` puts
+    block_m x block_n / 8 bytes of them in each stage, the others no ring space); no other family
+    reads bits, and attn_fwd_tma no bool bytes."""
     from pyattn.kernels.families import tile_table
 
     for r in tile_table("attn_fwd_tma", "sm_90a"):
         spec = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits")
         plain = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a")  # (bits keep the row's warpgroups)
         alibi = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", alibi=True)  # (warpgroups_mods)
-        assert (spec.tiles, spec.shared_bytes) == (plain.tiles, plain.shared_bytes)
+        ring = r.stages * r.block_n // 8 * 64 * r.warpgroups if r.stage_bits else 0
+        assert (spec.tiles, spec.shared_bytes) == (plain.tiles._replace(mask_bits=r.stage_bits),
+                                                   plain.shared_bytes + ring)
+        assert not plain.tiles.mask_bits
         assert spec.tiles.block_m == 64 * r.warpgroups
         assert alibi.tiles.block_m == 64 * (r.warpgroups_mods or r.warpgroups)
         assert spec.entry_name == plain.entry_name + "_maskbits"
@@ -153,7 +157,7 @@ def test_key_padding_float_masks_take_one_row_a_stage():
 def test_packed_mask_layout():
     """A bool mask packs to rows of whole 128-key groups of u32 words; broadcast axes stay one row
     (a key-padding mask: a row per batch entry) and step 0."""
-    from pyattn.ops._fwd import packed_mask_layout
+    from pyattn.ops._fwd import packed_map_layout, packed_mask_layout
     from pyattn.validate.options import MaskInfo
 
     class P:
@@ -167,6 +171,18 @@ def test_packed_mask_layout():
     assert packed_mask_layout(P) == ((1, 1, 300), 132, (0, 0, 132, 1))
     P.seqlen_k = 128
     assert packed_mask_layout(P)[1] == 4
+    # the ring's map over the packed words (stage_bits rows): words innermost, broadcast axes of size 1
+    P.seqlen_k = 4100
+    P.mask = MaskInfo("bool", (8 * 300 * 4100, 300 * 4100, 4100, 1), True)
+    assert packed_map_layout(P) == ((132, 300, 8, 2), (528, 300 * 528, 8 * 300 * 528))
+    P.mask = MaskInfo("bool", (4100, 0, 0, 1), True)  # key padding: one row a batch entry
+    assert packed_map_layout(P) == ((132, 1, 1, 2), (16, 16, 528))
+    # ... or 192 copies of it, so that a staged box (192 rows at row 0: query stride 0) is whole
+    assert packed_mask_layout(P, 192) == ((2, 1, 192), 132, (192 * 132, 0, 0, 1))
+    assert packed_map_layout(P, 192) == ((132, 192, 1, 2), (528, 16, 192 * 528))
+    P.mask = MaskInfo("bool", (0, 300 * 4100, 4100, 1), True)  # broadcast over the batch
+    assert packed_map_layout(P) == ((132, 300, 8, 1), (528, 300 * 528, 16))
+    P.seqlen_k = 128
     P.seqlen_k = 0
     assert packed_mask_layout(P)[1] == 0
 

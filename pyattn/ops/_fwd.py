@@ -26,7 +26,7 @@ from ..validate.attention import FP8
 from ..validate.options import LOG2E
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
-           "packed_mask_layout", "persistent_slots", "run_fwd", "device_extras"]
+           "packed_mask_layout", "packed_map_layout", "persistent_slots", "run_fwd", "device_extras"]
 
 _F32 = np.dtype(np.float32)
 _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, all null
@@ -148,10 +148,10 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     else:
         lse_b, lse_h = P.heads_q * P.seqlen_q, P.seqlen_q
     mask_strides = P.mask.strides if P.mask is not None else (0, 0, 0, 0)
-    bits = None
+    bits, tiles = None, spec.tiles
+    copies = tiles.block_m if tiles.mask_bits else 1  # a row broadcast over the queries: a whole box of it
     if spec.mask == "bits":
-        bits, mask_strides = _mask_bits(P, device)
-    tiles = spec.tiles
+        bits, mask_strides = _mask_bits(P, device, copies)
     fp8 = spec.family == "attn_fwd_fp8"
     tma = fp8 or spec.family == "attn_fwd_tma"
     scale = P.scale * P.descale[0] * P.descale[1]  # fp8: the scores of the codes; else P.scale
@@ -175,6 +175,8 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     mask_map = None
     if tma and spec.mask.endswith("_row"):  # a key-padding mask: the tile's keys of its one row, unswizzled
         mask_map = MaskMap(_MASK_MAP_DTYPES[P.mask.kind][0], mask_map_layout, (tiles.block_n, 1), 0)
+    elif tma and tiles.mask_bits and bits is not None:  # the packed words ride the ring: rows of block_n / 32
+        mask_map = MaskMap("u32", packed_map_layout(P, copies), (tiles.block_n // 32, tiles.block_m), 0)
     elif tma and spec.mask not in ("none", "bits"):
         kind, size = _MASK_MAP_DTYPES[P.mask.kind]
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
@@ -217,24 +219,35 @@ def _vt_pass(P, device) -> VtPass:
                   layout((P.batch * P.heads_kv * P.head_dim * keys,), np.dtype(np.uint8)))
 
 
-def packed_mask_layout(P) -> tuple:
+def packed_mask_layout(P, copies: int = 1) -> tuple:
     """How P's bool mask packs to bits (kernels_src/mask_bits.cuh): ``((rows_b, rows_h, rows_q),
     words, strides)``, the packed rows per axis, u32 words a row and the packed element strides
-    over (B, Hq, Sq, Sk) (0 on broadcast axes; the key stride is unused).
+    over (B, Hq, Sq, Sk) that the kernel reads by (0 on broadcast axes; the key stride is unused).
 
-    A row is whole 128-key groups of words (the kernel's 16-byte loads at any key tile); a
-    broadcast axis stays one packed row, so a key-padding mask packs to a row per batch entry.
+    A row is whole 128-key groups of four words, each word one accumulator lane's keys of the
+    group (mask_bits.cuh says which); a broadcast axis stays one packed row, so a key-padding
+    mask packs to a row per batch entry, or to ``copies`` rows (a kernel that stages the words,
+    ``TileConfig.mask_bits``, reads a whole box of block_m rows at row 0: its query stride stays 0).
     """
     sb, sh, sq, _ = P.mask.strides
     words = -(-P.seqlen_k // 128) * 4
-    rows = (P.batch if sb else 1), (P.heads_q if sh else 1), (P.seqlen_q if sq else 1)
+    rows = (P.batch if sb else 1), (P.heads_q if sh else 1), (P.seqlen_q if sq else copies)
     return rows, words, (rows[1] * rows[2] * words if sb else 0, rows[2] * words if sh else 0, words if sq else 0, 1)
 
 
-def _mask_bits(P, device) -> tuple:
-    """The pack of P's bool mask to bits: ``(MaskBits or None, the packed mask's element strides)``;
-    None when there is nothing to pack (no keys: the kernel reads no mask)."""
-    per_axis, words, packed = packed_mask_layout(P)
+def packed_map_layout(P, copies: int = 1) -> tuple:
+    """The rank-4 layout (words, query rows, heads, batch) of P's bool mask packed to bits
+    (:func:`packed_mask_layout` with ``copies``) for a TMA map of u32 words; a broadcast axis is an
+    axis of size 1 (the copies of a row broadcast over the queries are rows of their own)."""
+    (_, _, rows_q), words, (sb, sh, _, _) = packed_mask_layout(P, copies)
+    return rank4(words, rows_q, P.heads_q, P.batch, (sb, words, sh), 4)
+
+
+def _mask_bits(P, device, copies: int = 1) -> tuple:
+    """The pack of P's bool mask to bits (``packed_mask_layout(P, copies)``): ``(MaskBits or None,
+    the packed mask's element strides)``; None when there is nothing to pack (no keys: the kernel
+    reads no mask)."""
+    per_axis, words, packed = packed_mask_layout(P, copies)
     _, rows_h, rows_q = per_axis
     rows = math.prod(per_axis)
     if words == 0 or rows == 0:
@@ -243,7 +256,7 @@ def _mask_bits(P, device) -> tuple:
     spec = KernelSpec("mask_bits", "f16", HEAD_DIM_BUCKETS[0], device.arch, ptx_requested())
     packer = spec.params.partial({"stride_b": sb, "stride_h": sh, "stride_q": sq, "stride_k": sk, "rows": rows,
                                   "rows_h": rows_h, "rows_q": rows_q, "keys": P.seqlen_k, "words": words})
-    blocks = min(-(-rows * words // spec.threads), 16 * device.sm_count)  # grid-stride beyond that
+    blocks = min(-(-rows * words // 4 // spec.threads), 16 * device.sm_count)  # a thread a 128-key group
     return MaskBits(get_kernel(spec, device), (blocks, 1, 1), (spec.threads, 1, 1), packer,
                     layout((rows * words,), _U32)), packed
 

@@ -59,7 +59,8 @@ def _driver_enums():
 
         t, sw = d.CUtensorMapDataType, d.CUtensorMapSwizzle
         types = {"f16": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bf16": t.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                 "f32": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "u8": t.CU_TENSOR_MAP_DATA_TYPE_UINT8}
+                 "f32": t.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "u8": t.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                 "u32": t.CU_TENSOR_MAP_DATA_TYPE_UINT32}
         swizzles = {0: sw.CU_TENSOR_MAP_SWIZZLE_NONE, 32: sw.CU_TENSOR_MAP_SWIZZLE_32B,
                     64: sw.CU_TENSOR_MAP_SWIZZLE_64B, 128: sw.CU_TENSOR_MAP_SWIZZLE_128B}
         l2 = d.CUtensorMapL2promotion
@@ -81,7 +82,7 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
     Parameters
     ----------
     dtype : str
-        ``"f16"``, ``"bf16"``, ``"f32"`` or ``"u8"`` (a bool mask's bytes).
+        ``"f16"``, ``"bf16"``, ``"f32"``, ``"u8"`` (a bool mask's bytes) or ``"u32"`` (its packed words).
     ptr : int
         The tensor's device address (16-byte aligned).
     layout : tuple

@@ -65,6 +65,7 @@ class TileConfig(NamedTuple):
     split_kv: bool = False  # wgmma kernel with TMA: K and V tiles on barriers of their own
     poly_exp: int = 0  # wgmma kernel with TMA, soft-capped: of 8 key pairs' exp2s, this many on the FMA pipe
     o_stage: bool = False  # wgmma kernel with TMA: O leaves through shared memory (stmatrix), not shuffles
+    mask_bits: bool = False  # wgmma kernel with TMA, a bool mask packed to bits: its words ride the ring
 
 
 class FixedTile(NamedTuple):

@@ -64,6 +64,9 @@ class WgmmaTile(NamedTuple):
     # instead of a quad transpose by shuffles: rows with the shared memory to spare (block_m x
     # head_dim x 2 bytes more) where it measured faster (the d = 64 short row)
     o_stage: bool = False
+    # attn_fwd_tma, a bool mask packed to bits (mask "bits"): its words ride the ring with K and V
+    # (block_m x block_n / 8 bytes a stage, block_n 128) instead of the consumers' loads from L2
+    stage_bits: bool = False
 
     def config(self) -> TileConfig:
         return TileConfig(64 * self.warpgroups, self.block_n, 4 * (self.warpgroups + self.ws), self.reason,
@@ -133,9 +136,10 @@ def _traits(spec, t) -> str:
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
     if spec.family in _TMA_FAMILIES:
-        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP, O_STAGE): spelled up to the last that is set
+        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP, O_STAGE, MASK_BITS): spelled up to the last that is set
         flags = [str(f).lower() for f in (t.persistent, spec.mask.endswith("_row"), t.split_kv)] + [str(t.poly_exp)]
         flags.append(str(t.o_stage).lower())
+        flags.append(str(t.mask_bits).lower())
         while flags and flags[-1] in ("false", "0"):
             flags.pop()
         tail = f", {mb}, true, true" + "".join(f", {f}" for f in flags)
@@ -147,13 +151,13 @@ def _traits(spec, t) -> str:
 
 def _smem_bytes(spec, t) -> int:
     """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
-    copies them), O's staging tile (``o_stage``: block_m x head_dim of 16-bit outputs), two 8-byte
+    copies them; ``mask_bits``: block_m rows of block_n / 8 bytes), O's staging tile (``o_stage``: block_m x head_dim of 16-bit outputs), two 8-byte
     mbarriers per stage when warp-specialized (four with K and V split) and two for the query tile
     when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family in _TMA_FAMILIES else 16
     rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
-    mask_tile = rows * (t.block_n * mb + pad) if mb else 0
+    mask_tile = rows * (t.block_n * mb + pad) if mb else t.block_m * t.block_n // 8 if t.mask_bits else 0
     # two a stage (SPLIT_KV: four), PERSIST: the query tile's two
     barriers = (16 * t.stages * (2 if t.split_kv else 1) if t.ws else 0) + (16 if t.persistent else 0)
     tiles = (t.block_m + 2 * t.stages * t.block_n) * spec.head_dim * _ELEM_BYTES[spec.dtype]
@@ -202,16 +206,19 @@ _SM90_TMA = (
                                       "0.98/1.08x) against 0.669/1.250/4.932 for two warpgroups; persistent "
                                       "blocks 1-8% slower from 2k (dev/probe_d64_rows.py, H200). From 2048 keys "
                                       "(below: the short row). At 160 registers ALiBi spills 228 bytes, packed "
-                                      "bits 24, mask rows 428-1100 (NVRTC 13.0): ALiBi, float masks and soft-capped "
+                                      "bits 4, mask rows 428-1100 (NVRTC 13.0): ALiBi, float masks and soft-capped "
                                       "bits (116-280) keep two (warpgroups_mods); bits alone at three: S 16k "
                                       "random / all True / causal + random / key padding 6.064/5.383/3.063/5.136 "
-                                      "-> 5.754/5.157/2.903/5.051 ms (dev/probe_mask_cost.py --mods-warpgroups 3). "
+                                      "-> 5.754/5.157/2.903/5.051 ms (dev/probe_mask_cost.py --mods-warpgroups 3); "
+                                      "their words in the ring (stage_bits, 3 KiB a stage) instead of loaded from L2: "
+                                      "5.77-5.80/5.12-5.13/2.86-2.88/5.00-5.02 -> 5.22-5.27/4.61-4.66/2.61-2.63/"
+                                      "4.63-4.78 ms (probe_mask_cost.py --flip-stage-bits, 3 rounds). "
                                       "Soft-capped, 1 of 8 key pairs' exp2 on the FMA pipe: cap 30 S 4k/16k "
                                       "1.598/5.943 ms (causal 0.910/3.043) against 1.678/6.230 (0.896/3.217) on the "
                                       "SFU; 2/3/4 of 8 6.163/6.232/6.374 at 16k: the softmax is issue-bound, not "
                                       "SFU-bound; fp16 (a row max) 1.668/6.220 (causal 16k 3.191) against "
                                       "1.729/6.423 (3.337) (dev/probe_poly_exp.py, H200)",
-              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1),
+              ws=True, min_keys=2048, warpgroups_mods=2, poly_exp=1, poly_exp_max=1, stage_bits=True),
     WgmmaTile(128, 128, 2, 3, True, 1, "S 1k/2k/4k/16k 1.18/1.24/1.31/1.21x (causal 1.12-1.23x) the cp.async "
                                        "WS row: 632 TFLOP/s at 16k; persistent blocks 1.05/1.07/1.00x (causal "
                                        "1.09/1.07x at 1k/4k) the per-tile launch (dev/probe_persist.py). Soft-"
@@ -342,7 +349,8 @@ def _tma_spec_tiles(spec, t):
         row = table_row(ATTN_FWD_TMA, _table("", 0, spec.mask), spec.arch, spec.head_dim)
         if _spilling_mods(spec.mask, spec.alibi, spec.softcap) and row.warpgroups_mods:
             t = row._replace(warpgroups=row.warpgroups_mods).config()
-    return t._replace(poly_exp=(0, row.poly_exp_max, row.poly_exp)[spec.softcap])
+    return t._replace(poly_exp=(0, row.poly_exp_max, row.poly_exp)[spec.softcap],
+                      mask_bits=spec.mask == "bits" and row.stage_bits)
 
 
 ATTN_FWD_TMA = Family(
