@@ -2,6 +2,7 @@
 
 Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] [--kinds bool bf16 f32]
        [--no-cp] [--row D,BLOCK_N,WARPGROUPS,STAGES,OVERLAP,SPLIT_KV ...] [--mods-warpgroups N]
+       [--flip-stage-bits]
 
 Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
 visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
@@ -13,7 +14,9 @@ drifts down as the GPU heats: 10% over a run). ``--row`` adds a column per row g
 call on attn_fwd_tma with that row in its table (e.g. ``128,128,2,2,0,0`` for 2 stages without
 overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async column;
 ``--mods-warpgroups N`` adds a bool-mask column with the dense row's ``warpgroups_mods`` set to N
-(the warpgroups of its variants with a mask tensor or ALiBi: 2 at d = 64, where 3 spilled).
+(the warpgroups of its variants with a mask tensor or ALiBi: 2 at d = 64, where 3 spilled);
+``--flip-stage-bits`` adds a bool-mask column with the dense row's ``stage_bits`` flipped (the
+packed words in the ring against the consumers' loads from L2).
 """
 
 from __future__ import annotations
@@ -43,16 +46,19 @@ def main() -> None:
                     "STAGES,OVERLAP,SPLIT_KV[,PERSISTENT] (warp-specialized)")
     ap.add_argument("--mods-warpgroups", type=int, default=0, help="bool masks also with the dense row's "
                     "warpgroups_mods set to this (0: not)")
+    ap.add_argument("--flip-stage-bits", action="store_true", help="bool masks also with the dense row's "
+                    "stage_bits flipped")
     args = ap.parse_args()
     rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]))
             for d, n, w, st, ov, sp, *pe in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
         probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D],
-              args.mods_warpgroups)
+              args.mods_warpgroups, args.flip_stage_bits)
 
 
-def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg: int = 0) -> None:
+def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg: int = 0,
+          flip_bits: bool = False) -> None:
     H = 2048 // D
     rng = np.random.default_rng(0)
     import ml_dtypes
@@ -92,6 +98,12 @@ def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg
                             for r in tile_table("attn_fwd_tma", "sm_90a", "dense"))
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table="dense"):
                     cols.append((f"mods {mods_wg} WG", run(opts), run(base_opts)))
+            if kind == "bool" and flip_bits:
+                tab = tuple(r._replace(stage_bits=not r.stage_bits) if r.max_head_dim == D else r
+                            for r in tile_table("attn_fwd_tma", "sm_90a", "dense"))
+                staged = next(r.stage_bits for r in tab if r.max_head_dim == D)
+                with override_tiles("attn_fwd_tma", "sm_90a", tab, table="dense"):
+                    cols.append(("staged" if staged else "from L2", run(opts), run(base_opts)))
             for row in rows if kind != "bool" else ():
                 tab = rows_with(tile_table("attn_fwd_tma", "sm_90a", table), D, row)
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):
