@@ -114,7 +114,8 @@ struct AttnFwdWgmmaTraits {
   static constexpr int kMaskBytes = MASK_BYTES_;
   static constexpr bool kMaskRowOnly = MASK_ROW_;
   static constexpr int kMaskSwz = MASK_ROW_ || BLOCK_N_ * MASK_BYTES_ < 128 ? BLOCK_N_ * MASK_BYTES_ : 128;
-  static constexpr int kMaskRow = MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : MASK_BITS_ ? BLOCK_N_ / 8 : 0;
+  static constexpr int kMaskRow =
+      MASK_BYTES_ ? BLOCK_N_ * MASK_BYTES_ + (TMA_ ? 0 : 16) : MASK_BITS_ ? BLOCK_N_ / 8 : 0;
   static constexpr int kMaskTileBytes = (MASK_ROW_ ? 1 : BLOCK_M_) * kMaskRow;
   static_assert(!MASK_BITS_ || (TMA_ && MASK_BYTES_ == 0 && !MASK_ROW_ && BLOCK_N_ == 128),
                 "MASK_BITS: TMA, no byte mask, 128-key tiles (a 16-byte row of words a box row)");

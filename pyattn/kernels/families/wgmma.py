@@ -151,9 +151,10 @@ def _traits(spec, t) -> str:
 
 def _smem_bytes(spec, t) -> int:
     """Swizzled tiles, unpadded, mask tiles with rows padded by 16 bytes (swizzled instead when TMA
-    copies them; ``mask_bits``: block_m rows of block_n / 8 bytes), O's staging tile (``o_stage``: block_m x head_dim of 16-bit outputs), two 8-byte
-    mbarriers per stage when warp-specialized (four with K and V split) and two for the query tile
-    when persistent; +1024 to align the swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
+    copies them; ``mask_bits``: block_m rows of block_n / 8 bytes), O's staging tile (``o_stage``:
+    block_m x head_dim of 16-bit outputs), two 8-byte mbarriers per stage when warp-specialized
+    (four with K and V split) and two for the query tile when persistent; +1024 to align the
+    swizzle atoms (AttnFwdWgmmaTraits::kSmemBytes)."""
     mb = _MASK_BYTES[spec.mask]
     pad = 0 if spec.family in _TMA_FAMILIES else 16
     rows = 1 if spec.mask.endswith("_row") else t.block_m  # a key-padding row: one row a stage
