@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.reference import attention_ref
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -151,7 +151,7 @@ def _dequant_keys(cache, sid) -> np.ndarray:
     """float64 (n, Hkv, D) keys of ``sid`` as a per-channel cache holds them: code * S * r, and each
     page's kept channels kept * S (pyattn.quant.dequantize_page over the cache's own records)."""
     codes, (scale, chan, kidx, kept) = cache.k.numpy(), cache.read_key_scales()
-    pages, n, ps = cache.book.pages(sid), cache.length(sid), cache.page_size
+    pages, n = cache.book.pages(sid), cache.length(sid)
     per_head = lambda x: np.moveaxis(x[pages], 1, 2)  # noqa: E731 - (pages, Hkv, ps, .)
     d = dequantize_page(per_head(codes), scale[pages], chan[pages], kidx[pages], per_head(kept))
     return np.moveaxis(d, 2, 1).reshape(-1, *d.shape[1:2], d.shape[-1])[:n]

@@ -13,7 +13,6 @@ from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
 from ...runtime.device import SUPPORTED_ARCHS
-from ..params import ParamStruct
 
 __all__ = ["DTYPES", "FP8_DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
            "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment",
