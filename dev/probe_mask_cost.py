@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python dev/probe_mask_cost.py [--seqlen 16384] [--dims 128] [--kinds bool bf16 f32]
        [--no-cp] [--row D,BLOCK_N,WARPGROUPS,STAGES,OVERLAP,SPLIT_KV ...] [--mods-warpgroups N]
-       [--flip-stage-bits]
+       [--flip-stage-bits] [--softcap CAP] [--alibi]
 
 Times (scripts/harness.py) the dense call, then per mask kind (bool, bf16, f32) and content (all
 visible: the tiles' per-score work skipped; random: every tile does it; a key-padding mask
@@ -16,7 +16,9 @@ overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async c
 ``--mods-warpgroups N`` adds a bool-mask column with the dense row's ``warpgroups_mods`` set to N
 (the warpgroups of its variants with a mask tensor or ALiBi: 2 at d = 64, where 3 spilled);
 ``--flip-stage-bits`` adds a bool-mask column with the dense row's ``stage_bits`` flipped (the
-packed words in the ring against the consumers' loads from L2).
+packed words in the ring against the consumers' loads from L2). ``--softcap`` / ``--alibi`` add that
+modifier to every call, the dense ones included (the ratios are then against the modified
+dense call).
 """
 
 from __future__ import annotations
@@ -48,25 +50,32 @@ def main() -> None:
                     "warpgroups_mods set to this (0: not)")
     ap.add_argument("--flip-stage-bits", action="store_true", help="bool masks also with the dense row's "
                     "stage_bits flipped")
+    ap.add_argument("--softcap", type=float, default=None, help="every call soft-capped so")
+    ap.add_argument("--alibi", action="store_true", help="every call with ALiBi slopes")
     args = ap.parse_args()
     rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]))
             for d, n, w, st, ov, sp, *pe in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
         probe(bench, args.seqlen, D, args.kinds, not args.no_cp, [r for r in rows if r.max_head_dim == D],
-              args.mods_warpgroups, args.flip_stage_bits)
+              args.mods_warpgroups, args.flip_stage_bits, args.softcap, args.alibi)
 
 
 def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg: int = 0,
-          flip_bits: bool = False) -> None:
+          flip_bits: bool = False, softcap=None, alibi: bool = False) -> None:
     H = 2048 // D
     rng = np.random.default_rng(0)
     import ml_dtypes
 
     q = pyattn.asarray(rng.standard_normal((1, S, H, D), np.float32).astype(ml_dtypes.bfloat16), stream=bench.stream)
 
+    extra = {"softcap": softcap} if softcap else {}
+    if alibi:
+        extra["alibi_slopes"] = pyattn.asarray(np.geomspace(0.5, 0.002, H).astype(np.float32), stream=bench.stream)
+
     def run(opts):
-        return bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts), loop=5, reps=3).ms
+        return bench.gpu_ms(lambda: pyattn.attention(q, q, q, stream=bench.stream, **opts, **extra), loop=5,
+                            reps=3).ms
 
     dense = run({})
     causal = run({"causal": True})

@@ -184,14 +184,19 @@ def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
 
 @pytest.mark.parametrize("view", ["per_head", "heads_broadcast", "key_padding", "batch_broadcast"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bits_in_the_ring(view, causal):
+@pytest.mark.parametrize("mods", ["", "softcap", "alibi"])
+def test_bits_in_the_ring(view, causal, mods):
     """The d = 64 dense row stages the packed words in its ring (TileConfig.mask_bits): rows past
     the end and, causal, the rows before 0 of its bottom-aligned first block arrive as zeros; a
-    mask broadcast over heads, batch or query rows is a map axis of size 1 (key padding: every row
-    reads the box's row 0). Sq not a multiple of 192, Sk not of 128, Sq != Sk."""
+    mask broadcast over heads or batch is a map axis of size 1, one broadcast over the query rows
+    (key padding) 192 copies of its row. Sq not a multiple of 192, Sk not of 128, Sq != Sk. With a
+    soft-cap or ALiBi the row runs two warpgroups (warpgroups_mods): 128-row boxes."""
     B, Sq, Sk, H, D = 2, 400, 4096 + 200, 2, 64  # (below 4096 keys masks take the short row)
-    spec = select_attention_spec("bfloat16", D, "sm_90a", mask="bool", keys=Sk, causal=causal)
-    assert (spec.family, spec.mask, spec.tiles.mask_bits, spec.tiles.block_m) == ("attn_fwd_tma", "bits", True, 192)
+    opts = {"softcap": {"softcap": 15.0}, "alibi": {"alibi_slopes": np.array([0.3, 0.05], np.float32)}}.get(mods, {})
+    spec = select_attention_spec("bfloat16", D, "sm_90a", mask="bool", keys=Sk, causal=causal,
+                                 softcap=opts.get("softcap"), alibi="alibi_slopes" in opts)
+    assert (spec.family, spec.mask, spec.tiles.mask_bits, spec.tiles.block_m) == \
+        ("attn_fwd_tma", "bits", True, 128 if mods else 192)
     rng = np.random.default_rng(17)
     q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
     shape = {"per_head": (B, H, Sq, Sk), "heads_broadcast": (B, 1, Sq, Sk), "key_padding": (B, 1, 1, Sk),
@@ -204,5 +209,5 @@ def test_bits_in_the_ring(view, causal):
         mask[..., :64, :] |= True  # some tiles all visible (the skipped per-score work)
         mask[..., 130:140, :] = False  # rows seeing no key: 0 / LSE -inf
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
-                                return_lse=True)
-    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal)
+                                return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)
