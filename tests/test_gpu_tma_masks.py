@@ -211,3 +211,22 @@ def test_bits_in_the_ring(view, causal, mods):
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
                                 return_lse=True, **opts)
     _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mods", ["", "softcap", "alibi"])
+def test_d64_float_masks_on_three_warpgroups(kind, causal, mods):
+    """The d = 64 16-bit mask row: three warpgroups of 64-key tiles (192 rows, bottom-aligned when
+    causal: the first block's rows before 0 get zero mask terms), with soft-cap or ALiBi too."""
+    B, Sq, Sk, H, D = 2, 400, 4096 + 200, 2, 64
+    opts = {"softcap": {"softcap": 15.0}, "alibi": {"alibi_slopes": np.array([0.3, 0.05], np.float32)}}.get(mods, {})
+    spec = select_attention_spec("bfloat16", D, "sm_90a", mask=kind, keys=Sk, causal=causal,
+                                 softcap=opts.get("softcap"), alibi="alibi_slopes" in opts)
+    assert (spec.family, spec.tiles.block_m, spec.tiles.block_n) == ("attn_fwd_tma", 192, 64)
+    rng = np.random.default_rng(23)
+    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
+    mask = _block_mask(rng, (B, H, Sq, Sk), kind, 64)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
+                                return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)

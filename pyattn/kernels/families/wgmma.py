@@ -287,7 +287,12 @@ _SM90_TMA_SHORT = (
 # "mask1" table of byte tiles in the ring, 2 stages without overlap at d = 128: 1.17x the dense time
 # from the tile shape alone; packed to bits they run the dense rows.)
 _SM90_TMA_MASK2 = (
-    WgmmaTile(64, 128, 2, 3, True, 1, "16-bit mask: 209 KiB; from 2048 keys as dense", ws=True, min_keys=2048),
+    WgmmaTile(64, 64, 3, 3, True, 1, "16-bit mask on three warpgroups of 64-key tiles, 145 KiB, no spill (128-key "
+                                     "tiles at three spill 200 bytes; soft-cap / ALiBi 12-24 bytes here): (1, 16k, "
+                                     "32) bf16 zeros / random / causal random 5.868 / 6.227 / 3.096 ms against "
+                                     "5.800 / 6.745 / 3.393 on two warpgroups of 128-key tiles (209 KiB), 5.936 / "
+                                     "6.385 / 3.111 on 2 stages with K and V split (dev/probe_mask_cost.py --row, "
+                                     "H200, one run); from 2048 keys as dense", ws=True, min_keys=2048),
     WgmmaTile(128, 128, 2, 2, True, 1, "16-bit mask, 225 KiB: K and V on barriers of their own, so overlap on 2 "
                                        "stages: (1, 16k, 16) bf16 zeros / random / causal random 3.46 / 3.87 / "
                                        "1.96 ms = 0.99 / 1.15 / 1.15x the dense time against 4.24 / 4.73 / 2.34 "
