@@ -46,8 +46,7 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
     const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
     float m = -inf();
     for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(p.lse_part + row0 + s * split_step));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    m = warp_max(m);
     float l = 0.f;
     for (int s = lane; s < S; s += 32) {
       const float x = __ldcg(p.lse_part + row0 + s * split_step);
@@ -55,8 +54,7 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
       if (s < kCap) sW[r * kCap + s] = w;
       l += w;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    l = warp_sum(l);
     if (lane == 0) {
       sMax[r] = m;
       sInv[r] = l == 0.f ? 0.f : 1.f / l;

@@ -16,7 +16,8 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
-           "check_layout", "check_pool_address", "check_append", "check_token_rows", "check_token_chunks", "check_token_address", "KEY_SCALES"]
+           "check_layout", "check_pool_address", "check_append", "check_token_rows", "check_token_chunks",
+           "check_token_address", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
