@@ -182,6 +182,30 @@ def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
     assert spec.mask == ("bits" if spec.family == "attn_fwd_tma" else "bool")
 
 
+# The d = 64 rows' calls (B, Sq, Sk, H, D): Sq not a multiple of 192, Sk not of 128, Sq != Sk;
+# below 4096 keys masks take the short row.
+_D64 = (2, 400, 4096 + 200, 2, 64)
+_D64_MODS = {"": {}, "softcap": {"softcap": 15.0}, "alibi": {"alibi_slopes": np.array([0.3, 0.05], np.float32)}}
+
+
+def _d64_spec(kind: str, causal: bool, opts: dict):
+    """The spec a _D64 call with a ``kind`` mask and ``opts`` selects."""
+    return select_attention_spec("bfloat16", _D64[4], "sm_90a", mask=kind, keys=_D64[2], causal=causal,
+                                 softcap=opts.get("softcap"), alibi="alibi_slopes" in opts)
+
+
+def _d64_check(seed: int, make_mask, causal: bool, opts: dict) -> None:
+    """A _D64 call on device arrays (inputs drawn first, then ``make_mask(rng)``) against the fp64
+    reference, with its LSE."""
+    B, Sq, Sk, H, D = _D64
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
+    mask = make_mask(rng)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
+                                return_lse=True, **opts)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)
+
+
 @pytest.mark.parametrize("view", ["per_head", "heads_broadcast", "key_padding", "batch_broadcast"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mods", ["", "softcap", "alibi"])
@@ -189,28 +213,27 @@ def test_bits_in_the_ring(view, causal, mods):
     """The d = 64 dense row stages the packed words in its ring (TileConfig.mask_bits): rows past
     the end and, causal, the rows before 0 of its bottom-aligned first block arrive as zeros; a
     mask broadcast over heads or batch is a map axis of size 1, one broadcast over the query rows
-    (key padding) 192 copies of its row. Sq not a multiple of 192, Sk not of 128, Sq != Sk. With a
-    soft-cap or ALiBi the row runs two warpgroups (warpgroups_mods): 128-row boxes."""
-    B, Sq, Sk, H, D = 2, 400, 4096 + 200, 2, 64  # (below 4096 keys masks take the short row)
-    opts = {"softcap": {"softcap": 15.0}, "alibi": {"alibi_slopes": np.array([0.3, 0.05], np.float32)}}.get(mods, {})
-    spec = select_attention_spec("bfloat16", D, "sm_90a", mask="bool", keys=Sk, causal=causal,
-                                 softcap=opts.get("softcap"), alibi="alibi_slopes" in opts)
+    (key padding) 192 copies of its row. With a soft-cap or ALiBi the row runs two warpgroups
+    (warpgroups_mods): 128-row boxes."""
+    opts = _D64_MODS[mods]
+    spec = _d64_spec("bool", causal, opts)
     assert (spec.family, spec.mask, spec.tiles.mask_bits, spec.tiles.block_m) == \
         ("attn_fwd_tma", "bits", True, 128 if mods else 192)
-    rng = np.random.default_rng(17)
-    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
+    B, Sq, Sk, H, _ = _D64
     shape = {"per_head": (B, H, Sq, Sk), "heads_broadcast": (B, 1, Sq, Sk), "key_padding": (B, 1, 1, Sk),
              "batch_broadcast": (1, H, Sq, Sk)}[view]
-    mask = rng.random(shape) < 0.6
-    if view == "key_padding":  # batch entry 1 sees its first 900 keys only
-        mask[:] = True
-        mask[1, ..., 900:] = False
-    else:
-        mask[..., :64, :] |= True  # some tiles all visible (the skipped per-score work)
-        mask[..., 130:140, :] = False  # rows seeing no key: 0 / LSE -inf
-    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
-                                return_lse=True, **opts)
-    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)
+
+    def make_mask(rng):
+        mask = rng.random(shape) < 0.6
+        if view == "key_padding":  # batch entry 1 sees its first 900 keys only
+            mask[:] = True
+            mask[1, ..., 900:] = False
+        else:
+            mask[..., :64, :] |= True  # some tiles all visible (the skipped per-score work)
+            mask[..., 130:140, :] = False  # rows seeing no key: 0 / LSE -inf
+        return mask
+
+    _d64_check(17, make_mask, causal, opts)
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
@@ -219,14 +242,8 @@ def test_bits_in_the_ring(view, causal, mods):
 def test_d64_float_masks_on_three_warpgroups(kind, causal, mods):
     """The d = 64 16-bit mask row: three warpgroups of 64-key tiles (192 rows, bottom-aligned when
     causal: the first block's rows before 0 get zero mask terms), with soft-cap or ALiBi too."""
-    B, Sq, Sk, H, D = 2, 400, 4096 + 200, 2, 64
-    opts = {"softcap": {"softcap": 15.0}, "alibi": {"alibi_slopes": np.array([0.3, 0.05], np.float32)}}.get(mods, {})
-    spec = select_attention_spec("bfloat16", D, "sm_90a", mask=kind, keys=Sk, causal=causal,
-                                 softcap=opts.get("softcap"), alibi="alibi_slopes" in opts)
+    opts = _D64_MODS[mods]
+    spec = _d64_spec(kind, causal, opts)
     assert (spec.family, spec.tiles.block_m, spec.tiles.block_n) == ("attn_fwd_tma", 192, 64)
-    rng = np.random.default_rng(23)
-    q, k, v = _inputs(rng, B, Sq, Sk, H, H, D, "bfloat16")
-    mask = _block_mask(rng, (B, H, Sq, Sk), kind, 64)
-    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), mask=pyattn.asarray(mask), causal=causal,
-                                return_lse=True, **opts)
-    _check(out.numpy(), lse.numpy(), q, k, v, mask=mask, causal=causal, **opts)
+    B, Sq, Sk, H, _ = _D64
+    _d64_check(23, lambda rng: _block_mask(rng, (B, H, Sq, Sk), kind, 64), causal, opts)
