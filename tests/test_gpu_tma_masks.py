@@ -236,12 +236,13 @@ def test_bits_in_the_ring(view, causal, mods):
     _d64_check(17, make_mask, causal, opts)
 
 
-@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("kind", ["f16", "bf16", "f32"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mods", ["", "softcap", "alibi"])
 def test_d64_float_masks_on_three_warpgroups(kind, causal, mods):
-    """The d = 64 16-bit mask row: three warpgroups of 64-key tiles (192 rows, bottom-aligned when
-    causal: the first block's rows before 0 get zero mask terms), with soft-cap or ALiBi too."""
+    """The d = 64 float mask rows (16-bit and f32): three warpgroups of 64-key tiles (192 rows,
+    bottom-aligned when causal: the first block's rows before 0 get zero mask terms), with soft-cap
+    or ALiBi too."""
     opts = _D64_MODS[mods]
     spec = _d64_spec(kind, causal, opts)
     assert (spec.family, spec.tiles.block_m, spec.tiles.block_n) == ("attn_fwd_tma", 192, 64)

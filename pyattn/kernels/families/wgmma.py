@@ -306,8 +306,11 @@ _SM90_TMA_MASK2 = (
                                       "4.08 / 2.10 ms without; ptxas: 20 bytes of spill", ws=True, split_kv=True),
 )
 _SM90_TMA_MASK4 = (
-    WgmmaTile(64, 64, 2, 4, True, 1, "f32 mask: 209 KiB (128-key tiles: 305 KiB); from 2048 keys as dense",
-              ws=True, min_keys=2048),
+    WgmmaTile(64, 64, 3, 3, True, 1, "f32 mask on three warpgroups of 64-key tiles, 217 KiB, no spill (soft-cap / "
+                                     "ALiBi included): (1, 16k, 32) f32 zeros / random / causal random 7.27 / 7.36 / "
+                                     "3.66-3.70 ms against 8.17 / 8.62 / 4.28-4.32 on two warpgroups of 4 stages "
+                                     "(209 KiB), key padding level (dev/probe_mask_cost.py --row, H200, two runs); "
+                                     "from 2048 keys as dense", ws=True, min_keys=2048),
     WgmmaTile(128, 64, 2, 3, True, 1, "f32 mask: 225 KiB", ws=True),
     WgmmaTile(192, 64, 2, 2, False, 1, "f32 mask: 209 KiB", ws=True),
 )
