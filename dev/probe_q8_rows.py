@@ -9,11 +9,13 @@ Times ``pyattn.decode`` over int8 PagedKVCaches filled as ``scripts/bench_quant.
 * per-token keys at the forced split counts of ``--splits`` (0: the automatic choice), and with
   each ``--token`` row (keys per warp x warps x stages x blocks an SM, the row's fields);
 * ``--family attn_decode_swap``: the rows of the swapped-role kernel (<= 8 query rows) instead.
-A ``--channel`` row ``KxS`` may add ``xB``: the row's blocks an SM too.
+A ``--channel`` row ``KxS`` may add ``xB``: the row's blocks an SM too; ``--channel-splits`` times each
+at the ``--splits`` counts as well.
 
     PYTHONPATH=. python dev/probe_q8_rows.py [--points 1x32768,8x32768,64x32768] [--channel 32x2,16x3,16x4]
                                              [--splits 0,2,4,6,8,12] [--kind int8|fp8|bf16]
                                              [--family attn_decode_swap] [--token 32x4x2x3,16x4x4x3]
+                                             [--channel-splits]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> int:
     ap.add_argument("--kind", default="int8", help="the per-token cache: int8, fp8 or bf16 (the split sweep's)")
     ap.add_argument("--family", default="attn_decode_tma", help="whose kv8 table the rows go into")
     ap.add_argument("--token", default="", help="per-token rows KWxWxSxB (keys per warp, warps, stages, blocks/SM)")
+    ap.add_argument("--channel-splits", action="store_true", help="each --channel row at each --splits count too")
     args = ap.parse_args()
     bench = harness.Bench(torch)
     fam, table = args.family, "dense" if args.kind == "bf16" else "kv8"
@@ -69,11 +72,14 @@ def main() -> int:
             kpw, st, *mb = (int(x) for x in row.split("x"))
             rows = (base[0]._replace(channel=(kpw, st), min_blocks=mb[0] if mb else base[0].min_blocks),) + base[1:]
             with override_tiles(fam, "sm_90a", rows, table="kv8"):
-                try:
-                    t = us(lambda: pyattn.decode(q, *chan, stream=bench.stream))
-                    cells.append(f"channel {row}: {t:.1f} ({t_token / t:.3f}x per-token)")
-                except Exception as e:  # a row that does not fit: say so, go on
-                    cells.append(f"channel {row}: {type(e).__name__} {str(e)[:80]}")
+                for splits in [0] + ([int(x) for x in args.splits.split(",") if x and int(x)]
+                                     if args.channel_splits else []):
+                    at = f" splits {splits}" if splits else ""
+                    try:
+                        t = us(lambda: pyattn.decode(q, *chan, num_splits=splits or None, stream=bench.stream))
+                        cells.append(f"channel {row}{at}: {t:.1f} ({t_token / t:.3f}x per-token)")
+                    except Exception as e:  # a row that does not fit: say so, go on
+                        cells.append(f"channel {row}{at}: {type(e).__name__} {str(e)[:80]}")
         del chan
         print(f"B{B} x {L}: " + " | ".join(cells), flush=True)
     return 0
