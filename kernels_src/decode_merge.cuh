@@ -6,9 +6,6 @@
 
 namespace pyattn {
 
-// The most splits of one sequence (pyattn.validate.paged.MAX_SPLITS; a CPU test keeps them equal).
-constexpr int kMaxDecodeSplits = 256;
-
 // Fused split combine. Each of a unit's num_splits blocks (a unit: one kv head, row block and
 // sequence) stores its normalised fp32 partial and LSE, fences, and counts itself in
 // p.split_counters[unit]; the block that counts last merges the unit's partials into the output
@@ -16,15 +13,9 @@ constexpr int kMaxDecodeSplits = 256;
 // for the stream's next decode. One launch instead of decode + merge_states<float, T>: the
 // second launch cost ~4 us of host time and its launch gap on the GPU (issue 12).
 template <class Tr>
-__device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsigned char* smem_raw, int kv_head,
-                                                    int b, int r0, int n_rows) {
+__device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int kv_head, int b, int r0, int n_rows) {
   using T = typename Tr::T;
-  constexpr int ROWS = Tr::kRows, W = Tr::kWarps;
-  // The weights of the first kCap splits of each row stay in shared memory (all of them but for
-  // the smallest tiles at hundreds of splits); later ones are recomputed from their LSE.
-  constexpr int kCap = Tr::kSmemBytes / (4 * ROWS) - 2 < kMaxDecodeSplits ? Tr::kSmemBytes / (4 * ROWS) - 2
-                                                                           : kMaxDecodeSplits;
-  static_assert(kCap >= 1, "combine: no room for split weights");
+  constexpr int D = Tr::kHeadDim, ROWS = Tr::kRows, U = 16;
   __shared__ int s_last;
   __threadfence();  // this block's partial stores are visible device-wide before it is counted
   decode_sync<Tr>();
@@ -34,39 +25,13 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
   if (!s_last) return;
   __threadfence();  // every other split's stores (fenced before their counts) are read after this
   if (threadIdx.x == 0) *counter = 0u;
-  const int S = p.num_splits, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* sW = reinterpret_cast<float*>(smem_raw);  // [ROWS][kCap] weights exp(lse_s - max)
-  float* sMax = sW + ROWS * kCap;                   // [ROWS] max of the splits' LSEs
-  float* sInv = sMax + ROWS;                        // [ROWS] 1 / sum of the weights (0: no key seen)
-  for (int r = warp; r < ROWS; r += W) {  // one warp per row (the condition is warp-uniform)
-    const int gr = r0 + r;
-    if (gr >= n_rows) continue;
-    const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
-    const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
-    const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
-    float m = -inf();
-    for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(p.lse_part + row0 + s * split_step));
-    m = warp_max(m);
-    float l = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float x = __ldcg(p.lse_part + row0 + s * split_step);
-      const float w = x == -inf() ? 0.f : fast_exp2((x - m) * kLog2e);
-      if (s < kCap) sW[r * kCap + s] = w;
-      l += w;
-    }
-    l = warp_sum(l);
-    if (lane == 0) {
-      sMax[r] = m;
-      sInv[r] = l == 0.f ? 0.f : 1.f / l;
-      if (p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
-    }
-  }
-  decode_sync<Tr>();
-  // -- out = sum_s w_s o_s / l: a thread per (row, 4 columns); each loads U splits' partials before
-  // using them, so the merge waits on L2 about S / U times per item instead of S times (with 33
-  // splits and 2 warps a latency-bound loop cost the B=1 x 32k decode ~17 us on an H200).
-  constexpr int D = Tr::kHeadDim, U = 16;
-  const int n_valid = min(ROWS, n_rows - r0);
+  // -- out = sum_s w_s o_s / l, a thread per (row, 4 columns), U splits at a time: each thread
+  // loads the chunk's LSEs beside its partials (one L2 round trip for both) and folds the chunk in
+  // by an online max, as the softmax does. Before, a warp a row read the LSEs (twice) into shared
+  // weights and a block sync preceded the partials' first load: three round trips more at 32
+  // splits, the tail of a split decode (BENCHMARKS.md, forty-first session). U loads in flight:
+  // with one at a time, 33 splits and 2 warps cost the B=1 x 32k decode ~17 us on an H200.
+  const int S = p.num_splits, n_valid = min(ROWS, n_rows - r0);
   const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
   const long long step4 = split_step * p.head_dim / 4;  // one split's stride in float4s (head_dim % 8 == 0)
   for (int e = threadIdx.x; e < n_valid * (D / 4); e += Tr::kThreads) {
@@ -74,38 +39,40 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, unsig
     if (d >= p.head_dim) continue;
     const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
     const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
-    // Every split block wrote its rows' partials, zeros for a split that saw no key, so all are read.
+    // Every split block wrote its rows' partials (zeros and LSE -inf for a split that saw no key).
     const float4* src = reinterpret_cast<const float4*>(p.o_part + row0 * p.head_dim + d);
-    const float m = sMax[r];
-    const auto weight = [&](int s) {
-      if (s < kCap) return sW[r * kCap + s];
-      const float x = __ldcg(p.lse_part + row0 + s * split_step);
-      return x == -inf() ? 0.f : fast_exp2((x - m) * kLog2e);
-    };
+    const float* lse = p.lse_part + row0;
+    float m = -inf(), l = 0.f;  // running max of the LSEs read, sum of exp(lse_s - m)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const auto add = [&](float w, const float4& a) {
-      acc.x = fmaf(w, a.x, acc.x);
-      acc.y = fmaf(w, a.y, acc.y);
-      acc.z = fmaf(w, a.z, acc.z);
-      acc.w = fmaf(w, a.w, acc.w);
-    };
-    int s = 0;
-    for (; s + U <= S; s += U) {
+    for (int s = 0; s < S; s += U) {
+      float x[U];
       float4 a[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) a[u] = __ldcg(src + (s + u) * step4);
+      for (int u = 0; u < U; ++u) {
+        const bool in = s + u < S;
+        x[u] = in ? __ldcg(lse + (s + u) * split_step) : -inf();
+        a[u] = in ? __ldcg(src + (s + u) * step4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float mc = m;
 #pragma unroll
-      for (int u = 0; u < U; ++u) add(weight(s + u), a[u]);
+      for (int u = 0; u < U; ++u) mc = fmaxf(mc, x[u]);
+      if (mc == -inf()) continue;  // no split so far saw a key
+      const float c = fast_exp2((m - mc) * kLog2e);  // 0 while m is -inf
+      l *= c;
+      acc.x *= c, acc.y *= c, acc.z *= c, acc.w *= c;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float w = x[u] == -inf() ? 0.f : fast_exp2((x[u] - mc) * kLog2e);
+        l += w;
+        acc.x = fmaf(w, a[u].x, acc.x);
+        acc.y = fmaf(w, a[u].y, acc.y);
+        acc.z = fmaf(w, a[u].z, acc.z);
+        acc.w = fmaf(w, a[u].w, acc.w);
+      }
+      m = mc;
     }
-    for (; s + 4 <= S; s += 4) {  // the rest four at a time, then one at a time
-      float4 a[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) a[u] = __ldcg(src + (s + u) * step4);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) add(weight(s + u), a[u]);
-    }
-    for (; s < S; ++s) add(weight(s), __ldcg(src + s * step4));
-    const float inv = sInv[r];
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // 0: no key seen (output 0, LSE -inf)
+    if (d == 0 && p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
     T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
     reinterpret_cast<unsigned*>(o)[0] = pack2<T>(acc.x * inv, acc.y * inv);
     reinterpret_cast<unsigned*>(o)[1] = pack2<T>(acc.z * inv, acc.w * inv);
@@ -172,7 +139,7 @@ __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned cha
     }
   }
   // Null counters: the host merges the splits in a second launch (pyattn.ops._decode.fused_combine).
-  if (p.num_splits > 1 && p.split_counters != nullptr) decode_combine_last<Tr>(p, smem_raw, kv_head, b, r0, n_rows);
+  if (p.num_splits > 1 && p.split_counters != nullptr) decode_combine_last<Tr>(p, kv_head, b, r0, n_rows);
 }
 
 // Merge the warps' online-softmax states of one block through shared memory and store its rows:

@@ -312,14 +312,3 @@ def test_decode_param_structs(p):
 def test_decode_kernel_reads_only_declared_fields():
     used = set(re.findall(r"\bp\.(\w+)", CUH.read_text()))
     assert used and used <= {n for n, _ in DECODE_PARAMS.fields}
-
-
-def test_max_splits_matches_the_kernels_combine_bound():
-    """The fused split combine sizes its shared-memory weights by kMaxDecodeSplits: validation must
-    never let more splits through."""
-    from pyattn.jit.source import kernel_source_dir
-    from pyattn.validate.paged import MAX_SPLITS
-
-    text = (kernel_source_dir() / "decode_merge.cuh").read_text()
-    (bound,) = re.findall(r"constexpr int kMaxDecodeSplits = (\d+);", text)
-    assert int(bound) == MAX_SPLITS

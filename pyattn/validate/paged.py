@@ -21,7 +21,7 @@ __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_a
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
-MAX_SPLITS = 256
+MAX_SPLITS = 256  # splits of one sequence: each holds fp32 partial rows in the call's workspace
 _MAX_GRID_YZ = 65535
 KEY_SCALES = ("token", "channel")
 
