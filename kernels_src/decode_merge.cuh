@@ -72,7 +72,8 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int k
       m = mc;
     }
     const float inv = l == 0.f ? 0.f : 1.f / l;  // 0: no key seen (output 0, LSE -inf)
-    if (d == 0 && p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
+    if (d == 0 && p.lse != nullptr)
+      p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
     T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
     reinterpret_cast<unsigned*>(o)[0] = pack2<T>(acc.x * inv, acc.y * inv);
     reinterpret_cast<unsigned*>(o)[1] = pack2<T>(acc.z * inv, acc.w * inv);
