@@ -4,8 +4,10 @@
     /opt/nvidia/nsight-compute/2025.3.1/ncu --clock-control none -k regex:attn_fwd_tma --launch-skip 1 \\
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal] \\
-        [--head-dim 64] [--warpgroups 2] [--batch 16 --seqlen 1024]
+        [--head-dim 64] [--warpgroups 2] [--batch 16 --seqlen 1024] [--mask ones|random]
 
+``--mask``: a bool (seqlen, seqlen) mask on every call too, all True or half True at random (the
+packing kernel then runs before each call: ``-k regex:attn_fwd_tma`` leaves it out).
 Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torch.
 """
 
@@ -29,10 +31,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128, help="heads are 2048 / head_dim")
     ap.add_argument("--warpgroups", type=int, default=0,
                     help="force the TMA table's row for the bucket to this many consumer warpgroups")
+    ap.add_argument("--mask", choices=("ones", "random"), default=None, help="a bool mask on every call too")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     shape = (a.batch, a.seqlen, 2048 // a.head_dim, a.head_dim)
     q, k, v = (pyattn.asarray(rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)) for _ in range(3))
+    mask = None
+    if a.mask:
+        S = a.seqlen
+        mask = pyattn.asarray(np.ones((S, S), bool) if a.mask == "ones" else rng.random((S, S), np.float32) < 0.5)
     with contextlib.ExitStack() as stack:
         if a.warpgroups:
             from pyattn.kernels.families import override_tiles, tile_table
@@ -41,7 +48,7 @@ def main() -> None:
                          for r in tile_table("attn_fwd_tma", "sm_90a"))
             stack.enter_context(override_tiles("attn_fwd_tma", "sm_90a", rows))
         for _ in range(2):
-            out = pyattn.attention(q, k, v, causal=a.causal, softcap=a.softcap)
+            out = pyattn.attention(q, k, v, causal=a.causal, softcap=a.softcap, mask=mask)
         pyattn.get_device().synchronize()
     print("done", out.shape)
 
