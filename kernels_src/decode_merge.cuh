@@ -54,8 +54,12 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int k
         a[u] = in ? __ldcg(src + (s + u) * step4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
       float mc = m;
+      bool nan_seen = false;
 #pragma unroll
-      for (int u = 0; u < U; ++u) mc = fmaxf(mc, x[u]);
+      for (int u = 0; u < U; ++u) mc = fmaxf(mc, x[u]), nan_seen |= x[u] != x[u];
+      // fmaxf drops NaN: a split's NaN LSE (a NaN key among seen ones) must reach the output as
+      // NaN, as with one split and in merge_states, not vanish when every split has one.
+      if (nan_seen) mc = __int_as_float(0x7fffffff);
       if (mc == -inf()) continue;  // no split so far saw a key
       const float c = fast_exp2((m - mc) * kLog2e);  // 0 while m is -inf
       l *= c;

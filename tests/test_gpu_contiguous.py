@@ -173,3 +173,20 @@ def test_a_decode_loop_appending_each_step():
         vs = [np.concatenate([v, vn[b]]) for b, v in enumerate(vs)]
         n += n_new
         _check_decode(out.numpy(), None, q, ks, vs, causal=True)
+
+
+def test_nan_keys_in_every_split_reach_the_output():
+    """A NaN key among a row's keys makes that row NaN, whatever the split count: with every split
+    holding one, the fused split combine must not drop the splits' NaN LSEs (fmaxf does) and
+    return 0 / -inf. Other kv heads' rows stay finite."""
+    rng = np.random.default_rng(17)
+    B, L, Hkv, D = 1, 4096, 2, 128
+    k = _rand(rng, (B, L, Hkv, D), "bfloat16")
+    k[0, ::256, 1, 7] = np.nan  # kv head 1: one NaN key every 256 (every split of 8 holds some)
+    kc, vc = pyattn.asarray(k), pyattn.asarray(_rand(rng, (B, L, Hkv, D), "bfloat16"))
+    q = pyattn.asarray(_rand(rng, (B, 1, 4 * Hkv, D), "bfloat16"))
+    for splits in (1, 8):
+        out, lse = pyattn.contiguous_decode(q, kc, vc, L, num_splits=splits, return_lse=True)
+        o, ls = out.numpy().astype(np.float64), lse.numpy()
+        assert np.isnan(o[0, 0, 4:]).all() and np.isnan(ls[0, 4:]).all(), splits  # kv head 1's q heads
+        assert np.isfinite(o[0, 0, :4]).all() and np.isfinite(ls[0, :4]).all(), splits
