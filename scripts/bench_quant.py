@@ -318,7 +318,7 @@ def parse_args(argv=None):
     try:
         args.kinds = [k for k in args.kinds.split(",") if k]
         args.sections = [s for s in args.sections.split(",") if s]
-        args.shapes = args.configs or QUICK if args.quick else SHAPES
+        args.shapes = args.configs or (QUICK if args.quick else SHAPES)
         assert all(len(s) == 2 and min(s) > 0 for s in args.shapes)
         assert args.kinds and set(args.kinds) <= set(KINDS) and args.sections
         assert set(args.sections) <= {"speed", "accuracy"}

@@ -254,7 +254,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         args.sections = [s for s in args.sections.split(",") if s]
-        args.shapes = args.configs or QUICK if args.quick else CONFIGS
+        args.shapes = args.configs or (QUICK if args.quick else CONFIGS)
         assert all(len(s) == 2 and min(s) > 0 for s in args.shapes) and args.page % 8 == 0 and args.page > 0
         assert args.sections and set(args.sections) <= {"speed", "accuracy"}
     except (ValueError, AssertionError):

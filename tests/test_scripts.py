@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import importlib
 import os
 import pathlib
 import subprocess
@@ -177,6 +178,15 @@ def test_batch_lengths_parse_points_and_refuse_the_rest(bad):
     assert bench_decode.parse_args(["--configs", "64x4096"]).shapes == [(64, 4096)]
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--configs", bad or "x"])
+
+
+@pytest.mark.parametrize("name", ["bench_decode", "bench_quant", "bench_sparq"])
+def test_configs_override_the_default_and_quick_shapes(name):
+    """--configs names the shapes, with or without --quick (a conditional expression once took the
+    default shapes unless --quick was given too)."""
+    mod = importlib.import_module(name)
+    for extra in ([], ["--quick"]):
+        assert mod.parse_args(["--configs", "2x1024,4x2048", *extra]).shapes == [(2, 1024), (4, 2048)]
 
 
 def test_report_helpers():
