@@ -102,17 +102,16 @@ def probe(bench, S: int, D: int, kinds, cp_column: bool = True, rows=(), mods_wg
             if cp_column:
                 with override_tiles("attn_fwd_tma", "sm_90a", no_d, table=table):
                     cols.append(("cp.async", run(opts), run(base_opts)))
-            if kind == "bool" and mods_wg:
-                tab = tuple(r._replace(warpgroups_mods=mods_wg) if r.max_head_dim == D else r
+            # bool masks: the dense row's d = D entry changed one field at a time (label, change)
+            dense_d = next(r for r in tile_table("attn_fwd_tma", "sm_90a", "dense") if r.max_head_dim == D)
+            changes = ([(f"mods {mods_wg} WG", {"warpgroups_mods": mods_wg})] if mods_wg else []) + \
+                ([("from L2" if dense_d.stage_bits else "staged", {"stage_bits": not dense_d.stage_bits})]
+                 if flip_bits else [])
+            for label, change in changes if kind == "bool" else ():
+                tab = tuple(r._replace(**change) if r.max_head_dim == D else r
                             for r in tile_table("attn_fwd_tma", "sm_90a", "dense"))
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table="dense"):
-                    cols.append((f"mods {mods_wg} WG", run(opts), run(base_opts)))
-            if kind == "bool" and flip_bits:
-                tab = tuple(r._replace(stage_bits=not r.stage_bits) if r.max_head_dim == D else r
-                            for r in tile_table("attn_fwd_tma", "sm_90a", "dense"))
-                staged = next(r.stage_bits for r in tab if r.max_head_dim == D)
-                with override_tiles("attn_fwd_tma", "sm_90a", tab, table="dense"):
-                    cols.append(("staged" if staged else "from L2", run(opts), run(base_opts)))
+                    cols.append((label, run(opts), run(base_opts)))
             for row in rows if kind != "bool" else ():
                 tab = rows_with(tile_table("attn_fwd_tma", "sm_90a", table), D, row)
                 with override_tiles("attn_fwd_tma", "sm_90a", tab, table=table):
