@@ -214,8 +214,12 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   if constexpr (Mods::kAny) {
     // -- every score through the modifiers (FastMods::score: log2 units, or raw / tanh values
     // that the softmax's sl2 scales); masked -> -inf. Rows past the end get -inf and never read
-    // the mask tensor.
-    const bool rows_in = wg_row0 + 63 < sq;
+    // the mask tensor, where a warpgroup's rows are partly so (the last path tests each row). A
+    // warpgroup whose rows all lie past the end (never stored; their mask words or tiles arrived
+    // as zeros) takes the paths of rows inside: on the last path, the last row block at d = 64
+    // (192 rows, 64 of them in at 16k keys) took 2.8x a whole block's time with a bool mask, and
+    // the kernel's tail waited on it (BENCHMARKS.md, forty-second session).
+    const bool rows_in = wg_row0 + 63 < sq || wg_row0 >= sq;
     if constexpr (FastMods<Mods>::kFloatMask)  // the raw pairs as terms, where they are added
       if (!(full && rows_in && plain))
 #pragma unroll

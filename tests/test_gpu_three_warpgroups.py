@@ -6,6 +6,7 @@ three; both checked here too."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -79,3 +80,40 @@ def test_three_warpgroups_varlen(D, causal, launched):
     lens = [(1, 2100), (191, 193), (3000, 2500), (64, 3000), (500, 17), (2049, 2049), (1234, 2600)]
     check_varlen(np.random.default_rng(5 + causal), lens, D, causal)
     assert [n for n in launched if "attn_fwd" in n and f"_d{D}_m192" not in n] == [], launched
+
+
+@pytest.mark.parametrize("mod", ["bool_mask", "bf16_mask", "f32_mask", "softcap", "alibi"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.usefixtures("no_causal_short_row")
+def test_warpgroups_wholly_past_the_end(mod, causal, launched):
+    """A last row block whose last warpgroups have no row inside the sequence (their scores are
+    never stored) takes the fast paths of rows inside, with every modifier; the rows inside, in
+    that block's first warpgroup, still match the reference. (Causal blocks are bottom-aligned:
+    there the first block's first warpgroups lie before row 0.) 2100 keys: the dense row's calls
+    (from 2048), 4096 + 200 with a mask tensor or ALiBi (the short row's max_keys_mods)."""
+    D = 64
+    if D not in ROWS:
+        pytest.skip("attn_fwd_tma has no three-warpgroup row for d=64")
+    rng = np.random.default_rng(7 + causal)
+    tensor = mod.endswith("_mask")
+    Sk = 4096 + 200 if tensor or mod == "alibi" else 2100
+    spec = select_attention_spec("bfloat16", D, "sm_90a", keys=Sk, mask="bool" if mod == "bool_mask" else
+                                 mod[:-5] if tensor else "none", alibi=mod == "alibi", softcap=mod == "softcap",
+                                 causal=causal)
+    bm = spec.tiles.block_m
+    Sq = 3 * bm + 20  # the last block: 20 rows in its first warpgroup, the others wholly past the end
+    q, k, v = _inputs(rng, 1, Sq, Sk, 2, 2, D, "bfloat16", "bshd")
+    opts = {"causal": causal}
+    if mod == "softcap":
+        opts["softcap"] = 15.0
+    if mod == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.5, 2).astype(np.float32)
+    if tensor:
+        mask = rng.random((1, 2, Sq, Sk)) < 0.7
+        mask[..., :, :512] = True  # all-visible tiles next to mixed ones
+        opts["mask"] = mask if mod == "bool_mask" else np.where(mask, rng.standard_normal(mask.shape), -np.inf).astype(
+            {"bf16_mask": ml_dtypes.bfloat16, "f32_mask": np.float32}[mod])
+    on_device = {n: pyattn.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True, **on_device)
+    assert spec.family == "attn_fwd_tma" and spec.entry_name in launched and bm - (Sq % bm) > 64, (spec, launched)
+    _check(out.numpy(), lse.numpy(), q, k, v, **opts)
