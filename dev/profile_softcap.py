@@ -4,10 +4,11 @@
     /opt/nvidia/nsight-compute/2025.3.1/ncu --clock-control none -k regex:attn_fwd_tma --launch-skip 1 \\
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section InstructionStats --page raw python dev/profile_softcap.py [--softcap 30] [--causal] \\
-        [--head-dim 64] [--warpgroups 2] [--batch 16 --seqlen 1024] [--mask ones|random]
+        [--head-dim 64] [--warpgroups 2] [--batch 16 --seqlen 1024] [--mask ones|random] [--mask-dtype bf16]
 
-``--mask``: a bool (seqlen, seqlen) mask on every call too, all True or half True at random (the
-packing kernel then runs before each call: ``-k regex:attn_fwd_tma`` leaves it out).
+``--mask``: a (seqlen, seqlen) mask on every call too: bool all True or half True at random (the
+packing kernel then runs before each call: ``-k regex:attn_fwd_tma`` leaves it out); with
+``--mask-dtype bf16|f32`` an additive mask of zeros or of standard normal values instead.
 Two calls (the first compiles and warms), NumPy-made bf16 device arrays, no torch.
 """
 
@@ -31,7 +32,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128, help="heads are 2048 / head_dim")
     ap.add_argument("--warpgroups", type=int, default=0,
                     help="force the TMA table's row for the bucket to this many consumer warpgroups")
-    ap.add_argument("--mask", choices=("ones", "random"), default=None, help="a bool mask on every call too")
+    ap.add_argument("--mask", choices=("ones", "random"), default=None, help="a mask on every call too")
+    ap.add_argument("--mask-dtype", choices=("bool", "bf16", "f32"), default="bool")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     shape = (a.batch, a.seqlen, 2048 // a.head_dim, a.head_dim)
@@ -39,7 +41,12 @@ def main() -> None:
     mask = None
     if a.mask:
         S = a.seqlen
-        mask = pyattn.asarray(np.ones((S, S), bool) if a.mask == "ones" else rng.random((S, S), np.float32) < 0.5)
+        if a.mask_dtype == "bool":
+            host = np.ones((S, S), bool) if a.mask == "ones" else rng.random((S, S), np.float32) < 0.5
+        else:  # additive: zeros (every tile's per-score work skipped) or standard normal values
+            host = (np.zeros((S, S), np.float32) if a.mask == "ones" else rng.standard_normal((S, S), np.float32))
+            host = host.astype(ml_dtypes.bfloat16 if a.mask_dtype == "bf16" else np.float32)
+        mask = pyattn.asarray(host)
     with contextlib.ExitStack() as stack:
         if a.warpgroups:
             from pyattn.kernels.families import override_tiles, tile_table
