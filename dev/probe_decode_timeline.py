@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _patched import ROOT, run_patched
 POINTS = "bf16:1x1024,bf16:1x4096,int8:1x1024,int8:1x32768,int8:8x4096"
 _ENTRY = "  extern __shared__ __align__(16) unsigned char smem_raw[];\n"
 # Thread 0 (the first consumer warp's lane 0) writes each stamp straight to its block's slots of
@@ -219,18 +216,7 @@ def main() -> int:
     if args.child:
         _child(args.points)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        dst = Path(tmp)
-        shutil.copytree(ROOT / "pyattn", dst / "pyattn", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(ROOT / "kernels_src", dst / "kernels_src")
-        _patch(dst)
-        env = dict(os.environ, PYTHONPATH=str(dst), PYATTN_CACHE_DIR=str(dst / "cache"), PYTHONUNBUFFERED="1")
-        run = subprocess.run([sys.executable, __file__, "--child", "--points", args.points]
-                             + (["--spread"] if args.spread else []), env=env,
-                             capture_output=True, text=True, cwd=ROOT)
-        print(run.stdout, run.stderr[-3000:] if run.returncode else "", end="")
-        return run.returncode
-    return 0
+    return run_patched(__file__, _patch, ["--points", args.points] + (["--spread"] if args.spread else []))
 
 
 if __name__ == "__main__":

@@ -22,14 +22,10 @@ tables. Shapes as bench_prefill's: (1, S, 2048 / D, D) bf16, NumPy-made device a
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _patched import run_patched
 _SLOTS = 8  # entry, wg 0..2 past their stores, SM + 1, producer done, (spare)
 _DECL = ("extern \"C\" __device__ unsigned long long pyattn_tl[8 * 65536];\n"
          "__device__ __forceinline__ unsigned long long* pyattn_tl_at() {\n"
@@ -153,17 +149,8 @@ def main() -> int:
     if args.child:
         _child(args.cases, args.seqlen, args.head_dim)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        dst = Path(tmp)
-        shutil.copytree(ROOT / "pyattn", dst / "pyattn", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(ROOT / "kernels_src", dst / "kernels_src")
-        _patch(dst)
-        env = dict(os.environ, PYTHONPATH=str(dst), PYATTN_CACHE_DIR=str(dst / "cache"), PYTHONUNBUFFERED="1")
-        run = subprocess.run([sys.executable, __file__, "--child", "--cases", args.cases, "--seqlen",
-                              str(args.seqlen), "--head-dim", str(args.head_dim)], env=env, capture_output=True,
-                             text=True, cwd=ROOT)
-        print(run.stdout, run.stderr[-3000:] if run.returncode else "", end="")
-        return run.returncode
+    return run_patched(__file__, _patch, ["--cases", args.cases, "--seqlen", str(args.seqlen), "--head-dim",
+                                          str(args.head_dim)])
 
 
 if __name__ == "__main__":
