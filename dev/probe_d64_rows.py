@@ -8,7 +8,9 @@ Usage: PYTHONPATH=. python dev/probe_d64_rows.py [--quick] [--sizes 2048,8192] [
 
 ``--causal`` times causal calls only; ``--softcap`` adds a soft-cap of 30 (no cuDNN then);
 ``--variants`` keeps the named ones (comma-separated); "3wg n64" is the dense row on the d = 64 mask
-rows' tile (64-key tiles, 3 stages: what a float mask's call pays for its tile shape alone).
+rows' tile (64-key tiles, 3 stages: what a float mask's call pays for its tile shape alone); "3wg s2"
+the dense row on 2 stages of 128-key tiles, K and V split (what a 16-bit mask's 48 KiB tile a
+stage leaves room for at three warpgroups).
 
 "table" is the library as it is (the short row below 2048 keys, the dense row from there); the
 other variants replace the "dense" table's d = 64 row with ``min_keys`` 0 and switch the short row
@@ -39,7 +41,8 @@ def main() -> int:
     variants = {"table": None, "2wg tile": d64(warpgroups=2, warpgroups_mods=0),
                 "3wg tile": d64(warpgroups=3), "3wg pers": d64(warpgroups=3, persistent=True),
                 "3wg pers s4": d64(warpgroups=3, persistent=True, stages=4),
-                "3wg n64": d64(warpgroups=3, block_n=64, stage_bits=False)}
+                "3wg n64": d64(warpgroups=3, block_n=64, stage_bits=False),
+                "3wg s2": d64(warpgroups=3, stages=2, split_kv=True, stage_bits=False)}
     # max_keys_causal zeroed where the tree has it (the probe also runs on trees from before it, A/B)
     no_short = tuple(r._replace(max_keys=0, **{f: 0 for f in ("max_keys_causal",) if f in r._fields}) for r in short)
     if "--variants" in sys.argv:
