@@ -4,8 +4,8 @@ the harness's timing logic on a simulated GPU, and the headline plot from synthe
 from __future__ import annotations
 
 import ast
-import json
 import importlib
+import json
 import os
 import pathlib
 import subprocess

@@ -182,7 +182,6 @@ def test_packed_mask_layout():
     assert packed_map_layout(P, 192) == ((132, 192, 1, 2), (528, 16, 192 * 528))
     P.mask = MaskInfo("bool", (0, 300 * 4100, 4100, 1), True)  # broadcast over the batch
     assert packed_map_layout(P) == ((132, 300, 8, 1), (528, 300 * 528, 16))
-    P.seqlen_k = 128
     P.seqlen_k = 0
     assert packed_mask_layout(P)[1] == 0
 
