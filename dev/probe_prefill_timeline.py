@@ -118,11 +118,11 @@ def _summary(case: str, rows, index, S: int, H: int, D: int) -> None:
         last_ends.append(en[-1])
     cells = span * n_sm
     n_mb = (int(index.max()) + 1) // H  # grid (row blocks, heads, 1); every block stamps its entry
-    bm = -(-S // n_mb)
+    bm = -(-S // (64 * n_mb)) * 64  # block_m: whole warpgroups of 64 rows
     m_block, head = index % n_mb, index // n_mb
     by_head = np.array([dur[head == h].mean() for h in np.unique(head)])
     by_mb = np.array([dur[m_block == m].mean() for m in np.unique(m_block)])
-    print(f"{case} (d {D}, S {S}, {H} heads, rows ~{bm} a block): {len(rows)} blocks on {n_sm} SMs "
+    print(f"{case} (d {D}, S {S}, {H} heads, {bm} rows a block): {len(rows)} blocks on {n_sm} SMs "
           f"({per_sm[per_sm > 0].min()}-{per_sm.max()} an SM), span {span:.1f} us; SM time without a block: "
           f"before its first {100 * before / cells:.1f}%, between blocks {100 * between / cells:.1f}%, after its "
           f"last {100 * after / cells:.1f}%; SMs' last block ends p10/p50/max "
