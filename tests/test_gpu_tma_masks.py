@@ -152,12 +152,14 @@ def test_a_mask_view_off_16_bytes_runs_the_cp_async_kernel():
 @SETTINGS
 @given(Sq=LENGTHS, Sk=st.integers(1, 700), D=st.sampled_from(TMA_DIMS or [128]),
        view=st.sampled_from(["plain", "offset", "strided_keys", "keys_broadcast", "key_padding"]),
-       causal=st.booleans(), visible=st.sampled_from([0.0, 0.5, 0.97, 1.0]), seed=st.integers(0, 2**31 - 1))
-def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
+       causal=st.sampled_from([False, True, "top_left"]), window=st.sampled_from([None, (150, 0), (40, 300)]),
+       visible=st.sampled_from([0.0, 0.5, 0.97, 1.0]), seed=st.integers(0, 2**31 - 1))
+def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, window, visible, seed):
     """Bool masks reach attn_fwd_tma packed to bits by the mask_bits kernel, whatever their layout:
     any key count (words zero past the keys), a view one byte into its buffer, strided keys, a mask
     broadcast over keys or over query rows; all True (the skipped per-score work), all False (rows
-    of 0 / LSE -inf) and mixed."""
+    of 0 / LSE -inf) and mixed. Causal and windowed calls: the pack writes the groups outside a
+    row's band as zeros unread (a group straddling the band's edge must be packed)."""
     spec = select_attention_spec("bfloat16", D, "sm_90a", mask="bool", keys=Sk)
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, 1, Sq, Sk, 2, 1, D, "bfloat16")
@@ -177,8 +179,8 @@ def test_bool_masks_packed_to_bits(Sq, Sk, D, view, causal, visible, seed):
     else:  # (1, 1, 1, Sk)
         mask = rng.random((1, 1, 1, Sk)) < visible
         m = pyattn.asarray(mask)
-    out, lse = pyattn.attention(dq, dk, dv, mask=m, causal=causal, return_lse=True)
-    _check(out.numpy(), lse.numpy(), q, k, v, mask=np.ascontiguousarray(mask), causal=causal)
+    out, lse = pyattn.attention(dq, dk, dv, mask=m, causal=causal, window=window, return_lse=True)
+    _check(out.numpy(), lse.numpy(), q, k, v, mask=np.ascontiguousarray(mask), causal=causal, window=window)
     assert spec.mask == ("bits" if spec.family == "attn_fwd_tma" else "bool")
 
 

@@ -238,11 +238,13 @@ SPARQ_PARAMS = ParamStruct(
 
 # A bool mask packed to bits (mask_bits.cuh): src's byte (b, h, q, key) at b * stride_b + h * stride_h +
 # q * stride_q + key * stride_k (bytes; 0 on broadcast axes) -> dst, rows (rows_b, rows_h, rows_q) of
-# `words` u32 words, rows = rows_b * rows_h * rows_q.
+# `words` u32 words, rows = rows_b * rows_h * rows_q. A 128-key group of query row q wholly outside
+# the band lo <= key - q <= hi (validate.block_layout.band_limits) is written as zeros unread.
 MASK_BITS_PARAMS = ParamStruct(
     "MaskBitsParams",
     (("src", "ptr"), ("dst", "mut_ptr"), ("stride_b", "i64"), ("stride_h", "i64"), ("stride_q", "i64"),
-     ("stride_k", "i64"), ("rows", "i64"), ("rows_h", "i32"), ("rows_q", "i32"), ("keys", "i32"), ("words", "i32")),
+     ("stride_k", "i64"), ("rows", "i64"), ("band_lo", "i64"), ("band_hi", "i64"), ("rows_h", "i32"),
+     ("rows_q", "i32"), ("keys", "i32"), ("words", "i32")),
 )
 
 # fp8 V transposed for attn_fwd_fp8 (kernels_src/fp8_vt.cuh): v (batch, keys, kv heads, head_dim) with

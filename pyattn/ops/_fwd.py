@@ -23,6 +23,7 @@ from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.attention import FP8
+from ..validate.block_layout import band_limits
 from ..validate.options import LOG2E
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
@@ -33,6 +34,7 @@ _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, 
 _NO_MAP = bytes(128)  # attn_fwd_tma's mask map without a mask (never read)
 _MASK_MAP_DTYPES = {"bool": ("u8", 1), "f16": ("f16", 2), "bf16": ("bf16", 2), "f32": ("f32", 4)}
 _U32 = np.dtype(np.uint32)
+_UNBOUNDED = 2**62  # band_limits' unbounded side
 
 
 class SparseFwd(NamedTuple):
@@ -253,8 +255,12 @@ def _mask_bits(P, device, copies: int = 1) -> tuple:
     if words == 0 or rows == 0:
         return None, packed
     sb, sh, sq, sk = P.mask.strides
+    # Groups outside a row's band are written as zeros unread (mask_bits.cuh); a row broadcast
+    # over the queries serves them all, so its band is unbounded.
+    lo, hi = band_limits(P.causal, P.window, P.seqlen_q, P.seqlen_k) if sq else (-_UNBOUNDED, _UNBOUNDED)
     spec = KernelSpec("mask_bits", "f16", HEAD_DIM_BUCKETS[0], device.arch, ptx_requested())
     packer = spec.params.partial({"stride_b": sb, "stride_h": sh, "stride_q": sq, "stride_k": sk, "rows": rows,
+                                  "band_lo": lo, "band_hi": hi,
                                   "rows_h": rows_h, "rows_q": rows_q, "keys": P.seqlen_k, "words": words})
     blocks = min(-(-rows * words // 4 // spec.threads), 16 * device.sm_count)  # a thread a 128-key group
     return MaskBits(get_kernel(spec, device), (blocks, 1, 1), (spec.threads, 1, 1), packer,
