@@ -110,6 +110,8 @@ struct AttnFwdWgmmaMainloop {
   float row_max[2], row_sum[2];
   float rsum[4];                   // FIXED_REF: rounded P's row sums, an m64n8 accumulator (rows g, g + 8)
   unsigned pf[KS][4];              // P of the previous tile as wgmma A fragments (OVERLAP; pack_p)
+  unsigned qf[Tr::kQRegs ? D / 16 : 1][4];  // Q_REGS: this warp's 16 query rows, a k16 step's A fragment each
+  unsigned q_rows;                 // Q_REGS: shared address of this warpgroup's query rows
   int stage, prev_stage, load_stage;
   unsigned bar_full, bar_empty;    // WS: shared addresses of the stages' barriers (8 bytes apart)
   unsigned full_parity;            // WS: parity of the "full" phase the consumers wait for at `stage`
@@ -216,6 +218,7 @@ struct AttnFwdWgmmaMainloop {
   // its 64-dim blocks; FP8's V^T is K-major like K, its rows the head dims).
   __device__ __forceinline__ void make_descs(unsigned sQ) {
     q_desc = wg::make_desc_sw128(sQ + wgi * 64 * 128, 16, 1024);
+    q_rows = sQ + wgi * 64 * 128;
     k_desc0 = wg::make_desc_sw128(sKV, 16, 1024);
     v_desc0 = wg::make_desc_sw128(sKV + Tr::kKVBytes, Tr::kFp8 ? 16 : BN * 128, 1024);
   }
@@ -343,6 +346,9 @@ struct AttnFwdWgmmaMainloop {
 
   // O += P V with V in `st`'s stage.
   __device__ __forceinline__ void pv(int st);
+
+  // Q_REGS: this warp's 16 query rows of the landed query tile into qf (see load_q_frags).
+  __device__ __forceinline__ void load_q_frags();
 
   // WG_BOUNDS: key tile j, which none of this warpgroup's rows can see (waited for, freed).
   __device__ __forceinline__ void skip(const int j);

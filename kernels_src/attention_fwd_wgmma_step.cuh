@@ -68,6 +68,21 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::run_tiles() {
   finish_max();
 }
 
+// Q_REGS: this warp's 16 query rows (16 w .. 16 w + 15 of the warpgroup's 64) as wgmma A
+// fragments, k16 step kk in qf[kk]: the m16n8k16 A layout, which ldmatrix.x4 hands out when lane l
+// names row l % 16 at head dims 16 kk + 8 (l / 16). The tile is [D / 64][BM][128 bytes], each
+// 128-byte row's 16-byte chunks swizzled by the row (chunk c at c ^ (row % 8)), as TMA wrote it.
+template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
+__device__ __forceinline__ void
+AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::load_q_frags() {
+  const int lane = threadIdx.x % 32, r = (threadIdx.x % 128) / 32 * 16 + lane % 16;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int chunk = (2 * kk + lane / 16) % 8;  // in the 128-byte column block kk / 4
+    ldmatrix_x4_at(qf[kk], q_rows + (kk / 4) * (BM * 128) + r * 128 + ((chunk ^ (r % 8)) << 4));
+  }
+}
+
 // O += P V with V in `st`'s stage.
 template <class Tr, class Mods, bool SPARSE, bool PAGED, bool TREE>
 __device__ __forceinline__ void
@@ -149,6 +164,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   wait_stage();  // tile j
 
   if constexpr (WITH_PV) wait_v(prev_stage);  // SPLIT_KV: V_{j-1}, before taking the turn
+  if constexpr (Tr::kQRegs)
+    if (j == 0) load_q_frags();  // the query tile landed with tile 0 (or before the walk: PERSIST)
   // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
   float s[S_REGS];
   if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
@@ -158,8 +175,11 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
 #pragma unroll
   for (int kk = 0; kk < D / Tr::kK; ++kk) {
     const unsigned off = (kk % 4) * 32;  // k step inside the 128-byte column block kk / 4
-    wg::Mma<T, BN, 0>::ss(s, wg::desc_add(q_desc, (kk / 4) * (BM * 128) + off),
-                          wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
+    if constexpr (Tr::kQRegs)
+      wg::Mma<T, BN, 0>::rs(s, qf[kk], wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
+    else
+      wg::Mma<T, BN, 0>::ss(s, wg::desc_add(q_desc, (kk / 4) * (BM * 128) + off),
+                            wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
   }
   wg::commit();
   if constexpr (WITH_PV) {

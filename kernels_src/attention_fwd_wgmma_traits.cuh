@@ -14,7 +14,7 @@ namespace pyattn {
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
           bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0, bool O_STAGE_ = false,
-          bool MASK_BITS_ = false>
+          bool MASK_BITS_ = false, bool Q_REGS_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -132,6 +132,13 @@ struct AttnFwdWgmmaTraits {
   // the mask tiles: stmatrix writes a warp's 16 rows, 16-byte loads read them back as whole row
   // chunks for 16-byte stores (wgmma_fwd_store), in place of quad_transpose4's shuffles.
   static constexpr bool kOStage = O_STAGE_;
+  // Q_REGS (TMA, 16-bit inputs): each consumer thread loads its warp's 16 query rows once a query
+  // tile as wgmma A fragments (ldmatrix, HEAD_DIM / 4 registers), and Q K^T reads only K from
+  // shared memory (wgmma RS). With 64-key steps the query tile was re-read every step: at d = 64
+  // with a 16-bit mask tile that was 1/4 of the shared-memory bytes a score (BENCHMARKS.md,
+  // forty-third session).
+  static constexpr bool kQRegs = Q_REGS_;
+  static_assert(!Q_REGS_ || (TMA_ && sizeof(T_) == 2), "Q_REGS: the TMA rows' 16-bit inputs");
   static constexpr int kOStageBytes = O_STAGE_ ? BLOCK_M_ * HEAD_DIM_ * 2 : 0;
   static_assert(!O_STAGE_ || (TMA_ && sizeof(T_) == 2), "O_STAGE: the TMA rows' 16-bit outputs");
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.

@@ -94,7 +94,7 @@ def test_only_soft_capped_specs_take_the_polynomial(dtype, head_dim):
 
 
 def test_some_row_takes_the_polynomial():
-    """The measured rows (wgmma.py: d = 64's dense row 1 of 8 with either soft-cap, d = 128's 2 of 8
+    """The measured rows (tma.py: d = 64's dense row 1 of 8 with either soft-cap, d = 128's 2 of 8
     with the bounded one only) keep it; the short row (S < 2k, causal < 8k) measured slower with it
     and takes none."""
     rows = {r.max_head_dim: (r.poly_exp, r.poly_exp_max) for r in tile_table("attn_fwd_tma", "sm_90a")}

@@ -115,7 +115,7 @@ def test_bool_masks_reach_only_the_tma_kernel_packed():
         assert spec.tiles.block_m == 64 * r.warpgroups
         assert alibi.tiles.block_m == 64 * (r.warpgroups_mods or r.warpgroups)
         assert spec.entry_name == plain.entry_name + "_maskbits"
-        # soft-capped, bits spill more: the row's warpgroups_mods, as ALiBi (wgmma._spilling_mods)
+        # soft-capped, bits spill more: the row's warpgroups_mods, as ALiBi (tma._spilling_mods)
         capped = KernelSpec("attn_fwd_tma", "bf16", r.max_head_dim, "sm_90a", mask="bits", softcap=1)
         assert capped.tiles.block_m == alibi.tiles.block_m
     with pytest.raises(ValueError, match="packed to bits"):
@@ -152,6 +152,26 @@ def test_key_padding_float_masks_take_one_row_a_stage():
     assert select_attention_spec("bfloat16", 128, "sm_80", mask="f32", mask_rows=True).mask == "f32"
     short = select_attention_spec("bfloat16", 64, "sm_90a", mask="f32", mask_rows=True, keys=100)
     assert (short.mask, short.q_tiles, short.tiles.block_m) == ("f32_row", 1, 64)
+
+
+def test_query_fragments_in_registers_on_the_d64_mask_rows():
+    """The d = 64 mask-tile rows hold each warp's query rows in registers for Q K^T (q_regs: the
+    traits' last argument, entry suffix "q") when the mask comes alone; with a soft-cap or ALiBi
+    (they spill with it) and on every other row, Q K^T reads the query tile from shared memory."""
+    for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"), ("f32", "bfloat16")):
+        spec = select_attention_spec(dtype, 64, "sm_90a", mask=kind, keys=16384)
+        assert spec.tiles.q_regs and spec.tiles.block_n == 64, spec.tiles
+        assert re.search(r"AttnFwdWgmmaTraits<[^>]*, true>", spec.template_id), spec.template_id
+        assert f"w16q_mask{kind}" in spec.entry_name
+        for mods in ({"softcap": 30.0}, {"alibi": True}, {"causal": True}):
+            other = select_attention_spec(dtype, 64, "sm_90a", mask=kind, keys=16384, **mods)
+            assert other.tiles.q_regs == ("causal" in mods) and other.tiles.block_n == 64, (mods, other.tiles)
+    for d in (64, 128, 256):
+        for mask in ("none", "bool", "bf16"):
+            if (d, mask) != (64, "bf16"):
+                spec = select_attention_spec("bfloat16", d, "sm_90a", mask=mask, keys=16384)
+                assert not spec.tiles.q_regs, spec
+    assert not select_attention_spec("bfloat16", 64, "sm_90a", mask="bf16", mask_rows=True, keys=16384).tiles.q_regs
 
 
 def test_packed_mask_layout():

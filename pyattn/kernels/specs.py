@@ -125,7 +125,7 @@ def select_attention_spec(dtype_name: str, head_dim: int, arch: str, *, ptx: boo
         # Calls go to the TMA-fed kernel where its table has the bucket (measured faster); block-
         # sparse lists, and what TMA cannot map, are copied by the cp.async kernel.
         from .families.small_grid import short_small_grid  # the wgmma records: sm_90a only (issue 16)
-        from .families.wgmma import tma_serves, tma_serves_short
+        from .families.tma import tma_serves, tma_serves_short
 
         # A bool mask reaches the TMA kernel packed to bits (the mask_bits kernel, per call), a
         # float key-padding mask as one row a stage.

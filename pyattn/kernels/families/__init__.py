@@ -34,7 +34,7 @@ _WHERE = {
     "attn_fwd_simt": ("simt", "ATTN_FWD_SIMT"),
     "attn_fwd_tf32": ("mma", "ATTN_FWD_TF32"),
     "attn_fwd_wgmma": ("wgmma", "ATTN_FWD_WGMMA"),
-    "attn_fwd_tma": ("wgmma", "ATTN_FWD_TMA"),
+    "attn_fwd_tma": ("tma", "ATTN_FWD_TMA"),
     "attn_fwd_fp8": ("fp8", "ATTN_FWD_FP8"),
     "fp8_vt": ("fixed", "FP8_VT"),
     "merge_states": ("fixed", "MERGE_STATES"),

@@ -65,6 +65,7 @@ class TileConfig(NamedTuple):
     poly_exp: int = 0  # wgmma kernel with TMA, soft-capped: of 8 key pairs' exp2s, this many on the FMA pipe
     o_stage: bool = False  # wgmma kernel with TMA: O leaves through shared memory (stmatrix), not shuffles
     mask_bits: bool = False  # wgmma kernel with TMA, a bool mask packed to bits: its words ride the ring
+    q_regs: bool = False  # wgmma kernel with TMA: Q K^T takes the query tile from registers (wgmma RS)
 
 
 class FixedTile(NamedTuple):
@@ -151,6 +152,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     ring += "kv" if t.split_kv else ""
     ring += f"e{t.poly_exp}" if t.poly_exp else ""
     ring += "o" if t.o_stage else ""
+    ring += "q" if t.q_regs else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

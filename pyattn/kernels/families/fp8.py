@@ -1,4 +1,4 @@
-"""attn_fwd_fp8: attn_fwd_tma (``wgmma.py``) on fp8 e4m3 inputs, bf16 out.
+"""attn_fwd_fp8: attn_fwd_tma (``tma.py``) on fp8 e4m3 inputs, bf16 out.
 
 Its own module only for length: the kernel, traits and shared-memory formula are attn_fwd_tma's.
 :func:`wgmma_fp8_shapes` lists the e4m3 instruction shapes its tiles use, for

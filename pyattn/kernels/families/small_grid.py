@@ -11,7 +11,8 @@ predictions are in BENCHMARKS.md (twenty-eighth and twenty-ninth sessions).
 import heapq
 
 from .tables import rows as table_rows
-from .wgmma import ATTN_FWD_TMA, WgmmaTile
+from .tma import ATTN_FWD_TMA
+from .wgmma import WgmmaTile
 
 __all__ = ["short_small_grid"]
 
