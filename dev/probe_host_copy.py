@@ -1,6 +1,7 @@
 """Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
 threads), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
-registered and pageable memory; staging into write-combined pinned memory, alone and under DMA;
+registered and pageable memory (the driver's pageable copies also a slice a thread, 1-16 threads on
+streams of their own); staging into write-combined pinned memory, alone and under DMA;
 a NumPy attention call with cached and write-combined staging buffers (A/B/A/B). Decided how
 ``pyattn.pipeline`` moves NumPy data."""
 
@@ -59,6 +60,7 @@ def main():
     print(f"H2D from pinned: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
     t = ms(lambda: h2d(src.ctypes.data))
     print(f"H2D from pageable (driver staging): {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+    pageable_threads(src, alloc)
     for flags in (0,):
         def reg():
             check(d.cuMemHostRegister(src.ctypes.data, nbytes, flags), "cuMemHostRegister")
@@ -81,6 +83,29 @@ def main():
         pool.write_combined = wc
         t = ms(lambda: pyattn.attention(q, q, q), n=9)
         print(f"pyattn.attention(numpy), staging write-combined={wc}: {t:.2f} ms")
+
+
+def pageable_threads(src, alloc):
+    """The driver's pageable H2D of ``src`` and D2H of 16 MiB into NumPy memory, a slice a thread
+    (1-16), each on a stream of its own: does the driver's own staging scale with threads?"""
+    out = np.empty(16 << 20, np.uint8)
+    streams = [pyattn.Stream() for _ in range(16)]
+    for h2d in (True, False):
+        buf = src if h2d else out
+        for n in (1, 2, 4, 8, 16):
+            cuts = [(c[0], c[-1] + 1) for c in np.array_split(np.arange(buf.nbytes), n)]
+
+            def one(i):
+                (a, b), st = cuts[i], streams[i].handle
+                if h2d:
+                    check(d.cuMemcpyHtoDAsync(alloc.ptr + a, buf.ctypes.data + a, b - a, st), "cuMemcpyHtoDAsync")
+                else:
+                    check(d.cuMemcpyDtoHAsync(buf.ctypes.data + a, alloc.ptr + a, b - a, st), "cuMemcpyDtoHAsync")
+                streams[i].synchronize()
+            with ThreadPoolExecutor(n) as ex:
+                t = ms(lambda: list(ex.map(one, range(n))))
+            print(f"{'H2D from' if h2d else 'D2H into'} pageable {buf.nbytes >> 20} MiB, {n} threads: {t:.2f} ms = "
+                  f"{buf.nbytes / t / 1e6:.1f} GB/s")
 
 
 def staging_under_dma(dev, src, nbytes, alloc):
