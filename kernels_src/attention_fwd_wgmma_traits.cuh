@@ -136,7 +136,7 @@ struct AttnFwdWgmmaTraits {
   // tile as wgmma A fragments (ldmatrix, HEAD_DIM / 4 registers), and Q K^T reads only K from
   // shared memory (wgmma RS). With 64-key steps the query tile was re-read every step: at d = 64
   // with a 16-bit mask tile that was 1/4 of the shared-memory bytes a score (BENCHMARKS.md,
-  // forty-third session).
+  // forty-third session). No persistent row sets it yet (that pairing is untested).
   static constexpr bool kQRegs = Q_REGS_;
   static_assert(!Q_REGS_ || (TMA_ && sizeof(T_) == 2), "Q_REGS: the TMA rows' 16-bit inputs");
   static constexpr int kOStageBytes = O_STAGE_ ? BLOCK_M_ * HEAD_DIM_ * 2 : 0;
