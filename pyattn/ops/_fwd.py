@@ -34,7 +34,6 @@ _ZEROS = (0,) * 7  # the pointer fields of AttnFwdParams after q, k, v, o, lse, 
 _NO_MAP = bytes(128)  # attn_fwd_tma's mask map without a mask (never read)
 _MASK_MAP_DTYPES = {"bool": ("u8", 1), "f16": ("f16", 2), "bf16": ("bf16", 2), "f32": ("f32", 4)}
 _U32 = np.dtype(np.uint32)
-_UNBOUNDED = 2**62  # band_limits' unbounded side
 
 
 class SparseFwd(NamedTuple):
@@ -256,8 +255,9 @@ def _mask_bits(P, device, copies: int = 1) -> tuple:
         return None, packed
     sb, sh, sq, sk = P.mask.strides
     # Groups outside a row's band are written as zeros unread (mask_bits.cuh); a row broadcast
-    # over the queries serves them all, so its band is unbounded.
-    lo, hi = band_limits(P.causal, P.window, P.seqlen_q, P.seqlen_k) if sq else (-_UNBOUNDED, _UNBOUNDED)
+    # over the queries serves them all, so its band is unbounded (no causal, no window).
+    causal, window = (P.causal, P.window) if sq else (0, (-1, -1))
+    lo, hi = band_limits(causal, window, P.seqlen_q, P.seqlen_k)
     spec = KernelSpec("mask_bits", "f16", HEAD_DIM_BUCKETS[0], device.arch, ptx_requested())
     packer = spec.params.partial({"stride_b": sb, "stride_h": sh, "stride_q": sq, "stride_k": sk, "rows": rows,
                                   "band_lo": lo, "band_hi": hi,
