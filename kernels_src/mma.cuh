@@ -78,18 +78,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Four 8x8 matrices of 16-bit values; lane l supplies the address of one matrix row.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row)));
-}
-// The same at a shared-window address (a TMA-filled tile's, which the wgmma kernels keep as such).
+// Four 8x8 matrices of 16-bit values; lane l supplies the shared-window address of one matrix
+// row (a TMA-filled tile's, which the wgmma kernels keep as such).
 __device__ __forceinline__ void ldmatrix_x4_at(unsigned (&r)[4], unsigned saddr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(saddr));
 }
+// The same at a generic pointer into shared memory.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) { ldmatrix_x4_at(r, smem_addr(row)); }
 // Two 8x8 matrices; lanes 0-15 supply the row addresses.
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(row)));
