@@ -18,8 +18,9 @@
 //    (cp.async.mbarrier.arrive.noinc): the barrier expects 32 such arrivals and the 32 lanes'
 //    expect-tx arrivals.
 //  * Per-channel keys (Traits::kKeyChannel): no per-token K scales; each 16-key segment's page record
-//    (SegRec: header, r[head_dim], the segment's kept values) comes by two bulk copies of lanes 2 sg
-//    and 2 sg + 1 (contiguous in the record pool, 16-byte multiples), on the same barrier.
+//    (SegRec: header, r[head_dim], the segment's kept values) comes by one bulk copy of lane 2 sg,
+//    or two (lanes 2 sg and 2 sg + 1) where the segment's kept values do not follow r in the pool
+//    (16-byte multiples), on the same barrier.
 // Keys a box does not hold (past the block's range in its last tile, or slots of the last page past
 // the sequence) may be stale pool memory: their scales are zero-filled, their scores masked to -inf,
 // and each consumer warp zeroes its own V code rows there before P V (0 x a NaN code is NaN).
@@ -64,7 +65,13 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
     pipe::cp_async_arrive(full);  // one arrival when this lane's scales have landed
     // Per-channel keys: each 16-key segment's page record (SegRec, decode_q8_stage.cuh) in two bulk
     // copies, lanes 2 sg (header and r[head_dim]) and 2 sg + 1 (the segment's 16 slots of kept
-    // values); a segment without keys is not copied (its scores are masked).
+    // values), or in one copy by lane 2 sg where the record's layout is the ring's (the segment
+    // starts its page and head_dim fills the bucket: every segment at page 16, d = 128). A segment
+    // without keys is not copied (its scores are masked). Why one copy where it can: each TMA
+    // operation costs the stage; at page 16 one copy a segment instead of two took the per-channel
+    // decode from 0.85-0.91x to 0.91-0.93x the per-token one, and no copies at all (a timing test)
+    // gave 1.00-1.02x; 16-byte cp.async chunks in their place, 0.85-0.89x (H200, B1-B64 x 32k;
+    // BENCHMARKS.md, forty-fourth session).
     unsigned seg_bytes = 0;
     const unsigned char* seg_src = nullptr;
     unsigned seg_dst = 0;
@@ -75,8 +82,9 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
       if (sg < SEGS && n0 + key < blk.end) {
         const unsigned char* rec = reinterpret_cast<const unsigned char*>(p.k_scale) +
                                    (pg * p.ks_stride_page + blk.kv_head * p.ks_stride_h) * 4;
-        const bool kept = lane & 1;
-        seg_bytes = kept ? 16 * kKeptChannels * 2 : 16 + 2 * p.head_dim;
+        const bool kept = lane & 1, whole = sl0 == 0 && p.head_dim == D;
+        seg_bytes = whole ? (kept ? 0u : unsigned(SegRec<D>::kBytes))
+                          : kept ? 16 * kKeptChannels * 2 : 16 + 2 * p.head_dim;
         seg_src = rec + (kept ? 16 + 2 * p.head_dim + sl0 * kKeptChannels * 2 : 0);
         seg_dst = smem_addr(sSeg + (st * SEGS + sg) * SegRec<D>::kBytes + (kept ? SegRec<D>::kKept : 0));
       }
