@@ -63,7 +63,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
       }
     }
     pipe::cp_async_arrive(full);  // one arrival when this lane's scales have landed
-    // Per-channel keys: each 16-key segment's page record (SegRec, decode_q8_stage.cuh) in two bulk
+    // Per-channel keys: each 16-key segment's page record (SegRec, decode_q8_ring.cuh) in two bulk
     // copies, lanes 2 sg (header and r[head_dim]) and 2 sg + 1 (the segment's 16 slots of kept
     // values), or in one copy by lane 2 sg where the record's layout is the ring's (the segment
     // starts its page and head_dim fills the bucket: every segment at page 16, d = 128). A segment
