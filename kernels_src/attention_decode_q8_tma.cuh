@@ -1,7 +1,7 @@
 // Decode over a paged 8-bit cache (int8 / fp8 e4m3 codes, fp32 scales per token, or per page and
 // channel for keys) with its ring filled by a producer warp (sm_90a, issue 12).
 //
-// attn_decode_q8's consumers (decode_q8_stage.cuh) plus one producer warp, the last, as
+// attn_decode_q8's consumers (decode_q8_stage.cuh) plus producer warps, the last, as
 // attn_decode16_tma does for 16-bit caches. The cp.async kernel's consumers issued their own
 // copies: page lookups, addresses and 16-byte copies for every row, then a block-wide barrier per
 // stage. That kept the 8-bit kernel at 57-62% of the copy rate, latency-bound with one chain of
@@ -33,8 +33,8 @@
 
 namespace pyattn {
 
-// The producer warp: every tile of the block's range, a stage at a time, S stages ahead of the
-// consumers. Each lane looks its box chunk's page up (ProducerChunks, attention_decode_tma.cuh),
+// A producer warp: its tiles of the block's range (ProducerChunks::each_tile), S stages ahead of
+// the consumers. Each lane looks its box chunk's page up (ProducerChunks, attention_decode_tma.cuh),
 // copies the scales of its keys, then issues its chunk's boxes of K and V codes.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
@@ -103,8 +103,8 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   constexpr bool kMods = SOFTCAP || ALIBI, KC = Tr::kKeyChannel;
   // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
   // most 256 rows (a TMA box dimension's limit); 128-column boxes.
-  static_assert(Tr::kProducer == 1 && D % 128 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
-                "one producer warp, 128-column boxes, BLOCK_N a power of two in [16, 256]");
+  static_assert(Tr::kProducer >= 1 && D % 128 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
+                "producer warps, 128-column boxes, BLOCK_N a power of two in [16, 256]");
   static_assert(!KC || (KW % 16 == 0 && KB / 16 <= 16), "per-channel keys: whole segments per warp, a lane pair each");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -134,8 +134,8 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
     }
     pipe::init_fence();
   }
-  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
-  if (warp == W) {
+  __syncthreads();  // the last block-wide barrier: a producer leaves when its copies are issued
+  if (warp >= W) {
     decode_produce_q8<Tr>(sK, sV, sKs, sVs, sSeg, p, blk, full0, empty0);
     return;
   }

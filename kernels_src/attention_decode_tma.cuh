@@ -1,6 +1,6 @@
 // Decode over a paged 16-bit cache with its ring filled by TMA (sm_90a, issue 12).
 //
-// The block of attn_decode16 (attention_decode.cuh) plus one producer warp, the last. The K and V
+// The block of attn_decode16 (attention_decode.cuh) plus producer warps, the last. The K and V
 // pools are described by two tensor maps (head dim, slot, kv head, page; any NHD / HND strides;
 // pyattn.ops._decode.pool_maps puts them in device memory, p.tmaps), and a stage of BLOCK_N keys
 // is copied as boxes of 64 head-dim columns (one 128-byte swizzle row) by box_rows slots of one
@@ -31,14 +31,16 @@ namespace pyattn {
 
 // A producer lane's share of a ring stage, for both TMA-fed decodes (this file and
 // attention_decode_q8_tma.cuh): lane c takes box chunk c of the tile, rows c * box .. of box = min(page
-// size, BLOCK_N) slots, all in one page. Lane 0 prefetches the pools' two tensor maps.
+// size, BLOCK_N) slots, all in one page. Lane 0 prefetches the pools' two tensor maps. With
+// Tr::kProducer warps, producer i takes tiles i, i + kProducer, ...: one warp's serial page lookups
+// and copy issues paced the bf16 ring (two: -1.3% at B8 x 32k, BENCHMARKS.md, forty-fifth session).
 template <class Tr>
 struct ProducerChunks {
   const TmaMap* maps;
-  int lane, box, chunks;
+  int lane, box, chunks, first;  // first: this producer's first tile
   __device__ __forceinline__ explicit ProducerChunks(const DecodeParams& p)
       : maps(static_cast<const TmaMap*>(p.tmaps)), lane(threadIdx.x % 32), box(min(p.page_size, Tr::kBlockN)),
-        chunks(Tr::kBlockN / box) {
+        chunks(Tr::kBlockN / box), first(Tr::kProducer > 1 ? threadIdx.x / 32 - Tr::kWarps : 0) {
     if (lane == 0) {
       tma::prefetch(maps);
       tma::prefetch(maps + 1);
@@ -54,14 +56,13 @@ struct ProducerChunks {
     page = mine ? key_page(p, blk.pages, n0 + lane * box, slot) : 0;
     return mine;
   }
-  // The producer's ring loop over the block's tiles, a stage at a time, S stages ahead of the
-  // consumers: each tile's chunk is looked up before waiting for its stage to be free (the lookup's
+  // A producer's ring loop over its tiles of the block's range, S stages ahead of the consumers: each tile's chunk is looked up before waiting for its stage to be free (the lookup's
   // latency then overlaps the wait), then body(st, n0, full, mine, page, slot) fills the stage.
   template <class F>
   __device__ __forceinline__ void each_tile(const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
                                             unsigned empty0, F&& body) const {
     constexpr int KB = Tr::kBlockN, S = Tr::kStages;
-    for (int j = 0; j < blk.n_tiles; ++j) {
+    for (int j = first; j < blk.n_tiles; j += Tr::kProducer) {
       const int st = j % S, n0 = blk.n_first + j * KB;
       long long page;
       int slot;
@@ -87,7 +88,7 @@ struct ProducerChunks {
   }
 };
 
-// The producer warp (ProducerChunks::each_tile): each lane arrives on the full barrier with its
+// A producer warp (ProducerChunks::each_tile): each lane arrives on the full barrier with its
 // chunk's bytes (the barrier counts 32 arrivals), then copies it.
 template <class Tr>
 __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
@@ -203,8 +204,8 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   constexpr bool kMods = SOFTCAP || ALIBI, kQRegs = kDecodeQRegs<Tr>;
   // BLOCK_N a power of two (a box of min(page, BLOCK_N) slots then never straddles a page) of at
   // most 256 rows (a TMA box dimension's limit).
-  static_assert(Tr::kProducer == 1 && D % 64 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
-                "one producer warp, 64-column boxes, BLOCK_N a power of two in [16, 256]");
+  static_assert(Tr::kProducer >= 1 && D % 64 == 0 && KB >= 16 && KB <= 256 && (KB & (KB - 1)) == 0,
+                "producer warps, 64-column boxes, BLOCK_N a power of two in [16, 256]");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
@@ -230,8 +231,8 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     }
     pipe::init_fence();
   }
-  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued
-  if (warp == W) {
+  __syncthreads();  // the last block-wide barrier: a producer leaves when its copies are issued
+  if (warp >= W) {
     decode_produce_tma<Tr>(sK, sV, p, blk, full0, empty0);
     return;
   }

@@ -16,9 +16,9 @@ struct AttnDecodeTraits {
   static constexpr int kKv = KV_;
   static constexpr int kCode = KV_ > 2 ? KV_ - 2 : KV_;
   static constexpr int kKeyChannel = KV_ > 2 ? 1 : 0;
-  // 1: a producer warp (the last, past kThreads) fills the ring by TMA (attention_decode_tma.cuh
-  // for 16-bit caches, attention_decode_q8_tma.cuh for 8-bit ones; sm_90a);
-  // kWarps / kThreads count the consumer warps only.
+  // > 0: this many producer warps (the last, past kThreads) fill the ring by TMA, tiles dealt
+  // round-robin (attention_decode_tma.cuh for 16-bit caches, attention_decode_q8_tma.cuh for 8-bit
+  // ones; sm_90a); kWarps / kThreads count the consumer warps only.
   static constexpr int kProducer = PRODUCER_;
   static constexpr int kHeadDim = HEAD_DIM_;
   static constexpr int kKeysPerWarp = KEYS_PER_WARP_;
@@ -62,6 +62,10 @@ struct AttnDecodeTraits {
                 "the producer warp fills 16-bit rings, or 8-bit ones in 128-column boxes");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
   static_assert(SWAP_ == 0 || (PRODUCER_ && M_TILES_ == 1), "swapped roles: the TMA kernels, 8 rows");
+  // A producer's wait for stage s to be free (ProducerChunks::each_tile) is a parity wait: it is
+  // sound while the stage's previous phase is known complete, which the producer's own previous
+  // wait ensures when no more producers take turns than there are stages.
+  static_assert(PRODUCER_ <= STAGES_, "no more producer warps than ring stages");
   // 8-bit V fragments: a lane reads kVGroup consecutive bytes of a row for kVGroup n8 output tiles.
   static constexpr int kVGroup = HEAD_DIM_ >= 128 ? 16 : 8;
 

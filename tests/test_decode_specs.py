@@ -118,22 +118,23 @@ def test_per_channel_key_decode_specs_fit_and_match_traits(arch):
 
 @pytest.mark.parametrize("arch", WGMMA_ARCHS)
 def test_tma_decode_specs_fit_and_match_traits(arch):
-    """attn_decode_tma: one more warp (the producer), the ring's K / V unpadded after Q and 1024
-    bytes of alignment slack; the traits' own formula gives the same bytes."""
+    """attn_decode_tma: producer warps past the consumers (no more than the ring's stages: their
+    parity waits' rule), the ring's K / V unpadded after Q and 1024 bytes of alignment slack; the
+    traits' own formula gives the same bytes."""
     for d in (64, 128, 192, 256):
         t = tile_config("attn_decode_tma", arch, d)
-        consumers = t.warps - 1
-        assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256  # the kernel's static_assert
+        consumers = t.warps - t.ws
+        assert 1 <= t.ws <= t.stages and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256  # static_asserts
         for mt in range(1, decode_row(arch, d, tma=True).max_q_tiles + 1):
             spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt)
             kpw = t.block_n // consumers
             ring = 16 * mt * (d + 8) * 2 + 1024 + 2 * t.stages * t.block_n * d * 2
             merge = consumers * 16 * mt * ((d + 8) + 2) * 4
-            assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, t.stages, 0, 1)
+            assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, t.stages, 0, t.ws)
             assert spec.shared_bytes <= OPTIN_SMEM[arch], (arch, d, mt)
-            assert spec.threads == 32 * (consumers + 1) and spec.entry_name.endswith(f"s{t.stages}tma")
+            assert spec.threads == 32 * t.warps and spec.entry_name.endswith(f"s{t.stages}tma")
             assert spec.template_id == (f"pyattn::attn_decode<pyattn::AttnDecodeTraits<__nv_bfloat16, {d}, {kpw}, "
-                                        f"{consumers}, {mt}, {t.stages}, 0, 1>, false, false>")
+                                        f"{consumers}, {mt}, {t.stages}, 0, {t.ws}>, false, false>")
     for bad in (dict(head_dim=96), dict(head_dim=64, kv="int8"), dict(head_dim=64, kv="int8", key_channel=True)):
         with pytest.raises(ValueError, match="attn_decode_tma"):
             KernelSpec("attn_decode_tma", "bf16", arch=arch, q_tiles=1, **bad)
@@ -151,8 +152,9 @@ def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
             for kc in (False, True):
                 t = tile_config("attn_decode_tma", arch, d, kv)
                 stages = min(t.stages, 2) if kc else t.stages
-                consumers = t.warps - 1
-                assert t.ws and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256 and t.block_n // 16 <= 16
+                consumers = t.warps - t.ws
+                assert 1 <= t.ws <= stages and t.block_n & (t.block_n - 1) == 0 and 16 <= t.block_n <= 256 \
+                    and t.block_n // 16 <= 16
                 for mt in range(1, decode_row(arch, d, kv, tma=True).max_q_tiles + 1):
                     spec = KernelSpec("attn_decode_tma", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=kc)
                     kpw = t.block_n // consumers
@@ -160,11 +162,11 @@ def test_tma_decode_specs_of_8_bit_caches_fit_and_match_traits(arch):
                             + kc * stages * t.block_n // 16 * (16 + d * 2 + 128))
                     merge = consumers * 16 * mt * ((d + 8) + 2) * 4
                     assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, consumers, mt, stages,
-                                                                              num + 2 * kc, 1)
+                                                                              num + 2 * kc, t.ws)
                     assert spec.shared_bytes * t.min_blocks <= OPTIN_SMEM[arch], (arch, d, mt, kv, kc)
-                    assert spec.threads == 32 * (consumers + 1)
+                    assert spec.threads == 32 * t.warps
                     assert spec.entry_name.endswith(f"s{stages}tma_kv{kv}" + "_kch" * kc)
-                    assert spec.template_id.endswith(f"{mt}, {stages}, {num + 2 * kc}, 1>, false, false>")
+                    assert spec.template_id.endswith(f"{mt}, {stages}, {num + 2 * kc}, {t.ws}>, false, false>")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -245,14 +247,14 @@ def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
     spec = KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=1, kv=kv, key_channel=kc)
     st = spec.tiles
     assert (st.block_m, st.block_n, st.stages, st.warps) == (8, tma.tiles.block_n, tma.tiles.stages, t.warps)
-    consumers, stages = st.warps - 1, st.stages
+    consumers, stages = st.warps - st.ws, st.stages
     ring = 8 * (d + 8) * 2 + 1024 + (stages * st.block_n * 2 * (d + 4) if kv else 2 * stages * st.block_n * d * 2)
     ring += kc * stages * st.block_n // 16 * (16 + d * 2 + 128)
     merge = consumers * 8 * (d + (4 if kv else 6)) * 4
     assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, st.block_n // consumers, consumers, 1, stages,
-                                                              num + 2 * kc, 1, 1)
+                                                              num + 2 * kc, st.ws, 1)
     assert st.min_blocks == max(1, min(t.min_blocks, (228 << 10) // (spec.shared_bytes + 1024)))
-    assert spec.template_id.endswith(f"1, {stages}, {num + 2 * kc}, 1, 1>, false, false>")
+    assert spec.template_id.endswith(f"1, {stages}, {num + 2 * kc}, {st.ws}, 1>, false, false>")
     assert spec.entry_name != tma.entry_name
     with pytest.raises(ValueError, match="q_tiles"):
         KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=2, kv=kv)

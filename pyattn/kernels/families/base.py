@@ -59,7 +59,7 @@ class TileConfig(NamedTuple):
     m_tiles: int = 1  # MMA kernel: m16 row tiles per warp (block_m = 16 * m_tiles * warps)
     stages: int = 2  # wgmma kernel: K/V shared-memory ring depth
     overlap: bool = False  # wgmma kernel: issue P V of tile j-1 behind Q K^T of tile j
-    ws: bool = False  # wgmma kernel: a producer warpgroup fills the ring (counted in ``warps``)
+    ws: int = 0  # producers fill the ring (counted in ``warps``): wgmma, a warpgroup (1); decode, this many warps
     persistent: bool = False  # one block an SM walks the query tiles (grid: ``KernelSpec.grid``'s slots)
     split_kv: bool = False  # wgmma kernel with TMA: K and V tiles on barriers of their own
     poly_exp: int = 0  # wgmma kernel with TMA, soft-capped: of 8 key pairs' exp2s, this many on the FMA pipe

@@ -27,9 +27,9 @@ class DecodeTile(NamedTuple):
     max_q_tiles: int  # the most m16 row tiles one block takes
     min_blocks: int
     reason: str
-    # 16-bit caches on sm_90a: one more warp, a producer filling the ring by TMA
-    # (attention_decode_tma.cuh); ``warps`` counts the consumers, the config's warps both.
-    producer: bool = False
+    # sm_90a: this many more warps, producers filling the ring by TMA (attention_decode_tma.cuh),
+    # tiles dealt round-robin; ``warps`` counts the consumers, the config's warps both.
+    producer: int = 0
     # attn_decode_tma over 8-bit caches with per-channel key scales: (keys per warp, stages) of
     # that variant, whose segment records add to the ring and whose scoring holds more
     # registers; () takes the row's keys at no more than 2 stages (3, fitted to 2 blocks an SM by
@@ -84,7 +84,7 @@ _Q8_99K = (  # sm_86 / sm_89
 )
 
 
-# attn_decode_tma (sm_90a, 16-bit caches): the same blocks plus a producer warp filling the ring by
+# attn_decode_tma (sm_90a, 16-bit caches): the same blocks plus producer warps filling the ring by
 # TMA, page boxes of min(page size, block_n) slots; ring = 16 q_tiles (d + 8) * 2 + 1024 + 2 stages
 # block_n d * 2 (unpadded, swizzled).
 _TMA_227K = (
@@ -92,9 +92,10 @@ _TMA_227K = (
                                     "TB/s, 0.94x cuDNN), B8 x 32k 263, B8 x 4k 43.5, B1 x 32k 46.2, B1 x 4k 16.0; "
                                     "32 keys x 2 warps 1978 / 266 / 46.6 / 51.1 / 19.3; 4 stages (1 block/SM) "
                                     "1992 / 275 / 43.9 / 44.7 / 14.0; 8 warps x 16 keys, 2 stages 1971 / 273 / 46.0 "
-                                    "/ 44.8 / 17.3; the cp.async kernel 2213 / 277 / 48.4 / 54.0 (another machine)",
-               producer=True),
-    DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=True),
+                                    "/ 44.8 / 17.3; the cp.async kernel 2213 / 277 / 48.4 / 54.0 (another machine). "
+                                    "Two producer warps (dev/probe_q8_rows.py --kind bf16, swapped roles): B8 x 32k "
+                                    "255.6 -> 252.2 us, B64 x 32k 1928 -> 1919, B1 x 32k level", producer=2),
+    DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=1),
 )
 # attn_decode_tma on 8-bit caches: boxes of 128 columns (d = 128 / 256); ring = 16 q_tiles (d + 8) * 2
 # + 1024 + stages block_n 2 (d + 4) (codes, then the fp32 scales; per-channel keys add the records).
@@ -103,8 +104,9 @@ _Q8_TMA_227K = (
                                     "B64 x 32k 1084 (4.09 TB/s of codes + scales), B1 x 32k 35.7; 2 stages 157 / "
                                     "1132 / 37.0; 16 keys x 4 warps x 4 stages 170 / 1248; 32 x 2 x 4: 212 / 1567; "
                                     "16 x 8 x 2: 253 / 1860; 3 blocks/SM (spills) 204 / 1601; the cp.async kernel "
-                                    "237 / 1737 / 47.0 (fp8 alike, 2-6% faster)", producer=True),
-    DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=True),
+                                    "237 / 1737 / 47.0 (fp8 alike, 2-6% faster); two producer warps: int8 B64 x 32k "
+                                    "1002 -> 1033 us, B8 137 -> 141 (dev/probe_q8_rows.py)", producer=1),
+    DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=1),
 )
 
 
@@ -165,7 +167,7 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
 
 def _traits(spec, t) -> str:
     kv = KV_KINDS[spec.kv] + (2 if spec.key_channel else 0)  # AttnDecodeTraits: 3 / 4 = per-channel key scales
-    consumers = t.warps - t.ws  # the producer warp (ws) computes nothing
+    consumers = t.warps - t.ws  # the producer warps (ws) compute nothing
     swap = ", 1" if spec.family == "attn_decode_swap" else ""  # SWAP_: 8 rows on the MMAs' N side
     return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // consumers}, {consumers}, "
             f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}{swap}>")
@@ -178,7 +180,7 @@ def _smem_bytes(spec, t) -> int:
     if t.ws:  # TMA ring: padded Q, 1024 bytes of alignment slack, unpadded swizzled K and V boxes
         ring = t.block_m * (d + 8) * 2 + 1024 + 2 * t.stages * t.block_n * d * 2
     if spec.kv:  # Q, (with TMA the slack,) then 8-bit K and V codes and their fp32 scales per stage
-        ring = t.block_m * (d + 8) * 2 + 1024 * t.ws + t.stages * t.block_n * 2 * (d + 4)
+        ring = t.block_m * (d + 8) * 2 + (1024 if t.ws else 0) + t.stages * t.block_n * 2 * (d + 4)
     if spec.key_channel:  # and each 16-key segment's page record: 16 bytes, fp16 r[d], 16 slots x 4 kept fp16
         ring += t.stages * (t.block_n // 16) * (d * 2 + 144)
     acc_stride = d + ((2 if spec.kv else 4) if spec.family == "attn_decode_swap" else 8)  # Traits' kAccStride
