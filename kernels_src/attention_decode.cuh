@@ -71,7 +71,8 @@ __device__ __forceinline__ void load_kv_stage(typename Tr::T* sK, typename Tr::T
 // One ring stage's work of one warp: S = Q K^T over its KW keys (tK, tV: its first key row of the
 // stage; n0: that key), the modifiers and masks, the online softmax and O += P V. Q's A fragments
 // come from registers (qf, QREGS) or from sQ. K / V rows: padded (kStride elements, cp.async) or,
-// SWZ, the TMA ring's [head_dim / 64][BLOCK_N][64] 128-byte-swizzled boxes.
+// SWZ, the TMA ring's [BLOCK_N / 16][head_dim / 64][16][64] 128-byte-swizzled boxes
+// (attention_decode_tma.cuh).
 template <class Tr, bool SOFTCAP, bool ALIBI, bool QREGS, bool SWZ = false>
 __device__ __forceinline__ void decode16_stage(const typename Tr::T* sQ, const unsigned (&qf)[QREGS ? Tr::kHeadDim / 16 : 1][4],
                                                const typename Tr::T* tK, const typename Tr::T* tV, int n0,
@@ -91,7 +92,7 @@ __device__ __forceinline__ void decode16_stage(const typename Tr::T* sQ, const u
   // Element (row r, column c) of a K / V tile; c is a multiple of 8 (a 16-byte chunk).
   const auto at = [](const T* base, int r, int c) {
     if constexpr (SWZ) {
-      return base + (c >> 6) * (Tr::kBlockN * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+      return base + (r >> 4) * (D * 16) + (c >> 6) * 1024 + (r & 15) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
     } else {
       return base + r * LD + c;
     }

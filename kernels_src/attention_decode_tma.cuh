@@ -1,15 +1,22 @@
 // Decode over a paged 16-bit cache with its ring filled by TMA (sm_90a, issue 12).
 //
-// The block of attn_decode16 (attention_decode.cuh) plus producer warps, the last. The K and V
-// pools are described by two tensor maps (head dim, slot, kv head, page; any NHD / HND strides;
-// pyattn.ops._decode.pool_maps puts them in device memory, p.tmaps), and a stage of BLOCK_N keys
-// is copied as boxes of 64 head-dim columns (one 128-byte swizzle row) by box_rows slots of one
-// page: box_rows = min(page size, BLOCK_N), a power of two >= 16 (the host sends smaller or odd
-// pages to the cp.async kernel). Lane c of the producer looks up chunk c's page and copies its
-// boxes; the bytes complete on the stage's "full" mbarrier, and each consumer warp hands the stage
-// back on its "empty" one. Shared memory: Q padded as in attn_decode16, then per stage K and V as
-// [head_dim / 64][BLOCK_N][64] elements, 128-byte swizzled (16-byte chunk c of row r at c ^ r % 8),
-// so the consumers' ldmatrix reads are conflict-free.
+// The block of attn_decode16 (attention_decode.cuh) plus producer warps, the last. A stage of
+// BLOCK_N keys is copied in chunks of box_rows = min(page size, BLOCK_N) slots of one page, a power
+// of two >= 16 (the host sends smaller or odd pages to the cp.async kernel). Lane c of a producer
+// looks up chunk c's page and copies it; the bytes complete on the stage's "full" mbarrier, and
+// each consumer warp hands the stage back on its "empty" one. Shared memory: Q padded as in
+// attn_decode16, then per stage K and V as [BLOCK_N / 16][head_dim / 64][16][64] elements (16 keys'
+// column blocks side by side), 128-byte swizzled (16-byte chunk c of row r at c ^ r % 8), so the
+// consumers' ldmatrix reads are conflict-free. The copies (pyattn.ops._decode.pool_maps puts the
+// maps in device memory, p.tmaps; any NHD / HND strides):
+//  * head_dim the bucket's (every column block whole): per kv head, K and V maps (64 columns, 16
+//    slots, column block, slot / 16, page), so ONE box takes a chunk's rows whole. A 16-bit stage
+//    at d = 128 and page 16 then takes 8 TMA operations instead of 16: H200, bf16, GQA 32 / 8, q_len 1
+//    1-1.6% faster, two row tiles (one block an SM) 7% (BENCHMARKS.md, forty-fifth session; the
+//    unit's per-operation cost paces the ring, forty-fourth).
+//  * a narrower head_dim (e.g. 112 in the 128 bucket): the pools' maps (head dim, slot, kv head,
+//    page), a box of 64 columns x 16 slots per column block and 16 keys, whose columns past head_dim
+//    arrive as zeros (a whole-block map would read the next head's columns, or past the pool).
 //
 // Why not one bulk copy per key row (cp.async.bulk, no map, 256 bytes a row at d = 128): measured
 // on an H200 at 1.8 TB/s, half the cp.async kernel's rate: TMA operations that small are paced by
@@ -36,10 +43,10 @@ namespace pyattn {
 // and copy issues paced the bf16 ring (two: -1.3% at B8 x 32k, BENCHMARKS.md, forty-fifth session).
 template <class Tr>
 struct ProducerChunks {
-  const TmaMap* maps;
+  const TmaMap* maps;  // this block's K map, then its V map
   int lane, box, chunks, first;  // first: this producer's first tile
-  __device__ __forceinline__ explicit ProducerChunks(const DecodeParams& p)
-      : maps(static_cast<const TmaMap*>(p.tmaps)), lane(threadIdx.x % 32), box(min(p.page_size, Tr::kBlockN)),
+  __device__ __forceinline__ explicit ProducerChunks(const DecodeParams& p, int map0 = 0)
+      : maps(static_cast<const TmaMap*>(p.tmaps) + map0), lane(threadIdx.x % 32), box(min(p.page_size, Tr::kBlockN)),
         chunks(Tr::kBlockN / box), first(Tr::kProducer > 1 ? threadIdx.x / 32 - Tr::kWarps : 0) {
     if (lane == 0) {
       tma::prefetch(maps);
@@ -71,9 +78,9 @@ struct ProducerChunks {
       body(st, n0, full0 + 8 * st, mine, page, slot);
     }
   }
-  // Copy this lane's chunk (slots [slot, slot + box) of `page`) of K and V into stage st, laid out
-  // [stage][128-byte column block][BLOCK_N rows][128 bytes] from the shared addresses sK / sV of
-  // stage 0: one box per column block, of 128 / ESIZE elements of ESIZE bytes.
+  // Copy this lane's chunk (slots [slot, slot + box) of `page`) of 8-bit K and V codes into stage
+  // st, laid out [stage][128-byte column block][BLOCK_N rows][128 bytes] from the shared addresses sK /
+  // sV of stage 0: one box per column block, of 128 / ESIZE elements of ESIZE bytes.
   template <int ESIZE>
   __device__ __forceinline__ void load(unsigned sK, unsigned sV, int st, unsigned full, int slot, int kv_head,
                                        long long page) const {
@@ -86,6 +93,27 @@ struct ProducerChunks {
       tma::load_4d(sV + off + h * KB * 128, maps + 1, full, h * 128 / ESIZE, slot, kv_head, pg);
     }
   }
+  // The same for 16-bit K and V, laid out [stage][BLOCK_N / 16][H][16 rows][128 bytes] (see the
+  // file's head): `whole`, the kv head's maps, one box a chunk; else the pools' maps, a box per 16
+  // rows and column block.
+  __device__ __forceinline__ void load16(unsigned sK, unsigned sV, int st, unsigned full, int slot, int kv_head,
+                                         long long page, bool whole) const {
+    constexpr int KB = Tr::kBlockN, H = Tr::kHeadDim / 64;
+    const unsigned off = (st * KB + lane * box) * H * 128;
+    const int pg = static_cast<int>(page);
+    if (whole) {
+      tma::load_5d(sK + off, maps, full, 0, 0, 0, slot >> 4, pg);
+      tma::load_5d(sV + off, maps + 1, full, 0, 0, 0, slot >> 4, pg);
+      return;
+    }
+    for (int g = 0; g < box; g += 16)
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const unsigned at = off + (g * H + h * 16) * 128;
+        tma::load_4d(sK + at, maps, full, h * 64, slot + g, kv_head, pg);
+        tma::load_4d(sV + at, maps + 1, full, h * 64, slot + g, kv_head, pg);
+      }
+  }
 };
 
 // A producer warp (ProducerChunks::each_tile): each lane arrives on the full barrier with its
@@ -94,11 +122,12 @@ template <class Tr>
 __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
                                                    const DecodeBlock<Tr>& blk, unsigned full0, unsigned empty0) {
   constexpr int H = Tr::kHeadDim / 64;
-  const ProducerChunks<Tr> pc(p);
+  const bool whole = p.head_dim == Tr::kHeadDim;  // the host gave each kv head its maps (load16)
+  const ProducerChunks<Tr> pc(p, whole ? 2 * blk.kv_head : 0);
   const unsigned chunk_bytes = 2u * H * 64 * pc.box * sizeof(typename Tr::T);  // K and V, whole boxes
   pc.each_tile(p, blk, full0, empty0, [&](int st, int, unsigned full, bool mine, long long page, int slot) {
     tma::arrive_expect(full, mine ? chunk_bytes : 0u);
-    if (mine) pc.template load<sizeof(typename Tr::T)>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
+    if (mine) pc.load16(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page, whole);
   });
 }
 
@@ -118,12 +147,12 @@ __device__ __forceinline__ void decode16s_stage(const unsigned (&qb)[Tr::kHeadDi
   constexpr int KG = DM % 4 == 0 ? 4 : 2, VG = DM % 8 == 0 ? 8 : DM % 4 == 0 ? 4 : 2;  // loads a batch
   constexpr bool kMods = SOFTCAP || ALIBI;
   const int lane = threadIdx.x % 32, g = lane / 4;
-  // Element (row r, column c) of the stage's [D / 64][BLOCK_N][64] 128-byte-swizzled boxes; c a
-  // multiple of 8. Lanes 8i .. 8i + 7 address matrix i: rows (lane & 7) + 8 (lane >> 4), column
-  // c0 + 8 ((lane >> 3) & 1).
+  // Element (row r, column c) of the stage's [BLOCK_N / 16][D / 64][16][64] 128-byte-swizzled boxes
+  // (r from the warp's first row, a multiple of 16); c a multiple of 8. Lanes 8i .. 8i + 7 address
+  // matrix i: rows (lane & 7) + 8 (lane >> 4), column c0 + 8 ((lane >> 3) & 1).
   const auto at = [&](const T* base, int r0, int c0) {
     const int r = r0 + (lane & 7) + ((lane >> 4) << 3), c = c0 + ((lane >> 3) & 1) * 8;
-    return base + (c >> 6) * (Tr::kBlockN * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+    return base + (r >> 4) * (D * 16) + (c >> 6) * 1024 + (r & 15) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
   };
   float s[MK][4];
 #pragma unroll
@@ -178,9 +207,9 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, n0 = blk.n_first + j * KB + warp * KW;  // this warp's first key
     pipe::wait(full0 + 8 * st, (j / S) & 1);
-    const T* tK = sK + st * H * KB * 64 + warp * KW * 64;
-    T* tV = sV + st * H * KB * 64 + warp * KW * 64;
-    tma::zero_rows_from<KW, H, KB>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
+    const T* tK = sK + (st * KB + warp * KW) * H * 64;  // the warp's first 16-key group
+    T* tV = sV + (st * KB + warp * KW) * H * 64;
+    tma::zero_rows_from<KW, H, 16, 16>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
     decode16s_stage<Tr, SOFTCAP, ALIBI>(qb, tK, tV, n0, p, w.cols, blk, w.sl2, w.acc, w.cmax, w.csum);
     __syncwarp();
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
@@ -214,8 +243,8 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   // The ring from the first 1024-byte boundary past Q (the 128-byte swizzle repeats every 1024
   // bytes and TMA applies it by address; kSmemBytes holds the slack).
   const unsigned q_end = smem_addr(smem_raw) + Tr::kQBytes;
-  T* sK = reinterpret_cast<T*>(smem_raw + Tr::kQBytes + ((1024 - q_end % 1024) % 1024));  // [S][H][KB][64]
-  T* sV = sK + S * H * KB * 64;                                                             // [S][H][KB][64]
+  T* sK = reinterpret_cast<T*>(smem_raw + Tr::kQBytes + ((1024 - q_end % 1024) % 1024));  // [S][KB / 16][H][16][64]
+  T* sV = sK + S * H * KB * 64;                                                             // [S][KB / 16][H][16][64]
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
   // Launched with programmatic stream serialization (pdl.cuh): global memory is touched only once
@@ -256,9 +285,9 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int st = j % S, n0 = blk.n_first + j * KB + warp * KW;  // this warp's first key
     pipe::wait(full0 + 8 * st, (j / S) & 1);
-    T* tK = sK + st * H * KB * 64 + warp * KW * 64;
-    T* tV = sV + st * H * KB * 64 + warp * KW * 64;
-    tma::zero_rows_from<KW, H, KB>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
+    T* tK = sK + (st * KB + warp * KW) * H * 64;  // the warp's first 16-key group
+    T* tV = sV + (st * KB + warp * KW) * H * 64;
+    tma::zero_rows_from<KW, H, 16, 16>(reinterpret_cast<unsigned char*>(tV), blk.end - n0);  // V rows past the keys
     decode16_stage<Tr, SOFTCAP, ALIBI, kQRegs, true>(sQ, qf, tK, tV, n0, p, rows, blk.band, blk.qi_lo, blk.qi_hi,
                                                      blk.kv_len, sl2, acc, row_max, row_sum);
     __syncwarp();

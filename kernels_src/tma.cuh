@@ -30,6 +30,16 @@ __device__ __forceinline__ void load_4d(unsigned dst, const TmaMap* map, unsigne
       : "memory");
 }
 
+// The same for a rank-5 map (coordinates c0 innermost .. c4).
+__device__ __forceinline__ void load_5d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2, int c3,
+                                        int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, "
+      "%7}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Copy `bytes` (a multiple of 16) contiguous bytes from global `src` (16-byte aligned) to shared
 // address `dst` (16-byte aligned), completing them on `bar`: the non-tensor bulk copy (the 8-bit
 // decode's per-channel page records, attention_decode_q8_tma.cuh).
@@ -43,17 +53,21 @@ __device__ __forceinline__ void load_bulk(unsigned dst, const void* src, unsigne
 // (bulk copy) accesses of it.
 __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Zero rows [valid, ROWS) of a warp's share of a ring stage held as BOXES boxes of BOX_ROWS rows of
-// 128 bytes (rows: the warp's first row in the first box), a lane a 16-byte chunk in turn, fenced
-// before the stage's next TMA writes. The decodes' TMA rings: keys past a block's range or its
-// sequence are stale pool memory there, and 0 x NaN is NaN in P V.
-template <int ROWS, int BOXES, int BOX_ROWS>
+// Zero rows [valid, ROWS) of a warp's share of a ring stage held as groups of GROUP rows, each
+// BOXES boxes of BOX_ROWS rows of 128 bytes (rows: the warp's first row in the first box; GROUP =
+// ROWS: one group), a lane a 16-byte chunk in turn, fenced before the stage's next TMA writes. The
+// decodes' TMA rings: keys past a block's range or its sequence are stale pool memory there, and
+// 0 x NaN is NaN in P V.
+template <int ROWS, int BOXES, int BOX_ROWS, int GROUP = ROWS>
 __device__ __forceinline__ void zero_rows_from(unsigned char* rows, int valid) {
   if (valid >= ROWS) return;
   const int lane = threadIdx.x % 32, r0 = max(valid, 0);
-  for (int i = lane; i < (ROWS - r0) * BOXES * 8; i += 32)
-    reinterpret_cast<uint4*>(rows + (i / 8 % BOXES) * BOX_ROWS * 128 + (r0 + i / (8 * BOXES)) * 128)[i % 8] =
-        make_uint4(0, 0, 0, 0);
+  for (int i = lane; i < (ROWS - r0) * BOXES * 8; i += 32) {
+    unsigned char* box = rows + (i / 8 % BOXES) * BOX_ROWS * 128;
+    const int r = r0 + i / (8 * BOXES);
+    if constexpr (GROUP < ROWS) box += (r / GROUP) * BOXES * BOX_ROWS * 128 + (r % GROUP) * 128 - r * 128;
+    reinterpret_cast<uint4*>(box + r * 128)[i % 8] = make_uint4(0, 0, 0, 0);
+  }
   fence_shared();
   __syncwarp();
 }

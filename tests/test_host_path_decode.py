@@ -182,26 +182,54 @@ def test_a_ragged_decode_runs_its_longest_sequence_first(gpu, cache):
 
 
 def test_tma_decode_maps_describe_the_pools(gpu, cache):
-    """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) reads the pools through a
-    pair of tensor maps: (head dim, slot, kv head, page) with the pools' byte strides, boxes of 64
-    columns x min(page, block_n) slots, 128-byte swizzle, an L2 fetch of each box row's own 128 bytes
-    (not the default 256: the next kv head's row is another block's); encoded and uploaded once per
-    pool pair."""
+    """attn_decode_tma (the fake GPU is sm_90a, the cache's pages 16 slots) at a head_dim of whole
+    64-column blocks reads each kv head through a K and a V map, (64 columns, 16 slots, column
+    block, slot / 16, page) from the head's first element with the pools' byte strides (axes of one
+    index: 16 bytes), boxes bringing min(page, block_n) slots whole, 128-byte swizzle, an L2 fetch of
+    each box row's own 128 bytes (not the default 256: the next kv head's row is another block's);
+    encoded and uploaded once per pool pair."""
     from pyattn.runtime import tensormap
 
     c, ids = cache
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     pyattn.decode(q, c, ids)
-    keys = [k for k in tensormap._memo if k[1] in (c.k.ptr, c.v.ptr)]
-    assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr))
+    heads = [base + h * 128 for base in (c.k.ptr, c.v.ptr) for h in range(2)]  # NHD: a head's row is 128 bytes on
+    keys = [k for k in tensormap._memo if k[1] in heads]
+    assert sorted(k[1] for k in keys) == sorted(heads)
     for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
-        assert (dtype, dims, strides, box, swizzle, l2) == ("bf16", (64, 16, 2, 64), (256, 128, 4096), (64, 16), 128,
-                                                            128)
+        assert (dtype, dims, strides, box, swizzle, l2) == ("bf16", (64, 16, 1, 1, 64), (256, 128, 16, 4096),
+                                                            (64, 16, 1, 1), 128, 128)
     promotion = driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-    assert fake_driver.TMAP_L2 == [promotion, promotion]  # what the driver was asked for
+    assert fake_driver.TMAP_L2 == [promotion] * 4  # what the driver was asked for
     encodes = fake_driver.CALLS["cuTensorMapEncodeTiled"]
     pyattn.decode(q, c, ids)
-    assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 2
+    assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 4
+
+
+@pytest.mark.parametrize("D, page, per_head", [(128, 64, True), (112, 64, False), (40, 32, False)])
+def test_tma_decode_maps_of_16_bit_head_dims(gpu, D, page, per_head):
+    """A head_dim of whole 64-column blocks takes per-head rank-5 maps whose boxes bring a page chunk
+    (min(page, block_n) slots) whole; a narrower one (112 in the 128 bucket, 40 in the 64) the pools'
+    rank-4 maps with boxes of 64 columns x 16 slots, whose columns past head_dim arrive as zeros
+    (a whole column block would read the next head's, or past the pool)."""
+    from pyattn.runtime import tensormap
+
+    c = pyattn.PagedKVCache(32, page, 2, D, "bfloat16")
+    ids = [c.add_sequence() for _ in range(2)]
+    kv = np.zeros((2, 100, 2, D), ml_dtypes.bfloat16)
+    c.append(ids, kv, kv)
+    fake_driver.CALLS.clear()
+    pyattn.decode(_da((2, 1, 8, D), ml_dtypes.bfloat16), c, ids)
+    row = D * 2  # bytes of a (slot, head) row in the NHD pools
+    bases = [b + h * row for b in (c.k.ptr, c.v.ptr) for h in range(2)] if per_head else [c.k.ptr, c.v.ptr]
+    keys = [k for k in tensormap._memo if k[1] in bases]
+    assert sorted(k[1] for k in keys) == sorted(bases) and fake_driver.CALLS["cuTensorMapEncodeTiled"] == len(bases)
+    for _, _, (dims, strides), box, _, _ in keys:
+        if per_head:
+            assert dims == (64, 16, D // 64, page // 16, 32) and box == (64, 16, D // 64, 64 // 16)
+            assert strides == (2 * row, 128, 16 * 2 * row, page * 2 * row)
+        else:
+            assert dims == (D, page, 2, 32) and box == (64, 16) and strides == (2 * row, row, page * 2 * row)
 
 
 def test_dense_prefill_maps_keep_the_default_promotion(gpu):

@@ -24,7 +24,7 @@ from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.memory import get_pool
-from ..runtime.tensormap import encode_tiled, rank4
+from ..runtime.tensormap import encode_tiled, page_rank5, rank4
 from ..validate.options import LOG2E
 from ..validate.paged import MAX_SPLITS
 
@@ -211,7 +211,10 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len, order = tables
     uniform = isinstance(kv_len, int)
-    tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s) if plan.tma_box else 0
+    tmaps = 0
+    if plan.tma_box:  # 16-bit: per-head maps where head_dim is whole 64-column blocks, else boxes of 16 slots
+        per_head = not P.pool.kv and P.head_dim % 64 == 0
+        tmaps = pool_maps(device, P.pool, k, v, plan.tma_box if per_head or P.pool.kv else 16, s, per_head)
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
@@ -233,7 +236,7 @@ _maps: dict = {}
 _MAX_MAPS = 64
 
 
-def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
+def pool_maps(device, pool, k: int, v: int, box: int, s, per_head: bool = False) -> int:
     """The device address of the tensor maps (K pool, V pool) attn_decode_tma and attn_prefill_tma
     read their page boxes through: (head dim, slot, kv head, page), boxes of 128 bytes (64 16-bit
     columns, or 128 8-bit codes) x ``box`` slots, 128-byte swizzle, and an L2 fetch of each row's
@@ -241,19 +244,32 @@ def pool_maps(device, pool, k: int, v: int, box: int, s) -> int:
     block reads at another time (H200, GQA 32/8, D 128, B64 x 32k, dev/probe_q8_pages.py): int8
     1052 -> 994 us at pages of 16, 1205 -> 1072 at 128; bf16 1978 -> 1931, 2021 -> 1909.
 
+    ``per_head`` (the 16-bit decode at a head_dim of whole 64-column blocks): instead a K and a V
+    map for each kv head in turn, over :func:`~pyattn.runtime.tensormap.page_rank5`, whose boxes of
+    (64, 16, head_dim / 64, ``box`` / 16) bring a page chunk's rows whole in one copy
+    (kernels_src/attention_decode_tma.cuh).
+
     Maps live in device memory, not in the parameter struct: DecodeParams stays one layout for every
     decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered
     on ``s`` before the launch that reads it.
     """
     key = (device.ordinal, k, v, pool.num_pages, pool.page_size, pool.heads_kv, pool.head_dim, pool.dtype.name,
-           pool.k_strides, pool.v_strides, box)
+           pool.k_strides, pool.v_strides, box, per_head)
     maps = _maps.get(key)
     if maps is None:
         tag, size = ("u8", 1) if pool.kv else (DTYPES[pool.dtype.name][0], pool.dtype.itemsize)
-        raw = b"".join(
-            encode_tiled(tag, ptr, rank4(pool.head_dim, pool.page_size, pool.heads_kv, pool.num_pages,
-                                         strides, size), (128 // size, box), l2_promotion=128)
-            for ptr, strides in ((k, pool.k_strides), (v, pool.v_strides)))
+        pools = ((k, pool.k_strides), (v, pool.v_strides))
+        if per_head:
+            hd, box5 = pool.head_dim, (64, 16, pool.head_dim // 64, box // 16)
+            raw = b"".join(encode_tiled(tag, ptr + h * strides[2] * size,
+                                        page_rank5(hd, pool.page_size, pool.num_pages, strides, size), box5,
+                                        l2_promotion=128)
+                           for h in range(pool.heads_kv) for ptr, strides in pools)
+        else:
+            raw = b"".join(
+                encode_tiled(tag, ptr, rank4(pool.head_dim, pool.page_size, pool.heads_kv, pool.num_pages,
+                                             strides, size), (128 // size, box), l2_promotion=128)
+                for ptr, strides in pools)
         # (rank4 reads every validated pool: its strides are whole 16-byte multiples.)
         maps = upload([np.frombuffer(raw, np.uint8)], device, s)[0]
         s.synchronize()  # once per pool pair: a later call on another stream then reads it safely

@@ -16,7 +16,7 @@ import threading
 
 from .errors import check
 
-__all__ = ["MAX_MEMO", "rank4", "encode_tiled"]
+__all__ = ["MAX_MEMO", "rank4", "page_rank5", "encode_tiled"]
 
 MAX_MEMO = 256  # maps kept; each is 128 bytes (the key a few more): a bounded, small cache
 
@@ -50,6 +50,18 @@ def rank4(head_dim: int, rows: int, heads: int, batch: int, strides: tuple, item
         dims.append(max(size, 1))  # TMA wants sizes >= 1; an empty axis is never read (no tiles)
         out.append(step)
     return tuple(dims), tuple(out)
+
+
+def page_rank5(head_dim: int, page_size: int, pages: int, strides: tuple, itemsize: int):
+    """``(dims, byte_strides)`` of the rank-5 map (64 columns, 16 slots, column block, slot / 16,
+    page) of ONE kv head of a paged pool with element ``strides`` (page, slot, head): its address is
+    the head's first element. A box (64, 16, head_dim / 64, n / 16) brings n slots' rows whole, as
+    [n / 16][head_dim / 64][16][64] (the 16-bit TMA decode's ring); ``head_dim`` a multiple of 64
+    and ``page_size`` of 16 (the columns then never run past the head, nor the slots past a page).
+    """
+    slot, page = strides[1] * itemsize, strides[0] * itemsize
+    return ((64, 16, head_dim // 64, page_size // 16, pages),
+            (slot, 128, 16 * slot if page_size > 16 else 16, page if pages > 1 else 16))
 
 
 def _driver_enums():
@@ -86,9 +98,10 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
     ptr : int
         The tensor's device address (16-byte aligned).
     layout : tuple
-        ``(dims, byte_strides)`` from :func:`rank4`.
+        ``(dims, byte_strides)`` from :func:`rank4` or :func:`page_rank5`.
     box : tuple
-        ``(inner, rows)``: elements and rows per copy, each at most 256.
+        ``(inner, rows, ...)``: elements along each axis per copy, each at most 256 (axes left out:
+        1).
     swizzle : int
         32, 64 or 128: the swizzle span in bytes (``inner`` elements fill it); 0: none (then
         ``inner`` elements are any multiple of 16 bytes).
@@ -114,9 +127,10 @@ def encode_tiled(dtype: str, ptr: int, layout: tuple, box: tuple, swizzle: int =
         _, types, interleave, swizzles, promotions, fill = _driver_enums()
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         dims, strides = layout
-        args = ((types[dtype], u32(4)),
-                ([u64(x) for x in dims], [u64(x) for x in strides], [u32(box[0]), u32(box[1]), u32(1), u32(1)],
-                 [u32(1)] * 4, interleave, swizzles[swizzle], promotions[l2_promotion], fill))
+        rank = len(dims)
+        args = ((types[dtype], u32(rank)),
+                ([u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box + (1,) * (rank - len(box))],
+                 [u32(1)] * rank, interleave, swizzles[swizzle], promotions[l2_promotion], fill))
         with _lock:
             if len(_args) >= MAX_MEMO:
                 _args.clear()
