@@ -38,7 +38,7 @@ namespace pyattn {
 
 // A producer lane's share of a ring stage, for both TMA-fed decodes (this file and
 // attention_decode_q8_tma.cuh): lane c takes box chunk c of the tile, rows c * box .. of box = min(page
-// size, BLOCK_N) slots, all in one page. Lane 0 prefetches the pools' two tensor maps. With
+// size, BLOCK_N) slots, all in one page. Lane 0 prefetches the block's two tensor maps. With
 // Tr::kProducer warps, producer i takes tiles i, i + kProducer, ...: one warp's serial page lookups
 // and copy issues paced the bf16 ring (two: -1.3% at B8 x 32k, BENCHMARKS.md, forty-fifth session).
 template <class Tr>
@@ -63,8 +63,9 @@ struct ProducerChunks {
     page = mine ? key_page(p, blk.pages, n0 + lane * box, slot) : 0;
     return mine;
   }
-  // A producer's ring loop over its tiles of the block's range, S stages ahead of the consumers: each tile's chunk is looked up before waiting for its stage to be free (the lookup's
-  // latency then overlaps the wait), then body(st, n0, full, mine, page, slot) fills the stage.
+  // A producer's ring loop over its tiles of the block's range, S stages ahead of the consumers:
+  // each tile's chunk is looked up before waiting for its stage to be free (the lookup's latency
+  // then overlaps the wait), then body(st, n0, full, mine, page, slot) fills the stage.
   template <class F>
   __device__ __forceinline__ void each_tile(const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
                                             unsigned empty0, F&& body) const {

@@ -63,10 +63,14 @@ __device__ __forceinline__ void zero_rows_from(unsigned char* rows, int valid) {
   if (valid >= ROWS) return;
   const int lane = threadIdx.x % 32, r0 = max(valid, 0);
   for (int i = lane; i < (ROWS - r0) * BOXES * 8; i += 32) {
-    unsigned char* box = rows + (i / 8 % BOXES) * BOX_ROWS * 128;
+    unsigned char* row = rows + (i / 8 % BOXES) * BOX_ROWS * 128;
     const int r = r0 + i / (8 * BOXES);
-    if constexpr (GROUP < ROWS) box += (r / GROUP) * BOXES * BOX_ROWS * 128 + (r % GROUP) * 128 - r * 128;
-    reinterpret_cast<uint4*>(box + r * 128)[i % 8] = make_uint4(0, 0, 0, 0);
+    if constexpr (GROUP < ROWS) {
+      row += (r / GROUP) * BOXES * BOX_ROWS * 128 + (r % GROUP) * 128;
+    } else {
+      row += r * 128;
+    }
+    reinterpret_cast<uint4*>(row)[i % 8] = make_uint4(0, 0, 0, 0);
   }
   fence_shared();
   __syncwarp();

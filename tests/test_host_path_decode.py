@@ -206,6 +206,24 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     assert fake_driver.CALLS["cuTensorMapEncodeTiled"] == encodes == 4
 
 
+def test_tma_decode_maps_of_every_layer_are_kept(gpu):
+    """A model's layers each decode over their own cache, in turn: every layer's maps are encoded
+    and uploaded (with a synchronisation) at its first call only, for 80 layers (the oldest-out
+    bound once held 64 pool pairs, so 80 layers visited in turn missed on every call)."""
+    layers = [pyattn.PagedKVCache(4, 16, 1, 64, "bfloat16") for _ in range(80)]
+    ids = [c.add_sequence() for c in layers]
+    kv = np.zeros((1, 20, 1, 64), ml_dtypes.bfloat16)
+    for c, sid in zip(layers, ids):
+        c.append([sid], kv, kv)
+    q = _da((1, 1, 4, 64), ml_dtypes.bfloat16)
+    for c, sid in zip(layers, ids):
+        pyattn.decode(q, c, [sid])
+    fake_driver.CALLS.clear()
+    for c, sid in zip(layers, ids):
+        pyattn.decode(q, c, [sid])
+    assert fake_driver.CALLS["cuStreamSynchronize"] == 0 and fake_driver.CALLS["cuMemcpyHtoDAsync"] == 0
+
+
 @pytest.mark.parametrize("D, page, per_head", [(128, 64, True), (112, 64, False), (40, 32, False)])
 def test_tma_decode_maps_of_16_bit_head_dims(gpu, D, page, per_head):
     """A head_dim of whole 64-column blocks takes per-head rank-5 maps whose boxes bring a page chunk

@@ -229,11 +229,13 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     return out, lse
 
 
-# (device, k, v, pool geometry, box) -> DeviceArray of the two maps: a serving loop decodes over one
-# pair of pools, so a map pair is encoded and uploaded once per pool pair (bounded: pools that come
-# and go, e.g. paged_decode over a framework's fresh buffers, push the oldest pair out).
+# (device, k, v, pool geometry, box, per_head) -> DeviceArray of the maps: a serving loop decodes
+# over one pair of pools a layer, so the maps are encoded and uploaded (a synchronisation) once per
+# pool pair. Bounded, oldest out first (pools that come and go, e.g. paged_decode over a framework's
+# fresh buffers), at room for every layer of the deepest models: at 64 an 80-layer model's caches,
+# visited in turn, missed on every call. An entry is its maps' few KiB of device memory.
 _maps: dict = {}
-_MAX_MAPS = 64
+_MAX_MAPS = 1024
 
 
 def pool_maps(device, pool, k: int, v: int, box: int, s, per_head: bool = False) -> int:
