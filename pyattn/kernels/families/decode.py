@@ -94,7 +94,10 @@ _TMA_227K = (
                                     "1992 / 275 / 43.9 / 44.7 / 14.0; 8 warps x 16 keys, 2 stages 1971 / 273 / 46.0 "
                                     "/ 44.8 / 17.3; the cp.async kernel 2213 / 277 / 48.4 / 54.0 (another machine). "
                                     "Two producer warps (dev/probe_q8_rows.py --kind bf16, swapped roles): B8 x 32k "
-                                    "255.6 -> 252.2 us, B64 x 32k 1928 -> 1919, B1 x 32k level", producer=2),
+                                    "255.6 -> 252.2 us, B64 x 32k 1928 -> 1919, B1 x 32k level; with a page chunk in "
+                                    "one box (dev/probe_decode_qtiles.py --producers 1,2): B8 x 32k 250.9 -> 249.5, "
+                                    "B64 x 4k 244.2 -> 243.0, q_len 4 1-2% faster, q_len 8 B64 x 4k 258.1 -> 259.1",
+               producer=2),
     DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=1),
 )
 # attn_decode_tma on 8-bit caches: boxes of 128 columns (d = 128 / 256); ring = 16 q_tiles (d + 8) * 2
