@@ -193,7 +193,7 @@ def test_tma_decode_maps_describe_the_pools(gpu, cache):
     c, ids = cache
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     pyattn.decode(q, c, ids)
-    heads = [base + h * 128 for base in (c.k.ptr, c.v.ptr) for h in range(2)]  # NHD: a head's row is 128 bytes on
+    heads = [base + h * 128 for base in (c.k.ptr, c.v.ptr) for h in range(2)]  # NHD: each head 128 bytes on
     keys = [k for k in tensormap._memo if k[1] in heads]
     assert sorted(k[1] for k in keys) == sorted(heads)
     for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 64)
