@@ -91,7 +91,7 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
     }
     tma::arrive_expect(full, (mine ? chunk_bytes : 0u) + seg_bytes);
     if (KC && seg_bytes) tma::load_bulk(seg_dst, seg_src, seg_bytes, full);
-    if (mine) pc.template load<1>(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
+    if (mine) pc.load8(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page);
   });
 }
 

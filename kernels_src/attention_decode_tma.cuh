@@ -81,17 +81,16 @@ struct ProducerChunks {
   }
   // Copy this lane's chunk (slots [slot, slot + box) of `page`) of 8-bit K and V codes into stage
   // st, laid out [stage][128-byte column block][BLOCK_N rows][128 bytes] from the shared addresses sK /
-  // sV of stage 0: one box per column block, of 128 / ESIZE elements of ESIZE bytes.
-  template <int ESIZE>
-  __device__ __forceinline__ void load(unsigned sK, unsigned sV, int st, unsigned full, int slot, int kv_head,
-                                       long long page) const {
-    constexpr int KB = Tr::kBlockN, H = Tr::kHeadDim * ESIZE / 128;
+  // sV of stage 0: one box of 128 codes per column block.
+  __device__ __forceinline__ void load8(unsigned sK, unsigned sV, int st, unsigned full, int slot, int kv_head,
+                                        long long page) const {
+    constexpr int KB = Tr::kBlockN, H = Tr::kHeadDim / 128;
     const unsigned off = (st * H * KB + lane * box) * 128;
     const int pg = static_cast<int>(page);
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      tma::load_4d(sK + off + h * KB * 128, maps, full, h * 128 / ESIZE, slot, kv_head, pg);
-      tma::load_4d(sV + off + h * KB * 128, maps + 1, full, h * 128 / ESIZE, slot, kv_head, pg);
+      tma::load_4d(sK + off + h * KB * 128, maps, full, h * 128, slot, kv_head, pg);
+      tma::load_4d(sV + off + h * KB * 128, maps + 1, full, h * 128, slot, kv_head, pg);
     }
   }
   // The same for 16-bit K and V, laid out [stage][BLOCK_N / 16][H][16 rows][128 bytes] (see the

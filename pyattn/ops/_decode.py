@@ -84,7 +84,8 @@ class DecodePlan(NamedTuple):
     lse_layout: tuple
     n_rows: int  # batch x q_len x heads_q
     head_dim: int
-    tma_box: int  # attn_decode_tma: slots per page box (min(page size, block_n)); 0 for attn_decode
+    tma_box: int  # attn_decode_tma: slots per page box of its maps; 0 for attn_decode
+    tma_heads: bool  # attn_decode_tma's maps per kv head (pool_maps' per_head)
 
 
 def _build(P, device) -> DecodePlan:
@@ -129,6 +130,11 @@ def _build(P, device) -> DecodePlan:
                      ("lse_a", (L * H, H, 1)), ("lse_b", (L * H, H, 1)), ("out_lse", (H * L, 1, L))):
         cstatic.update({f"{name}_stride_{i}": v for i, v in enumerate(st)})
     items = -(-min(t.block_m, rows) * (spec.head_dim // 4) // (32 * (t.warps - t.ws)))  # consumer threads
+    # The TMA kernels' maps (kernels_src/attention_decode_tma.cuh): a 16-bit head_dim that is its
+    # bucket (whole 64-column blocks) takes per-head maps, a page chunk a box; a narrower one the
+    # pools' maps in boxes of 16 slots; 8-bit codes the pools' maps, a page chunk a box.
+    heads = bool(t.ws) and not kv and P.head_dim == spec.head_dim
+    tma_box = (min(pool.page_size, t.block_n) if kv or heads else 16) if t.ws else 0
     plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
@@ -136,8 +142,7 @@ def _build(P, device) -> DecodePlan:
                       # the 16-bit TMA decode's m16 rows; its swapped-role blocks fill the wave
                       device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
                       layout(out_shape, P.dtype),
-                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D,
-                      min(pool.page_size, t.block_n) if t.ws else 0)  # the TMA kernels' producer warp
+                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D, tma_box, heads)
     return plan
 
 
@@ -211,10 +216,7 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
     indices, indptr, table_stride, kv_len, order = tables
     uniform = isinstance(kv_len, int)
-    tmaps = 0
-    if plan.tma_box:  # 16-bit: per-head maps where head_dim is whole 64-column blocks, else boxes of 16 slots
-        per_head = not P.pool.kv and P.head_dim % 64 == 0
-        tmaps = pool_maps(device, P.pool, k, v, plan.tma_box if per_head or P.pool.kv else 16, s, per_head)
+    tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s, plan.tma_heads) if plan.tma_box else 0
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
