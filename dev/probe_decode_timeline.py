@@ -41,7 +41,11 @@ _BEGIN = ("  " + _SLOT.format(i=0, v="pyattn_tl_now()") + " " + _SLOT.format(i=2
 _EXIT = ("  " + _SLOT.format(i=1, v="pyattn_tl_now()") + " " + _SLOT.format(i=9, v="clock64()") + "\n")
 _Q_LANDED = "  decode_sync<Tr>();  // Q landed for every consumer warp\n"
 _FIRST_FULL = "    pipe::wait(full0 + 8 * st, (j / S) & 1);\n"
-_LOOP_END = "  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys\n"
+# The key loops' ends: the m16 kernels' epilogue calls (below), the swapped consumers' first lines after
+# the loop.
+_SWAP16_END = "  // O^T element (tile dm, e): channel 16 dm + g + 8 (e >> 1), row 2t + (e & 1)\n"
+_SWAP8_END = "  q8s_epilogue<Tr>(p, w.acc, w.cmax, w.csum, vref, w.sl2, smem_raw, blk);\n"
+_LOOP_STAMP = "  " + _SLOT.format(i=6, v="clock64()") + "\n"
 # The m16 kernels' epilogue call (the swapped consumers end in decode_swap.cuh's swap_epilogue).
 _EPILOGUE = ("  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, "
              "blk.n_rows);\n")
@@ -50,18 +54,18 @@ _EPILOGUE = ("  decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk
 # lines are)
 _KERNEL = [
     (_ENTRY, "", _BEGIN),
-    ("  __syncthreads();  // the last block-wide barrier: the producer leaves when its copies are issued\n", "",
+    ("  __syncthreads();  // the last block-wide barrier: a producer leaves when its copies are issued\n", "",
      "  " + _SLOT.format(i=3, v="clock64()") + "\n"),
     (_Q_LANDED, "", "  " + _SLOT.format(i=4, v="clock64()") + "\n"),
     (_FIRST_FULL, "", "    if (j == 0) " + _SLOT.format(i=5, v="clock64()") + "\n"),
-    (_LOOP_END, "  " + _SLOT.format(i=6, v="clock64()") + "\n", ""),
 ]
 _PATCHES = {
-    "attention_decode_q8_tma.cuh": _KERNEL + [(_EPILOGUE, "", _EXIT)],
-    "attention_decode_tma.cuh": _KERNEL + [(_EPILOGUE, "", _EXIT)],
+    # (its first stage's wait is Q8TmaStage's, in decode_q8_swap.cuh)
+    "attention_decode_q8_tma.cuh": [e for e in _KERNEL if e[0] != _FIRST_FULL] + [(_EPILOGUE, _LOOP_STAMP, _EXIT)],
+    "attention_decode_tma.cuh": _KERNEL + [(_EPILOGUE, _LOOP_STAMP, _EXIT), (_SWAP16_END, _LOOP_STAMP, "")],
     "decode_q8_swap.cuh": [(_Q_LANDED, "", "  " + _SLOT.format(i=4, v="clock64()") + "\n"),
                            (_FIRST_FULL, "", "    if (j == 0) " + _SLOT.format(i=5, v="clock64()") + "\n"),
-                           (_LOOP_END, "  " + _SLOT.format(i=6, v="clock64()") + "\n", "")],
+                           (_SWAP8_END, _LOOP_STAMP, "")],
     "decode_swap.cuh": [("  decode_merge<Tr>(p, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);\n", "",
                          _EXIT)],
     "decode_common.cuh": [

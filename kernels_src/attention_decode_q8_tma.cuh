@@ -189,7 +189,6 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
     ts.release(empty0, lane);
   }
 
-  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   q8_unscale(acc, vref);
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }

@@ -214,7 +214,6 @@ __device__ __forceinline__ void decode16s_consume(const DecodeParams& p, const D
     __syncwarp();
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
-  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   // O^T element (tile dm, e): channel 16 dm + g + 8 (e >> 1), row 2t + (e & 1)
   swap_epilogue<Tr>(p, w.cmax, w.csum, w.sl2, smem_raw, blk, [&](float* row0, float* row1) {
 #pragma unroll
@@ -294,7 +293,6 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
     if (lane == 0) pipe::arrive(empty0 + 8 * st);  // this warp's reads of the stage are done
   }
 
-  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   decode_epilogue<Tr>(p, acc, row_max, row_sum, sl2, smem_raw, blk.split, blk.kv_head, blk.b, blk.r0, blk.n_rows);
 }
 

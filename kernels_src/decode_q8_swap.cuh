@@ -280,7 +280,6 @@ __device__ __forceinline__ void q8s_consume(const DecodeParams& p, const DecodeB
     q8s_softmax_pv<Tr>(s, ts.tV, sVs + ts.st * KB, wrow, vref, w.acc, w.cmax, w.csum, w.sl2);
     ts.release(empty0, lane);
   }
-  pdl::launch_dependents();  // the next decode's blocks may start once every block is past its keys
   q8s_epilogue<Tr>(p, w.acc, w.cmax, w.csum, vref, w.sl2, smem_raw, blk);
 }
 

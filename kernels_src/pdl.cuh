@@ -5,16 +5,20 @@
 // on an H200: BENCHMARKS.md, thirty-second session). wait() returns once every prerequisite grid
 // has completed and its memory is visible (at once when there is none, e.g. a plain launch);
 // nothing global may be read or written before it, since the kernel before may still be writing
-// (or reading) it. launch_dependents() lets the next such kernel start its blocks once every block
-// of this grid has called it or exited.
+// (or reading) it.
+//
+// The decode kernels never call griddepcontrol.launch_dependents: without it a block counts as
+// triggered when it exits, so the next kernel's blocks take SM slots as this grid's blocks leave.
+// Triggered after the key loop instead, the next decode's blocks were let in while this grid's
+// blocks still merged and combined their splits, and the call took longer: H200, bf16, GQA 32 / 8,
+// page 16, B8 x 32k 248.9 -> 245.1-246.2 us with the trigger moved to the block's end, the other
+// points level or faster (BENCHMARKS.md, forty-sixth session).
 #pragma once
 
 namespace pyattn {
 namespace pdl {
 
 __device__ __forceinline__ void wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 }  // namespace pdl
 }  // namespace pyattn
