@@ -8,11 +8,13 @@
 // (or reading) it.
 //
 // The decode kernels never call griddepcontrol.launch_dependents: without it a block counts as
-// triggered when it exits, so the next kernel's blocks take SM slots as this grid's blocks leave.
-// Triggered after the key loop instead, the next decode's blocks were let in while this grid's
-// blocks still merged and combined their splits, and the call took longer: H200, bf16, GQA 32 / 8,
-// page 16, B8 x 32k 248.9 -> 245.1-246.2 us with the trigger moved to the block's end, the other
-// points level or faster (BENCHMARKS.md, forty-sixth session).
+// triggered when it exits, so the next kernel is launched when this grid's last block exits, and
+// that launch still overlaps the grid's completion and memory flush (no programmatic launch at
+// all cost 2.1-2.5 us a call at B8 x 4k and B1 x 32k). Triggered after the key loop instead, the next
+// decode's blocks took the SM slots this grid's blocks left while the last ones still merged and
+// combined their splits, and the call took longer: H200, bf16, GQA 32 / 8, page 16, B8 x 32k
+// 249.0 -> 245.2-245.9 us without the early trigger, int8 B64 x 32k -1%, the other points within
+// +0.3% (BENCHMARKS.md, forty-sixth session).
 #pragma once
 
 namespace pyattn {
