@@ -58,6 +58,8 @@ def page_rank5(head_dim: int, page_size: int, pages: int, strides: tuple, itemsi
     the head's first element. A box (64, 16, head_dim / 64, n / 16) brings n slots' rows whole, as
     [n / 16][head_dim / 64][16][64] (the 16-bit TMA decode's ring); ``head_dim`` a multiple of 64
     and ``page_size`` of 16 (the columns then never run past the head, nor the slots past a page).
+    An axis of one index (one slot group, one page) is never stepped and gets 16 bytes, as in
+    :func:`rank4`.
     """
     slot, page = strides[1] * itemsize, strides[0] * itemsize
     return ((64, 16, head_dim // 64, page_size // 16, pages),
