@@ -1,6 +1,12 @@
 """Cold NVRTC compile time of every kernel variant the library's lists name, per arch (no GPU).
 
 Usage: PYTHONPATH=. python dev/compile_sweep.py [--archs sm_80,sm_90a] [--top 20]
+       [--shard K/N] [--names FILE] [--out FILE]
+
+``--shard K/N`` compiles every N-th variant from the K-th (0-based) over all archs, so that N
+processes, each pinned to two cores of its own (``--cpus``), screen the list on a larger host;
+``--names`` keeps only the variants named in a file (one ``describe()`` a line, a leading time
+column allowed), to re-time the screen's slowest alone; ``--out`` writes ``seconds<TAB>name`` lines.
 
 The variants: ``warmup_specs``, the modifier / block-sparse / 8-bit / backward lists of
 ``tests/test_compile_variants.py``, every 8-bit decode variant (int8 / fp8, per-token /
@@ -42,16 +48,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default=",".join(SUPPORTED_ARCHS))
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--shard", default="0/1", help="K/N: every N-th variant from the K-th")
+    ap.add_argument("--names", help="a file of variant names to keep (the last tab-separated column)")
+    ap.add_argument("--out", help="write seconds<TAB>name lines here")
+    ap.add_argument("--cpus", help="pin this process (and NVRTC's threads) to these cores, e.g. 0,1")
     args = ap.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    k, n = (int(x) for x in args.shard.split("/"))
+    keep = None
+    if args.names:
+        with open(args.names) as f:
+            keep = {line.rstrip("\n").split("\t")[-1] for line in f if line.strip()}
     res = []
+    index = 0
     for arch in args.archs.split(","):
-        specs = variants(arch)
+        listed = [s for s in variants(arch) if keep is None or s.describe() in keep]
+        specs = [s for i, s in enumerate(listed, index) if i % n == k]
+        index += len(listed)
+        if not specs:
+            continue
         for s in specs:
             t = time.perf_counter()
             jit.compile_spec(s)
             res.append((time.perf_counter() - t, s.describe()))
         print(f"{arch}: {len(specs)} variants, worst {max(r[0] for r in res[-len(specs):]):.2f} s", flush=True)
     res.sort(reverse=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(f"{dt:.3f}\t{name}\n" for dt, name in res)
     for dt, name in res[:args.top]:
         print(f"  {dt:6.2f} s  {name}")
     print(f"{len(res)} variants, {sum(r[0] > 2 for r in res)} over 2 s")
