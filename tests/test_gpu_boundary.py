@@ -6,7 +6,8 @@
   on its own stream) and dtype, 0 stale reads in 100 trials. A control that hides the producer
   (a bare pointer, pyattn's own stream) must read stale data, or the test proves nothing.
 - Export: results and 8-bit cache pools go to torch and CuPy zero-copy in every dtype.
-- A fresh process compiles kernels first and imports torch afterwards.
+- A fresh process compiles kernels first and imports torch afterwards; one that only compiled leaves
+  the driver alone, so the workers it forks can use the GPU.
 """
 
 from __future__ import annotations
@@ -208,6 +209,35 @@ def test_compiling_first_then_importing_torch_works(tmp_path):
     env = dict(os.environ, PYATTN_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK 3.0 torch.float16" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_a_process_that_only_compiled_forks_workers_that_use_the_gpu(tmp_path):
+    """A server pre-warms pyattn's kernels (no device use), then forks its GPU workers. NVRTC's own
+    compute cache, unless ``--no-cache`` is passed, initialised the driver in the compiling parent,
+    and every forked child's ``cuInit`` then failed with CUDA_ERROR_NOT_INITIALIZED."""
+    code = textwrap.dedent("""
+        import multiprocessing as mp, numpy as np
+        from cuda.bindings import driver
+        from pyattn import jit
+        from pyattn.kernels.specs import KernelSpec
+        image, meta, compiled = jit.build(KernelSpec("attn_fwd_simt", "f32", 64, "sm_80"))
+        err, _ = driver.cuDeviceGetCount()
+        print("compiled", compiled, "parent driver", err.name)
+
+        def work(_):
+            import pyattn
+            q = np.random.default_rng(0).standard_normal((1, 16, 2, 64)).astype(np.float16)
+            out = pyattn.attention(q, q, q)
+            return bool(np.isfinite(out).all())
+
+        with mp.get_context("fork").Pool(2) as pool:
+            print("children", pool.map(work, range(2)))
+    """)
+    env = dict(os.environ, PYATTN_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "compiled True parent driver CUDA_ERROR_NOT_INITIALIZED" in r.stdout, r.stdout
+    assert "children [True, True]" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_a_script_that_keeps_results_exits_cleanly(tmp_path):

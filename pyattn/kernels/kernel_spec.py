@@ -165,9 +165,19 @@ class KernelSpec:
         return (m_tiles, heads_q, batch)
 
     def compile_options(self, include_dirs=()) -> tuple:
-        """NVRTC options. ``-arch=sm_XX`` makes NVRTC emit SASS for exactly that arch."""
+        """NVRTC options. ``-arch=sm_XX`` makes NVRTC emit SASS for exactly that arch.
+
+        ``--no-cache``: where a CUDA driver is installed, NVRTC 13 (12.9+) otherwise looks each
+        program up in the driver's compute cache and stores it there, and to do so it initialises
+        the driver in the compiling process. A process that only compiled (``python -m pyattn
+        warmup --arch ...`` in a parent that then forks GPU workers) left its forked children unable
+        to use CUDA (``cuInit``: CUDA_ERROR_NOT_INITIALIZED), and every variant landed a second time
+        in the user's compute cache (0.8 MB for an 8-bit decode), crowding out other programs' JIT
+        entries. pyattn's own cache (:mod:`pyattn.jit.cache`) already keeps the cubins
+        (``dev/probe_nvrtc_cache.py``; BENCHMARKS.md, forty-seventh session).
+        """
         target = ("compute_" + self.arch[3:]) if self.ptx else self.arch
-        opts = [f"-arch={target}", "-std=c++17", "-lineinfo", "-DNDEBUG"]
+        opts = [f"-arch={target}", "-std=c++17", "-lineinfo", "-DNDEBUG", "--no-cache"]
         opts += [f"-I{d}" for d in include_dirs]
         return tuple(opts)
 
