@@ -91,8 +91,9 @@ if has ncu; then
       --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
       --page raw python dev/probe_decode_bw.py --points $pt --only nhd_p16 --once > "$OUT/ncu_$pt.txt" 2>&1
     # the kernel, its time, DRAM throughput, and the per-warp stall reasons (cycles per issued instruction)
-    grep -E "attn_decode|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum.per_second|issue_stalled_[a-z_]+_per_warp_active.pct " \
-      "$OUT/ncu_$pt.txt" | grep -v "not_issued" | head -30
+    # (ncu 2025.3 names: the metrics below; the older `_per_warp_active.pct` stall names matched nothing)
+    grep -E "attn_decode|gpu__time_duration.sum|gpu__dram_throughput.avg.pct|dram__bytes.sum.per_second|issue_stalled_[a-z_]+_per_issue_active.ratio" \
+      "$OUT/ncu_$pt.txt" | awk '$NF != "0" && $NF != "0.00"' | head -30
   done
 fi
 stamp done
