@@ -1,7 +1,7 @@
 """Cold NVRTC compile time of every kernel variant the library's lists name, per arch (no GPU).
 
 Usage: PYTHONPATH=. python dev/compile_sweep.py [--archs sm_80,sm_90a] [--top 20]
-       [--shard K/N] [--names FILE] [--out FILE]
+       [--shard K/N] [--cpus a,b] [--names FILE] [--out FILE]
 
 ``--shard K/N`` compiles every N-th variant from the K-th (0-based) over all archs, so that N
 processes, each pinned to two cores of its own (``--cpus``), screen the list on a larger host;
