@@ -92,7 +92,7 @@ __device__ __forceinline__ void decode16_stage(const typename Tr::T* sQ, const u
   // Element (row r, column c) of a K / V tile; c is a multiple of 8 (a 16-byte chunk).
   const auto at = [](const T* base, int r, int c) {
     if constexpr (SWZ) {
-      return base + (r >> 4) * (D * 16) + (c >> 6) * 1024 + (r & 15) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+      return swizzled_box_at<D>(base, r, c);
     } else {
       return base + r * LD + c;
     }

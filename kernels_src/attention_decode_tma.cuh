@@ -147,12 +147,11 @@ __device__ __forceinline__ void decode16s_stage(const unsigned (&qb)[Tr::kHeadDi
   constexpr int KG = DM % 4 == 0 ? 4 : 2, VG = DM % 8 == 0 ? 8 : DM % 4 == 0 ? 4 : 2;  // loads a batch
   constexpr bool kMods = SOFTCAP || ALIBI;
   const int lane = threadIdx.x % 32, g = lane / 4;
-  // Element (row r, column c) of the stage's [BLOCK_N / 16][D / 64][16][64] 128-byte-swizzled boxes
-  // (r from the warp's first row, a multiple of 16); c a multiple of 8. Lanes 8i .. 8i + 7 address
-  // matrix i: rows (lane & 7) + 8 (lane >> 4), column c0 + 8 ((lane >> 3) & 1).
+  // This lane's ldmatrix address in the stage's swizzled boxes (r0 from the warp's first row, a
+  // multiple of 16; c0 a multiple of 8): lanes 8i .. 8i + 7 address matrix i, rows (lane & 7) +
+  // 8 (lane >> 4), column c0 + 8 ((lane >> 3) & 1).
   const auto at = [&](const T* base, int r0, int c0) {
-    const int r = r0 + (lane & 7) + ((lane >> 4) << 3), c = c0 + ((lane >> 3) & 1) * 8;
-    return base + (r >> 4) * (D * 16) + (c >> 6) * 1024 + (r & 15) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+    return swizzled_box_at<D>(base, r0 + (lane & 7) + ((lane >> 4) << 3), c0 + ((lane >> 3) & 1) * 8);
   };
   float s[MK][4];
 #pragma unroll

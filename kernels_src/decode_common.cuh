@@ -86,6 +86,13 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   return n;
 }
 
+// Element (row r, column c; c a multiple of 8) of a TMA stage's K or V tile: [rows / 16][D / 64]
+// boxes of [16][64], each 128-byte swizzled (a 16-byte chunk's index XOR the row's low 3 bits).
+template <int D, class T>
+__device__ __forceinline__ const T* swizzled_box_at(const T* base, int r, int c) {
+  return base + (r >> 4) * (D * 16) + (c >> 6) * 1024 + (r & 15) * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+}
+
 // A barrier of the warps that compute (all of the block's, or all but the producer warp, which has
 // left by the epilogue: named barrier 1 over kThreads).
 template <class Tr>
