@@ -1,5 +1,5 @@
 """Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
-threads), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
+threads; pageable to pageable as the control), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
 registered and pageable memory (the driver's pageable copies also a slice a thread, 1-16 threads on
 streams of their own); staging into write-combined pinned memory, alone and under DMA;
 a NumPy attention call with cached and write-combined staging buffers (A/B/A/B). Decided how
@@ -49,6 +49,17 @@ def main():
             list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
         t = ms(par)
         print(f"memcpy pageable->pinned {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
+        ex.shutdown()
+    # the host's own copy rate, as a control: pageable to pageable (both faulted in), same threads
+    plain = np.empty_like(src)
+    for workers in (1, 4, 8, 16):
+        ex = ThreadPoolExecutor(workers)
+        cuts = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(nbytes), workers)]
+
+        def par2():
+            list(ex.map(lambda c: np.copyto(plain[c[0]:c[1]], src[c[0]:c[1]]), cuts))
+        t = ms(par2)
+        print(f"memcpy pageable->pageable {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
         ex.shutdown()
     alloc = get_pool(dev).allocate(nbytes, s)
     staging_under_dma(dev, src, nbytes, alloc)
