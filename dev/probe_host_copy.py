@@ -1,9 +1,9 @@
 """Where the time of a NumPy call goes on this machine: host memcpy into pinned memory (1 and N
-threads; pageable to pageable as the control), page-locking the caller's own array in place (cuMemHostRegister), and H2D from pinned,
-registered and pageable memory (the driver's pageable copies also a slice a thread, 1-16 threads on
-streams of their own); staging into write-combined pinned memory, alone and under DMA;
-a NumPy attention call with cached and write-combined staging buffers (A/B/A/B). Decided how
-``pyattn.pipeline`` moves NumPy data."""
+threads; pageable to pageable as the control), page-locking the caller's own array in place
+(cuMemHostRegister), and H2D from pinned, registered and pageable memory (the driver's pageable
+copies also a slice a thread, 1-16 threads on streams of their own); staging into write-combined
+pinned memory, alone and under DMA; a NumPy attention call with cached and write-combined staging
+buffers (A/B/A/B). Decided how ``pyattn.pipeline`` moves NumPy data."""
 
 from __future__ import annotations
 
