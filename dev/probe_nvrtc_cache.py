@@ -1,11 +1,13 @@
 """Dev probe (GPU host): what NVRTC's own compile cache (CUDA 12.9+) does to a process that compiles.
 
-NVRTC 13.x, where a CUDA driver is installed, looks compiled programs up in the driver's compute
-cache (``~/.nv/ComputeCache``, ``CUDA_CACHE_*``) and adds them there; to do that it initialises the
-driver in the compiling process. Each case runs in a fresh child process: compile one variant with
-no device use, then report whether the driver is now initialised (``cuDeviceGetCount`` answers
-``CUDA_ERROR_NOT_INITIALIZED`` before any ``cuInit``), the compile's time, the compute cache's size,
-and whether a forked child can still use the GPU.
+NVRTC 13.x, where a CUDA driver is installed and ``--no-cache`` is not passed, looks compiled
+programs up in the driver's compute cache (``~/.nv/ComputeCache``, ``CUDA_CACHE_*``) and adds them
+there; to do that it initialises the driver in the compiling process. pyattn passes ``--no-cache``
+since this probe, so each case takes pyattn's options without it, plus the options it names.
+Each case runs in a fresh child process: compile one variant with no device use, then report
+whether the driver is now initialised (``cuDeviceGetCount`` answers ``CUDA_ERROR_NOT_INITIALIZED``
+before any ``cuInit``), the compile's time, the compute cache's size, and whether a forked child
+can still use the GPU.
 
     PYTHONPATH=. python dev/probe_nvrtc_cache.py [--spec-arch sm_90a]
 """
@@ -27,7 +29,8 @@ from pyattn.jit.nvrtc import compile_source
 from pyattn.jit.source import kernel_headers, render
 from pyattn.kernels.specs import KernelSpec
 spec = KernelSpec("attn_decode", "bf16", 128, arch, q_tiles=1, kv="int8", key_channel=True)
-opts = list(spec.compile_options((str(check_headers_match_nvrtc()),))) + opts_extra
+# pyattn's options less its own --no-cache: each case adds exactly the options it names
+opts = [o for o in spec.compile_options((str(check_headers_match_nvrtc()),)) if o != "--no-cache"] + opts_extra
 src, hdrs = render(spec), kernel_headers()
 t = time.perf_counter()
 image, log = compile_source(src, hdrs, opts, name=spec.describe())
