@@ -79,7 +79,14 @@ def executor() -> tuple:
         with _executor_lock:
             if _executor is None:
                 cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-                n = min(8, max(2, cpus // 2))  # measured: 8 threads 51 GB/s, 12 or 16 slower (memory-bound)
+                # Four at most. Alone, 8 threads staged fastest (51 GB/s; 12 or 16 slower, memory-bound),
+                # but inside a NumPy call the workers share the GIL with the calling thread, which
+                # queues the device side meanwhile and waits for the GIL behind each worker between
+                # its driver calls: a (1, 4096, 16, 128) fp16 attention call on NumPy took 2.35-2.70 ms
+                # with 4 workers against 2.80-2.93 with 8 (causal 2.52-2.69 against 2.66-2.88), faster
+                # in 39 of 48 alternating rounds; 3 workers 2.60-2.64, 6 2.57-2.69 (H200 host, 16 cores,
+                # `dev/probe_staging_workers.py`; BENCHMARKS.md, forty-eighth session).
+                n = min(4, max(2, cpus // 2))
                 _executor = (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS,
                                                 initializer=register_staging_thread), n)
     return _executor
