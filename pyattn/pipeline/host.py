@@ -8,9 +8,9 @@ engine sends each piece as soon as its copy is done. How it learns that depends 
   a flag in pinned memory that the worker sets after its copy. The workers make no driver call: on
   an H200 host a worker's ``cuMemcpyHtoDAsync`` returned in 2 us alone but waited 30-120 us for the
   GIL while seven other workers copied. (The calling thread still waits for the GIL between its
-  own calls while the workers copy: BENCHMARKS.md, twenty-second session.) The flag is set after a
-  locked instruction (x86's write-combined stores drain at one), and x86 keeps stores in order, so
-  the device sees the staged bytes before the flag.
+  own calls while the workers copy, which is why there are four workers, not eight:
+  ``transfer.executor``.) The flag is set after a locked instruction (x86's write-combined stores
+  drain at one), and x86 keeps stores in order, so the device sees the staged bytes before the flag.
 - Elsewhere (Arm: GH200): each worker issues its own piece's H2D copy right after the copy
   (Python reaches no full memory fence there that would order the staged bytes before a flag).
 
