@@ -6,7 +6,10 @@ GIL with the calling thread, which queues the device side while they copy. Each 
 calls a count (median) after one untimed call; the printout gives every round and in how many
 rounds the second count beat the first. Decided ``pipeline.transfer.executor``'s count.
 
-Usage: PYTHONPATH=. python dev/probe_staging_workers.py [--workers 8,4] [--rounds 12] [--causal]
+``--out`` passes a NumPy ``out=`` (the result's last copy, into pageable memory, also runs on the
+workers while the calling thread waits).
+
+Usage: PYTHONPATH=. python dev/probe_staging_workers.py [--workers 8,4] [--rounds 12] [--causal] [--out]
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ def main() -> None:
     ap.add_argument("--workers", default="8,4", help="worker counts, timed in this order each round")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--out", action="store_true", help="pass a NumPy out= array")
     args = ap.parse_args()
     pyattn.get_device().activate()
     q, k, v = (np.random.default_rng(i).standard_normal((1, 4096, 16, 128)).astype(np.float16) for i in range(3))
-    call = lambda: pyattn.attention(q, k, v, causal=args.causal)  # noqa: E731
+    out = np.empty_like(q) if args.out else None
+    call = lambda: pyattn.attention(q, k, v, causal=args.causal, out=out)  # noqa: E731
     call()
     counts = [int(x) for x in args.workers.split(",")]
     pools = {n: (ThreadPoolExecutor(n, thread_name_prefix=STAGING_THREADS, initializer=register_staging_thread), n)
@@ -50,7 +55,8 @@ def main() -> None:
     finally:
         TR._executor = keep
     for n in counts:
-        print(f"{'causal' if args.causal else 'plain'}, {n} workers: median {np.median(res[n]):.3f} ms; rounds "
+        label = ("causal" if args.causal else "plain") + (", out=" if args.out else "")
+        print(f"{label}, {n} workers: median {np.median(res[n]):.3f} ms; rounds "
               + " ".join(f"{t:.3f}" for t in res[n]))
     if len(counts) > 1:
         a, b = counts[0], counts[1]
