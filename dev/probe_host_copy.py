@@ -14,6 +14,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 import pyattn
+from pyattn.pipeline.transfer import split_range
 from pyattn.runtime.errors import check
 from pyattn.runtime.memory import get_pool
 from pyattn.runtime.pinned import PinnedBuffer
@@ -29,6 +30,20 @@ def ms(f, n=5):
     return 1e3 * float(np.median(ts))
 
 
+def copy_in_threads(ex, dst, src, cuts):
+    """Copy ``src`` into ``dst`` (1-D, same size), a byte range of ``cuts`` a task on ``ex``."""
+    list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
+
+
+def copy_rates(label, dst, src, counts):
+    """Print the rate of ``copy_in_threads`` on each thread count of ``counts``."""
+    for workers in counts:
+        with ThreadPoolExecutor(workers) as ex:
+            cuts = split_range(src.nbytes, workers)
+            t = ms(lambda: copy_in_threads(ex, dst, src, cuts))
+        print(f"memcpy {label} {workers} threads: {t:.2f} ms = {src.nbytes / t / 1e6:.1f} GB/s")
+
+
 def main():
     dev = pyattn.get_device()
     dev.activate()
@@ -40,27 +55,9 @@ def main():
     gb = nbytes / 1e9
     t = ms(lambda: np.copyto(dst, src))
     print(f"memcpy pageable->pinned 1 thread: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
-    for workers in (4, 8, 16):
-        ex = ThreadPoolExecutor(workers)
-        parts = np.array_split(np.arange(nbytes), workers)
-        cuts = [(p[0], p[-1] + 1) for p in parts]
-
-        def par():
-            list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
-        t = ms(par)
-        print(f"memcpy pageable->pinned {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
-        ex.shutdown()
+    copy_rates("pageable->pinned", dst, src, (4, 8, 16))
     # the host's own copy rate, as a control: pageable to pageable (both faulted in), same threads
-    plain = np.empty_like(src)
-    for workers in (1, 4, 8, 16):
-        ex = ThreadPoolExecutor(workers)
-        cuts = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(nbytes), workers)]
-
-        def par2():
-            list(ex.map(lambda c: np.copyto(plain[c[0]:c[1]], src[c[0]:c[1]]), cuts))
-        t = ms(par2)
-        print(f"memcpy pageable->pageable {workers} threads: {t:.2f} ms = {gb / t * 1e3:.1f} GB/s")
-        ex.shutdown()
+    copy_rates("pageable->pageable", np.empty_like(src), src, (1, 4, 8, 16))
     alloc = get_pool(dev).allocate(nbytes, s)
     staging_under_dma(dev, src, nbytes, alloc)
 
@@ -104,7 +101,7 @@ def pageable_threads(src, alloc):
     for h2d in (True, False):
         buf = src if h2d else out
         for n in (1, 2, 4, 8, 16):
-            cuts = [(c[0], c[-1] + 1) for c in np.array_split(np.arange(buf.nbytes), n)]
+            cuts = split_range(buf.nbytes, n)
 
             def one(i):
                 (a, b), st = cuts[i], streams[i].handle
@@ -126,13 +123,13 @@ def staging_under_dma(dev, src, nbytes, alloc):
     other = PinnedBuffer(nbytes)
     gb = nbytes / 1e9
     ex = ThreadPoolExecutor(8)
-    cuts = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(nbytes), 8)]
+    cuts = split_range(nbytes, 8)
     for wc in (False, True):
         dst_buf = PinnedBuffer(nbytes, write_combined=wc)
         dst = dst_buf.array(np.uint8, (nbytes,))
 
         def par():
-            list(ex.map(lambda c: np.copyto(dst[c[0]:c[1]], src[c[0]:c[1]]), cuts))
+            copy_in_threads(ex, dst, src, cuts)
         alone = ms(par)
 
         def busy():  # queue ~8 H2D copies of 48 MiB from the other buffer, stage meanwhile
