@@ -7,16 +7,17 @@
 // head is a row (G = 1, kv head rh / kv_div), the paper's algorithm for each head
 // (pyattn/reference_sparq.py defines both, and why):
 //
-//  0 prep   (grid rows): the r channels with the largest sum over the group of |q| (ties: lower
-//           channel first); per head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|);
-//           q~_h = round_T(q_h * t_h) on the chosen channels, 0 elsewhere. Writes the decode's
-//           query rows qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}), the chosen channels and their
-//           q~ values, and zeroes the row's histogram and counters.
 //  1 score  (grid blocks x rows; a block takes chunk_steps steps of kSparqChunk keys, 8 a thread:
-//           one 16-byte load per chosen kt row; the host sizes the grid to about one wave):
-//           reads only the r chosen rows of kt per page. Per key the selection
+//           one 16-byte load per chosen kt row; the host sizes the grid to about one wave). Each
+//           block first makes its row's choice (sparq_choose; every block of a row alike): the r
+//           channels with the largest sum over the group of |q| (ties: lower channel first); per
+//           head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|); q~_h = round_T(q_h *
+//           t_h) on the chosen channels, 0 elsewhere. Block 0 writes the decode's query rows
+//           qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}). Then it reads only the r chosen rows of
+//           kt per page. Per key the selection
 //           score a_i = sum_h q~_h . k_i (fp32), stored as an order-preserving uint32; a 4096-bin
-//           histogram of its top 12 bits; per head the block's (max, sum exp2) of the approximate
+//           histogram of its top 12 bits (the host zeroes the histograms and counters first); per
+//           head the block's (max, sum exp2) of the approximate
 //           logits scale*log2e * q~_h . k_i. The row's last block (threadfence pattern) finds the
 //           bin holding the k-th largest key and merges the blocks' (max, sum) per head.
 //  2 select (grid chunks x rows): keys above that bin are chosen, keys in it become candidates
@@ -34,10 +35,10 @@
 // thread, 1024-key blocks, a counter claim a warp and a per-row refinement reading its candidates
 // from L2 once a pass, score took 96 us and select 48 us for 134 MB of kt and 8 MB of scores;
 // now 62-72 and 25. What bounds the score stage now is its reads' pattern: a quarter of each page's
-// kt rows come at ~2 TB/s whatever their length (thirty-ninth session); prep's time is mostly the
-// fetching of its own code (sparq_score.cuh).
-// The stages' sizes and shared helpers are in sparq_common.cuh, the prep and score stages in
-// sparq_score.cuh; select, finish and the entry point follow here.
+// kt rows come at ~2 TB/s whatever their length (thirty-ninth session). The choice of channels was a
+// stage of its own (0, prep) until the forty-ninth session (sparq_score.cuh says why it is not).
+// The stages' sizes and shared helpers are in sparq_common.cuh, the score stage in sparq_score.cuh;
+// select, finish and the entry point follow here.
 // Requires pyattn::SparqParams and common.cuh.
 #pragma once
 #include "sparq_common.cuh"
@@ -216,7 +217,6 @@ template <typename T, class P>  // P: SparqParams
 __device__ __forceinline__ void sparq_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqSmemBytes];
   switch (p.stage) {
-    case 0: sparq_prep<T>(p, smem); break;
     case 1: sparq_score<T>(p, smem); break;
     case 2: sparq_select<T>(p, smem); break;
     case 4: sparq_finish<T>(p, smem); break;

@@ -17,17 +17,16 @@ constexpr int kSparqMaxDim = 256;
 constexpr int kSparqBins = 4096;  // first-level histogram: the top 12 bits of a score's order key
 constexpr int kSparqWarps = kSparqThreads / 32;
 constexpr int kSparqCandMax = 4096;  // candidates the last select block refines in shared memory
-// prep: q [G][D] + |q| sums, flags, partial ranks then channels, temperatures, warp counts;
-// score: q~ [R][G padded to 4] + channels [D] + histogram + per-warp partials; select: a flag,
-// 256 counts, 4 ints, candidates.
-constexpr int kSparqPrepBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + 2 * kSparqMaxDim + kSparqThreads +
-                                     kSparqMaxGroup + kSparqWarps);
+// score: q~ [R][G padded to 4] + channels [D] + histogram (first the choice's q [G][D]) + per-warp
+// partials + a flag + the choice's scratch (sparq_choose); select: a flag, 256 counts, 4 ints,
+// candidates.
 constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
-                                      kSparqWarps * kSparqMaxGroup * 2 + 1);
+                                      kSparqWarps * kSparqMaxGroup * 2 + 1 + 3 * kSparqMaxDim + kSparqMaxGroup +
+                                      kSparqWarps);
 constexpr int kSparqSelectBytes = 2048 + 8 * kSparqCandMax;
-constexpr int kSparqSmemBytes = kSparqPrepBytes > kSparqScoreBytes
-                                    ? (kSparqPrepBytes > kSparqSelectBytes ? kSparqPrepBytes : kSparqSelectBytes)
-                                    : (kSparqScoreBytes > kSparqSelectBytes ? kSparqScoreBytes : kSparqSelectBytes);
+constexpr int kSparqSmemBytes = kSparqScoreBytes > kSparqSelectBytes ? kSparqScoreBytes : kSparqSelectBytes;
+static_assert(kSparqBins >= kSparqMaxGroup * kSparqMaxDim, "the choice's q fits in the histogram's space");
+static_assert(kSparqThreads >= kSparqMaxDim, "the choice's partial ranks fit in kSparqThreads words");
 
 // float -> uint32 with the same order (negative floats reversed below the positive ones; -0 is +0).
 __device__ __forceinline__ unsigned sparq_order(float x) {

@@ -1,8 +1,7 @@
-// SparQ's first two stages (sparq.cuh has the algorithm, the remaining stages and the entry
-// point): prep (stage 0: the row's r channels, the temperatures, the decode's query rows and q~)
-// and score (stage 1: the approximate scores of the keys from the chosen rows of kt, their
-// histogram, the blocks' (max, sum exp2) and, in the row's last block, the threshold bin). They
-// sit apart only to keep sparq.cuh short.
+// SparQ's first stage (sparq.cuh has the algorithm, the remaining stages and the entry point):
+// score (stage 1: the row's r channels, the temperatures, the decode's query rows and q~, then the
+// approximate scores of the keys from the chosen rows of kt, their histogram, the blocks' (max, sum
+// exp2) and, in the row's last block, the threshold bin). Apart only to keep sparq.cuh short.
 // P: pyattn::SparqParams.
 #pragma once
 #include "common.cuh"
@@ -10,30 +9,35 @@
 
 namespace pyattn {
 
+// The score stage's prologue, run by every score block of a row alike (they all reach the same
+// choice): the row's r channels with the largest sum over the group of |q| (ties: lower channel
+// first), per head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|), and q~_h =
+// round_T(q_h * t_h) on the chosen channels into qt_s [R][Gp] (heads past G zero), with the chosen
+// kt rows' offsets in a page into off_s [R]. The row's block 0 also writes the decode's query rows
+// qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}) (q~ zero off the chosen channels).
+// Why in every block rather than a stage of its own: at small batches a launch of its own cost more
+// than the work (prep 7.8 us of a 69 us call at B1 x 32k, forty-ninth session), and the choice is a
+// few hundred loads and compares. Its loops are kept short in code (a thread a channel, no runtime
+// divisions, no unrolling): a block runs them once.
+// qs: [G][D] floats of scratch; sc: 3 * kSparqMaxDim + kSparqMaxGroup + kSparqWarps words of scratch.
 template <typename T, class P>
-__device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
-  const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads;
-  const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x;
-  float* qs = reinterpret_cast<float*>(smem);                  // [G][D]
-  float* w = qs + kSparqMaxGroup * kSparqMaxDim;                // [D]
-  int* flag = reinterpret_cast<int*>(w + kSparqMaxDim);         // [D]
-  int* chan_s = flag + kSparqMaxDim;                            // [R] (first the partial ranks)
-  float* th = reinterpret_cast<float*>(chan_s + kSparqThreads);  // [G], then [warps]
+__device__ __forceinline__ void sparq_choose(const P& p, int row, float* qs, int* sc, float* qt_s, int* off_s) {
+  const int b = row / p.row_heads, rh = row % p.row_heads;
+  const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x, Gp = (G + 3) & ~3;
+  float* w = reinterpret_cast<float*>(sc);             // [D]
+  int* flag = sc + kSparqMaxDim;                       // [D]
+  int* chan_s = flag + kSparqMaxDim;                   // [R] (first the partial ranks)
+  float* th = reinterpret_cast<float*>(chan_s + kSparqThreads);  // [G]
+  int* wcount = reinterpret_cast<int*>(th + kSparqMaxGroup);     // [warps]
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<long long>(rh) * G * p.q_stride_h;
-  // The stage runs once a row, so its time is mostly fetching its code (Nsight Compute: "no
-  // instruction" 5.6 of ~12 stall cycles an instruction, thirty-ninth session): loops are kept
-  // short in code (a thread a channel, no runtime divisions, no unrolling).
   static_assert(kSparqMaxDim <= kSparqThreads, "a thread a channel");
 #pragma unroll 1
   for (int h = 0; h < G; ++h)
     if (tid < D) qs[h * D + tid] = to_float(q[h * p.q_stride_h + tid]);
-  unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
-  for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
-  if (tid < 4) sparq_i(p, p.off_ctr)[row * 4 + tid] = 0;
   __syncthreads();
-  // -- the r channels with the largest group sum of |q| (rank by (sum desc, channel asc)). The
-  // ranks are counted by tpc threads a channel, a slice of the D others each, and positions among
-  // the chosen come from warp ballots: one thread a channel counting all D took 12 us at D 128.
+  // -- rank by (sum desc, channel asc). The ranks are counted by tpc threads a channel, a slice of
+  // the D others each, and positions among the chosen come from warp ballots: one thread a channel
+  // counting all D took 12 us at D 128.
   if (tid < D) {
     float s = 0.f;
 #pragma unroll 1
@@ -53,7 +57,6 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
   }
   __syncthreads();
   const int warp = tid / 32, lane = tid % 32;
-  int* wcount = reinterpret_cast<int*>(th + kSparqMaxGroup);  // [warps]
   bool chosen = false;
   if (tid < D) {
     int rank = 0;
@@ -69,7 +72,6 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
     int pos = __popc(ballot & ((1u << lane) - 1u));
 #pragma unroll 1
     for (int w2 = 0; w2 < warp; ++w2) pos += wcount[w2];
-    sparq_i(p, p.off_chan)[row * R + pos] = tid;
     chan_s[pos] = tid;
   }
   __syncthreads();
@@ -88,17 +90,23 @@ __device__ __forceinline__ void sparq_prep(const P& p, unsigned char* smem) {
     if (lane == 0) th[h] = (all > 0.f && sel > 0.f) ? 1.f / sqrtf(sel / all) : 0.f;
   }
   __syncthreads();
-  // -- the decode's query rows: q, then q~ (the chosen channels only)
-  T* qx = static_cast<T*>(p.qx) + static_cast<long long>(row) * 2 * G * D;
+  if (blockIdx.x == 0) {  // the decode's query rows: q, then q~ (the chosen channels only)
+    T* qx = static_cast<T*>(p.qx) + static_cast<long long>(row) * 2 * G * D;
 #pragma unroll 1
-  for (int hh = 0; hh < 2 * G && tid < D; ++hh) {
-    const float x = hh < G ? qs[hh * D + tid] : (flag[tid] ? qs[(hh - G) * D + tid] * th[hh - G] : 0.f);
-    qx[hh * D + tid] = from_float<T>(x);
+    for (int hh = 0; hh < 2 * G && tid < D; ++hh) {
+      const float x = hh < G ? qs[hh * D + tid] : (flag[tid] ? qs[(hh - G) * D + tid] * th[hh - G] : 0.f);
+      qx[hh * D + tid] = from_float<T>(x);
+    }
   }
-  // -- q~ on the chosen channels, as the score stage reads them: [G][R]
-  float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
+  // -- q~ on the chosen channels as the scoring reads it, and the chosen kt rows' offsets
+  if (tid < R) {
+    const int c = chan_s[tid];
+    off_s[tid] = c * p.page_size;
 #pragma unroll 1
-  for (int h = 0; h < G && tid < R; ++h) qt[h * R + tid] = to_float(from_float<T>(qs[h * D + chan_s[tid]] * th[h]));
+    for (int h = 0; h < Gp; ++h)
+      qt_s[tid * Gp + h] = h < G ? to_float(from_float<T>(qs[h * D + c] * th[h])) : 0.f;
+  }
+  __syncthreads();  // (qs, the caller's histogram space, is free again)
 }
 
 template <typename T, class P>
@@ -113,12 +121,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   unsigned* hist_s = reinterpret_cast<unsigned*>(off_s + kSparqMaxDim);  // [bins]
   float* red = reinterpret_cast<float*>(hist_s + kSparqBins);             // [warps][G][2]: a warp's running state
   int* flag = reinterpret_cast<int*>(red + kSparqWarps * kSparqMaxGroup * 2);
-  const float* qt = sparq_f(p, 0) + static_cast<long long>(row) * G * R;
-  for (int e = tid; e < R * Gp; e += kSparqThreads) {
-    const int j = e / Gp, h = e % Gp;
-    qt_s[e] = h < G ? qt[h * R + j] : 0.f;
-  }
-  for (int j = tid; j < R; j += kSparqThreads) off_s[j] = sparq_i(p, p.off_chan)[row * R + j] * ps;
+  sparq_choose<T>(p, row, reinterpret_cast<float*>(hist_s), flag + 1, qt_s, off_s);
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = 0u;
   for (int i = tid; i < kSparqWarps * kSparqMaxGroup; i += kSparqThreads) red[2 * i] = -inf(), red[2 * i + 1] = 0.f;
   __syncthreads();

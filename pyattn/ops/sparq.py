@@ -1,6 +1,6 @@
 """``pyattn.sparq_decode``: SparQ attention over a :class:`pyattn.PagedKVCache` (approximate decode).
 
-The plan and launches: the ``sparq`` kernel's stages (prep, score, select) choose each (sequence, kv
+The plan and launches: the ``sparq`` kernel's stages (score, select) choose each (sequence, kv
 head)'s keys reading only r of the transposed keys' channels; the paged decode kernel attends over
 the chosen keys (each a one-slot "page" of the pools) for the queries and, in the m16 tile's spare
 rows, for q~ (whose log-sum-exp gives alpha); the finish stage blends in the mean of V. See
@@ -22,6 +22,7 @@ from ..pipeline.device import finish, output, start
 from ..pipeline import host
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
+from ..runtime.memory import memset_async
 from ..runtime.stream import check_stream_arg
 from ..validate.options import LOG2E, check_bool
 from ..validate.paged import DecodeProblem, PoolInfo
@@ -64,13 +65,12 @@ def _build(P, device) -> _Plan:
     return _Plan(kernel, packer, spec.threads, dec, rows, slots)
 
 
-def _workspace(rows: int, G: int, R: int, n_chunks: int, steps: int) -> tuple:
+def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
     """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
     ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row."""
     lpad = n_chunks * steps * _CHUNK
-    parts = [("qt", rows * G * R), ("part", rows * n_chunks * G * 2), ("score", rows * lpad),
-             ("hist", rows * _BINS), ("ctr", rows * 4), ("info", rows * 4), ("chan", rows * R),
-             ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
+    parts = [("part", rows * n_chunks * G * 2), ("score", rows * lpad), ("hist", rows * _BINS), ("ctr", rows * 4),
+             ("info", rows * 4), ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
     offs, at = {}, 0
     for name, words in parts:  # 4-byte words, each part 256-byte aligned
         offs[name] = at
@@ -92,7 +92,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     steps = max(1, min(chunks, _MAX_STEPS, -(-rows * chunks // plan.slots)))
     n_chunks = -(-chunks // steps)
     k_max = min(P.k, max_len)
-    offs, lpad = _workspace(rows, G, P.r, n_chunks, steps)
+    offs, lpad = _workspace(rows, G, n_chunks, steps)
     isz = P.dtype.itemsize
     qx_bytes = -(-rows * 2 * G * D * isz // 256) * 256
     idx_bytes = -(-rows * k_max * 4 // 256) * 256
@@ -104,11 +104,13 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     def go(stage, grid, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
                                   dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"],
-                                  offs["score"], offs["hist"], offs["ctr"], offs["info"], offs["chan"],
+                                  offs["score"], offs["hist"], offs["ctr"], offs["info"],
                                   offs["cand_u"], offs["cand_i"], n_chunks, steps, k_max, stage)
         launch(plan.kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
-    go(0, (rows, 1, 1))
+    # The histograms and counters start at zero: one memset (the score blocks add into them) in
+    # place of the prep stage that zeroed them before its choice moved into the score blocks.
+    memset_async(ws.ptr + offs["hist"], 0, offs["info"] - offs["hist"], s)
     go(1, (n_chunks, rows, 1))
     go(2, (n_chunks, rows, 1))
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
