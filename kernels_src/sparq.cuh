@@ -53,13 +53,41 @@ __device__ __forceinline__ unsigned long long sparq_cand(const unsigned* cu, con
   return in_smem ? cand_s[j] : sparq_key(__ldcg(cu + j), __ldcg(ci + j));
 }
 
+// The select stage's last block, once a radix pass has left m <= kSparqThreads candidates in the
+// running prefix: they are copied to cmp_s (any order) and a thread a key counts the larger ones;
+// returns the `remaining`-th largest (keys are distinct). One pass over m keys in place of up to
+// six more radix passes over every candidate (each of those a histogram over all of them).
+__device__ __forceinline__ unsigned long long sparq_rank_pick(const unsigned* cu, const int* ci, int n_cand, bool in_smem,
+                                                              const unsigned long long* cand_s, unsigned long long prefix,
+                                                              unsigned long long pmask, int m, int remaining,
+                                                              unsigned long long* cmp_s, int* sh) {
+  const int tid = threadIdx.x;
+  if (tid == 0) sh[0] = 0;
+  __syncthreads();
+  for (int j = tid; j < n_cand; j += kSparqThreads) {
+    const unsigned long long key = sparq_cand(cu, ci, cand_s, in_smem, j);
+    if ((key & pmask) == prefix) cmp_s[atomicAdd(sh, 1)] = key;
+  }
+  __syncthreads();
+  if (tid < m) {
+    const unsigned long long key = cmp_s[tid];
+    int rank = 0;
+#pragma unroll 4
+    for (int i = 0; i < m; ++i) rank += cmp_s[i] > key;  // (every thread reads the same key: a broadcast)
+    if (rank == remaining - 1) sh[1] = static_cast<int>(key >> 32), sh[2] = static_cast<int>(key & 0xFFFFFFFFull);
+  }
+  __syncthreads();
+  return (static_cast<unsigned long long>(static_cast<unsigned>(sh[1])) << 32) | static_cast<unsigned>(sh[2]);
+}
+
 // The select stage's last block: the `remaining` largest of the n_cand candidate keys (all in bin
-// tbin, so their top 12 bits agree) by 8-bit radix passes below those bits; returns the smallest
-// key taken (every candidate >= it is taken). Candidates come from shared memory when they fit
-// (one L2 read each), else from the workspace on every pass.
+// tbin, so their top 12 bits agree) by 8-bit radix passes below those bits, until at most a block's
+// worth share the prefix (then sparq_rank_pick); returns the smallest key taken (every candidate >=
+// it is taken). Candidates come from shared memory when they fit (one L2 read each), else from the
+// workspace on every pass.
 __device__ __forceinline__ unsigned long long sparq_refine(const unsigned* cu, const int* ci, int n_cand, int remaining,
                                                            int tbin, bool in_smem, const unsigned long long* cand_s,
-                                                           unsigned* h256, int* sh) {
+                                                           unsigned* h256, int* sh, unsigned long long* cmp_s) {
   unsigned long long prefix = static_cast<unsigned long long>(tbin) << 52, pmask = 0xFFFull << 52;
   if (remaining >= n_cand) return prefix;  // they all fit
   const int tid = threadIdx.x;
@@ -82,17 +110,21 @@ __device__ __forceinline__ unsigned long long sparq_refine(const unsigned* cu, c
       }
     }
     __syncthreads();
-    const int d = sh[0];
+    const int d = sh[0], m = sh[2];
     remaining = sh[1];
     prefix |= static_cast<unsigned long long>(d) << shift;
     pmask |= 0xFFull << shift;
-    const bool done = sh[2] == remaining || shift == 0;  // keys are distinct: bits 7..0 end it
+    const bool done = m == remaining || shift == 0;  // keys are distinct: bits 7..0 end it
     __syncthreads();  // everyone has read sh and h256 before the next pass clears them
     if (done) return prefix;
+    if (m <= kSparqThreads)
+      return sparq_rank_pick(cu, ci, n_cand, in_smem, cand_s, prefix, pmask, m, remaining, cmp_s, sh);
   }
 }
 
-// A select thread's 8 order keys of one step (0 past the sequence's end).
+// A select thread's 8 order keys of one step, as the score stage wrote them whole (those past the
+// sequence's end unused); a thread wholly past the end reads the sequence's first 8 instead. No
+// branch, so that unrolled steps issue their loads together.
 __device__ __forceinline__ void sparq_load8(const unsigned* score, int i0, int nv, unsigned (&u)[kSparqKeys]) {
   if (nv == kSparqKeys) {
     const uint4 a = *reinterpret_cast<const uint4*>(score + i0), c = *reinterpret_cast<const uint4*>(score + i0 + 4);
@@ -122,6 +154,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   unsigned* h256 = reinterpret_cast<unsigned*>(smem) + 4;
   int* sm = reinterpret_cast<int*>(h256 + 256);  // block claims (2 * warps + 2), then sh[3]
   unsigned long long* cand_s = reinterpret_cast<unsigned long long*>(smem + 2048);
+  unsigned long long* cmp_s = cand_s + kSparqCandMax;  // [kSparqThreads] (sparq_rank_pick)
   const int steps = min(p.chunk_steps, (n - c0 + kSparqChunk - 1) / kSparqChunk);
 
   // -- keys above the threshold bin are chosen; keys in it are candidates: count them over the
@@ -140,20 +173,36 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   }
   int at, ac;
   sparq_block_claim(ctr + 1, ctr + 2, ns, nc, sm, at, ac);
-  for (int step = 0; step < steps && ns + nc > 0; ++step) {
-    const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
-    unsigned u[kSparqKeys];
-    sparq_load8(score, i0, nv, u);
+  // A warp's keys go to the consecutive positions claimed for its lanes, from its first lane's, in
+  // (step, key, lane) order by ballots: each store instruction of a warp then writes neighbouring
+  // words (a thread's own run of positions scattered a warp's stores over 32 sectors: that pass was
+  // 11 of the stage's 25 us at B8 x 32k, forty-ninth session). A thread's 8 keys lie in one page
+  // (page_size % 8 == 0): one page lookup a step.
+  const unsigned below = (1u << (tid % 32)) - 1u;
+  at = __shfl_sync(kFullMask, at, 0);
+  ac = __shfl_sync(kFullMask, ac, 0);
+  if (__any_sync(kFullMask, ns + nc > 0)) {
+    for (int step = 0; step < steps; ++step) {
+      const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
+      unsigned u[kSparqKeys];
+      sparq_load8(score, i0, nv, u);
+      const int slot0 = nv > 0 ? pages[i0 / ps] * ps + i0 % ps : 0;
 #pragma unroll
-    for (int e = 0; e < kSparqKeys; ++e) {
-      const int i = i0 + e, bin = static_cast<int>(u[e] >> 20);
-      if (e >= nv) continue;
-      if (tbin < 0 || bin > tbin) {
-        sel[at] = (pages[i / ps] * ps + i % ps) * H + kvh;
-        sel_pos[at++] = i;
-      } else if (bin == tbin) {
-        cu[ac] = u[e];
-        ci[ac++] = i;
+      for (int e = 0; e < kSparqKeys; ++e) {
+        const int bin = static_cast<int>(u[e] >> 20);
+        const bool chosen = e < nv && (tbin < 0 || bin > tbin), cand = e < nv && tbin >= 0 && bin == tbin;
+        const unsigned mc = __ballot_sync(kFullMask, chosen), md = __ballot_sync(kFullMask, cand);
+        if (chosen) {
+          const int j = at + __popc(mc & below);
+          sel[j] = (slot0 + e) * H + kvh;
+          sel_pos[j] = i0 + e;
+        } else if (cand) {
+          const int j = ac + __popc(md & below);
+          cu[j] = u[e];
+          ci[j] = i0 + e;
+        }
+        at += __popc(mc);
+        ac += __popc(md);
       }
     }
   }
@@ -168,7 +217,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
       __syncthreads();
     }
     const unsigned long long prefix = sparq_refine(cu, ci, n_cand, remaining, tbin, in_smem, cand_s, h256,
-                                                   sm + 2 * kSparqWarps + 2);
+                                                   sm + 2 * kSparqWarps + 2, cmp_s);
     // every candidate whose key is >= prefix: count this thread's, claim once, write
     int take = 0;
     for (int j = tid; j < n_cand; j += kSparqThreads) take += sparq_cand(cu, ci, cand_s, in_smem, j) >= prefix;

@@ -19,11 +19,11 @@ constexpr int kSparqWarps = kSparqThreads / 32;
 constexpr int kSparqCandMax = 4096;  // candidates the last select block refines in shared memory
 // score: q~ [R][G padded to 4] + channels [D] + histogram (first the choice's q [G][D]) + per-warp
 // partials + a flag + the choice's scratch (sparq_choose); select: a flag, 256 counts, 4 ints,
-// candidates.
+// candidates, then a block's worth of them again (sparq_rank_pick).
 constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
                                       kSparqWarps * kSparqMaxGroup * 2 + 1 + 3 * kSparqMaxDim + kSparqMaxGroup +
                                       kSparqWarps);
-constexpr int kSparqSelectBytes = 2048 + 8 * kSparqCandMax;
+constexpr int kSparqSelectBytes = 2048 + 8 * (kSparqCandMax + kSparqThreads);
 constexpr int kSparqSmemBytes = kSparqScoreBytes > kSparqSelectBytes ? kSparqScoreBytes : kSparqSelectBytes;
 static_assert(kSparqBins >= kSparqMaxGroup * kSparqMaxDim, "the choice's q fits in the histogram's space");
 static_assert(kSparqThreads >= kSparqMaxDim, "the choice's partial ranks fit in kSparqThreads words");

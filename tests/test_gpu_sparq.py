@@ -163,6 +163,40 @@ def test_state_kt_and_value_sums_follow_cache_operations():
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"V sum of sequence {sid}"
 
 
+@pytest.mark.parametrize("n, tied", [(5000, 5000), (3000, 1500), (9000, 600), (2000, 100)])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_selection_among_tied_scores(n, tied, where):
+    """Keys whose selection scores tie exactly (zero keys: score 0), with the k-th largest score
+    among them (at the first, middle or last tied key): the kernel takes the lowest positions among
+    the tied keys. The other keys' scores are kept a quarter of the largest away from 0, past any
+    rounding of the query. All 5000 keys alike puts every key in the threshold bin (candidates past
+    shared memory's 4096) and takes the radix passes down to the positions' bits; 1500 or 600
+    alike leave more than a block's worth after the first pass; 100 alike are ranked directly."""
+    rng = np.random.default_rng(n + tied)
+    Hkv, G, D, r, bf16 = 1, 4, 64, 16, ml_dtypes.bfloat16
+    keys, v = rng.standard_normal((n, Hkv, D)), rng.standard_normal((n, Hkv, D))
+    same = np.sort(rng.choice(n, tied, replace=False))
+    keys[same] = 0.0
+    q = rng.standard_normal((1, 1, Hkv * G, D)).astype(bf16)
+    (sc, _), = sparq_selection_scores(q, [keys.astype(bf16)], r, rounding=bf16)
+    margin, w = 0.25 * np.abs(sc).max(), int(np.abs(sc[0]).argmax())
+    near = np.abs(sc[0]) < margin
+    near[same] = False
+    shift = (np.where(sc[0, near] < 0, -margin, margin) - sc[0, near]) / sc[0, w]
+    keys[near] += shift[:, None, None] * keys[w]  # scores are linear in the key: those move to +-margin
+    (sc, _), = sparq_selection_scores(q, [keys.astype(bf16)], r, rounding=bf16)
+    others = np.setdiff1d(np.arange(n), same)
+    assert not sc[0, same].any() and (len(others) == 0 or np.abs(sc[0, others]).min() > margin / 2)
+    want = {"first": 1, "middle": tied // 2, "last": tied - 1}[where]
+    k = int((sc[0] > 0).sum()) + want
+    cache = pyattn.PagedKVCache(n // 16 + 4, 16, Hkv, D, "bfloat16", sparq=True)
+    ids = _fill(cache, [(keys, v)], bf16)
+    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=k, return_indices=True)
+    _check(q, [(keys, v)], out, pos, r, k, "bfloat16")
+    tied_taken = sorted(set(pos[0, 0, :k].tolist()).intersection(same.tolist()))
+    assert tied_taken == same[:want].tolist(), (len(tied_taken), want)
+
+
 def test_torch_query_and_the_mean_blend():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(9)
