@@ -34,6 +34,7 @@ OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
 LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields) per launch, when recording
 PDL_LAUNCHES: list = []  # kernel names launched as programmatic dependents (cuLaunchKernelEx), always
+MEMSETS: list = []  # (launches recorded before it, address, byte, bytes) per cuMemsetD8Async, when recording
 TMAP_L2: list = []  # the L2 promotion each tensor map was encoded with (CUtensorMapL2promotion), always
 _CTX = 0xC0000
 
@@ -141,6 +142,8 @@ class _Fake:
         return (OK,)
 
     def cuMemsetD8Async(self, ptr, byte, n, s):
+        if self.record_launches:
+            MEMSETS.append((len(LAUNCHES), int(ptr), int(byte), int(n)))
         return (OK,)
 
     def cuMemHostAlloc(self, nbytes, flags):
@@ -275,6 +278,7 @@ def install(monkeypatch) -> _Fake:
     CALLS.clear()
     LAUNCHES.clear()
     PDL_LAUNCHES.clear()
+    MEMSETS.clear()
     TMAP_L2.clear()
     fake.finalizers_before = set(weakref.finalize._registry)  # see uninstall()
     return fake

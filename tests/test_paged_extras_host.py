@@ -67,12 +67,16 @@ def test_sparq_state_and_decode_launches(gpu):
     assert not _launched() and d in cache._sq.dirty
     cache.truncate(c, 1000)
     q = pyattn.asarray(np.ones((3, 1, 8, 64), ml_dtypes.bfloat16))
+    fake_driver.MEMSETS.clear()
     out, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, return_indices=True)
     names = _launched()
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
     assert [n for n, _ in names[1:]][:3] == ["sparq", "sparq", "attn_decode"]  # score (with the choice), select
     assert names[1][1] == names[2][1] == (2, rows, 1)  # 2500 keys: 2 chunks of 2048
+    # the score blocks add into the rows' histograms (4096 bins) and counters: zeroed right before them
+    (before, _, byte, n), = fake_driver.MEMSETS
+    assert before == 1 and byte == 0 and n >= rows * (4096 + 4) * 4
     assert names[-1] == ("sparq", (rows, 1, 1))
     assert out.shape == (3, 1, 8, 64) and pos.shape == (3, 2, 100) and not cache._sq.dirty
     _, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, select="head", return_indices=True)
