@@ -14,12 +14,12 @@
 //           head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|); q~_h = round_T(q_h *
 //           t_h) on the chosen channels, 0 elsewhere. Block 0 writes the decode's query rows
 //           qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}). Then it reads only the r chosen rows of
-//           kt per page. Per key the selection
-//           score a_i = sum_h q~_h . k_i (fp32), stored as an order-preserving uint32; a 4096-bin
-//           histogram of its top 12 bits (the host zeroes the histograms and counters first); per
-//           head the block's (max, sum exp2) of the approximate
-//           logits scale*log2e * q~_h . k_i. The row's last block (threadfence pattern) finds the
-//           bin holding the k-th largest key and merges the blocks' (max, sum) per head.
+//           kt per page. Per key the selection score a_i = sum_h q~_h . k_i (fp32), stored as an
+//           order-preserving uint32; a 4096-bin histogram of its top 12 bits (the host zeroes the
+//           histograms and counters first); per head the block's (max, sum exp2) of the
+//           approximate logits scale*log2e * q~_h . k_i. The row's last block (threadfence
+//           pattern) finds the bin holding the k-th largest key and merges the blocks' (max, sum)
+//           per head.
 //  2 select (grid chunks x rows): keys above that bin are chosen, keys in it become candidates
 //           (one counter claim per block, positions in order inside it); the row's last block picks
 //           the remaining ones among the candidates exactly (radix select on (score, -index): ties
