@@ -1,12 +1,14 @@
 """Cold NVRTC compile time of every kernel variant the library's lists name, per arch (no GPU).
 
 Usage: PYTHONPATH=. python dev/compile_sweep.py [--archs sm_80,sm_90a] [--top 20]
-       [--shard K/N] [--cpus a,b] [--names FILE] [--out FILE]
+       [--shard K/N] [--cpus a,b] [--names FILE] [--out FILE] [--repeat N]
 
 ``--shard K/N`` compiles every N-th variant from the K-th (0-based) over all archs, so that N
 processes, each pinned to two cores of its own (``--cpus``), screen the list on a larger host;
 ``--names`` keeps only the variants named in a file (one ``describe()`` a line, a leading time
-column allowed), to re-time the screen's slowest alone; ``--out`` writes ``seconds<TAB>name`` lines.
+column allowed), to re-time the screen's slowest alone; ``--out`` writes ``seconds<TAB>name`` lines;
+``--repeat N`` compiles each variant N times and keeps the fastest (on a shared 2-core machine one
+compile of a variant ranged 1.5-3.7 s from run to run: the fastest is the compile's own cost).
 
 The variants: ``warmup_specs``, the modifier / block-sparse / 8-bit / backward lists of
 ``tests/test_compile_variants.py``, every 8-bit decode variant (int8 / fp8, per-token /
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--names", help="a file of variant names to keep (the last tab-separated column)")
     ap.add_argument("--out", help="write seconds<TAB>name lines here")
     ap.add_argument("--cpus", help="pin this process (and NVRTC's threads) to these cores, e.g. 0,1")
+    ap.add_argument("--repeat", type=int, default=1, help="compiles of each variant; the fastest is kept")
     args = ap.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -69,9 +72,12 @@ def main() -> None:
         if not specs:
             continue
         for s in specs:
-            t = time.perf_counter()
-            jit.compile_spec(s)
-            res.append((time.perf_counter() - t, s.describe()))
+            times = []
+            for _ in range(max(1, args.repeat)):
+                t = time.perf_counter()
+                jit.compile_spec(s)
+                times.append(time.perf_counter() - t)
+            res.append((min(times), s.describe()))
         print(f"{arch}: {len(specs)} variants, worst {max(r[0] for r in res[-len(specs):]):.2f} s", flush=True)
     res.sort(reverse=True)
     if args.out:
