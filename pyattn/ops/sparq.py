@@ -69,6 +69,7 @@ def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
     """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
     ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row."""
     lpad = n_chunks * steps * _CHUNK
+    # ("hist" and "ctr" stay neighbours: _run zeroes them with one memset, from "hist" to "info".)
     parts = [("part", rows * n_chunks * G * 2), ("score", rows * lpad), ("hist", rows * _BINS), ("ctr", rows * 4),
              ("info", rows * 4), ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
     offs, at = {}, 0
