@@ -6,6 +6,7 @@
 #pragma once
 #include "common.cuh"
 #include "sparq_common.cuh"
+#include "mma.cuh"  // fast_exp2
 
 namespace pyattn {
 
@@ -129,6 +130,31 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const T* kt = static_cast<const T*>(p.kt) + kvh * p.kt_stride_h;
   const int* pages = sparq_pages(p, b);
 
+  // This thread's running (max, sum exp2) of the approximate logits (log2 units) of heads hc ..
+  // hc + 3, kept across the steps when G <= 4 and reduced over the warp once at the end (else at
+  // the end of each 4-head pass). A warp reduction for every step and head made the steps' ends
+  // a quarter of the stage's instructions, with their shuffle chains' waits (Nsight Compute, H200,
+  // B8 x 32k; BENCHMARKS.md, fiftieth session).
+  float tm[4], tz[4];
+  auto restart = [&] {
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) tm[hh] = -inf(), tz[hh] = 0.f;
+  };
+  // the warp's (max, sum) of heads hc .., merged into the warp's entries of red by lane 0
+  auto flush = [&](int hc) {
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      const float m = warp_max(tm[hh]);
+      float z = 0.f;
+      if (m != -inf()) z = warp_sum(tm[hh] == -inf() ? 0.f : tz[hh] * fast_exp2(tm[hh] - m));  // (warp-uniform)
+      if (lane == 0 && hc + hh < G) {
+        float* r2 = red + (warp * kSparqMaxGroup + hc + hh) * 2;
+        sparq_merge(r2[0], r2[1], m, z);
+      }
+    }
+  };
+  restart();
+
   // Steps of kSparqChunk keys; a thread's 8 keys lie in one page (page_size % 8 == 0): 16 bytes of
   // each chosen kt row. A thread past the sequence's end reads the sequence's first keys instead
   // and never uses what it sums, so the loads take no predicate and no zeroed registers (slots past
@@ -166,27 +192,24 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
           acc[3][e] = fmaf(qv.w, k, acc[3][e]);
         }
       }
-      // -- the selection score (heads past G have q~ = 0), and per head the warp's running (max,
-      // sum exp2) of the approximate logits (log2 units)
+      // -- the selection score (heads past G have q~ = 0), and this thread's running (max, sum)
 #pragma unroll
       for (int hh = 0; hh < 4; ++hh) {
-        float m = -inf();
+        float m = tm[hh];
 #pragma unroll
         for (int e = 0; e < kSparqKeys; ++e) {
           sel[e] += acc[hh][e];
           acc[hh][e] *= p.scale_log2;
           if (e < nv) m = fmaxf(m, acc[hh][e]);
         }
-        float z = 0.f;
-        if (nv > 0) {
+        float z = tm[hh] == -inf() ? 0.f : tz[hh] * fast_exp2(tm[hh] - m);
 #pragma unroll
-          for (int e = 0; e < kSparqKeys; ++e) z += e < nv ? exp2f(acc[hh][e] - m) : 0.f;
-        }
-        sparq_warp_merge(m, z);
-        if (lane == 0 && hc + hh < G) {
-          float* r2 = red + (warp * kSparqMaxGroup + hc + hh) * 2;
-          sparq_merge(r2[0], r2[1], m, z);
-        }
+        for (int e = 0; e < kSparqKeys; ++e) z += e < nv ? fast_exp2(acc[hh][e] - m) : 0.f;
+        tm[hh] = m, tz[hh] = z;
+      }
+      if (G > 4) {
+        flush(hc);
+        restart();
       }
     }
     // -- selection scores (order keys) and their histogram
@@ -204,6 +227,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
     for (int e = 0; e < kSparqKeys; ++e)
       if (e < nv) atomicAdd(&hist_s[u[e] >> 20], 1u);
   }
+  if (G <= 4) flush(0);
   __syncthreads();
   unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
   for (int i = tid; i < kSparqBins; i += kSparqThreads)
