@@ -34,9 +34,11 @@
 // Why the shape (H200, B8 x 32k, BENCHMARKS.md "SparQ selection"): with 4 keys and 8-byte loads a
 // thread, 1024-key blocks, a counter claim a warp and a per-row refinement reading its candidates
 // from L2 once a pass, score took 96 us and select 48 us for 134 MB of kt and 8 MB of scores;
-// now 62-72 and 25. What bounds the score stage now is its reads' pattern: a quarter of each page's
-// kt rows come at ~2 TB/s whatever their length (thirty-ninth session). The choice of channels was a
-// stage of its own (0, prep) until the forty-ninth session (sparq_score.cuh says why it is not).
+// now 55 and 23. The score stage's reads alone (dev/probe_kt_layout.py) run at 3.7-4.0 TB/s, 3.25
+// at its occupancy (2 blocks an SM, by registers): 41 us there. Until the fiftieth session its
+// instructions bounded it (55 us with no loads at all); now its warps wait mostly on those reads,
+// 8 rows in flight a thread. The choice of channels was a stage of its own (0, prep) until the
+// forty-ninth session (sparq_score.cuh says why it is not).
 // The stages' sizes and shared helpers are in sparq_common.cuh, the score stage in sparq_score.cuh;
 // select, finish and the entry point follow here.
 // Requires pyattn::SparqParams and common.cuh.
