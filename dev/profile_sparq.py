@@ -10,7 +10,7 @@ an exact decode over the same cache. Then the decode over the chosen keys alone 
 select stage left them, the same keys sorted by position, and each row's first k keys: page-size-1
 gathers against runs of rows), at forced split counts (``--splits``). ``--ncu``: one call between
 ``cudaProfilerStart`` / ``Stop`` for ``ncu --profile-from-start off`` (no timing loop);
-``--min-blocks``: the sparq kernel's launch bounds (its tile row's ``min_blocks``) for the whole run;
+``--min-blocks``: the sparq_score kernel's launch bounds (its tile row's ``min_blocks``) for the whole run;
 ``--decode-rows KEYSxWARPSxSTAGESxBLOCKS,...``: the decode-alone timings again with each of these
 in the d <= 128 row of attn_decode's table (the cp.async kernel the chosen keys run on).
 """
@@ -95,12 +95,12 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--splits", default="0,2,4,8,16", help="decode-alone split counts (0: the rule's)")
-    ap.add_argument("--min-blocks", type=int, default=0, help="the sparq kernel's __launch_bounds__ blocks (sm_90a)")
+    ap.add_argument("--min-blocks", type=int, default=0, help="the sparq_score kernel's __launch_bounds__ blocks (sm_90a)")
     ap.add_argument("--decode-rows", default="", help="attn_decode d <= 128 rows to time the decode alone on")
     args = ap.parse_args()
     if args.min_blocks:
-        rows = [r._replace(min_blocks=args.min_blocks) for r in tile_table("sparq", "sm_90a")]
-        with override_tiles("sparq", "sm_90a", rows):
+        rows = [r._replace(min_blocks=args.min_blocks) for r in tile_table("sparq_score", "sm_90a")]
+        with override_tiles("sparq_score", "sm_90a", rows):
             return run(args)
     return run(args)
 

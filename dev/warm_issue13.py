@@ -21,7 +21,8 @@ def specs(arch: str) -> list:
     for tag in ("f16", "bf16"):
         out += [KernelSpec("kv_append", tag, 32, arch, kv=kv) for kv in ("", "int8", "fp8e4m3")]
         out += [KernelSpec("kv_key_pages", tag, 32, arch, kv=kv) for kv in ("int8", "fp8e4m3")]
-        out += [KernelSpec("kv_sparq", tag, 32, arch), KernelSpec("sparq", tag, 32, arch)]
+        out += [KernelSpec("kv_sparq", tag, 32, arch)]
+        out += [KernelSpec(f"sparq_{st}", tag, 32, arch) for st in ("score", "select", "finish")]
         for d in (64, 128, 256):
             out.append(KernelSpec("split_combine", tag, d, arch))
             for kv in ("int8", "fp8e4m3"):

@@ -1,7 +1,7 @@
 // SparQ attention (Ribar et al., "SparQ Attention: Bandwidth-Efficient LLM Inference") over a paged
 // 16-bit KV cache that keeps a transposed key copy kt (page, kv head, channel, slot) and running V
-// sums (PagedKVCache(..., sparq=True)). One kernel, launched once per stage (params.stage); the
-// attention over the chosen keys in between is the paged decode kernel (attention_decode.cuh).
+// sums (PagedKVCache(..., sparq=True)). A kernel per stage (the entries at the end); the attention
+// over the chosen keys in between is the paged decode kernel (attention_decode.cuh).
 // A "row" is one (sequence b, row head rh) whose G query heads share the row's choices: with
 // select="group" the row heads are the kv heads and G the GQA group; with select="head" every query
 // head is a row (G = 1, kv head rh / kv_div), the paper's algorithm for each head
@@ -264,15 +264,25 @@ __device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
   }
 }
 
-template <typename T, class P>  // P: SparqParams
-__device__ __forceinline__ void sparq_stage(const P& p) {
-  __shared__ __align__(16) unsigned char smem[kSparqSmemBytes];
-  switch (p.stage) {
-    case 1: sparq_score<T>(p, smem); break;
-    case 2: sparq_select<T>(p, smem); break;
-    case 4: sparq_finish<T>(p, smem); break;
-    default: __trap();
-  }
+// The stages' entries (families sparq_score, sparq_select, sparq_finish; P: SparqParams). Each is a
+// kernel of its own, so that each gets its own registers and launch bounds: as one kernel switching
+// on the stage, the select and finish stages ran with the score stage's 127 registers (2 blocks an
+// SM), and a change to one stage's code moved another's time (BENCHMARKS.md, forty-ninth and
+// fiftieth sessions).
+template <typename T, class P>
+__device__ __forceinline__ void sparq_score_stage(const P& p) {
+  __shared__ __align__(16) unsigned char smem[kSparqScoreBytes];
+  sparq_score<T>(p, smem);
+}
+template <typename T, class P>
+__device__ __forceinline__ void sparq_select_stage(const P& p) {
+  __shared__ __align__(16) unsigned char smem[kSparqSelectBytes];
+  sparq_select<T>(p, smem);
+}
+template <typename T, class P>
+__device__ __forceinline__ void sparq_finish_stage(const P& p) {
+  __shared__ __align__(16) unsigned char smem[4 * kSparqMaxGroup];  // alpha per head
+  sparq_finish<T>(p, smem);
 }
 
 }  // namespace pyattn

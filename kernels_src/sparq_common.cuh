@@ -24,7 +24,6 @@ constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxD
                                       kSparqWarps * kSparqMaxGroup * 2 + 1 + 3 * kSparqMaxDim + kSparqMaxGroup +
                                       kSparqWarps);
 constexpr int kSparqSelectBytes = 2048 + 8 * (kSparqCandMax + kSparqThreads);
-constexpr int kSparqSmemBytes = kSparqScoreBytes > kSparqSelectBytes ? kSparqScoreBytes : kSparqSelectBytes;
 static_assert(kSparqBins >= kSparqMaxGroup * kSparqMaxDim, "the choice's q fits in the histogram's space");
 static_assert(kSparqThreads >= kSparqMaxDim, "the choice's partial ranks fit in kSparqThreads words");
 

@@ -72,16 +72,16 @@ def test_sparq_state_and_decode_launches(gpu):
     names = _launched()
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
-    assert [n for n, _ in names[1:]][:3] == ["sparq", "sparq", "attn_decode"]  # score (with the choice), select
+    assert [n for n, _ in names[1:]][:3] == ["sparq_score", "sparq_select", "attn_decode"]  # (the choice in score)
     assert names[1][1] == names[2][1] == (2, rows, 1)  # 2500 keys: 2 chunks of 2048
     # the score blocks add into the rows' histograms (4096 bins) and counters: zeroed right before them
     (before, _, byte, n), = fake_driver.MEMSETS
     assert before == 1 and byte == 0 and n >= rows * (4096 + 4) * 4
-    assert names[-1] == ("sparq", (rows, 1, 1))
+    assert names[-1] == ("sparq_finish", (rows, 1, 1))
     assert out.shape == (3, 1, 8, 64) and pos.shape == (3, 2, 100) and not cache._sq.dirty
     _, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, select="head", return_indices=True)
     names = _launched()
-    assert names[0] == ("sparq", (2, 3 * 8, 1)) and pos.shape == (3, 8, 100)  # a row per query head
+    assert names[0] == ("sparq_score", (2, 3 * 8, 1)) and pos.shape == (3, 8, 100)  # a row per query head
     cache.free(a)
     assert a not in cache._sq.row_of
     host = pyattn.sparq_decode(np.ones((1, 1, 8, 64), ml_dtypes.bfloat16), cache, [b], r=64, k=5000)

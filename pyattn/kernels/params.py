@@ -229,7 +229,7 @@ SPARQ_PARAMS = ParamStruct(
      ("o", "ptr"), ("dlse", "f32_cptr"), ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("out", "mut_ptr"),
      ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"), ("off_hist", "i64"),
      ("off_ctr", "i64"), ("off_info", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"),
-     ("n_chunks", "i32"), ("chunk_steps", "i32"), ("k_max", "i32"), ("stage", "i32"))  # per call; the rest per plan
+     ("n_chunks", "i32"), ("chunk_steps", "i32"), ("k_max", "i32"))  # per call; the rest per plan
     + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("out_stride_b", "i64"), ("out_stride_h", "i64"),
        ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
     + (("batch", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("head_dim", "i32"), ("page_size", "i32"),

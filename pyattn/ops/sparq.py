@@ -1,9 +1,9 @@
 """``pyattn.sparq_decode``: SparQ attention over a :class:`pyattn.PagedKVCache` (approximate decode).
 
-The plan and launches: the ``sparq`` kernel's stages (score, select) choose each (sequence, kv
+The plan and launches: the ``sparq_score`` and ``sparq_select`` kernels choose each (sequence, kv
 head)'s keys reading only r of the transposed keys' channels; the paged decode kernel attends over
 the chosen keys (each a one-slot "page" of the pools) for the queries and, in the m16 tile's spare
-rows, for q~ (whose log-sum-exp gives alpha); the finish stage blends in the mean of V. See
+rows, for q~ (whose log-sum-exp gives alpha); ``sparq_finish`` blends in the mean of V. See
 ``kernels_src/sparq.cuh`` and :mod:`pyattn.reference_sparq`.
 """
 
@@ -37,16 +37,18 @@ _BINS = 4096
 
 
 class _Plan(NamedTuple):
-    kernel: object
+    kernels: tuple  # score, select, finish
     packer: object  # PartialPack: the per-call fields -> SparqParams bytes
     threads: int
     decode: DecodeProblem  # the attention over the chosen keys
     rows: int
-    slots: int  # concurrent score / select blocks on the GPU
+    slots: tuple  # concurrent blocks on the GPU of the score and the select kernels
 
 
 def _build(P, device) -> _Plan:
-    spec = KernelSpec("sparq", DTYPES[P.dtype.name][0], 32, device.arch, ptx_requested())
+    specs = [KernelSpec(f"sparq_{stage}", DTYPES[P.dtype.name][0], 32, device.arch, ptx_requested())
+             for stage in ("score", "select", "finish")]
+    spec = specs[0]
     pool, D, G = P.pool, P.head_dim, P.row_group
     H = pool.heads_kv
     kt = (H * D * pool.page_size, D * pool.page_size)  # the cache's kt pool, C-contiguous
@@ -60,9 +62,9 @@ def _build(P, device) -> _Plan:
     rows = P.batch * P.row_heads
     dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
-    kernel = get_kernel(spec, device)
-    slots = device.sm_count * blocks_per_sm(spec, kernel)
-    return _Plan(kernel, packer, spec.threads, dec, rows, slots)
+    kernels = tuple(get_kernel(sp, device) for sp in specs)
+    slots = tuple(device.sm_count * blocks_per_sm(sp, k) for sp, k in zip(specs[:2], kernels))
+    return _Plan(kernels, packer, spec.threads, dec, rows, slots)
 
 
 def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
@@ -87,11 +89,12 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     (indices, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
     vrow = cache.sparq_rows(ids, s)
     G, D, rows = P.row_group, P.head_dim, plan.rows
-    # Steps of 2048 keys a block: enough that the score and select grids are about one wave (a
-    # block's fixed work, its histogram and its counter claims, then recurs once a row and wave).
+    # Steps of 2048 keys a block: enough that the score and select grids are each about one wave of
+    # their kernel (a block's fixed work, its histogram and its counter claims, then recurs once a
+    # row and wave). The scores' layout (lpad) follows the score stage's blocks.
     chunks = -(-max_len // _CHUNK)
-    steps = max(1, min(chunks, _MAX_STEPS, -(-rows * chunks // plan.slots)))
-    n_chunks = -(-chunks // steps)
+    steps, steps_sel = (max(1, min(chunks, _MAX_STEPS, -(-rows * chunks // slots))) for slots in plan.slots)
+    n_chunks, n_sel = -(-chunks // steps), -(-chunks // steps_sel)
     k_max = min(P.k, max_len)
     offs, lpad = _workspace(rows, G, n_chunks, steps)
     isz = P.dtype.itemsize
@@ -102,22 +105,23 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
     out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype)
 
-    def go(stage, grid, o=0, dlse=0):
+    def go(kernel, grid, block_steps, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
                                   dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"],
                                   offs["score"], offs["hist"], offs["ctr"], offs["info"],
-                                  offs["cand_u"], offs["cand_i"], n_chunks, steps, k_max, stage)
-        launch(plan.kernel, grid, (plan.threads, 1, 1), 0, s, params)
+                                  offs["cand_u"], offs["cand_i"], n_chunks, block_steps, k_max)
+        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     # The histograms and counters start at zero: one memset (the score blocks add into them) in
     # place of the prep stage that zeroed them before its choice moved into the score blocks.
     memset_async(ws.ptr + offs["hist"], 0, offs["info"] - offs["hist"], s)
-    go(1, (n_chunks, rows, 1))
-    go(2, (n_chunks, rows, 1))
+    score_k, select_k, finish_k = plan.kernels
+    go(score_k, (n_chunks, rows, 1), steps)
+    go(select_k, (n_sel, rows, 1), steps_sel)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
     o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
-    go(4, (rows, 1, 1), o.ptr, lse.ptr)
+    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr)
     finish(s, [ws, o, lse, vrow])
     pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
         if return_indices else None

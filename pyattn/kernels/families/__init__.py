@@ -57,7 +57,9 @@ _WHERE = {
     "attn_bwd_convert": ("backward", "ATTN_BWD_CONVERT"),
     "kv_key_pages": ("paged", "KV_KEY_PAGES"),
     "kv_sparq": ("paged", "KV_SPARQ"),
-    "sparq": ("paged", "SPARQ"),
+    "sparq_score": ("paged", "SPARQ_SCORE"),
+    "sparq_select": ("paged", "SPARQ_SELECT"),
+    "sparq_finish": ("paged", "SPARQ_FINISH"),
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",

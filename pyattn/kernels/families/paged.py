@@ -1,8 +1,8 @@
 """Kernel families of the paged cache's optional state: per-channel key scales and SparQ.
 
 kv_key_pages (re)quantizes the keys of the pages an append wrote with per-(page, channel) scales;
-kv_sparq keeps SparQ's transposed key copy and running V sums; sparq is SparQ's decode, one kernel
-whose stages (``SparqParams.stage``) run as separate launches around the paged decode kernel. All
+kv_sparq keeps SparQ's transposed key copy and running V sums; sparq_score, sparq_select and
+sparq_finish are SparQ's decode, a kernel a stage, launched around the paged decode kernel. All
 take the head dim as a launch parameter (one variant, bucket 32, serves every head dim) and have
 no dynamic shared memory.
 """
@@ -13,17 +13,23 @@ from ..params import KV_PAGES_PARAMS, KV_SPARQ_PARAMS, SPARQ_PARAMS
 from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, Family, FixedTile, every_arch
 from .decode import PAGED_ALIGNMENT
 
-__all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ"]
+__all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ_SCORE", "SPARQ_SELECT", "SPARQ_FINISH"]
 
 _PAGES = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                reason="memory-bound, one warp per (page, kv head) or (slot, kv head): 256 threads, "
                                       "grid-stride; unmeasured"),))
-_SPARQ = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=2,
-                               reason="2048 keys a block step (8 per thread: one 16-byte read per chosen kt row), "
-                                      "35 KiB of static shared memory; 2 blocks an SM (109 registers then, 127 "
-                                      "since the fiftieth session; 8 reads in flight a thread): H200 B8 x 32k "
-                                      "score stage 63.5 us against 71.8 at 3 blocks (80 registers); BENCHMARKS.md "
-                                      "'SparQ selection'"),))
+_SPARQ_SCORE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=2,
+                                     reason="2048 keys a block step (8 per thread: one 16-byte read per chosen kt "
+                                            "row), 35 KiB of static shared memory; 2 blocks an SM (109 registers "
+                                            "then, 127 since the fiftieth session; 8 reads in flight a thread): H200 "
+                                            "B8 x 32k score stage 63.5 us against 71.8 at 3 blocks (80 registers); "
+                                            "BENCHMARKS.md 'SparQ selection'"),))
+_SPARQ_SELECT = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=4,
+                                      reason="2048 keys a block step, like the score stage's; 4 blocks an SM (55 "
+                                             "registers, 36 KiB of static shared memory): its loads wait on L2; "
+                                             "BENCHMARKS.md, fiftieth session"),))
+_SPARQ_FINISH = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8, min_blocks=1,
+                                      reason="a block a row, 256 threads over its G x D outputs; unmeasured"),))
 
 
 def _needs_kv(spec) -> None:
@@ -45,9 +51,16 @@ KV_SPARQ = Family(
     dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT,
 )
 
-SPARQ = Family(
-    name="sparq", label="sparq", header="sparq.cuh", params=SPARQ_PARAMS,
-    tables={"dense": _SPARQ},
-    template_id=lambda spec, t: f"pyattn::sparq_stage<{CTYPES[spec.dtype]}>",
-    dtypes=("f16", "bf16"),
-)
+
+def _sparq(stage: str, table) -> Family:
+    return Family(
+        name=f"sparq_{stage}", label=f"sparq_{stage}", header="sparq.cuh", params=SPARQ_PARAMS,
+        tables={"dense": table},
+        template_id=lambda spec, t: f"pyattn::sparq_{stage}_stage<{CTYPES[spec.dtype]}>",
+        dtypes=("f16", "bf16"),
+    )
+
+
+SPARQ_SCORE = _sparq("score", _SPARQ_SCORE)
+SPARQ_SELECT = _sparq("select", _SPARQ_SELECT)
+SPARQ_FINISH = _sparq("finish", _SPARQ_FINISH)
