@@ -124,17 +124,13 @@ __device__ __forceinline__ unsigned long long sparq_refine(const unsigned* cu, c
   }
 }
 
-// A select thread's 8 order keys of one step, as the score stage wrote them whole (those past the
-// sequence's end unused); a thread wholly past the end reads the sequence's first 8 instead. No
-// branch, so that unrolled steps issue their loads together.
+// A select thread's 8 order keys of one step, as the score stage wrote them: whole octets, those
+// past the sequence's end unused (the row's stride lpad has room); a thread wholly past the end
+// reads the sequence's first 8 instead. No branch, so that unrolled steps issue their loads together.
 __device__ __forceinline__ void sparq_load8(const unsigned* score, int i0, int nv, unsigned (&u)[kSparqKeys]) {
-  if (nv == kSparqKeys) {
-    const uint4 a = *reinterpret_cast<const uint4*>(score + i0), c = *reinterpret_cast<const uint4*>(score + i0 + 4);
-    u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = c.x, u[5] = c.y, u[6] = c.z, u[7] = c.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < kSparqKeys; ++e) u[e] = e < nv ? score[i0 + e] : 0u;
-  }
+  const int at = nv > 0 ? i0 : 0;
+  const uint4 a = *reinterpret_cast<const uint4*>(score + at), c = *reinterpret_cast<const uint4*>(score + at + 4);
+  u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = c.x, u[5] = c.y, u[6] = c.z, u[7] = c.w;
 }
 
 template <typename T, class P>
@@ -162,6 +158,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   // -- keys above the threshold bin are chosen; keys in it are candidates: count them over the
   // block's steps, claim once, then write them (the second read of the scores hits L1/L2)
   int ns = 0, nc = 0;
+#pragma unroll 4
   for (int step = 0; step < steps; ++step) {
     const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
     unsigned u[kSparqKeys];
@@ -184,6 +181,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   at = __shfl_sync(kFullMask, at, 0);
   ac = __shfl_sync(kFullMask, ac, 0);
   if (__any_sync(kFullMask, ns + nc > 0)) {
+#pragma unroll 4
     for (int step = 0; step < steps; ++step) {
       const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
       unsigned u[kSparqKeys];
