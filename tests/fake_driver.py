@@ -36,6 +36,7 @@ LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields
 PDL_LAUNCHES: list = []  # kernel names launched as programmatic dependents (cuLaunchKernelEx), always
 MEMSETS: list = []  # (launches recorded before it, address, byte, bytes) per cuMemsetD8Async, when recording
 TMAP_L2: list = []  # the L2 promotion each tensor map was encoded with (CUtensorMapL2promotion), always
+OCCUPANCY: dict = {}  # blocks an SM of the kernels whose entry name holds the key (2 for the others)
 _CTX = 0xC0000
 
 
@@ -196,7 +197,8 @@ class _Fake:
         return (OK,)
 
     def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
-        return OK, 2
+        name = self.kernel_names.get(int(fn), "")
+        return OK, next((n for part, n in OCCUPANCY.items() if part in name), 2)
 
     def cuTensorMapEncodeTiled(self, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2,
                                fill):

@@ -138,3 +138,20 @@ def test_packed_append_counts_may_be_any_iterable_of_ints(gpu):
     with pytest.raises(TypeError, match="counts: expected ints"):
         c.append(ids, kv, kv, counts=[1.0, 2, 3])
     assert [c.length(s) for s in ids] == [6, 6, 6]
+
+
+def test_sparq_select_grid_follows_its_own_occupancy(gpu, monkeypatch):
+    # The score and select stages are kernels of their own: each grid is about one wave of its own
+    # kernel (2048 keys a step). 132 SMs; score 1 block an SM, select 4: 16 rows x 9 chunks = 144
+    # block steps take 2 steps a score block (5 x 16 blocks) and 1 a select block (9 x 16).
+    monkeypatch.setitem(fake_driver.OCCUPANCY, "sparq_score", 1)
+    monkeypatch.setitem(fake_driver.OCCUPANCY, "sparq_select", 4)
+    cache = pyattn.PagedKVCache(4 * 18432 // 64 + 4, 64, 4, 32, "bfloat16", sparq=True)
+    ids = [cache.add_sequence() for _ in range(4)]
+    k = np.ones((4, 18432, 4, 32), ml_dtypes.bfloat16)
+    cache.append(ids, k, k)
+    _launched()
+    pyattn.sparq_decode(pyattn.asarray(np.ones((4, 1, 16, 32), ml_dtypes.bfloat16)), cache, ids, r=8, k=2000)
+    names = dict(_launched()[:2])
+    assert names == {"sparq_score": (5, 16, 1), "sparq_select": (9, 16, 1)}
+
