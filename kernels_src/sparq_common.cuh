@@ -21,8 +21,8 @@ constexpr int kSparqCandMax = 4096;  // candidates the last select block refines
 // partials + a flag + the choice's scratch (sparq_choose); select: a flag, 256 counts, 4 ints,
 // candidates, then a block's worth of them again (sparq_rank_pick).
 constexpr int kSparqScoreBytes = 4 * (kSparqMaxGroup * kSparqMaxDim + kSparqMaxDim + kSparqBins +
-                                      kSparqWarps * kSparqMaxGroup * 2 + 1 + 3 * kSparqMaxDim + kSparqMaxGroup +
-                                      kSparqWarps);
+                                      kSparqWarps * kSparqMaxGroup * 2 + 1 + 2 * kSparqMaxDim + kSparqThreads +
+                                      kSparqMaxGroup + kSparqWarps);
 constexpr int kSparqSelectBytes = 2048 + 8 * (kSparqCandMax + kSparqThreads);
 static_assert(kSparqBins >= kSparqMaxGroup * kSparqMaxDim, "the choice's q fits in the histogram's space");
 static_assert(kSparqThreads >= kSparqMaxDim, "the choice's partial ranks fit in kSparqThreads words");

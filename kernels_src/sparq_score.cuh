@@ -20,7 +20,7 @@ namespace pyattn {
 // than the work (prep 7.8 us of a 69 us call at B1 x 32k, forty-ninth session), and the choice is a
 // few hundred loads and compares. Its loops are kept short in code (a thread a channel, no runtime
 // divisions, no unrolling): a block runs them once.
-// qs: [G][D] floats of scratch; sc: 3 * kSparqMaxDim + kSparqMaxGroup + kSparqWarps words of scratch.
+// qs: [G][D] floats of scratch; sc: 2 kSparqMaxDim + kSparqThreads + kSparqMaxGroup + kSparqWarps words.
 template <typename T, class P>
 __device__ __forceinline__ void sparq_choose(const P& p, int row, float* qs, int* sc, float* qt_s, int* off_s) {
   const int b = row / p.row_heads, rh = row % p.row_heads;
