@@ -228,7 +228,7 @@ def _issue13_specs(arch):
              *(KernelSpec(f"sparq_{st}", "bf16", 32, arch) for st in ("score", "select", "finish")),
              KernelSpec("attn_decode", "bf16", 128, arch, q_tiles=1, kv="fp8e4m3" if fp8 else "int8", key_channel=True)]
     if arch == "sm_80":
-        specs.append(KernelSpec("sparq_score", "f16", 32, arch))
+        specs += [KernelSpec(f"sparq_{st}", "f16", 32, arch) for st in ("score", "select", "finish")]
     if arch == "sm_90a":
         specs += [KernelSpec("attn_decode", "f16", 64, arch, q_tiles=1, kv="fp8e4m3", key_channel=True, softcap=True,
                              alibi=True),
