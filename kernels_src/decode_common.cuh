@@ -4,6 +4,7 @@
 // Requires pyattn::DecodeParams, common.cuh and mma.cuh.
 #pragma once
 #include "band.cuh"
+#include "pdl.cuh"
 
 namespace pyattn {
 

@@ -1,11 +1,13 @@
-// Programmatic dependent launch (sm_90a): a kernel launched with the programmatic stream
+// Programmatic dependent launch (sm_90 and later): a kernel launched with the programmatic stream
 // serialization attribute (pyattn.runtime.launch, pdl=True) may have its blocks start while the
 // kernel before it in the stream is still running, so that the launch and the blocks' start
 // overlap that kernel's tail (the TMA decode spent 1.2-3.9 us a call between back-to-back kernels
 // on an H200: BENCHMARKS.md, thirty-second session). wait() returns once every prerequisite grid
 // has completed and its memory is visible (at once when there is none, e.g. a plain launch);
 // nothing global may be read or written before it, since the kernel before may still be writing
-// (or reading) it.
+// (or reading) it. Kernels that also build for sm_80 / sm_86 / sm_89 (the cp.async decodes, SparQ's
+// stages) call it there too, where it compiles to nothing and the host launches them plainly
+// (KernelSpec.dependent_launch).
 //
 // The decode kernels never call griddepcontrol.launch_dependents: without it a block counts as
 // triggered when it exits, so the next kernel is launched when this grid's last block exits, and
@@ -20,7 +22,11 @@
 namespace pyattn {
 namespace pdl {
 
-__device__ __forceinline__ void wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 }  // namespace pdl
 }  // namespace pyattn

@@ -17,6 +17,8 @@ from cuda.bindings import driver
 import fake_driver
 import pyattn
 from pyattn.jit.source import kernel_source_dir
+from pyattn.kernels.families import FAMILIES
+from pyattn.kernels.specs import KernelSpec
 from pyattn.runtime import launch
 from _host_path_helpers import _da, _repeat_calls
 
@@ -90,20 +92,37 @@ def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache)
 
 def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(gpu):
     """Programmatic dependent launch only where the kernel waits in-kernel (griddepcontrol.wait
-    before its first global access): attn_decode_tma (pages of a power of two from 16), not the
-    cp.async decode (pages of 8 here), whose blocks would otherwise read the cache while the
-    stream's previous kernel may still write it."""
-    for page, tma in ((16, True), (8, False)):
+    before its first global access) and the arch has it (sm_90+): every decode kernel, the TMA-fed
+    one (pages of a power of two from 16) and the cp.async one (pages of 8 here) alike; on sm_80 /
+    sm_86 / sm_89 none, where the wait compiles to nothing. A kernel launched so without the wait
+    would read the cache while the stream's previous kernel may still write it."""
+    for page in (16, 8):
         c = pyattn.PagedKVCache(64, page, 2, 64, "bfloat16")
         ids = [c.add_sequence() for _ in range(2)]
         fake_driver.PDL_LAUNCHES.clear()
         pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16), c, ids)
-        assert bool(fake_driver.PDL_LAUNCHES) == tma, page
+        (name,) = fake_driver.PDL_LAUNCHES
+        assert ("tma" in name) == (page == 16), (page, name)
+    waiting = {name for name, rec in FAMILIES.items() if rec.dependent_launch}
+    assert waiting == {"attn_decode", "attn_decode_tma", "attn_decode_swap", "sparq_score", "sparq_select",
+                       "sparq_finish"}
+    for name in waiting:
+        spec = KernelSpec(name, "bf16", 128, "sm_90a", q_tiles=1 if name.startswith("attn_decode") else 0)
+        assert spec.dependent_launch, name
+        if "tma" not in name and "swap" not in name:  # (the TMA families are sm_90a's only)
+            assert not spec.replace(arch="sm_89").dependent_launch, name
+    assert not KernelSpec("split_combine", "bf16", 128, "sm_90a").dependent_launch
     src = kernel_source_dir()
-    for name in ("attention_decode_tma.cuh", "attention_decode_q8_tma.cuh"):
+    for name in ("attention_decode.cuh", "attention_decode_q8.cuh", "attention_decode_tma.cuh",
+                 "attention_decode_q8_tma.cuh"):
         text = (src / name).read_text()
         body = text[text.index("  const DecodeBlock<Tr> blk(p);") - 400:text.index("  const DecodeBlock<Tr> blk(p);")]
         assert "pdl::wait();" in body, name  # the wait comes before the block reads kv_len / the page table
+    text = (src / "sparq.cuh").read_text()
+    for stage in ("score", "select", "finish"):
+        entry = text[text.index(f"void sparq_{stage}_stage("):]
+        assert entry.index("pdl::wait();") < entry.index(f"sparq_{stage}<T>(p, smem);"), stage
+    assert "#if __CUDA_ARCH__ >= 900" in (src / "pdl.cuh").read_text()  # nothing to wait for below sm_90
 
 
 def test_decode_changes_miss_the_fast_path(gpu, cache, full_decode):

@@ -13,7 +13,7 @@ that module imports :class:`KernelSpec` from here, and this one never imports it
 from __future__ import annotations
 
 from .families import check_spec, get_family, tile_config
-from .families.base import TileConfig
+from .families.base import PDL_ARCHS, TileConfig
 
 __all__ = ["KernelSpec"]
 
@@ -127,6 +127,13 @@ class KernelSpec:
     def alignment(self):
         """What the kernel's loads and stores need of the arrays (``families.base.Alignment``)."""
         return self.record.alignment
+
+    @property
+    def dependent_launch(self) -> bool:
+        """Whether the kernel launches as the stream's previous kernel's programmatic dependent
+        (``launch(..., pdl=True)``): its family waits for that kernel in-kernel and the arch has
+        programmatic dependent launch (``Family.dependent_launch``)."""
+        return self.record.dependent_launch and self.arch in PDL_ARCHS
 
     @property
     def threads(self) -> int:

@@ -43,6 +43,7 @@ class _Plan(NamedTuple):
     decode: DecodeProblem  # the attention over the chosen keys
     rows: int
     slots: tuple  # concurrent blocks on the GPU of the score and the select kernels
+    pdl: bool  # the select and finish launch as programmatic dependents (KernelSpec.dependent_launch)
 
 
 def _build(P, device) -> _Plan:
@@ -64,7 +65,7 @@ def _build(P, device) -> _Plan:
                         P.scale, None, None, rows_pool)
     kernels = tuple(get_kernel(sp, device) for sp in specs)
     slots = tuple(device.sm_count * blocks_per_sm(sp, k) for sp, k in zip(specs[:2], kernels))
-    return _Plan(kernels, packer, spec.threads, dec, rows, slots)
+    return _Plan(kernels, packer, spec.threads, dec, rows, slots, spec.dependent_launch)
 
 
 def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
@@ -105,23 +106,26 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
     out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype)
 
-    def go(kernel, grid, block_steps, o=0, dlse=0):
+    def go(kernel, grid, block_steps, o=0, dlse=0, pdl=False):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
                                   dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"],
                                   offs["score"], offs["hist"], offs["ctr"], offs["info"],
                                   offs["cand_u"], offs["cand_i"], n_chunks, block_steps, k_max)
-        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params)
+        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params, pdl)
 
     # The histograms and counters start at zero: one memset (the score blocks add into them) in
     # place of the prep stage that zeroed them before its choice moved into the score blocks.
     memset_async(ws.ptr + offs["hist"], 0, offs["info"] - offs["hist"], s)
     score_k, select_k, finish_k = plan.kernels
+    # On sm_90+ (plan.pdl) the select, the decode and the finish each launch as the kernel before's
+    # programmatic dependent (they wait for it in-kernel: kernels_src/pdl.cuh), so that each launch
+    # overlaps that kernel's tail. The score stage follows the memset, not a kernel: plainly.
     go(score_k, (n_chunks, rows, 1), steps)
-    go(select_k, (n_sel, rows, 1), steps_sel)
+    go(select_k, (n_sel, rows, 1), steps_sel, pdl=plan.pdl)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
     o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
-    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr)
+    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr, plan.pdl)
     finish(s, [ws, o, lse, vrow])
     pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
         if return_indices else None
