@@ -15,11 +15,11 @@
 //           t_h) on the chosen channels, 0 elsewhere. Block 0 writes the decode's query rows
 //           qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}). Then it reads only the r chosen rows of
 //           kt per page. Per key the selection score a_i = sum_h q~_h . k_i (fp32), stored as an
-//           order-preserving uint32; a 4096-bin histogram of its top 12 bits (the host zeroes the
-//           histograms and counters first); per head the block's (max, sum exp2) of the
-//           approximate logits scale*log2e * q~_h . k_i. The row's last block (threadfence
-//           pattern) finds the bin holding the k-th largest key and merges the blocks' (max, sum)
-//           per head.
+//           order-preserving uint32; a 4096-bin histogram of its top 12 bits (in the stream's
+//           zeroed counter block, which the stages leave zero: sparq_hist); per head the block's
+//           (max, sum exp2) of the approximate logits scale*log2e * q~_h . k_i. The row's last
+//           block (threadfence pattern) finds the bin holding the k-th largest key and merges the
+//           blocks' (max, sum) per head.
 //  2 select (grid chunks x rows): keys above that bin are chosen, keys in it become candidates
 //           (one counter claim per block, positions in order inside it); the row's last block picks
 //           the remaining ones among the candidates exactly (radix select on (score, -index): ties
@@ -142,7 +142,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   const int tid = threadIdx.x, ps = p.page_size, H = p.heads_kv;
   const int* info = sparq_i(p, p.off_info) + row * 4;
   const int tbin = info[0], k_eff = info[2];
-  int* ctr = sparq_i(p, p.off_ctr) + row * 4;
+  int* ctr = sparq_ctr(p, row);
   const int* pages = sparq_pages(p, b);
   int* sel = static_cast<int*>(p.sel) + static_cast<long long>(row) * p.k_max;
   int* sel_pos = static_cast<int*>(p.sel_pos) + static_cast<long long>(row) * p.k_max;
@@ -233,6 +233,8 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
     }
   }
   if (tid == 0) static_cast<int*>(p.dec_len)[row] = k_eff;
+  __syncthreads();  // every claim of this block read its counter
+  if (tid >= 1 && tid < 4) ctr[tid] = 0;  // left zero for the next call (sparq_ctr)
 }
 
 template <typename T, class P>

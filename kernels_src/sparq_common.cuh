@@ -48,6 +48,25 @@ __device__ __forceinline__ int* sparq_i(const P& p, long long off) {
   return reinterpret_cast<int*>(static_cast<unsigned char*>(p.ws) + off);
 }
 
+// Row `row`'s histogram (kSparqBins words) and its counters (4: the score stage's count of finished
+// blocks, the select stage's chosen and candidate claims, its count of finished blocks), in the
+// stream's zeroed counter block (p.zeroed; every row's histogram, then every row's counters). They
+// are zero when the score stage starts, with no memset a call: the score stage's last block of the
+// row zeroes the histogram and its count once it has read them, the select stage's last block the
+// rest. (A memset before the score stage was a stream operation of every call, and the score stage
+// then followed a memset instead of launching as a kernel's programmatic dependent: without it the
+// calls took 2-6% less at B1 x 32k to B4 x 128k; BENCHMARKS.md, fifty-first session.)
+template <class P>
+__device__ __forceinline__ unsigned* sparq_hist(const P& p, int row) {
+  return static_cast<unsigned*>(p.zeroed) + static_cast<long long>(row) * kSparqBins;
+}
+
+template <class P>
+__device__ __forceinline__ int* sparq_ctr(const P& p, int row) {
+  const long long rows = static_cast<long long>(p.batch) * p.row_heads;
+  return static_cast<int*>(p.zeroed) + rows * kSparqBins + row * 4;
+}
+
 template <class P>
 __device__ __forceinline__ const int* sparq_pages(const P& p, int b) {
   return p.page_indices + p.page_indptr[b];

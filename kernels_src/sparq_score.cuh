@@ -229,7 +229,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   }
   if (G <= 4) flush(0);
   __syncthreads();
-  unsigned* hist = reinterpret_cast<unsigned*>(sparq_i(p, p.off_hist)) + static_cast<long long>(row) * kSparqBins;
+  unsigned* hist = sparq_hist(p, row);
   for (int i = tid; i < kSparqBins; i += kSparqThreads)
     if (hist_s[i]) atomicAdd(&hist[i], hist_s[i]);
   float* part = sparq_f(p, p.off_part) + static_cast<long long>(row) * p.n_chunks * G * 2;
@@ -242,9 +242,10 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   }
   // -- the row's last block: per head the row's (max, sum) into chunk 0's entry (warp h merges the
   // chunks, a lane each), and the bin holding the k-th largest score
-  int* ctr = sparq_i(p, p.off_ctr) + row * 4;
+  int* ctr = sparq_ctr(p, row);
   const int n_blocks = (n + kSparqChunk * p.chunk_steps - 1) / (kSparqChunk * p.chunk_steps);
   if (!sparq_last(ctr, n_blocks, flag)) return;
+  if (tid == 0) ctr[0] = 0;  // every block has counted (the next call's score stage finds it zero)
   for (int h = warp; h < G; h += kSparqWarps) {
     float m = -inf(), z = 0.f;
     for (int c = lane; c < n_blocks; c += 32)
@@ -256,10 +257,16 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const int k_eff = min(p.k, n);
   if (k_eff >= n) {  // every key is chosen
     if (tid == 0) info[0] = -1, info[1] = n, info[2] = k_eff;
+    for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
     return;
   }
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = __ldcg(hist + i);
   __syncthreads();
+  // Zeroed for the next call (sparq_hist) in a loop of its own: a store behind each load of the loop
+  // above kept its loads from being issued together, and this block, the row's last, made the stage
+  // 24% slower at B8 x 32k (65-66 against 52.5-53 us; 188-190 against 134 with a row per query head;
+  // BENCHMARKS.md, fifty-first session).
+  for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
   unsigned* sums = reinterpret_cast<unsigned*>(qt_s);  // 16 bins per thread (q~ is no longer read)
   static_assert(kSparqBins == 16 * kSparqThreads, "16 bins per thread");
   unsigned s16 = 0u;

@@ -100,6 +100,30 @@ def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r
     _check(q, seqs, out, pos, r, k, dtype, select)
 
 
+def test_calls_leave_their_histograms_and_counters_zero():
+    """The score and select stages count in the stream's zeroed counter block and leave it zero (no
+    memset a call): a call repeated on one stream, after calls that choose every key (k >= length:
+    the score stage's other exit) and exact decodes with split counters in the same block, chooses
+    the same keys (positions come in claim order: compared as sets) and each call's output is SparQ
+    over its keys (the reference check)."""
+    rng = np.random.default_rng(5)
+    dtype, Hkv, G, D = "bfloat16", 2, 4, 128
+    t = DTYPES[dtype]
+    q = rng.standard_normal((2, 1, Hkv * G, D)).astype(t)
+    seqs = [_structured(rng, n, Hkv, D, q[b, 0].astype(np.float64).reshape(Hkv, G, D)) for b, n in enumerate((5000, 3001))]
+    cache = pyattn.PagedKVCache(600, 16, Hkv, D, dtype, sparq=True)
+    ids = _fill(cache, seqs, t)
+    dq = pyattn.asarray(q)
+    first = [x.numpy() for x in pyattn.sparq_decode(dq, cache, ids, r=32, k=400, return_indices=True)]
+    _check(q, seqs, first[0], first[1], 32, 400, dtype)
+    for _ in range(2):
+        pyattn.sparq_decode(dq, cache, ids, r=32, k=8000)
+        pyattn.decode(dq, cache, ids, num_splits=7)
+        again = [x.numpy() for x in pyattn.sparq_decode(dq, cache, ids, r=32, k=400, return_indices=True)]
+        assert np.array_equal(np.sort(again[1], axis=-1), np.sort(first[1], axis=-1))
+        _check(q, seqs, again[0], again[1], 32, 400, dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_k_at_least_the_length_is_exact_attention(dtype):
     rng = np.random.default_rng(2)

@@ -218,7 +218,9 @@ KV_SPARQ_PARAMS = ParamStruct(
 # SparQ decode stages (sparq.cuh). Rows are (sequence, row head): row_heads per sequence, each with
 # `group` query heads (q heads rh * group ...), reading kv head rh / kv_div. ws: one workspace;
 # off_*: byte offsets of its parts (per-block softmax partials at 0, then order-key scores,
-# histograms, counters, thresholds, candidate keys and positions), laid out by pyattn.ops.sparq.
+# thresholds, candidate keys and positions), laid out by pyattn.ops.sparq. zeroed: the rows'
+# histograms (4096 words a row) then their counters (4 a row), in the stream's zeroed counter
+# block (MemoryPool.counters): zero when the score stage starts, left zero by the select stage.
 # The page table is the cache's CSR (page_indices, page_indptr, kv_len); sel / sel_pos / dec_len are
 # the decode's block table (k_max entries a row), the chosen positions and counts; o / dlse the
 # decode's output and LSE over rows (q_0..q_{G-1}, q~_0..q~_{G-1}).
@@ -227,8 +229,8 @@ SPARQ_PARAMS = ParamStruct(
     (("q", "ptr"), ("qx", "mut_ptr"), ("kt", "ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("ws", "mut_ptr"), ("sel", "mut_ptr"), ("sel_pos", "mut_ptr"), ("dec_len", "mut_ptr"),
      ("o", "ptr"), ("dlse", "f32_cptr"), ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("out", "mut_ptr"),
-     ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"), ("off_hist", "i64"),
-     ("off_ctr", "i64"), ("off_info", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"),
+     ("zeroed", "mut_ptr"), ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"), ("off_info", "i64"),
+     ("off_cand_u", "i64"), ("off_cand_i", "i64"),
      ("n_chunks", "i32"), ("chunk_steps", "i32"), ("k_max", "i32"))  # per call; the rest per plan
     + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("out_stride_b", "i64"), ("out_stride_h", "i64"),
        ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))

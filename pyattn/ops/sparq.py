@@ -22,7 +22,7 @@ from ..pipeline.device import finish, output, start
 from ..pipeline import host
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
-from ..runtime.memory import memset_async
+from ..runtime.memory import get_pool
 from ..runtime.stream import check_stream_arg
 from ..validate.options import LOG2E, check_bool
 from ..validate.paged import DecodeProblem, PoolInfo
@@ -43,7 +43,7 @@ class _Plan(NamedTuple):
     decode: DecodeProblem  # the attention over the chosen keys
     rows: int
     slots: tuple  # concurrent blocks on the GPU of the score and the select kernels
-    pdl: bool  # the select and finish launch as programmatic dependents (KernelSpec.dependent_launch)
+    pdl: bool  # the stages launch as programmatic dependents (KernelSpec.dependent_launch)
 
 
 def _build(P, device) -> _Plan:
@@ -72,9 +72,9 @@ def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
     """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
     ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row."""
     lpad = n_chunks * steps * _CHUNK
-    # ("hist" and "ctr" stay neighbours: _run zeroes them with one memset, from "hist" to "info".)
-    parts = [("part", rows * n_chunks * G * 2), ("score", rows * lpad), ("hist", rows * _BINS), ("ctr", rows * 4),
-             ("info", rows * 4), ("cand_u", rows * lpad), ("cand_i", rows * lpad)]
+    # (The histograms and counters are not here: they live in the stream's zeroed counter block.)
+    parts = [("part", rows * n_chunks * G * 2), ("score", rows * lpad), ("info", rows * 4), ("cand_u", rows * lpad),
+             ("cand_i", rows * lpad)]
     offs, at = {}, 0
     for name, words in parts:  # 4-byte words, each part 256-byte aligned
         offs[name] = at
@@ -108,19 +108,21 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
 
     def go(kernel, grid, block_steps, o=0, dlse=0, pdl=False):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
-                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, lpad, offs["part"],
-                                  offs["score"], offs["hist"], offs["ctr"], offs["info"],
-                                  offs["cand_u"], offs["cand_i"], n_chunks, block_steps, k_max)
+                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, zeroed, lpad, offs["part"],
+                                  offs["score"], offs["info"], offs["cand_u"], offs["cand_i"], n_chunks,
+                                  block_steps, k_max)
         launch(kernel, grid, (plan.threads, 1, 1), 0, s, params, pdl)
 
-    # The histograms and counters start at zero: one memset (the score blocks add into them) in
-    # place of the prep stage that zeroed them before its choice moved into the score blocks.
-    memset_async(ws.ptr + offs["hist"], 0, offs["info"] - offs["hist"], s)
+    # The rows' histograms and counters (the score blocks add into them): the stream's counter
+    # block, zero when the score stage starts and left zero by the select stage (sparq_common.cuh's
+    # sparq_ctr), so a call needs no memset of its own. The chosen-key decode takes the same block
+    # for its split counters after the select stage, and leaves them zero as well.
+    zeroed = get_pool(device).counters(rows * (_BINS + 4), s)
     score_k, select_k, finish_k = plan.kernels
-    # On sm_90+ (plan.pdl) the select, the decode and the finish each launch as the kernel before's
-    # programmatic dependent (they wait for it in-kernel: kernels_src/pdl.cuh), so that each launch
-    # overlaps that kernel's tail. The score stage follows the memset, not a kernel: plainly.
-    go(score_k, (n_chunks, rows, 1), steps)
+    # On sm_90+ (plan.pdl) every stage and the decode launch as the kernel before's programmatic
+    # dependent (each waits for it in-kernel: kernels_src/pdl.cuh), so that each launch overlaps
+    # that kernel's tail.
+    go(score_k, (n_chunks, rows, 1), steps, pdl=plan.pdl)
     go(select_k, (n_sel, rows, 1), steps_sel, pdl=plan.pdl)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
