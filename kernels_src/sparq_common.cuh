@@ -55,7 +55,7 @@ __device__ __forceinline__ int* sparq_i(const P& p, long long off) {
 // row zeroes the histogram and its count once it has read them, the select stage's last block the
 // rest. (A memset before the score stage was a stream operation of every call, and the score stage
 // then followed a memset instead of launching as a kernel's programmatic dependent: without it the
-// calls took 2-6% less at B1 x 32k to B4 x 128k; BENCHMARKS.md, fifty-first session.)
+// calls took 5% less at B1 x 32k, 2% at B8 x 32k, 1% at B4 x 128k; BENCHMARKS.md, fifty-first session.)
 template <class P>
 __device__ __forceinline__ unsigned* sparq_hist(const P& p, int row) {
   return static_cast<unsigned*>(p.zeroed) + static_cast<long long>(row) * kSparqBins;
