@@ -269,9 +269,9 @@ __device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
 // kernel of its own, so that each gets its own registers and launch bounds: as one kernel switching
 // on the stage, the select and finish stages ran with the score stage's 127 registers (2 blocks an
 // SM), and a change to one stage's code moved another's time (BENCHMARKS.md, forty-ninth and
-// fiftieth sessions). Each waits first for the stream's previous kernel (pdl.cuh): on sm_90+ the
-// select, decode and finish launch as their predecessor's programmatic dependents, so that each
-// launch overlaps the last one's tail.
+// fiftieth sessions). Each waits first for the stream's previous kernel (pdl.cuh): on sm_90+ every
+// stage and the decode between them launch as their predecessor's programmatic dependents, so that
+// each launch overlaps the last one's tail.
 template <typename T, class P>
 __device__ __forceinline__ void sparq_score_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqScoreBytes];

@@ -110,7 +110,8 @@ def test_calls_leave_their_histograms_and_counters_zero():
     dtype, Hkv, G, D = "bfloat16", 2, 4, 128
     t = DTYPES[dtype]
     q = rng.standard_normal((2, 1, Hkv * G, D)).astype(t)
-    seqs = [_structured(rng, n, Hkv, D, q[b, 0].astype(np.float64).reshape(Hkv, G, D)) for b, n in enumerate((5000, 3001))]
+    seqs = [_structured(rng, n, Hkv, D, q[b, 0].astype(np.float64).reshape(Hkv, G, D))
+            for b, n in enumerate((5000, 3001))]
     cache = pyattn.PagedKVCache(600, 16, Hkv, D, dtype, sparq=True)
     ids = _fill(cache, seqs, t)
     dq = pyattn.asarray(q)

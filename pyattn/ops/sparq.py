@@ -116,7 +116,9 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # The rows' histograms and counters (the score blocks add into them): the stream's counter
     # block, zero when the score stage starts and left zero by the select stage (sparq_common.cuh's
     # sparq_ctr), so a call needs no memset of its own. The chosen-key decode takes the same block
-    # for its split counters after the select stage, and leaves them zero as well.
+    # for its split counters after the select stage, and leaves them zero as well. (When the block
+    # grows, its memset comes right before the score stage: the driver lets a programmatic launch
+    # overlap only a previous kernel that asks for it, so the score stage still follows the memset.)
     zeroed = get_pool(device).counters(rows * (_BINS + 4), s)
     score_k, select_k, finish_k = plan.kernels
     # On sm_90+ (plan.pdl) every stage and the decode launch as the kernel before's programmatic

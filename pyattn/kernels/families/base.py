@@ -15,8 +15,8 @@ from typing import Callable, Mapping, NamedTuple
 from ...runtime.device import SUPPORTED_ARCHS
 
 __all__ = ["DTYPES", "FP8_DTYPES", "CTYPES", "HEAD_DIM_BUCKETS", "MAX_HEAD_DIM", "MASK_KINDS", "TMA_MASK_KINDS", "KV_KINDS",
-           "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "PDL_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile", "Alignment",
-           "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family", "tma_page_boxes",
+           "KV_HEAD_DIM_BUCKETS", "WGMMA_ARCHS", "PDL_ARCHS", "WGMMA_BWD_MAX_HEAD_DIM", "TileConfig", "FixedTile",
+           "Alignment", "TENSOR_CORE_ALIGNMENT", "PAGED_ALIGNMENT", "Family", "tma_page_boxes",
            "every_arch", "score_mods", "entry_name", "no_shared_memory", "dense_table", "table_tiles"]
 
 # The records and tile rows below are NamedTuples or plain classes, not frozen dataclasses: a
@@ -43,10 +43,10 @@ TMA_MASK_KINDS = ("bits", "f16_row", "bf16_row", "f32_row")
 # with per-(slot, kv head) fp32 scales -> kernels_src KvKind.
 KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
 KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
-WGMMA_ARCHS = ("sm_90a",)
+WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 # Programmatic dependent launch (griddepcontrol, cuLaunchKernelEx's programmatic stream
 # serialization): compute capability 9.0 and later.
-PDL_ARCHS = ("sm_90a", "sm_100a")  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
+PDL_ARCHS = ("sm_90a", "sm_100a")
 # attn_bwd_wgmma holds a warpgroup's dK + dV (64 keys x head_dim each) in registers: head dims up to 128.
 WGMMA_BWD_MAX_HEAD_DIM = 128
 
