@@ -93,7 +93,8 @@ def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache)
 def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(gpu):
     """Programmatic dependent launch only where the kernel waits in-kernel (griddepcontrol.wait
     before its first global access) and the arch has it (sm_90+): every decode kernel, the TMA-fed
-    one (pages of a power of two from 16) and the cp.async one (pages of 8 here) alike; on sm_80 /
+    one (pages of a power of two from 16) and the cp.async one (pages of 8 here) alike, the append
+    and SparQ's stages; on sm_80 /
     sm_86 / sm_89 none, where the wait compiles to nothing. A kernel launched so without the wait
     would read the cache while the stream's previous kernel may still write it."""
     for page in (16, 8):
@@ -103,11 +104,16 @@ def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(g
         pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16), c, ids)
         (name,) = fake_driver.PDL_LAUNCHES
         assert ("tma" in name) == (page == 16), (page, name)
+        fake_driver.PDL_LAUNCHES.clear()  # a serving step's append follows the model's kernels alike
+        kv = np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16)
+        c.append(ids, kv, kv)
+        assert [n.startswith("pyattn_kv_append_") for n in fake_driver.PDL_LAUNCHES] == [True]
     waiting = {name for name, rec in FAMILIES.items() if rec.dependent_launch}
     assert waiting == {"attn_decode", "attn_decode_tma", "attn_decode_swap", "sparq_score", "sparq_select",
-                       "sparq_finish"}
+                       "sparq_finish", "kv_append"}
     for name in waiting:
-        spec = KernelSpec(name, "bf16", 128, "sm_90a", q_tiles=1 if name.startswith("attn_decode") else 0)
+        spec = KernelSpec(name, "bf16", 32 if name == "kv_append" else 128, "sm_90a",
+                          q_tiles=1 if name.startswith("attn_decode") else 0)
         assert spec.dependent_launch, name
         if "tma" not in name and "swap" not in name:  # (the TMA families are sm_90a's only)
             assert not spec.replace(arch="sm_89").dependent_launch, name
@@ -118,6 +124,9 @@ def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(g
         text = (src / name).read_text()
         body = text[text.index("  const DecodeBlock<Tr> blk(p);") - 400:text.index("  const DecodeBlock<Tr> blk(p);")]
         assert "pdl::wait();" in body, name  # the wait comes before the block reads kv_len / the page table
+    text = (src / "kv_append.cuh").read_text()
+    body = text[text.index("void kv_append(const KvAppendParams& p) {"):]
+    assert body.index("pdl::wait();") < body.index("p.table[")  # before its first global access
     text = (src / "sparq.cuh").read_text()
     for stage in ("score", "select", "finish"):
         entry = text[text.index(f"void sparq_{stage}_stage("):]
