@@ -94,9 +94,9 @@ def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(g
     """Programmatic dependent launch only where the kernel waits in-kernel (griddepcontrol.wait
     before its first global access) and the arch has it (sm_90+): every decode kernel, the TMA-fed
     one (pages of a power of two from 16) and the cp.async one (pages of 8 here) alike, the append
-    and SparQ's stages; on sm_80 /
-    sm_86 / sm_89 none, where the wait compiles to nothing. A kernel launched so without the wait
-    would read the cache while the stream's previous kernel may still write it."""
+    and SparQ's stages; on sm_80 / sm_86 / sm_89 none, where the wait compiles to nothing. A kernel
+    launched so without the wait would read the cache while the stream's previous kernel may still
+    write it."""
     for page in (16, 8):
         c = pyattn.PagedKVCache(64, page, 2, 64, "bfloat16")
         ids = [c.add_sequence() for _ in range(2)]

@@ -54,7 +54,8 @@ def post_items(box: Mailbox, parts: list, device, s) -> tuple:
 
 
 def launch_kv_append(kernel, packer, threads_per_item: int, block: int, sm_count: int, s, items: int,
-                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0), pdl: bool = False) -> None:
+                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0),
+                     pdl: bool = False) -> None:
     """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
     ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
     tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
