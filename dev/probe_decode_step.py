@@ -1,7 +1,8 @@
 """A serving loop's decode step as users write it: append one token's K/V to each sequence, then
 decode, on a PagedKVCache (bf16, page 16, GQA 32/8, D 128). Host time per step (wall of a loop of
-steps and one sync; the GPU is far from busy at these sizes) against decode alone (tables cached),
-append alone, and the GPU time of the step (events), at B = 1, 8, 64 over 1k-token prefixes.
+steps and one sync; the GPU is far from busy at these sizes) against decode alone (tables cached)
+and append alone, at B = 1, 8, 64 over 1k-token prefixes. (The step's GPU time: dev/probe_step_gpu.py;
+a loop of steps timed by events here read the host's time, not the GPU's.)
 
 Usage: PYTHONPATH=. python dev/probe_decode_step.py [--steps N] [--profile] [--micro] [--torch]
 (``--micro``: first the host cost of an append's pieces: a small upload, pool allocation, events;
@@ -14,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 import pyattn
-from pyattn.runtime.stream import Event, default_stream
+from pyattn.runtime.stream import default_stream
 
 
 def per_call_us(fn, n: int, sync, *, warmup: int = 20, host_only: bool = False) -> float:
@@ -40,7 +41,6 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also a cProfile of B = 8 steps")
     opts = ap.parse_args()
     dev = pyattn.get_device()
-    s = default_stream(dev)
     rng = np.random.default_rng(0)
     for B in (1, 8, 64):
         pages = B * (2048 + 3 * opts.steps) // 16 + 64
@@ -59,21 +59,10 @@ def main():
 
         timed = lambda fn, n: per_call_us(fn, n, dev.synchronize)  # noqa: E731
 
-        def gpu(fn, n):
-            e0, e1 = Event(dev, timing=True), Event(dev, timing=True)
-            dev.synchronize()
-            s.record(e0)
-            for _ in range(n):
-                fn()
-            s.record(e1)
-            e1.synchronize()
-            return e0.elapsed_ms(e1) / n * 1e3
-
         n = opts.steps
         st = timed(step, n)
         ap_ = timed(lambda: cache.append(ids, kn, kn), n)
         de = timed(lambda: pyattn.decode(q, cache, ids), n)
-        g = gpu(step, 100)
         if opts.profile and B == 8:
             import cProfile
             import pstats
@@ -85,7 +74,7 @@ def main():
             dev.synchronize()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
         print(f"B={B:3d}: append + decode step {st:7.1f} us | append alone {ap_:7.1f} | decode alone (tables cached) "
-              f"{de:6.1f} | step, GPU-side (events) {g:7.1f} us")
+              f"{de:6.1f} us")
 
 
 def micro():
