@@ -262,10 +262,11 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   }
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist_s[i] = __ldcg(hist + i);
   __syncthreads();
-  // Zeroed for the next call (sparq_hist) in a loop of its own: a store behind each load of the loop
-  // above kept its loads from being issued together, and this block, the row's last, made the stage
-  // 24% slower at B8 x 32k (65-66 against 52.5-53 us; 188-190 against 134 with a row per query head;
-  // BENCHMARKS.md, fifty-first session).
+  // Zeroed for the next call (sparq_hist) in a loop of its own, after the loads: with each word's
+  // store right behind its load in the loop above (the SASS issues them back to back, so the hold-up
+  // is presumably each store waiting for its address's load in flight) this block, the row's last,
+  // made the stage 24% slower at B8 x 32k (65-66 against 52.5-53 us; 188-190 against 134 with a row
+  // per query head; BENCHMARKS.md, fifty-first session).
   for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;
   unsigned* sums = reinterpret_cast<unsigned*>(qt_s);  // 16 bins per thread (q~ is no longer read)
   static_assert(kSparqBins == 16 * kSparqThreads, "16 bins per thread");
