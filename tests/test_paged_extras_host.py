@@ -20,10 +20,13 @@ def gpu(monkeypatch):
         yield fake
 
 
-def _launched():
+def _family(name):
     # entry points are pyattn_<family>_<dtype>_d<dim>_...: the family
-    names = [(re.match(r"pyattn_([a-z0-9_]+?)_(?:f16|bf16|f32)_d", name).group(1), grid)
-             for name, grid, _, _ in fake_driver.LAUNCHES]
+    return re.match(r"pyattn_([a-z0-9_]+?)_(?:f16|bf16|f32)_d", name).group(1)
+
+
+def _launched():
+    names = [(_family(name), grid) for name, grid, _, _ in fake_driver.LAUNCHES]
     fake_driver.LAUNCHES.clear()
     return names
 
@@ -72,7 +75,7 @@ def test_sparq_state_and_decode_launches(gpu):
     out, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, return_indices=True)
     # on sm_90a every stage launches as the kernel before's programmatic dependent: each waits for
     # it in-kernel (kernels_src/pdl.cuh)
-    pdl = [re.match(r"pyattn_([a-z0-9_]+?)_(?:f16|bf16)_d", n).group(1) for n in fake_driver.PDL_LAUNCHES]
+    pdl = [_family(n) for n in fake_driver.PDL_LAUNCHES]
     names = _launched()
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first

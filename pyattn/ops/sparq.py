@@ -106,12 +106,12 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
     out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype)
 
-    def go(kernel, grid, block_steps, o=0, dlse=0, pdl=False):
+    def go(kernel, grid, block_steps, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
                                   dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, zeroed, lpad, offs["part"],
                                   offs["score"], offs["info"], offs["cand_u"], offs["cand_i"], n_chunks,
                                   block_steps, k_max)
-        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params, pdl)
+        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params, plan.pdl)
 
     # The rows' histograms and counters (the score blocks add into them): the stream's counter
     # block, zero when the score stage starts and left zero by the select stage (sparq_common.cuh's
@@ -124,12 +124,12 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # On sm_90+ (plan.pdl) every stage and the decode launch as the kernel before's programmatic
     # dependent (each waits for it in-kernel: kernels_src/pdl.cuh), so that each launch overlaps
     # that kernel's tail.
-    go(score_k, (n_chunks, rows, 1), steps, pdl=plan.pdl)
-    go(select_k, (n_sel, rows, 1), steps_sel, pdl=plan.pdl)
+    go(score_k, (n_chunks, rows, 1), steps)
+    go(select_k, (n_sel, rows, 1), steps_sel)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
     o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
-    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr, plan.pdl)
+    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr)
     finish(s, [ws, o, lse, vrow])
     pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
         if return_indices else None
