@@ -188,9 +188,6 @@ __device__ __forceinline__ void attn_decode16(const DecodeParams& p) {
   T* sK = sQ + ROWS * LD;                  // [S][KB][LD]
   T* sV = sK + S * KB * LD;                // [S][KB][LD]
 
-  // Launched as the stream's previous kernel's programmatic dependent on sm_90+ (pdl.cuh): global
-  // memory is touched only once that kernel has finished.
-  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int n_tiles = blk.n_tiles, n_first = blk.n_first, end = blk.end;
   const int* pages = blk.pages;

@@ -185,9 +185,6 @@ __device__ __forceinline__ void attn_decode_q8(const DecodeParams& p) {
   unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
   constexpr int SEGB = SegRec<D>::kBytes;
 
-  // Launched as the stream's previous kernel's programmatic dependent on sm_90+ (pdl.cuh): global
-  // memory is touched only once that kernel has finished.
-  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 

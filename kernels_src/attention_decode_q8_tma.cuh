@@ -29,7 +29,6 @@
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
-#include "pdl.cuh"
 
 namespace pyattn {
 
@@ -121,9 +120,6 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   unsigned char* sSeg = reinterpret_cast<unsigned char*>(sVs + S * KB);  // [S][KB / 16] SegRec (per-channel keys)
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
-  // Launched with programmatic stream serialization (pdl.cuh): global memory is touched only once
-  // the kernel before has finished.
-  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   if (threadIdx.x == 0) {

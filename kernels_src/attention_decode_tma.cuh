@@ -31,7 +31,6 @@
 #pragma once
 #include "mbarrier.cuh"
 #include "tma.cuh"
-#include "pdl.cuh"
 #include "decode_swap.cuh"
 
 namespace pyattn {
@@ -245,9 +244,6 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   T* sV = sK + S * H * KB * 64;                                                             // [S][KB / 16][H][16][64]
   const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * S;
 
-  // Launched with programmatic stream serialization (pdl.cuh): global memory is touched only once
-  // the kernel before has finished.
-  pdl::wait();
   const DecodeBlock<Tr> blk(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {

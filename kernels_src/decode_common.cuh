@@ -4,7 +4,6 @@
 // Requires pyattn::DecodeParams, common.cuh and mma.cuh.
 #pragma once
 #include "band.cuh"
-#include "pdl.cuh"
 
 namespace pyattn {
 

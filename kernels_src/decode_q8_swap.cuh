@@ -8,7 +8,6 @@
 // Requires decode_q8_stage.cuh (and through it decode_common.cuh, q8_codes.cuh, mma.cuh).
 #pragma once
 #include "mbarrier.cuh"
-#include "pdl.cuh"
 #include "decode_swap.cuh"
 
 namespace pyattn {

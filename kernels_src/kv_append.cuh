@@ -11,13 +11,9 @@
 //   amax = max |x|; inv = min(kMax / amax, FLT_MAX); code = encode(x * inv); scale = amax / kMax
 // with amax == 0 -> codes 0, scale 0, and a row holding NaN or +-inf -> codes 0, scale NaN.
 // A copy-on-write item copies codes and scale unchanged.
-// On sm_90+ the host launches it as the stream's previous kernel's programmatic dependent (a serving
-// step's append follows the model's own kernels, or the last layer's decode): it waits for that
-// kernel (pdl.cuh) before touching global memory.
 // Requires pyattn::KvAppendParams and common.cuh.
 #pragma once
 #include "kv_quant.cuh"
-#include "pdl.cuh"
 
 namespace pyattn {
 
@@ -64,7 +60,6 @@ __device__ __forceinline__ void kv_quantize_row(const uint4& raw, unsigned char*
 template <typename T, int KV>
 __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
   static_assert(KV >= 0 && KV <= 2, "KV: 0 = 16-bit pool, 1 = int8, 2 = fp8 e4m3");
-  pdl::wait();
   // The decode table's patches (its new lengths and page entries, pyattn/paged/decode_table.py):
   // distinct int32 entries the decode reads only after this kernel (stream order), so any thread.
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < p.n_patches;

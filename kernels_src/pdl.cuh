@@ -1,15 +1,16 @@
-// Programmatic dependent launch (sm_90 and later): a kernel launched with the programmatic stream
-// serialization attribute (pyattn.runtime.launch, pdl=True) may have its blocks start while the
-// kernel before it in the stream is still running, so that the launch and the blocks' start
-// overlap that kernel's tail (the TMA decode spent 1.2-3.9 us a call between back-to-back kernels
+// Programmatic dependent launch (sm_90 and later). Every pyattn kernel's entry point (rendered by
+// pyattn.jit.source.render) calls wait() as its first statement, and on sm_90+ every launch
+// (pyattn.runtime.launch) sets the programmatic stream serialization attribute: a kernel's blocks
+// may then start while the kernel before it in the stream is still finishing, so that its launch
+// and block start overlap that kernel's tail (back-to-back decodes spent 1.2-3.9 us between kernels
 // on an H200: BENCHMARKS.md, thirty-second session). wait() returns once every prerequisite grid
-// has completed and its memory is visible (at once when there is none, e.g. a plain launch);
-// nothing global may be read or written before it, since the kernel before may still be writing
-// (or reading) it. Kernels that also build for sm_80 / sm_86 / sm_89 (the cp.async decodes, SparQ's
-// stages) call it there too, where it compiles to nothing and the host launches them plainly
+// has completed and its memory is visible (at once when there is none, e.g. after a memset, a
+// copy or a plain launch); nothing global may be read or written before it, since the kernel before
+// may still be writing (or reading) it, which is why the entry point, not each kernel, calls it:
+// no kernel can touch memory first. Below sm_90 it compiles to nothing and the host launches plainly
 // (KernelSpec.dependent_launch).
 //
-// The decode kernels never call griddepcontrol.launch_dependents: without it a block counts as
+// No pyattn kernel calls griddepcontrol.launch_dependents: without it a block counts as
 // triggered when it exits, so the next kernel is launched when this grid's last block exits, and
 // that launch still overlaps the grid's completion and memory flush (no programmatic launch at
 // all cost 2.1-2.5 us a call at B8 x 4k and B1 x 32k). Triggered after the key loop instead, the next

@@ -43,7 +43,6 @@
 // select, finish and the entry point follow here.
 // Requires pyattn::SparqParams and common.cuh.
 #pragma once
-#include "pdl.cuh"
 #include "sparq_common.cuh"
 #include "sparq_score.cuh"
 
@@ -269,25 +268,22 @@ __device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
 // kernel of its own, so that each gets its own registers and launch bounds: as one kernel switching
 // on the stage, the select and finish stages ran with the score stage's 127 registers (2 blocks an
 // SM), and a change to one stage's code moved another's time (BENCHMARKS.md, forty-ninth and
-// fiftieth sessions). Each waits first for the stream's previous kernel (pdl.cuh): on sm_90+ every
-// stage and the decode between them launch as their predecessor's programmatic dependents, so that
-// each launch overlaps the last one's tail.
+// fiftieth sessions). Like every pyattn kernel, each entry waits first for the stream's previous
+// kernel (pdl.cuh), so on sm_90+ every stage and the decode between them launch as their
+// predecessor's programmatic dependents, each launch overlapping the last one's tail.
 template <typename T, class P>
 __device__ __forceinline__ void sparq_score_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqScoreBytes];
-  pdl::wait();
   sparq_score<T>(p, smem);
 }
 template <typename T, class P>
 __device__ __forceinline__ void sparq_select_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqSelectBytes];
-  pdl::wait();
   sparq_select<T>(p, smem);
 }
 template <typename T, class P>
 __device__ __forceinline__ void sparq_finish_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[4 * kSparqMaxGroup];  // alpha per head
-  pdl::wait();
   sparq_finish<T>(p, smem);
 }
 

@@ -155,7 +155,7 @@ def launched(monkeypatch):
         name_of(fn)
         return real(fn, *args)
 
-    def record_ex(config, fn, *args):  # the TMA decode's launches (programmatic dependents)
+    def record_ex(config, fn, *args):  # sm_90+ launches (programmatic dependents)
         name_of(fn)
         return real_ex(config, fn, *args)
 

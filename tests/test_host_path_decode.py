@@ -17,7 +17,6 @@ from cuda.bindings import driver
 import fake_driver
 import pyattn
 from pyattn.jit.source import kernel_source_dir
-from pyattn.kernels.families import FAMILIES
 from pyattn.kernels.specs import KernelSpec
 from pyattn.runtime import launch
 from _host_path_helpers import _da, _repeat_calls
@@ -25,8 +24,8 @@ from _host_path_helpers import _da, _repeat_calls
 
 def test_decode_repeat_calls(gpu, cache, full_decode):
     """A steady decode loop: one context check and one launch (two splits, their combine fused in),
-    the TMA decode's as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx
-    with programmatic stream serialization: kernels_src/pdl.cuh); the partials share the output's
+    as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx with
+    programmatic stream serialization: kernels_src/pdl.cuh); the partials share the output's
     block; q's new address is read."""
     c, ids = cache
     gpu.record_launches = True
@@ -83,54 +82,42 @@ def test_decode_with_a_large_combine_share_merges_in_a_second_launch(gpu, cache)
     (name, grid, _, p), (cname, _, cstream, cp) = fake_driver.LAUNCHES
     assert name.startswith("pyattn_attn_decode_tma") and grid[0] == 33 and p[7] == 0
     assert cname.startswith("pyattn_split_combine") and cp[:2] == (p[5], p[6]) and cp[4] == out.ptr
-    assert cname not in fake_driver.PDL_LAUNCHES  # a plain launch: it reads the decode's partials
+    assert cname in fake_driver.PDL_LAUNCHES  # its entry waits for the decode, whose partials it reads
     fake_driver.LAUNCHES.clear()
     pyattn.decode(q, c, ids, num_splits=2)  # 8 items x 1 batch: within the budget, fused
     ((name, grid, _, p),) = fake_driver.LAUNCHES
     assert grid[0] == 2 and p[7] != 0
 
 
-def test_only_kernels_that_wait_for_their_predecessor_launch_as_its_dependents(gpu):
-    """Programmatic dependent launch only where the kernel waits in-kernel (griddepcontrol.wait
-    before its first global access) and the arch has it (sm_90+): every decode kernel, the TMA-fed
-    one (pages of a power of two from 16) and the cp.async one (pages of 8 here) alike, the append
-    and SparQ's stages; on sm_80 / sm_86 / sm_89 none, where the wait compiles to nothing. A kernel
-    launched so without the wait would read the cache while the stream's previous kernel may still
-    write it."""
+def test_every_kernel_waits_for_its_predecessor_and_launches_as_its_dependent_on_sm_90(gpu):
+    """Programmatic dependent launch: every kernel's rendered entry point waits for the stream's
+    previous kernel (griddepcontrol.wait) before the kernel runs, and kernels_src holds no wait of
+    its own (one place, so no kernel can touch global memory first); on sm_90+ every launch
+    (decode, TMA-fed or cp.async, its separate split combine, the append, attention) is that
+    kernel's programmatic dependent, on sm_80 / sm_86 / sm_89 none, where the wait compiles to
+    nothing. A kernel launched so without the wait would read what its predecessor still writes."""
+    gpu.record_launches = True
     for page in (16, 8):
         c = pyattn.PagedKVCache(64, page, 2, 64, "bfloat16")
         ids = [c.add_sequence() for _ in range(2)]
+        fake_driver.LAUNCHES.clear()
         fake_driver.PDL_LAUNCHES.clear()
         pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16), c, ids)
-        (name,) = fake_driver.PDL_LAUNCHES
-        assert ("tma" in name) == (page == 16), (page, name)
-        fake_driver.PDL_LAUNCHES.clear()  # a serving step's append follows the model's kernels alike
         kv = np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16)
-        c.append(ids, kv, kv)
-        assert [n.startswith("pyattn_kv_append_") for n in fake_driver.PDL_LAUNCHES] == [True]
-    waiting = {name for name, rec in FAMILIES.items() if rec.dependent_launch}
-    assert waiting == {"attn_decode", "attn_decode_tma", "attn_decode_swap", "sparq_score", "sparq_select",
-                       "sparq_finish", "kv_append"}
-    for name in waiting:
-        spec = KernelSpec(name, "bf16", 32 if name == "kv_append" else 128, "sm_90a",
-                          q_tiles=1 if name.startswith("attn_decode") else 0)
-        assert spec.dependent_launch, name
-        if "tma" not in name and "swap" not in name:  # (the TMA families are sm_90a's only)
-            assert not spec.replace(arch="sm_89").dependent_launch, name
-    assert not KernelSpec("split_combine", "bf16", 128, "sm_90a").dependent_launch
+        c.append(ids, kv, kv)  # a serving step's append follows the model's kernels alike
+        pyattn.attention(*(_da((1, 64, 2, 64), ml_dtypes.bfloat16) for _ in range(3)))
+        if page == 16:  # a combine share over the fused budget: the separate split_combine too
+            pyattn.decode(_da((2, 16, 8, 64), ml_dtypes.bfloat16), c, ids, num_splits=33)
+        names = [n for n, *_ in fake_driver.LAUNCHES]
+        assert (names[0].startswith("pyattn_attn_decode_swap"), len(names)) == (page == 16, 5 if page == 16 else 3)
+        assert names[1].startswith("pyattn_kv_append") and names[-1].startswith("pyattn_split_combine") == (page == 16)
+        assert fake_driver.PDL_LAUNCHES == names, page
+    for arch, dependent in (("sm_90a", True), ("sm_100a", True), ("sm_89", False), ("sm_80", False)):
+        assert KernelSpec("split_combine", "bf16", 128, arch).dependent_launch is dependent
+        assert KernelSpec("attn_decode", "bf16", 128, arch, q_tiles=1).dependent_launch is dependent
     src = kernel_source_dir()
-    for name in ("attention_decode.cuh", "attention_decode_q8.cuh", "attention_decode_tma.cuh",
-                 "attention_decode_q8_tma.cuh"):
-        text = (src / name).read_text()
-        body = text[text.index("  const DecodeBlock<Tr> blk(p);") - 400:text.index("  const DecodeBlock<Tr> blk(p);")]
-        assert "pdl::wait();" in body, name  # the wait comes before the block reads kv_len / the page table
-    text = (src / "kv_append.cuh").read_text()
-    body = text[text.index("void kv_append(const KvAppendParams& p) {"):]
-    assert body.index("pdl::wait();") < body.index("p.table[")  # before its first global access
-    text = (src / "sparq.cuh").read_text()
-    for stage in ("score", "select", "finish"):
-        entry = text[text.index(f"void sparq_{stage}_stage("):]
-        assert entry.index("pdl::wait();") < entry.index(f"sparq_{stage}<T>(p, smem);"), stage
+    waits = [f.name for f in src.glob("*.cuh") if "pdl::wait()" in f.read_text() and f.name != "pdl.cuh"]
+    assert not waits  # the entry point's wait is the only one (pyattn.jit.source.render)
     assert "#if __CUDA_ARCH__ >= 900" in (src / "pdl.cuh").read_text()  # nothing to wait for below sm_90
 
 
@@ -312,7 +299,7 @@ def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
         assert name.startswith("pyattn_attn_decode_") and "tma" not in name
         return
     assert sorted(k[1] for k in keys) == sorted((c.k.ptr, c.v.ptr)) and name.startswith("pyattn_attn_decode_swap")
-    assert name in fake_driver.PDL_LAUNCHES  # it waits for its predecessor in-kernel as attn_decode_tma does
+    assert name in fake_driver.PDL_LAUNCHES  # its entry waits for its predecessor, as every kernel's does
     for dtype, _, (dims, strides), box, swizzle, l2 in keys:  # NHD pools (64 pages, 16 slots, 2 heads, 128 codes)
         assert (dtype, dims, strides, box, swizzle, l2) == ("u8", (128, 16, 2, 64), (256, 128, 4096), (128, 16), 128,
                                                             128)

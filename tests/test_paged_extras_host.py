@@ -73,8 +73,8 @@ def test_sparq_state_and_decode_launches(gpu):
     fake_driver.MEMSETS.clear()
     fake_driver.PDL_LAUNCHES.clear()
     out, pos = pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100, return_indices=True)
-    # on sm_90a every stage launches as the kernel before's programmatic dependent: each waits for
-    # it in-kernel (kernels_src/pdl.cuh)
+    # on sm_90a every kernel launches as the kernel before's programmatic dependent: each entry
+    # waits for it first (kernels_src/pdl.cuh)
     pdl = [_family(n) for n in fake_driver.PDL_LAUNCHES]
     names = _launched()
     rows = 3 * 2
@@ -86,7 +86,7 @@ def test_sparq_state_and_decode_launches(gpu):
     (before, _, byte, n), = fake_driver.MEMSETS
     assert before == 1 and byte == 0 and n >= rows * (4096 + 4) * 4
     assert names[-1] == ("sparq_finish", (rows, 1, 1))
-    assert pdl == [n for n, _ in names[1:]]
+    assert pdl == [n for n, _ in names]
     fake_driver.MEMSETS.clear()  # ... and left zero by the stages: no memset in a call once it has grown
     pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100)
     assert not fake_driver.MEMSETS and [n for n, _ in _launched()][0] == "sparq_score"

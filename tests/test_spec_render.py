@@ -130,7 +130,9 @@ def test_render_contains_entry_template_and_struct(arch):
         for family, other in HEADER_FOR.items():
             assert family == spec.family or f'#include "{other}"' not in src
         assert f"pyattn::{spec.family}<pyattn::{TRAITS_FOR[spec.family]}<" in spec.template_id
-        assert f"  {spec.template_id}(params);" in src
+        # the entry's first statement waits for the stream's previous kernel (kernels_src/pdl.cuh)
+        assert f"params) {{\n  pyattn::pdl::wait();\n  {spec.template_id}(params);\n}}" in src
+        assert src.index('#include "pdl.cuh"') < src.index(f'#include "{spec.header}"')
         assert spec.params.c_declaration() in src
         assert f"static_assert(sizeof({spec.params.name}) == {spec.params.size}" in src
         assert f"const __grid_constant__ pyattn::{spec.params.name} params" in src

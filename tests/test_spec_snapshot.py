@@ -38,10 +38,14 @@ FAMILY_NAMES = ("attn_fwd_mma", "attn_fwd_simt", "attn_fwd_tf32", "attn_fwd_wgmm
                 "kv_append", "attn_sparse")
 # The rendered-unit lines the families refactor added: C++ traits vs Python shared-memory bytes.
 _SMEM_ASSERT = re.compile(r"^static_assert\(.*::kSmemBytes == \d+, .*\);\n", re.M)
+# ... and those the fifty-second session added to every unit alike: the entry point's wait for the
+# stream's previous kernel (kernels_src/pdl.cuh; test_spec_render checks them).
+_PDL_LINES = re.compile(r'^(#include "pdl\.cuh"|  pyattn::pdl::wait\(\);)\n', re.M)
 
 
 def _render_digest(spec) -> str:
-    return hashlib.sha256(_SMEM_ASSERT.sub("", render(spec)).encode()).hexdigest()[:16]
+    unit = _PDL_LINES.sub("", _SMEM_ASSERT.sub("", render(spec)))
+    return hashlib.sha256(unit.encode()).hexdigest()[:16]
 
 
 def _facts(spec, reasons: dict) -> list:

@@ -103,6 +103,11 @@ def render(spec) -> str:
     ``kSmemBytes`` (the layout the kernel carves) equals ``spec.shared_bytes`` (the Python formula
     the launch asks for), so the two cannot drift apart. Families without (``spec.traits`` None)
     launch with 0 bytes and assert nothing.
+
+    The entry point's first statement waits for the stream's previous kernel
+    (``kernels_src/pdl.cuh``), so every kernel may launch as that kernel's programmatic dependent
+    on sm_90+ (:attr:`~pyattn.kernels.kernel_spec.KernelSpec.dependent_launch`): it is here, not
+    in each kernel, so that no kernel can read or write global memory before it.
     """
     smem_check = "" if spec.traits is None else (
         f"static_assert({spec.traits}::kSmemBytes == {spec.shared_bytes}, "
@@ -111,11 +116,13 @@ def render(spec) -> str:
         f"// pyattn kernel {spec.describe()} (generated; edit kernels_src/{spec.header} instead)\n"
         f'#include "common.cuh"\n'
         f'#include "mma.cuh"\n'
+        f'#include "pdl.cuh"\n'
         f"namespace pyattn {{\n{spec.params.c_declaration()}}}  // namespace pyattn\n"
         f'#include "{spec.header}"\n\n'
         f"{smem_check}"
         f'extern "C" __global__ void __launch_bounds__({spec.threads}, {spec.tiles.min_blocks})\n'
         f"{spec.entry_name}(const __grid_constant__ pyattn::{spec.params.name} params) {{\n"
+        f"  pyattn::pdl::wait();\n"
         f"  {spec.template_id}(params);\n"
         f"}}\n"
     )

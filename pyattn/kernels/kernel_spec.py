@@ -131,9 +131,9 @@ class KernelSpec:
     @property
     def dependent_launch(self) -> bool:
         """Whether the kernel launches as the stream's previous kernel's programmatic dependent
-        (``launch(..., pdl=True)``): its family waits for that kernel in-kernel and the arch has
-        programmatic dependent launch (``Family.dependent_launch``)."""
-        return self.record.dependent_launch and self.arch in PDL_ARCHS
+        (``pyattn.runtime.launch``): on the archs that have programmatic dependent launch, where
+        every kernel's entry point waits for that kernel first (``pyattn.jit.source.render``)."""
+        return self.arch in PDL_ARCHS
 
     @property
     def threads(self) -> int:

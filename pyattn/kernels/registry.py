@@ -35,6 +35,7 @@ def get_kernel(spec, device):
             image, _, _ = jit.build(spec)  # (its metadata is not parsed: the spec names the entry)
             kernel = Module(device, image).kernel(spec.entry_name)
             kernel.set_max_dynamic_shared(spec.shared_bytes)
+            kernel.dependent_launch = spec.dependent_launch
             _kernels[key] = kernel
     return kernel
 

@@ -118,8 +118,7 @@ def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k
     items, slot, keep = post_items(box, [ap.dst0 + shift, ap.src], device, s)
     # 16-bit caches: one thread a 16-byte chunk of a token's row of every kv head
     launch_kv_append(get_kernel(spec, device), packer, view.heads_kv * (view.head_dim // 8), spec.threads,
-                     device.sm_count, s, items, len(ap.src), (k_src, ap.strides), (v_src, ap.strides),
-                     pdl=spec.dependent_launch)
+                     device.sm_count, s, items, len(ap.src), (k_src, ap.strides), (v_src, ap.strides))
     if slot is not None:
         box.sent(slot, s)
 

@@ -86,7 +86,6 @@ class DecodePlan(NamedTuple):
     head_dim: int
     tma_box: int  # attn_decode_tma: slots per page box of its maps; 0 for attn_decode
     tma_heads: bool  # attn_decode_tma's maps per kv head (pool_maps' per_head)
-    pdl: bool  # launched as the stream's previous kernel's programmatic dependent (KernelSpec.dependent_launch)
 
 
 def _build(P, device) -> DecodePlan:
@@ -143,8 +142,7 @@ def _build(P, device) -> DecodePlan:
                       # the 16-bit TMA decode's m16 rows; its swapped-role blocks fill the wave
                       device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
                       layout(out_shape, P.dtype),
-                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D, tma_box, heads,
-                      spec.dependent_launch)
+                      layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D, tma_box, heads)
     return plan
 
 
@@ -223,9 +221,7 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
                               indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
                               kv_len if uniform else 0, table_stride)
-    # The decode kernels wait for the stream's previous kernel in-kernel (kernels_src/pdl.cuh), so on
-    # sm_90+ they launch as its programmatic dependents: their launch and block start overlap its tail.
-    launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params, pdl=plan.pdl)
+    launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1 and not fused:
         cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,
                                     lse_ptr, splits - 1)

@@ -43,7 +43,6 @@ class _Plan(NamedTuple):
     decode: DecodeProblem  # the attention over the chosen keys
     rows: int
     slots: tuple  # concurrent blocks on the GPU of the score and the select kernels
-    pdl: bool  # the stages launch as programmatic dependents (KernelSpec.dependent_launch)
 
 
 def _build(P, device) -> _Plan:
@@ -65,7 +64,7 @@ def _build(P, device) -> _Plan:
                         P.scale, None, None, rows_pool)
     kernels = tuple(get_kernel(sp, device) for sp in specs)
     slots = tuple(device.sm_count * blocks_per_sm(sp, k) for sp, k in zip(specs[:2], kernels))
-    return _Plan(kernels, packer, spec.threads, dec, rows, slots, spec.dependent_launch)
+    return _Plan(kernels, packer, spec.threads, dec, rows, slots)
 
 
 def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
@@ -111,7 +110,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
                                   dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, zeroed, lpad, offs["part"],
                                   offs["score"], offs["info"], offs["cand_u"], offs["cand_i"], n_chunks,
                                   block_steps, k_max)
-        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params, plan.pdl)
+        launch(kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     # The rows' histograms and counters (the score blocks add into them): the stream's counter
     # block, zero when the score stage starts and left zero by the select stage (sparq_common.cuh's
@@ -121,9 +120,8 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # overlap only a previous kernel that asks for it, so the score stage still follows the memset.)
     zeroed = get_pool(device).counters(rows * (_BINS + 4), s)
     score_k, select_k, finish_k = plan.kernels
-    # On sm_90+ (plan.pdl) every stage and the decode launch as the kernel before's programmatic
-    # dependent (each waits for it in-kernel: kernels_src/pdl.cuh), so that each launch overlaps
-    # that kernel's tail.
+    # On sm_90+ every stage and the decode launch as the kernel before's programmatic dependent
+    # (each entry waits for it: kernels_src/pdl.cuh), so that each launch overlaps that kernel's tail.
     go(score_k, (n_chunks, rows, 1), steps)
     go(select_k, (n_sel, rows, 1), steps_sel)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,

@@ -54,22 +54,20 @@ def post_items(box: Mailbox, parts: list, device, s) -> tuple:
 
 
 def launch_kv_append(kernel, packer, threads_per_item: int, block: int, sm_count: int, s, items: int,
-                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0),
-                     pdl: bool = False) -> None:
+                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0)) -> None:
     """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
     ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
     tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
     ``patch`` = (address of n int32 offsets then n values, int32 block they index, n): the decode
     table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too. ``packer``: the
     struct with the pools' fields packed (:func:`pool_fields`); a few blocks an SM at most (the
-    kernel strides over the rest). ``pdl``: as the stream's previous kernel's programmatic
-    dependent (``KernelSpec.dependent_launch``: the kernel waits for it in-kernel)."""
+    kernel strides over the rest)."""
     (k_src, ks), (v_src, vs) = k_new, v_new
     params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
                          n_items, patch[2])
     threads = max(n_items * threads_per_item, patch[2])
     grid = max(1, min(-(-threads // block), sm_count * _BLOCKS_PER_SM))
-    launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params, pdl)
+    launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
 
 
 class Appender:
@@ -141,14 +139,13 @@ class Appender:
     def launch(self, spec, kernel, s, items: int, n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)),
                patch=(0, 0, 0)) -> None:
         """:func:`launch_kv_append` on the cache's pools (their fields packed once)."""
-        packer, threads_per_item, block, pdl = self._packer or self._pack_cache_fields(spec)
+        packer, threads_per_item, block = self._packer or self._pack_cache_fields(spec)
         launch_kv_append(kernel, packer, threads_per_item, block, self._cache.device.sm_count, s, items, n_items,
-                         k_new, v_new, patch, pdl)
+                         k_new, v_new, patch)
 
     def _pack_cache_fields(self, spec) -> tuple:
-        """The struct with the cache's fields packed, threads an item, threads a block (every
-        kv_append variant has one struct and one block size), and whether it launches as a
-        programmatic dependent (every variant alike)."""
+        """The struct with the cache's fields packed, threads an item, and threads a block (every
+        kv_append variant has one struct and one block size)."""
         c = self._cache
         H, D = c.num_kv_heads, c.head_dim
         pi = c.pool_info
@@ -157,6 +154,5 @@ class Appender:
             k_scale, pks = c._kscratch.ptr, (0, 0, 0)
         static = pool_fields(pi, c.k.ptr, c.v.ptr, k_scale, c.v_scale.ptr if c.kv else 0, pks, pi.vs_strides)
         # 16-bit pools: one thread per 16-byte chunk; quantized: one warp per (item, kv head) row.
-        self._packer = (spec.params.partial(static), H * (32 if c.kv else D // 8), spec.threads,
-                        spec.dependent_launch)
+        self._packer = (spec.params.partial(static), H * (32 if c.kv else D // 8), spec.threads)
         return self._packer

@@ -61,6 +61,10 @@ class Kernel:
     handle : CUfunction
     num_regs, max_threads_per_block, static_shared_bytes, local_bytes : int
         The compiler's resource usage, read from the loaded image.
+    dependent_launch : bool
+        Whether :func:`~pyattn.runtime.launch.launch` launches it as the stream's previous
+        kernel's programmatic dependent; False until its loader says so (pyattn's registry sets
+        it from ``KernelSpec.dependent_launch``: sm_90+, where every entry point waits first).
     """
 
     def __init__(self, module: Module, handle, name: str):
@@ -71,6 +75,7 @@ class Kernel:
         self.static_shared_bytes = self._get(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         self.local_bytes = self._get(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
         self._max_dynamic_shared = 48 * 1024
+        self.dependent_launch = False
 
     def _get(self, attr) -> int:
         return int(check(_drv().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))

@@ -45,7 +45,8 @@ KV_KINDS = {"": 0, "int8": 1, "fp8e4m3": 2}
 KV_HEAD_DIM_BUCKETS = (64, 128, 256)  # 8-bit caches: whole 64-byte fragment groups
 WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (Blackwell's tcgen05 is another instruction set)
 # Programmatic dependent launch (griddepcontrol, cuLaunchKernelEx's programmatic stream
-# serialization): compute capability 9.0 and later.
+# serialization): compute capability 9.0 and later. Every kernel launches so there (its entry waits
+# first: pyattn.jit.source.render, kernels_src/pdl.cuh).
 PDL_ARCHS = ("sm_90a", "sm_100a")
 # attn_bwd_wgmma holds a warpgroup's dK + dV (64 keys x head_dim each) in registers: head dims up to 128.
 WGMMA_BWD_MAX_HEAD_DIM = 128
@@ -214,17 +215,11 @@ class Family:
         Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
     key_channel : bool
         Whether it reads 8-bit caches whose keys have per-(page, channel) scales.
-    dependent_launch : bool
-        Whether its kernels wait for the stream's previous kernel in-kernel (``pdl::wait`` of
-        ``kernels_src/pdl.cuh``, before any global access): on the archs that have programmatic
-        dependent launch (:data:`PDL_ARCHS`) they then launch as that kernel's programmatic
-        dependents (:attr:`KernelSpec.dependent_launch`), so that their launch overlaps its tail.
-        A family launched that way without the wait would read what its predecessor still writes.
     """
 
     __slots__ = ("name", "label", "header", "params", "tables", "template_id", "dtypes", "mods", "alignment",
                  "traits", "smem_bytes", "table_for", "spec_tiles", "entry_name", "takes", "check", "sparse", "kv",
-                 "q_tiles", "key_channel", "dependent_launch")
+                 "q_tiles", "key_channel")
 
     def __init__(self, *, name: str, label: str, header: str, params, tables: Mapping[str, Mapping[str, tuple]],
                  template_id: Callable, dtypes: tuple = ("f32", "f16", "bf16"), mods: tuple = (),
@@ -232,14 +227,13 @@ class Family:
                  smem_bytes: Callable = no_shared_memory, table_for: Callable = dense_table,
                  spec_tiles: Callable = table_tiles, entry_name: Callable = entry_name, takes: str = "",
                  check: Callable | None = None, sparse: bool = False, kv: bool = False, q_tiles: bool = False,
-                 key_channel: bool = False, dependent_launch: bool = False):
+                 key_channel: bool = False):
         # Read-only views: a table changes through override_tiles only, never by patching.
         frozen = MappingProxyType({n: MappingProxyType(dict(by_arch)) for n, by_arch in tables.items()})
         values = dict(name=name, label=label, header=header, params=params, tables=frozen, template_id=template_id,
                       dtypes=dtypes, mods=mods, alignment=alignment, traits=traits, smem_bytes=smem_bytes,
                       table_for=table_for, spec_tiles=spec_tiles, entry_name=entry_name, takes=takes, check=check,
-                      sparse=sparse, kv=kv, q_tiles=q_tiles, key_channel=key_channel,
-                      dependent_launch=dependent_launch)
+                      sparse=sparse, kv=kv, q_tiles=q_tiles, key_channel=key_channel)
         for field, value in values.items():
             object.__setattr__(self, field, value)
 

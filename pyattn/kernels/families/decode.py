@@ -212,7 +212,7 @@ ATTN_DECODE = Family(
     dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT, traits=_traits,
     smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
-    key_channel=True, dependent_launch=True,
+    key_channel=True,
 )
 
 
@@ -222,7 +222,7 @@ ATTN_DECODE_TMA = Family(
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
-    key_channel=True, dependent_launch=True,
+    key_channel=True,
 )
 
 
@@ -237,5 +237,5 @@ ATTN_DECODE_SWAP = Family(
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
-    key_channel=True, dependent_launch=True,
+    key_channel=True,
 )

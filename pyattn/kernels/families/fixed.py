@@ -55,7 +55,7 @@ KV_APPEND = Family(  # the head dim is a launch parameter: one variant (bucket 3
     name="kv_append", label="kv_append", header="kv_append.cuh", params=KV_APPEND_PARAMS,
     tables={"dense": _APPEND},
     template_id=lambda spec, t: f"pyattn::kv_append<{CTYPES[spec.dtype]}, {KV_KINDS[spec.kv]}>",
-    dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT, kv=True, dependent_launch=True,
+    dtypes=("f16", "bf16"), alignment=PAGED_ALIGNMENT, kv=True,
 )
 
 ATTN_SPARSE = Family(  # rows are read and written in (up to) 16-byte aligned pieces

@@ -58,7 +58,7 @@ def _sparq(stage: str, table) -> Family:
         name=f"sparq_{stage}", label=f"sparq_{stage}", header="sparq.cuh", params=SPARQ_PARAMS,
         tables={"dense": table},
         template_id=lambda spec, t: f"pyattn::sparq_{stage}_stage<{CTYPES[spec.dtype]}>",
-        dtypes=("f16", "bf16"), dependent_launch=True,
+        dtypes=("f16", "bf16"),
     )
 
 
