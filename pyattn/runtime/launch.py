@@ -76,7 +76,7 @@ def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> Non
     buf.view[: len(params)] = params
     pdl = kernel.dependent_launch
     if pdl:
-        config = buf.pdl_config()
+        config = buf.config if buf.config is not None else buf.pdl_config()  # (made once a thread)
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes, config.hStream = shared_bytes, stream.handle
