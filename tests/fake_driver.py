@@ -214,10 +214,10 @@ class _Fake:
         return (OK,)
 
     def cuLaunchKernelEx(self, config, fn, argv, extra):
-        """A launch with attributes (pyattn's only one, every launch's on sm_90+: programmatic stream
-        serialization, which test_host_path_decode checks on the config itself): recorded as a plain launch, its
-        kernel's name added to :data:`PDL_LAUNCHES`. (Reading ``config.attrs`` back costs ~3 us,
-        which the host-cost probes would count as pyattn's.)"""
+        """A launch with attributes (pyattn's only one, every launch's on sm_90+: programmatic
+        stream serialization, which test_host_path_decode checks on the config itself): recorded as
+        a plain launch, its kernel's name added to :data:`PDL_LAUNCHES`. (Reading ``config.attrs``
+        back costs ~3 us, which the host-cost probes would count as pyattn's.)"""
         if config.numAttrs:
             PDL_LAUNCHES.append(self.kernel_names.get(int(fn)))
         return self.cuLaunchKernel(fn, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
