@@ -27,25 +27,20 @@ _driver = None
 
 
 class _ArgBuffer:
-    """A struct buffer and the ``void*[1]`` array that points at it, for one thread; and, made on
-    the thread's first ``pdl`` launch, its ``CUlaunchConfig`` (fields set afresh each launch: ~0.3 us)."""
+    """A struct buffer and the ``void*[1]`` array that points at it, for one thread, and its
+    ``CUlaunchConfig`` for programmatic launches (made once a thread; its fields are set afresh each
+    launch: ~0.3 us)."""
 
     def __init__(self):
         self.struct = np.zeros(MAX_PARAM_BYTES, dtype=np.uint8)
         self.view = memoryview(self.struct)
         self.argv = np.array([self.struct.__array_interface__["data"][0]], dtype=np.uint64)
         self.argv_ptr = self.argv.__array_interface__["data"][0]
-        self.config = None
-
-    def pdl_config(self):
-        if self.config is None:
-            attr = _driver.CUlaunchAttribute()
-            attr.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config = _driver.CUlaunchConfig()
-            config.attrs, config.numAttrs = [attr], 1
-            self.config = config
-        return self.config
+        attr = _driver.CUlaunchAttribute()
+        attr.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        self.config = _driver.CUlaunchConfig()
+        self.config.attrs, self.config.numAttrs = [attr], 1
 
 
 def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> None:
@@ -76,7 +71,7 @@ def launch(kernel, grid, block, shared_bytes: int, stream, params: bytes) -> Non
     buf.view[: len(params)] = params
     pdl = kernel.dependent_launch
     if pdl:
-        config = buf.config if buf.config is not None else buf.pdl_config()  # (made once a thread)
+        config = buf.config
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes, config.hStream = shared_bytes, stream.handle
