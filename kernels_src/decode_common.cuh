@@ -105,6 +105,8 @@ __device__ __forceinline__ void decode_sync() {
 }
 
 // The pool page of key `key` of a sequence whose page list is `pages`, and its slot in that page.
+// The entry is clamped into the pool (an unsigned min: a negative one too), so that a table no
+// host check has seen (max_seqlen's) never reads outside it; a checked one is unchanged.
 __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
   int pi;
   if (p.page_shift >= 0) {  // power-of-two pages: no division
@@ -114,7 +116,7 @@ __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* 
     pi = key / p.page_size;
     slot = key - pi * p.page_size;
   }
-  return __ldg(pages + pi);
+  return min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(p.num_pages - 1));
 }
 
 // Where one decode block works: its (split, kv head, row block, sequence), its sequence's pages,
@@ -134,8 +136,9 @@ struct DecodeBlock {
     b = p.batch_order != nullptr ? __ldg(p.batch_order + blockIdx.z) : blockIdx.z;
     r0 = (blockIdx.y % p.row_blocks) * Tr::kRows;
     // One length for the whole batch comes by value (contiguous_decode(..., cache_seqlens=int)):
-    // a decode step then needs no per-call device table.
-    kv_len = p.kv_len != nullptr ? p.kv_len[b] : p.uniform_len;
+    // a decode step then needs no per-call device table. Lengths from the device are clamped into
+    // [0, uniform_len], their bound (DecodeParams: unchecked ones stay inside the tables).
+    kv_len = p.kv_len != nullptr ? min(max(p.kv_len[b], 0), p.uniform_len) : p.uniform_len;
     n_rows = p.group * p.q_len;
     pages = p.page_indptr != nullptr ? p.page_indices + p.page_indptr[b] : p.page_indices + b * p.table_stride;
     band = make_band(p, p.q_len, kv_len);

@@ -37,6 +37,7 @@ _EXPORTS = {
     "PyattnError": "runtime.errors",
     "CudaError": "runtime.errors",
     "NoDeviceError": "runtime.errors",
+    "CaptureError": "runtime.errors",
     "NvrtcError": "runtime.errors",
     "CompileError": "runtime.errors",
 }

@@ -52,6 +52,45 @@ class _Fake:
         self.current = 0
         self.kernel_names = {}
         self.record_launches = False
+        # CUDA graph capture, as far as pyattn can tell it apart (begin_capture / end_capture): the
+        # capture id of each capturing stream, the capture each graph allocation and each event
+        # record was made in, and the driver's refusals inside a capture (the calls named below).
+        self.capturing = {}  # stream handle -> capture id
+        self.graph_blocks = {}  # device address -> id of the capture that allocated it
+        self.event_capture = {}  # event handle -> id of the capture its last record was in (0: none)
+        self.captured = []  # (driver entry point, stream handle) of each call made on a capturing stream
+        self.refused = []  # (driver entry point, stream handle) of each call refused there (a real driver
+        # would have invalidated the capture; pyattn swallows a free's error, so tests look here)
+        self._capture_ids = itertools.count(1)
+
+    def begin_capture(self, s) -> int:
+        """Start capturing on stream ``s`` (a pyattn Stream or handle); returns the capture id."""
+        cid = self.capturing[int(getattr(s, "handle", s))] = next(self._capture_ids)
+        return cid
+
+    def end_capture(self, s) -> None:
+        self.capturing.pop(int(getattr(s, "handle", s)))
+
+    def _in_capture(self, name, s):
+        cid = self.capturing.get(int(s), 0)
+        if cid:
+            self.captured.append((name, int(s)))
+        return cid
+
+    def _refuse(self, name, s, why):
+        self.refused.append((name, int(s)))
+        return (getattr(driver.CUresult, f"CUDA_ERROR_STREAM_CAPTURE_{why}"),)
+
+    def cuStreamIsCapturing(self, s):
+        status = driver.CUstreamCaptureStatus
+        return OK, (status.CU_STREAM_CAPTURE_STATUS_ACTIVE if int(s) in self.capturing
+                    else status.CU_STREAM_CAPTURE_STATUS_NONE)
+
+    def cuStreamGetCaptureInfo(self, s):
+        cid = self.capturing.get(int(s), 0)
+        status = driver.CUstreamCaptureStatus
+        return OK, (status.CU_STREAM_CAPTURE_STATUS_ACTIVE if cid else status.CU_STREAM_CAPTURE_STATUS_NONE), \
+            cid, None, [], [], 0
 
     def _handle(self, kind):
         return kind(next(self.ids) * 0x100)
@@ -99,9 +138,14 @@ class _Fake:
         return OK, self._handle(driver.CUstream)
 
     def cuStreamSynchronize(self, s):
+        if self._in_capture("cuStreamSynchronize", s):
+            return self._refuse("cuStreamSynchronize", s, "UNSUPPORTED")
         return (OK,)
 
     def cuStreamWaitEvent(self, s, ev, flags):
+        cid = self._in_capture("cuStreamWaitEvent", s)
+        if cid and self.event_capture.get(int(ev), 0) != cid:  # an event recorded outside the capture
+            return self._refuse("cuStreamWaitEvent", s, "ISOLATION")
         return (OK,)
 
     def cuStreamDestroy(self, s):
@@ -111,12 +155,15 @@ class _Fake:
         return OK, self._handle(driver.CUevent)
 
     def cuEventRecord(self, ev, s):
+        self.event_capture[int(ev)] = self._in_capture("cuEventRecord", s)
         return (OK,)
 
     def cuEventQuery(self, ev):
         return (OK,)
 
     def cuEventSynchronize(self, ev):
+        if self.event_capture.get(int(ev), 0):  # recorded in a capture: not a point in any stream's work
+            return self._refuse("cuEventSynchronize", 0, "UNSUPPORTED")
         return (OK,)
 
     def cuEventDestroy(self, ev):
@@ -137,12 +184,19 @@ class _Fake:
     def cuMemAllocFromPoolAsync(self, nbytes, pool, s):
         ptr, self.dev_next = self.dev_next, self.dev_next + ((int(nbytes) + 511) // 512) * 512
         self.handed_out.add(ptr)
+        cid = self._in_capture("cuMemAllocFromPoolAsync", s)
+        if cid:
+            self.graph_blocks[ptr] = cid
         return OK, driver.CUdeviceptr(ptr)
 
     def cuMemFreeAsync(self, ptr, s):
+        cid = self._in_capture("cuMemFreeAsync", s)
+        if cid and self.graph_blocks.get(int(ptr)) != cid:  # a block from outside the capture
+            return self._refuse("cuMemFreeAsync", s, "UNSUPPORTED")
         return (OK,)
 
     def cuMemsetD8Async(self, ptr, byte, n, s):
+        self._in_capture("cuMemsetD8Async", s)
         if self.record_launches:
             MEMSETS.append((len(LAUNCHES), int(ptr), int(byte), int(n)))
         return (OK,)
@@ -165,9 +219,11 @@ class _Fake:
         return OK, 0  # every pointer is on device 0
 
     def cuMemcpyHtoDAsync(self, dst, src, n, s):
+        self._in_capture("cuMemcpyHtoDAsync", s)
         return (OK,)
 
     def cuMemcpyDtoHAsync(self, dst, src, n, s):
+        self._in_capture("cuMemcpyDtoHAsync", s)
         return (OK,)
 
     def cuStreamWaitValue32(self, s, addr, value, flags):
@@ -207,6 +263,7 @@ class _Fake:
         return OK, types.SimpleNamespace(opaque=[int(ptr), next(self.ids)] + [0] * 14)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
+        self._in_capture("cuLaunchKernel", s)
         if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
             struct = ctypes.c_uint64.from_address(int(argv)).value
             ptrs = tuple((ctypes.c_uint64 * 12).from_address(struct))

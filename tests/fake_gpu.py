@@ -241,12 +241,13 @@ def fake_pipeline(monkeypatch, eager_every=0):
     fake, staging, signals = FakeAttention(), FakeStaging(), FakeStaging()
     as_stream = (lambda stream, device: caller if stream is None else stream)
     for name, value in {"Stream": FakeStream, "Event": FakeEvent, "get_device": lambda: DEV, "as_stream": as_stream,
-                        "pinned_empty": np.empty, "_device_attention": fake, "_pipelines": {}}.items():
+                        "pinned_empty": np.empty, "_device_attention": fake, "_pipelines": {},
+                        "refuse_capture": lambda s, what: None}.items():
         monkeypatch.setattr(chunks, name, value)
     for name, value in {"get_device": lambda: DEV, "as_stream": as_stream, "get_staging": lambda device: staging,
                         "get_signals": lambda device: signals, "wait_flag": _wait_flag,
                         "get_pool": lambda device: FakePool(), "pinned_empty": np.empty, "h2d": _memcpy("h2d"),
-                        "d2h": _memcpy("d2h")}.items():
+                        "d2h": _memcpy("d2h"), "refuse_capture": lambda s, what: None}.items():
         monkeypatch.setattr(host, name, value)
     # d2h_region (the chunks' result copies) lives in transfer and calls its own d2h / _d2h_2d
     for name, value in {"d2h": _memcpy("d2h"), "_d2h_2d": _memcpy_2d}.items():

@@ -64,7 +64,8 @@ def test_cai_repeat_calls_take_the_fast_path(gpu, full):
     assert fake_driver.LAUNCHES[0][3][:4] == (a.da.ptr, b.da.ptr, a.da.ptr, o.ptr)
     del o  # (in a steady loop the previous result's block is reused)
     assert _repeat_calls(lambda: pyattn.attention(a, b, a)) == {  # one wait: a and b name the same stream
-        "cuCtxGetCurrent": 1, "cuEventRecord": 1, "cuStreamWaitEvent": 1, "cuLaunchKernelEx": 1}
+        "cuCtxGetCurrent": 1, "cuEventRecord": 1, "cuStreamWaitEvent": 1, "cuLaunchKernelEx": 1,
+        "cuStreamIsCapturing": 2}  # (before the wait and before the result's block: no graph capture)
     b.stream = 0x6000  # the user switched streams: the op waits for the new one too
     fake_driver.CALLS.clear()
     pyattn.attention(a, b, a)

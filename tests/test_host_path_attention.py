@@ -38,13 +38,15 @@ def test_legacy_stream_is_one_handle(gpu):
 
 
 def test_repeat_call_driver_calls(gpu):
-    """A repeat tiny call: the context check and the launch (the fake GPU is an sm_90: as the
-    stream's previous kernel's programmatic dependent); the result's block is the one the
-    previous result freed on the same stream (no allocation or free through the driver)."""
+    """A repeat tiny call: the context check, whether the stream captures a CUDA graph (before
+    the result takes a kept block), and the launch (the fake GPU is an sm_90: as the stream's
+    previous kernel's programmatic dependent); the result's block is the one the previous result
+    freed on the same stream (no allocation or free through the driver)."""
     d = pyattn.empty(SHAPE, np.float16)
-    assert _repeat_calls(lambda: pyattn.attention(d, d, d)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
+    calls = {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 1}
+    assert _repeat_calls(lambda: pyattn.attention(d, d, d)) == calls
     t = gpu.torch.Tensor(SHAPE, d.ptr)
-    assert _repeat_calls(lambda: pyattn.attention(t, t, t)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
+    assert _repeat_calls(lambda: pyattn.attention(t, t, t)) == calls
 
 
 def test_torch_current_stream_read_once_per_call(gpu):

@@ -26,8 +26,8 @@ def test_int_lengths_take_the_repeat_path(gpu, full_contig):
     gpu.record_launches = True
     q = _da((2, 1, 8, 64), BF16)
     kc, vc = _da((2, 256, 2, 64), BF16), _da((2, 256, 2, 64), BF16)
-    assert _repeat_calls(lambda: pyattn.contiguous_decode(q, kc, vc, 100)) == {"cuCtxGetCurrent": 1,
-                                                                              "cuLaunchKernelEx": 1}
+    assert _repeat_calls(lambda: pyattn.contiguous_decode(q, kc, vc, 100)) == {  # (capture: the result's block)
+        "cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 1}
     assert len(full_contig) == 1
     fake_driver.LAUNCHES.clear()
     out = pyattn.contiguous_decode(q, kc, vc, 101)

@@ -31,7 +31,10 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     gpu.record_launches = True
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     fake_driver.PDL_LAUNCHES.clear()
-    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuLaunchKernelEx": 1}
+    # (whether the stream captures a graph: the cache refuses it, then the result's and the
+    # counters' blocks ask)
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 3,
+                                                               "cuLaunchKernelEx": 1}
     # a GQA group of 4 at q_len 1: the TMA decode's swapped-role blocks (attn_decode_swap)
     assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_swap") for n in fake_driver.PDL_LAUNCHES)
     (attr,) = list(launch._tls.buf.config.attrs)[: launch._tls.buf.config.numAttrs]  # this thread's launch config

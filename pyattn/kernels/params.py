@@ -65,7 +65,11 @@ MERGE_STATES_PARAMS = ParamStruct(
 # Decode over a paged KV cache. Sequence b's pages: page_indices[page_indptr[b] + i] (CSR), or
 # page_indices[b * table_stride + i] when page_indptr is null (a padded block table); its kv_len[b]
 # tokens (uniform_len tokens for every sequence when kv_len is null: a batch of equal lengths, its
-# length by value) are key t at slot t % page_size of page i = t / page_size. Pool strides (page,
+# length by value) are key t at slot t % page_size of page i = t / page_size. With kv_len given,
+# uniform_len is the lengths' bound: each is clamped into [0, uniform_len], and each page entry
+# into [0, num_pages - 1], so lengths and tables the host did not check (a CUDA graph's, whose
+# replays read them as they are then: pyattn.paged_decode's max_seqlen) never read outside the
+# pools; checked ones are unchanged by it. Pool strides (page,
 # slot, head) are in elements, so NHD and HND pools are both read in place; page_shift = log2(page_size)
 # for a power of two, else -1. Query row r of kv head h is (query token r / group, query head
 # h * group + r % group). With num_splits > 1, split s writes its normalised fp32 output to
@@ -93,7 +97,8 @@ DECODE_PARAMS = ParamStruct(
     + _pool_strides("ks") + _pool_strides("vs")
     + (("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
     + (("batch", "i32"), ("q_len", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"),
-       ("head_dim", "i32"), ("page_size", "i32"), ("page_shift", "i32"), ("row_blocks", "i32"), ("causal", "i32"),
+       ("head_dim", "i32"), ("page_size", "i32"), ("page_shift", "i32"), ("num_pages", "i32"), ("row_blocks", "i32"),
+       ("causal", "i32"),
        ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
        ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32")),
 )

@@ -113,7 +113,7 @@ def _build(P, device) -> DecodePlan:
         "v_stride_page": vs[0], "v_stride_slot": vs[1], "v_stride_h": vs[2],
         "lse_stride_b": P.heads_q * P.q_len, "lse_stride_h": P.q_len,
         "batch": P.batch, "q_len": P.q_len, "heads_q": P.heads_q, "heads_kv": P.heads_kv, "group": P.group,
-        "head_dim": P.head_dim, "page_size": pool.page_size,
+        "head_dim": P.head_dim, "page_size": pool.page_size, "num_pages": min(pool.num_pages, 2**31 - 1),
         "page_shift": pool.page_size.bit_length() - 1 if pool.page_size & (pool.page_size - 1) == 0 else -1,
         "row_blocks": row_blocks, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
@@ -173,7 +173,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
         (``.ptr``); ``order``, the batch entries longest first: their blocks start first;
         ``kv_len`` may be an int, every sequence's length (passed by value, no device array)
     max_len : int
-        The longest sequence (host value) for the split heuristic.
+        The longest sequence (host value) for the split heuristic; device lengths are clamped to
+        it in the kernel (a bound the caller checked, or ``max_seqlen``'s promise).
     alibi_ptr : int
         Device float32 ALiBi slopes, or 0.
     s : Stream
@@ -191,6 +192,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     plan = get_plan(_build, P, device)
     if plan.n_rows == 0:  # an empty batch (a serving step with no sequence to decode): empty results
         return allocate(device, s, *plan.out_layout), (allocate(device, s, *plan.lse_layout) if return_lse else None)
+    # (first: a pool pair's first call uploads its maps, which a graph capture refuses before any allocation)
+    tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s, plan.tma_heads) if plan.tma_box else 0
     if P.num_splits:
         splits = P.num_splits
     else:
@@ -213,14 +216,14 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     lse = allocate(device, s, *plan.lse_layout) if return_lse else None
     lse_ptr = lse.ptr if lse is not None else 0
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
-    counters = get_pool(device).counters(plan.units, s) if fused else 0  # 0: the kernel leaves the merge
+    # 0: the kernel leaves the merge; ckeep: a graph capture's own counters, freed in it after the launch
+    counters, ckeep = get_pool(device).counters(plan.units, s) if fused else (0, None)
     indices, indptr, table_stride, kv_len, order = tables
     uniform = isinstance(kv_len, int)
-    tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s, plan.tma_heads) if plan.tma_box else 0
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
-                              kv_len if uniform else 0, table_stride)
+                              kv_len if uniform else max_len, table_stride)  # (the lengths' bound: DecodeParams)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1 and not fused:
         cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,

@@ -8,7 +8,8 @@ seen as a page pool: :mod:`._contiguous`). One length for every sequence (an int
 ``cache_seqlens``, or an array whose values are all equal) reaches the kernel by value, and a
 repeat call with an int length reuses the first call's validation. Ragged lengths from NumPy are
 uploaded with the call (a few bytes); device ones are read in place after their range check
-copies them back (one synchronisation, as :func:`pyattn.paged_decode`'s device tables).
+copies them back (one synchronisation, as :func:`pyattn.paged_decode`'s device tables), or, with
+``max_seqlen``, unchecked: clamped in the kernel, which a CUDA graph's decode step needs.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from ..paged.book import longest_first
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo
-from ..runtime.stream import check_stream_arg
+from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.contiguous import check_caches, check_new_tokens, check_seqlens
 from ..validate.options import check_bool
-from ..validate.paged import check_pool_address, check_q_address, check_query, check_token_address
+from ..validate.paged import check_max_seqlen, check_pool_address, check_q_address, check_query, check_token_address
 from . import _contiguous as C
 from ._decode import run_decode
 from .decode import _alibi_ptr, _host_q
@@ -49,7 +50,7 @@ class _Hit:
 
 def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, layout="nhd", causal=True,
                       window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None, return_lse=False,
-                      stream=None):
+                      max_seqlen=None, stream=None):
     """Decode attention over contiguous per-sequence K/V caches (``flash_attn_with_kvcache``'s form).
 
     Parameters
@@ -75,6 +76,13 @@ def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     layout : {"nhd", "hnd"}
     causal, window, softcap, alibi_slopes, scale, num_splits, return_lse, stream
         As in :func:`pyattn.paged_decode`.
+    max_seqlen : int, optional
+        With device ``cache_seqlens`` (and no ``k_new``): a host bound on them, at most ``max_len``.
+        The lengths are then not copied back for a range check: the kernel reads them as they are
+        when it runs, each clamped into ``[0, max_seqlen]``, and the splits are planned for
+        ``max_seqlen``. This is how a decode step is captured in a CUDA graph (a copy-back cannot
+        be captured) and replayed over lengths that grow: pass the caches' ``max_len``. A length
+        over the bound is attended as ``max_seqlen`` keys, not refused.
 
     Returns
     -------
@@ -139,12 +147,20 @@ def _full(params, qkey):
     n_new, rows, new_strides = check_new_tokens(a["k_new"], a["v_new"], pool, P.batch)
     lens_arg = cache_seqlens if isinstance(cache_seqlens, (Integral, np.bool_)) else read("cache_seqlens",
                                                                                           cache_seqlens)
-    lens = check_seqlens(lens_arg, P.batch, whole.page_size, fetch_values, n_new)
-    if not isinstance(lens, int) and (P.batch == 0 or int(lens.min()) == int(lens.max())):
+    trusted = params["max_seqlen"] is not None
+    if trusted:  # device lengths read unchecked under a host bound (the graph-captured decode step)
+        bound = check_max_seqlen(params["max_seqlen"], lens_arg, "cache_seqlens", whole.page_size)
+        if n_new:
+            raise ValueError("max_seqlen: not with k_new / v_new, whose append places the new tokens by host "
+                             "lengths: write them into the caches first (e.g. with index_copy_), then decode")
+    lens = check_seqlens(lens_arg, P.batch, whole.page_size, None if trusted else fetch_values, n_new)
+    if lens is not None and not isinstance(lens, int) and (P.batch == 0 or int(lens.min()) == int(lens.max())):
         lens = int(lens[0]) if P.batch else 0  # equal lengths: by value
     host_new = n_new > 0 and not a["k_new"].on_device
     ap = C.new_tokens(pool, per, P.batch, n_new, rows, new_strides) if n_new else None
-    if isinstance(lens, int):
+    if trusted:
+        max_len, total_len, order, dev_lens = bound, None, None, lens_arg
+    elif isinstance(lens, int):
         max_len, total_len, order, dev_lens = lens + n_new, (lens + n_new) * P.batch, None, None
     else:
         max_len, total_len = int(lens.max()) + n_new, int(lens.sum(dtype=np.int64)) + n_new * P.batch
@@ -173,6 +189,9 @@ def _full(params, qkey):
         return _host_q(P, a["q"], a["alibi_slopes"], s, launch_fn, return_lse)
     ordered = [a["q"], a["k_cache"], a["v_cache"], a["alibi_slopes"], *dev_new]
     device, s, (dq, kc, vc, dal, *new, dv_lens) = start(stream, ordered + [dev_lens])
+    if not trusted and not isinstance(lens_arg, Integral) and lens_arg.on_device:
+        refuse_capture(s, "cache_seqlens were read on the host for their range check, and a replay would keep "
+                          "the splits planned for them: pass max_seqlen= to read them on the device")
     if qkey is not None and type(cache_seqlens) is int and not host_new:
         bound = bind(P, device, ordered, _check)
         if bound is not None:

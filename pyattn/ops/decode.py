@@ -18,10 +18,10 @@ from ..pipeline import host
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo, signature
-from ..runtime.stream import check_stream_arg
+from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool
-from ..validate.paged import (check_block_table, check_csr, check_pools, check_q_address, check_query,
-                              check_table_form)
+from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pools, check_q_address,
+                              check_query, check_table_form)
 from ._decode import choose_num_splits, keyed_splits, run_decode
 
 __all__ = ["decode", "paged_decode", "choose_num_splits", "keyed_splits", "run_decode"]
@@ -72,7 +72,7 @@ def _alibi_ptr(alibi, device, s):
 
 def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=None, indices=None,
                  last_page_len=None, layout="nhd", causal=True, window=None, softcap=None, alibi_slopes=None,
-                 scale=None, num_splits=None, return_lse=False, stream=None):
+                 scale=None, num_splits=None, return_lse=False, max_seqlen=None, stream=None):
     """Decode attention over K/V page pools you manage yourself (FlashInfer / vLLM page tables).
 
     Parameters
@@ -103,6 +103,14 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
         Key splits per sequence (flash-decoding); default from the SM count and the work size.
     return_lse : bool
         Also return the natural-log LSE, float32 (batch, heads_q, q_len).
+    max_seqlen : int, optional
+        With a device ``block_table`` and ``seq_lens``: a host bound on the lengths, at most the
+        table's ``max_pages * page_size``. The tables are then not copied back for a range check:
+        the kernel reads them as they are when it runs, each length clamped into ``[0,
+        max_seqlen]`` and each page entry into the pool, and the splits are planned for
+        ``max_seqlen``. This is how a decode step is captured in a CUDA graph (a copy-back cannot
+        be captured) and replayed over tables that change, as vLLM's and FlashInfer's are. Bad
+        entries then read the wrong pages instead of being refused.
     stream : optional
 
     Returns
@@ -112,10 +120,10 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
 
     Notes
     -----
-    Every page index a sequence uses is range-checked before launch; device page tables are
-    copied to the host for that check, after every other check (a few bytes, one synchronisation:
-    a decode loop should use :func:`decode` on a :class:`pyattn.PagedKVCache`, whose tables are
-    known valid).
+    Every page index a sequence uses is range-checked before launch (``max_seqlen`` aside); device
+    page tables are copied to the host for that check, after every other check (a few bytes, one
+    synchronisation: a decode loop should use :func:`decode` on a :class:`pyattn.PagedKVCache`,
+    whose tables are known valid, or ``max_seqlen``).
     """
     check_stream_arg(stream)
     params = locals()
@@ -127,7 +135,17 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     P = check_query(a["q"], pool, causal=causal, window=window, softcap=softcap, alibi_slopes=a["alibi_slopes"],
                     scale=scale, num_splits=num_splits)
     check_table_form(block_table, seq_lens, indptr, indices, last_page_len)
-    fetch = fetch_values  # a device table's values, after every metadata check (see validate.paged)
+    trusted = max_seqlen is not None
+    if trusted:  # device tables read unchecked under a host bound (the graph-captured decode step)
+        if block_table is None:
+            raise ValueError("max_seqlen: takes the block_table form (the CSR form's lengths are derived on the host)")
+        if not a["block_table"].on_device:
+            raise ValueError("max_seqlen: bounds device tables read unchecked, so block_table must then be a "
+                             "device int32 array, got a host one")
+        shape = a["block_table"].shape
+        max_len = check_max_seqlen(max_seqlen, a["seq_lens"], "seq_lens",
+                                   shape[1] * pool.page_size if len(shape) == 2 else 0)
+    fetch = None if trusted else fetch_values  # a device table's values, after every metadata check (validate.paged)
     if block_table is not None:
         table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
         host_tables = (table, None, lens)
@@ -136,14 +154,17 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
         ip, ix, lens = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
         host_tables = (ix, ip, lens)
         dev_tables = (a["indices"], a["indptr"], None, None)  # the lengths are derived on the host: uploaded
-    # The batch order (longest first) and the lengths the split choice reads, from the host lengths.
-    host_tables += (longest_first(lens),)
-    max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
+    if trusted:  # no host order (the batch's own) and no host lengths: the splits of an even batch of max_len
+        host_tables, total_len = (None, None, None, None), None
+    else:  # the batch order (longest first) and the lengths the split choice reads, from the host lengths
+        host_tables += (longest_first(lens),)
+        max_len, total_len = int(lens.max(initial=0)), int(lens.sum(dtype=np.int64))
 
     def launch_fn(device, s, dq, alibi_ptr):
         on_dev = [t if t is not None and t.on_device else None for t in dev_tables]
-        ups = upload([None if d is not None or h is None else np.ascontiguousarray(h, np.int32)
-                      for d, h in zip(on_dev, host_tables)], device, s)
+        sent = [None if d is not None or h is None else np.ascontiguousarray(h, np.int32)
+                for d, h in zip(on_dev, host_tables)]
+        ups = upload(sent, device, s) if any(h is not None for h in sent) else sent
         idx, iptr, lens, order = (d if d is not None else u for d, u in zip(on_dev, ups))
         # A block table's row stride in elements: the device table's own, or the uploaded copy's width.
         stride = 0 if block_table is None else (on_dev[0].strides[0] if on_dev[0] is not None else table.shape[1])
@@ -156,6 +177,9 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
         return _host_q(P, a["q"], a["alibi_slopes"], s, launch_fn, return_lse)
     device, s, (dq, kp, vp, dal, *tabs) = start(stream, [a["q"], a["k_pool"], a["v_pool"], a["alibi_slopes"],
                                                          *dev_tables])
+    if not trusted and any(t is not None for t in tabs):
+        refuse_capture(s, "the device page tables were read on the host for their range check, and a replay "
+                          "would keep what was planned from them: pass max_seqlen= to read them on the device")
     dev_tables = tuple(tabs)
     alibi_ptr, keep = _alibi_ptr(dal, device, s)
     out, lse = launch_fn(device, s, dq, alibi_ptr)

@@ -118,7 +118,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # for its split counters after the select stage, and leaves them zero as well. (When the block
     # grows, its memset comes right before the score stage: the driver lets a programmatic launch
     # overlap only a previous kernel that asks for it, so the score stage still follows the memset.)
-    zeroed = get_pool(device).counters(rows * (_BINS + 4), s)
+    zeroed, keep = get_pool(device).counters(rows * (_BINS + 4), s)  # (keep: None but in a graph capture)
     score_k, select_k, finish_k = plan.kernels
     # On sm_90+ every stage and the decode launch as the kernel before's programmatic dependent
     # (each entry waits for it: kernels_src/pdl.cuh), so that each launch overlaps that kernel's tail.

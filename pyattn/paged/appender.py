@@ -20,6 +20,7 @@ from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
 from ..runtime.launch import launch
 from ..runtime.mailbox import Mailbox
+from ..runtime.stream import refuse_capture
 
 __all__ = ["Appender", "pool_fields", "post_items", "launch_kv_append"]
 
@@ -44,6 +45,8 @@ def post_items(box: Mailbox, parts: list, device, s) -> tuple:
     memory the kernel reads in place, as a decode step's items go) when they fit one, else uploaded.
     Returns ``(device address, slot or None, keep-alive)``; once every kernel that reads them is
     queued, the caller hands a slot back with ``box.sent(slot, s)``."""
+    refuse_capture(s, "this append sends its destination slots through pinned host memory, which later "
+                      "calls rewrite before a replay would read it: append outside the graph")
     posted = box.take(sum(len(p) for p in parts))
     if posted is not None:
         items, view, slot = posted

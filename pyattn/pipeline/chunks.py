@@ -35,7 +35,7 @@ from ..array import DeviceArray
 from ..runtime._resource import per_device
 from ..runtime.device import get_device
 from ..runtime.pinned import get_staging, pinned_empty
-from ..runtime.stream import Event, Stream, as_stream
+from ..runtime.stream import Event, Stream, as_stream, refuse_capture
 from . import host, transfer
 
 __all__ = ["attention_numpy", "Chunk", "plan_chunks", "row_chunkable", "prepare_mask"]
@@ -133,6 +133,9 @@ def attention_numpy(P, q, k, v, *, mask, alibi_slopes, options: dict, return_lse
     """
     device = get_device()  # first: the driver, before any pinned allocation
     device.activate()
+    s = as_stream(stream, device)
+    refuse_capture(s, "NumPy arrays go through host memory on every call, which a graph's replay would not "
+                      "read again: pass device arrays")
     B, Hq, Sq = P.batch, P.heads_q, P.seqlen_q
     on_device = [x for x in (mask, alibi_slopes) if x is not None and not isinstance(x, np.ndarray)]
     mask4, mask_dt = prepare_mask(mask, (B, Hq, Sq, P.seqlen_k)) if isinstance(mask, np.ndarray) else (None, None)
@@ -142,7 +145,6 @@ def attention_numpy(P, q, k, v, *, mask, alibi_slopes, options: dict, return_lse
     nbytes = q.nbytes + k.nbytes + v.nbytes + out_host.nbytes + (lse_host.nbytes if return_lse else 0)
     nbytes += mask4.size * mask_dt.itemsize if mask4 is not None else 0
     chunks = [Chunk(0, B, 0, Sq, P.seqlen_k, P.causal)] if on_device else plan_chunks(P, nbytes)
-    s = as_stream(stream, device)
     pipe = per_device(_pipelines, device, _Pipeline)
     extra = {"mask": mask, "alibi_slopes": alibi_slopes} if on_device else {}
     with pipe.lock:

@@ -20,7 +20,7 @@ from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
 from ..interop.inputs import CAI, DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
 from ..interop.streams import choose_stream, import_dlpack, note_use, order_inputs, wait_for
-from ..runtime.stream import default_stream
+from ..runtime.stream import default_stream, refuse_capture
 
 __all__ = ["start", "Bound", "bind", "begin", "layout", "output", "finish", "fetch_values"]
 
@@ -158,7 +158,12 @@ def finish(s, args) -> None:
 
 def fetch_values(a) -> np.ndarray:
     """The values of a small device array Arg (index arrays whose values a check needs), after its
-    producer: one device-to-host copy and a synchronisation."""
+    producer: one device-to-host copy and a synchronisation (refused on a stream capturing a graph)."""
     from ..interop.convert import asarray
 
-    return asarray(a.obj).numpy()
+    view = asarray(a.obj)
+    if view.stream is not None:
+        refuse_capture(view.stream, f"{a.name} is copied back to the host for its checks, a synchronisation "
+                                    f"that no capture can hold (paged_decode and contiguous_decode read their "
+                                    f"lengths on the device with max_seqlen=)")
+    return view.numpy()

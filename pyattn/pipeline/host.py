@@ -37,7 +37,7 @@ from ..runtime._resource import run_deferred
 from ..runtime.device import get_device
 from ..runtime.memory import get_pool
 from ..runtime.pinned import get_signals, get_staging, is_pinned, pinned_empty
-from ..runtime.stream import as_stream
+from ..runtime.stream import as_stream, refuse_capture
 from . import transfer
 # (the copies and driver calls by name: looked up in this module at call time, where the tests' fake
 # GPU replaces them; transfer.PIECE_BYTES through the module, as tuning may change it)
@@ -122,6 +122,10 @@ def upload(arrays, device, s, on_ready=None, held=None) -> list:
     list, takes a small upload's staging buffer instead of its release: a caller that synchronises
     ``s`` anyway (:func:`call`) releases it then, with no event (four driver calls fewer).
     """
+    refuse_capture(s, "this call copies host data to the device (NumPy inputs, host tables or lengths, or "
+                      "the tables a first call builds and keeps): a replay would read its staging buffer after "
+                      "later calls reused it. Pass device arrays, and make one call of the same shapes before "
+                      "the capture")
     run_deferred()  # what finalizers on the staging workers left (runtime._resource), before s waits here
     # Each entry as (array, staged dtype), once.
     items = [None if a is None else (a[0], np.dtype(a[1])) if isinstance(a, tuple) else (a, a.dtype) for a in arrays]

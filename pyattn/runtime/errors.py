@@ -14,6 +14,7 @@ __all__ = [
     "NvrtcError",
     "CompileError",
     "NoDeviceError",
+    "CaptureError",
     "no_device_error",
     "check",
     "check_nvrtc",
@@ -83,6 +84,21 @@ class NoDeviceError(CudaError):
         self.code, self.name, self.description, self.call = int(code), name, description, call
         detail = f"{name} ({int(code)}) in {call}: {description}" if int(code) >= 0 else description
         PyattnError.__init__(self, f"{self.REASONS[reason]} [{detail}]")
+
+
+class CaptureError(PyattnError):
+    """A call that a CUDA graph capture cannot hold, refused before it queued anything on the
+    capturing stream (which the driver's own refusal would have left invalidated).
+
+    Attributes
+    ----------
+    stream : int
+        The capturing ``CUstream`` handle.
+    """
+
+    def __init__(self, stream: int, what: str):
+        self.stream = int(stream)
+        super().__init__(f"stream 0x{self.stream:x} is capturing a CUDA graph, and {what}")
 
 
 class NvrtcError(PyattnError):

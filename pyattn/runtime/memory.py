@@ -9,6 +9,12 @@ behaviour untouched.
 
 Pinned host memory (staging buffers, NumPy results) is :mod:`pyattn.runtime.pinned`.
 
+CUDA graph capture: an allocation on a stream that captures a graph becomes the graph's own
+memory (an allocation node: ``cuMemAllocFromPoolAsync`` in the capture), never a block kept from
+before the capture (whose address eager calls would share with the replays); a block freed in the
+capture that allocated it becomes a free node of the graph; any other block freed while its
+stream captures waits in a list until the capture has ended (the driver refuses its free there).
+
 Thread safety: pools are guarded by locks; an :class:`Allocation` must not be freed by two
 threads at once (its finalizer runs once).
 """
@@ -20,6 +26,7 @@ import os
 from .device import Device
 from ._resource import exiting, off_staging_threads, per_device, run_deferred, watch_exit
 from .errors import check
+from .stream import capture_id
 
 __all__ = ["Allocation", "DevicePool", "get_pool", "memset_async", "copy_device"]
 
@@ -58,12 +65,14 @@ class Allocation:
     nbytes : int
     stream : Stream
         The stream the block was allocated on; its free is ordered on this stream.
+    graph : int
+        The id of the CUDA graph capture the block was allocated in (the graph's memory), else 0.
     """
 
-    __slots__ = ("ptr", "nbytes", "stream", "_used_on", "_pool")
+    __slots__ = ("ptr", "nbytes", "stream", "graph", "_used_on", "_pool")
 
-    def __init__(self, ptr: int, nbytes: int, stream, pool=None):
-        self.ptr, self.nbytes, self.stream, self._pool = ptr, nbytes, stream, pool
+    def __init__(self, ptr: int, nbytes: int, stream, pool=None, graph: int = 0):
+        self.ptr, self.nbytes, self.stream, self._pool, self.graph = ptr, nbytes, stream, pool, graph
         self._used_on = None  # {stream ptr: Stream} of other streams that used the block
 
     def record_stream(self, stream) -> None:
@@ -80,17 +89,39 @@ class Allocation:
             pool = self._pool
             if self._used_on is None and pool is not None and pool.keep(ptr, self.nbytes, self.stream):
                 return
-            off_staging_threads(_free_async, ptr, self.stream, self._used_on)  # (_resource says why)
+            off_staging_threads(_free_async, ptr, self.stream, self._used_on, self.graph)  # (_resource says why)
 
     # __del__ rather than weakref.finalize: one of these is made per op call, and a finalizer
     # object costs more than the free itself.
     __del__ = free
 
 
-def _free_async(ptr, stream, used_on) -> None:
+# (ptr, stream, used_on, graph) of blocks freed while one of their streams captured a graph, freed
+# by _free_async once none does (see the module's notes)
+_after_capture: list = []
+
+
+def _in_capture(stream, used_on, graph) -> bool:
+    """Whether a block's free must wait for a capture to end: one of its streams captures, unless
+    it is the block's own graph freeing it on the block's stream alone (a free node)."""
+    capture = capture_id(stream.handle)
+    if capture and (capture != graph or used_on):
+        return True
+    return any(capture_id(other.handle) for other in (used_on or {}).values())
+
+
+def _free_async(ptr, stream, used_on, graph=0) -> None:
     if exiting():  # the streams may be gone; the driver frees the pool with the context
         return
+    if _after_capture:
+        waiting = _after_capture[:]
+        del _after_capture[:]
+        for item in waiting:  # (each either freed now or back on the list)
+            _free_async(*item)
     try:
+        if _in_capture(stream, used_on, graph):
+            _after_capture.append((ptr, stream, used_on, graph))
+            return
         driver = _drv()
         for other in (used_on or {}).values():
             # Make the freeing stream wait for the other users before the block can be reused.
@@ -150,6 +181,9 @@ class DevicePool:
         """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised."""
         if nbytes <= 0:
             return Allocation(0, 0, stream)
+        graph = capture_id(stream.handle)
+        if graph:  # the graph's own memory: see the module's notes
+            return self._allocate_in_capture(nbytes, stream, graph)
         spare = self._spares.get((stream.ptr, nbytes))
         if spare:
             try:
@@ -166,6 +200,13 @@ class DevicePool:
             if err:
                 check((err,), f"cuMemAllocFromPoolAsync({nbytes} bytes)")
         return Allocation(int(ptr), nbytes, stream, self)
+
+    def _allocate_in_capture(self, nbytes: int, stream, graph: int) -> Allocation:
+        """An allocation node of the graph ``stream`` captures: never kept for reuse (``pool``
+        None), freed in that graph or after the capture."""
+        ptr = check(_drv().cuMemAllocFromPoolAsync(nbytes, self.handle, stream.handle),
+                    f"cuMemAllocFromPoolAsync({nbytes} bytes, in a graph capture)")
+        return Allocation(int(ptr), nbytes, stream, None, graph)
 
     def keep(self, ptr: int, nbytes: int, stream) -> bool:
         """Keep a block freed on ``stream`` for its next allocation of ``nbytes`` (see Notes);
@@ -185,19 +226,27 @@ class DevicePool:
 
     COUNTER_STREAMS = 64
 
-    def counters(self, count: int, stream) -> int:
-        """Device address of at least ``count`` uint32 counters for kernels on ``stream``, zero
-        when that stream's next kernel starts.
+    def counters(self, count: int, stream) -> tuple:
+        """``(device address, keep)``: at least ``count`` uint32 counters for kernels on ``stream``,
+        zero when that stream's next kernel starts; the caller holds ``keep`` until its launches
+        are queued.
 
         A kernel that counts in them (decode's fused split combine) must leave them zero when it
         ends, so the block is zeroed once (``cuMemsetD8Async``) and then reused by every launch on
         the stream: kernels on one stream never overlap, and each stream has its own block.
         Growing replaces the block (the old one is freed in stream order); at most
         ``COUNTER_STREAMS`` streams keep one, the oldest giving its block back past that.
+        While ``stream`` captures a graph, the counters are the graph's own, zeroed by a memset
+        node and freed by a free node once ``keep`` is dropped: a replay may run on another stream
+        beside the eager calls that use the stream's block.
         """
+        if capture_id(stream.handle):
+            block = self.allocate(4 * count, stream)
+            memset_async(block.ptr, 0, 4 * count, stream)
+            return block.ptr, block
         block = self._counters.get(stream.ptr)
         if block is not None and block.nbytes >= 4 * count:
-            return block.ptr
+            return block.ptr, None
         nbytes = 4 * max(1024, 1 << (count - 1).bit_length())
         block = self.allocate(nbytes, stream)
         memset_async(block.ptr, 0, nbytes, stream)
@@ -205,7 +254,7 @@ class DevicePool:
         if len(self._counters) >= self.COUNTER_STREAMS:
             self._counters.pop(next(iter(self._counters)))
         self._counters[stream.ptr] = block
-        return block.ptr
+        return block.ptr, None
 
     def release_spares(self) -> None:
         """Free the kept blocks through the driver (each ordered on the stream that freed it)."""

@@ -16,10 +16,10 @@ import weakref
 
 from .device import Device, get_device
 from ._resource import Closeable, off_staging_threads, per_device, release_quietly, watch_exit
-from .errors import check
+from .errors import CaptureError, check
 
 __all__ = ["Stream", "Event", "as_stream", "default_stream", "borrowed", "check_stream_arg", "order_after",
-           "LEGACY_STREAM"]
+           "LEGACY_STREAM", "capture_id", "refuse_capture"]
 
 _default_streams: dict[int, "Stream"] = {}
 # Borrowed wrappers of foreign handles (torch's current stream, CAI producer streams), keyed by
@@ -164,12 +164,47 @@ def borrowed(device: Device, handle: int, owner=None) -> Stream:
     return s
 
 
+def capture_id(handle) -> int:
+    """The id of the CUDA graph capture that stream ``handle`` (a ``CUstream``) records into: 0
+    when it captures nothing, -1 when it does but the driver gives no id (an invalidated capture,
+    or the legacy stream while another stream captures: the driver refuses the same calls there).
+
+    One driver call on a stream that captures nothing (``cuStreamIsCapturing``), two otherwise.
+    """
+    driver = _drv()
+    err, status = driver.cuStreamIsCapturing(handle)
+    if err:
+        return -1
+    if status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        return 0
+    info = driver.cuStreamGetCaptureInfo(handle)
+    active = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    return int(info[2]) if not info[0] and info[1] == active and int(info[2]) else -1
+
+
+def refuse_capture(s: Stream, what: str) -> None:
+    """Raise :class:`~pyattn.runtime.errors.CaptureError` (``what`` says why) when ``s`` captures a
+    CUDA graph: for the steps a graph cannot replay faithfully (a host buffer read at replay time,
+    a synchronisation), before they reach the driver, whose refusal would invalidate the capture."""
+    if capture_id(s.handle):
+        raise CaptureError(s.ptr, what)
+
+
 def order_after(consumer: Stream, producer_handle: int) -> None:
     """Make later work on ``consumer`` wait for the work queued so far on ``producer_handle``
     (an event recorded there and waited on; no host block). One reusable event per thread and
     device: ``cuStreamWaitEvent`` captures the event's state when it is called, so recording it
-    again afterwards is safe."""
+    again afterwards is safe.
+
+    While ``consumer`` captures a CUDA graph, a producer outside that capture is not waited for:
+    its work so far was queued before the capture, and a graph's launch is ordered by the stream
+    it is launched on, as for every other input of a graph (the driver refuses such a wait:
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION). A producer in the same capture (a stream forked from it)
+    is waited for, inside the graph."""
     driver = _drv()
+    capture = capture_id(consumer.handle)
+    if capture and (capture < 0 or capture_id(driver.CUstream(producer_handle)) != capture):
+        return
     events = getattr(_order_events, "by_device", None)
     if events is None:
         events = _order_events.by_device = {}

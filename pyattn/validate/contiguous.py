@@ -72,7 +72,8 @@ def check_new_tokens(k_new, v_new, pool: PoolInfo, batch: int) -> tuple:
 def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch, n_new: int = 0):
     """The cached lengths: an int (every sequence), or an int32 (batch,) Arg whose values come back
     as a NumPy array (a device one through ``fetch``: one synchronisation). Every length must lie
-    in ``[0, max_len - n_new]``: the kernels write and read keys up to it plus ``n_new``."""
+    in ``[0, max_len - n_new]``: the kernels write and read keys up to it plus ``n_new``. ``fetch``
+    None (``max_seqlen``'s device lengths, read unchecked): the array's metadata alone, and None."""
     top = max_len - n_new
     if isinstance(cache_seqlens, (bool, np.bool_)):
         raise TypeError("cache_seqlens: expected an int or an int32 array, got bool")
@@ -88,6 +89,8 @@ def check_seqlens(cache_seqlens, batch: int, max_len: int, fetch, n_new: int = 0
         raise ValueError(f"cache_seqlens: expected shape ({batch},) (q's batch), got {a.shape}")
     if a.on_device and batch > 1 and a.strides[0] != 1:
         raise ValueError(f"cache_seqlens: expected a contiguous array, got element strides {a.strides}")
+    if fetch is None:
+        return None
     lens = fetch(a) if a.on_device else np.asarray(a.obj)
     bad = np.flatnonzero((lens < 0) | (lens > top))
     if bad.size:

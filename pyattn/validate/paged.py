@@ -17,7 +17,7 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
            "check_layout", "check_pool_address", "check_append", "check_token_rows", "check_token_chunks",
-           "check_token_address", "KEY_SCALES"]
+           "check_token_address", "check_max_seqlen", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -187,6 +187,15 @@ def check_table_form(block_table, seq_lens, indptr, indices, last_page_len) -> N
                          "(and no seq_lens)")
 
 
+def check_max_seqlen(max_seqlen, lengths, name: str, top: int) -> int:
+    """``max_seqlen``: a host bound in ``[0, top]`` on the device lengths ``lengths`` (the Arg of
+    parameter ``name``), which the kernel then reads unchecked, clamped to the bound."""
+    if not getattr(lengths, "on_device", False):
+        raise ValueError(f"max_seqlen: bounds device lengths read unchecked, so {name} must then be a device "
+                         f"int32 array, got {type(getattr(lengths, 'obj', lengths)).__name__}")
+    return check_int("max_seqlen", max_seqlen, 0, top)
+
+
 def _int32_meta(i, ndim: int = 1) -> None:
     """Metadata checks of an int32 index array Arg."""
     if i.dtype != np.int32:
@@ -207,13 +216,16 @@ def check_block_table(block_table, seq_lens, batch: int, pool: PoolInfo, fetch) 
     """Range-check a vLLM-style block table (batch, max_pages) and seq_lens (batch,), both Args.
 
     Only the entries a sequence uses are checked (padding may hold anything). Returns the host
-    values ``(table, lens)``.
+    values ``(table, lens)``; ``fetch`` None (``max_seqlen``'s tables, read unchecked): the
+    metadata alone, and ``(None, None)``.
     """
     ti, li = block_table, seq_lens
     _int32_meta(ti, 2)
     _int32_meta(li)
     if ti.shape[0] != batch or li.shape != (batch,):
         raise ValueError(f"block_table, seq_lens: expected {batch} rows (q's batch), got shapes {ti.shape}, {li.shape}")
+    if fetch is None:
+        return None, None
     table, lens = _values((ti, li), fetch)
     if (lens < 0).any() or (lens > ti.shape[1] * pool.page_size).any():
         bad = int(np.flatnonzero((lens < 0) | (lens > ti.shape[1] * pool.page_size))[0])
