@@ -9,7 +9,9 @@ stream. Per case, captured on torch's own capture stream and again on the stream
 used: whether the capture succeeds, and two replays' max difference from eager calls on new inputs
 (0 expected: the same kernels). Cases: attention with a new output and with
 ``out=`` (bf16, causal), a bool-masked call (two kernels), the backward, a decode over a paged cache
-(the cache filled before the capture). A case that raises prints the exception's type and message.
+(the cache filled before the capture; refused with CaptureError since the fifty-third session), and
+contiguous_decode over device lengths with max_seqlen. A case that raises prints the exception's type
+and message.
 ``--trace``: every ``cuda.bindings.driver`` call pyattn makes while a capture is open is recorded, and
 a failing case prints the calls that returned an error (the first is what broke the capture).
 """
@@ -94,6 +96,8 @@ def main() -> int:
     fresh = {name: [rand(*t.shape) for _ in range(4)] for name, t in (("q", q), ("dout", dout), ("qd", qd))}
     mask = torch.rand(1, 1, 1024, 1024, device="cuda") < 0.9
     kv = rand(8, 4096, 8, 128)
+    kc, vc = rand(8, 8, 4096, 128), rand(8, 8, 4096, 128)
+    lens = torch.full((8,), 3000, dtype=torch.int32, device="cuda")
     o = torch.empty_like(q)
 
     def refiller(name, t):
@@ -116,7 +120,7 @@ def main() -> int:
     out_t, lse_t = torch.from_dlpack(out), torch.from_dlpack(lse)
 
     def backward():
-        dq, _, _ = pyattn.attention_backward(dout, q, k, v, out_t, lse_t, causal=True)
+        dq, _, _ = pyattn.attention_backward(dout, q, k, v, out_t, lse_t, causal=True, deterministic=True)
         return torch.from_dlpack(dq)
 
     _case("attention_backward", lambda: (backward, refiller("dout", dout)))
@@ -124,7 +128,10 @@ def main() -> int:
     ids = [cache.add_sequence() for _ in range(8)]
     cache.append(ids, kv, kv)
     _case("decode over a paged cache", lambda: (lambda: torch.from_dlpack(pyattn.decode(qd, cache, ids)),
-                                                 refiller("qd", qd)))
+                                                 refiller("qd", qd)))  # (refused since the 53rd session)
+    _case("contiguous_decode, max_seqlen", lambda: (
+        lambda: torch.from_dlpack(pyattn.contiguous_decode(qd, kc, vc, lens, layout="hnd", max_seqlen=4096)),
+        refiller("qd", qd)))
     return 0
 
 

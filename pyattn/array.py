@@ -263,10 +263,11 @@ def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceA
                     c_strides(shape, 1), math.prod(shape) * dtype.itemsize)
 
 
-def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes) -> DeviceArray:
+def allocate(device, stream, shape, dtype, strides, elem_strides, nbytes, capture=None) -> DeviceArray:
     """:func:`empty` for callers that already hold normalised fields (the per-call op path, where
-    each Python call counts: ``DeviceArray._wrap`` is inlined)."""
-    alloc = get_pool(device).allocate(nbytes, stream)
+    each Python call counts: ``DeviceArray._wrap`` is inlined); ``capture`` as
+    :meth:`~pyattn.runtime.memory.DevicePool.allocate`'s."""
+    alloc = get_pool(device).allocate(nbytes, stream, capture)
     if memory.POISON_ALLOC is not False and poison_alloc():
         memset_async(alloc.ptr, 0xFF, nbytes, stream)
     a = _new(DeviceArray)

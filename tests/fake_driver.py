@@ -59,6 +59,7 @@ class _Fake:
         self.graph_blocks = {}  # device address -> id of the capture that allocated it
         self.event_capture = {}  # event handle -> id of the capture its last record was in (0: none)
         self.captured = []  # (driver entry point, stream handle) of each call made on a capturing stream
+        self.free_modes = []  # this thread's capture mode at each cuMemFreeAsync
         self.refused = []  # (driver entry point, stream handle) of each call refused there (a real driver
         # would have invalidated the capture; pyattn swallows a free's error, so tests look here)
         self._capture_ids = itertools.count(1)
@@ -80,6 +81,10 @@ class _Fake:
     def _refuse(self, name, s, why):
         self.refused.append((name, int(s)))
         return (getattr(driver.CUresult, f"CUDA_ERROR_STREAM_CAPTURE_{why}"),)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        old, self.capture_mode = getattr(self, "capture_mode", driver.CUstreamCaptureMode(0)), mode
+        return OK, old
 
     def cuStreamIsCapturing(self, s):
         status = driver.CUstreamCaptureStatus
@@ -190,6 +195,7 @@ class _Fake:
         return OK, driver.CUdeviceptr(ptr)
 
     def cuMemFreeAsync(self, ptr, s):
+        self.free_modes.append(getattr(self, "capture_mode", driver.CUstreamCaptureMode(0)))
         cid = self._in_capture("cuMemFreeAsync", s)
         if cid and self.graph_blocks.get(int(ptr)) != cid:  # a block from outside the capture
             return self._refuse("cuMemFreeAsync", s, "UNSUPPORTED")

@@ -14,6 +14,7 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda.bindings import driver
 
 import pyattn
 from _host_path_helpers import SHAPE, _da  # (fixture gpu: conftest.py)
@@ -87,6 +88,11 @@ def test_a_block_from_before_the_capture_is_freed_after_it(gpu):
     del other
     assert CALLS["cuMemFreeAsync"] == 2  # the waiting block, then this one
     assert gpu.refused == []
+    # Each free is made in this thread's relaxed capture mode (a global-mode capture on another
+    # stream would refuse it), and the mode is restored after.
+    modes = driver.CUstreamCaptureMode
+    assert gpu.free_modes[-2:] == [modes.CU_STREAM_CAPTURE_MODE_RELAXED] * 2
+    assert gpu.capture_mode == modes.CU_STREAM_CAPTURE_MODE_GLOBAL
 
 
 def test_inputs_from_streams_outside_the_capture_are_not_waited_for(gpu):

@@ -31,9 +31,9 @@ def test_decode_repeat_calls(gpu, cache, full_decode):
     gpu.record_launches = True
     q = _da((2, 1, 8, 64), ml_dtypes.bfloat16)
     fake_driver.PDL_LAUNCHES.clear()
-    # (whether the stream captures a graph: the cache refuses it, then the result's and the
-    # counters' blocks ask)
-    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 3,
+    # (whether the stream captures a graph, asked once: the cache refuses a capture, and the
+    # result's and the counters' blocks take its answer)
+    assert _repeat_calls(lambda: pyattn.decode(q, c, ids)) == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1,
                                                                "cuLaunchKernelEx": 1}
     # a GQA group of 4 at q_len 1: the TMA decode's swapped-role blocks (attn_decode_swap)
     assert fake_driver.PDL_LAUNCHES and all(n.startswith("pyattn_attn_decode_swap") for n in fake_driver.PDL_LAUNCHES)

@@ -24,6 +24,7 @@ from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
 from ..runtime.launch import launch
 from ..runtime.memory import get_pool
+from ..runtime.stream import capture_id
 from ..runtime.tensormap import encode_tiled, page_rank5, rank4
 from ..validate.options import LOG2E
 from ..validate.paged import MAX_SPLITS
@@ -160,7 +161,7 @@ def fused_combine(items: int, splits: int) -> bool:
 
 
 def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
-               scales=(0, 0), total_len: int | None = None):
+               scales=(0, 0), total_len: int | None = None, capture: int | None = None):
     """Launch decode (and its split combine, fused in or a second launch) for a validated problem.
 
     Parameters
@@ -184,14 +185,19 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     total_len : int, optional
         The batch's total length (host value): a ragged batch gets more splits (see
         :func:`choose_num_splits`). None: every sequence is taken as ``max_len`` long.
+    capture : int, optional
+        ``s``'s :func:`~pyattn.runtime.stream.capture_id` if the caller asked in this call already,
+        for the allocations (None: asked here, once).
 
     Returns
     -------
     (out, lse or None) as DeviceArrays
     """
     plan = get_plan(_build, P, device)
+    capture = capture_id(s.handle) if capture is None else capture  # (once: every allocation below takes it)
     if plan.n_rows == 0:  # an empty batch (a serving step with no sequence to decode): empty results
-        return allocate(device, s, *plan.out_layout), (allocate(device, s, *plan.lse_layout) if return_lse else None)
+        return (allocate(device, s, *plan.out_layout, capture),
+                allocate(device, s, *plan.lse_layout, capture) if return_lse else None)
     # (first: a pool pair's first call uploads its maps, which a graph capture refuses before any allocation)
     tmaps = pool_maps(device, P.pool, k, v, plan.tma_box, s, plan.tma_heads) if plan.tma_box else 0
     if P.num_splits:
@@ -206,18 +212,18 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
         shape, dtype, strides, elem_strides, nbytes = plan.out_layout
         offset = -(-nbytes // 256) * 256
-        out = allocate(device, s, shape, dtype, strides, elem_strides, offset + part_bytes)
+        out = allocate(device, s, shape, dtype, strides, elem_strides, offset + part_bytes, capture)
         part_ptr = out.ptr + offset
     else:
-        out = allocate(device, s, *plan.out_layout)
-        part = output(device, s, (part_bytes // 4,), _F32) if part_bytes else None  # (kept alive to the launch)
+        out = allocate(device, s, *plan.out_layout, capture)
+        part = output(device, s, (part_bytes // 4,), _F32, capture) if part_bytes else None  # (kept to the launch)
         part_ptr = part.ptr if part_bytes else 0
     lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
-    lse = allocate(device, s, *plan.lse_layout) if return_lse else None
+    lse = allocate(device, s, *plan.lse_layout, capture) if return_lse else None
     lse_ptr = lse.ptr if lse is not None else 0
     fused = splits > 1 and fused_combine(plan.combine_items, splits)
     # 0: the kernel leaves the merge; ckeep: a graph capture's own counters, freed in it after the launch
-    counters, ckeep = get_pool(device).counters(plan.units, s) if fused else (0, None)
+    counters, ckeep = get_pool(device).counters(plan.units, s, capture) if fused else (0, None)
     indices, indptr, table_stride, kv_len, order = tables
     uniform = isinstance(kv_len, int)
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,

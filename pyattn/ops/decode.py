@@ -245,10 +245,10 @@ def _full(qkey, keyed, cache, ids, q, alibi_slopes, stream, return_lse):
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)
 
     def launch_fn(device, s, dq, alibi_ptr):
-        cache.order(s)
+        capture = cache.order(s)
         tables, max_len, total_len = _cache_tables(cache, ids, s)
         return run_decode(P, device, dq.ptr, cache.k.ptr, cache.v.ptr, tables, max_len, alibi_ptr, s, return_lse,
-                          scales, total_len)
+                          scales, total_len, capture)
 
     if not P.q_on_device:
         return _host_q(P, args["q"], args["alibi_slopes"], stream, launch_fn, return_lse)
@@ -266,9 +266,9 @@ def _repeat(bound, cache, ids, arrays, stream, return_lse, reads):
     array interfaces on the cache's device; the cache's own order and tables are kept by the cache."""
     P, device = bound.problem, bound.device
     s, (q, alibi) = begin(bound, stream, arrays, reads)  # (q's address checked: _check)
-    cache.order(s)
+    capture = cache.order(s)  # (0: refused otherwise)
     tables, max_len, total_len = _cache_tables(cache, ids, s)
     scales = (cache.k_scale.ptr, cache.v_scale.ptr) if cache.kv else (0, 0)
     out, lse = run_decode(P, device, q, cache.k.ptr, cache.v.ptr, tables, max_len, alibi, s, return_lse, scales,
-                          total_len)
+                          total_len, capture)
     return (out, lse) if return_lse else out

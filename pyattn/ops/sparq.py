@@ -85,7 +85,7 @@ def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
 def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     """Launch every stage for validated problem ``P``; returns (out, positions or None)."""
     device = cache.device
-    cache.order(s)
+    capture = cache.order(s)  # (0: refused otherwise)
     (indices, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
     vrow = cache.sparq_rows(ids, s)
     G, D, rows = P.row_group, P.head_dim, plan.rows
@@ -100,10 +100,10 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     isz = P.dtype.itemsize
     qx_bytes = -(-rows * 2 * G * D * isz // 256) * 256
     idx_bytes = -(-rows * k_max * 4 // 256) * 256
-    ws = output(device, s, (offs["end"] + qx_bytes + 2 * idx_bytes + 4 * rows,), np.uint8)
+    ws = output(device, s, (offs["end"] + qx_bytes + 2 * idx_bytes + 4 * rows,), np.uint8, capture)
     qx, sel = ws.ptr + offs["end"], ws.ptr + offs["end"] + qx_bytes
     sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
-    out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype)
+    out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype, capture)
 
     def go(kernel, grid, block_steps, o=0, dlse=0):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
@@ -118,7 +118,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # for its split counters after the select stage, and leaves them zero as well. (When the block
     # grows, its memset comes right before the score stage: the driver lets a programmatic launch
     # overlap only a previous kernel that asks for it, so the score stage still follows the memset.)
-    zeroed, keep = get_pool(device).counters(rows * (_BINS + 4), s)  # (keep: None but in a graph capture)
+    zeroed, _ = get_pool(device).counters(rows * (_BINS + 4), s, capture)  # (no capture: nothing to keep)
     score_k, select_k, finish_k = plan.kernels
     # On sm_90+ every stage and the decode launch as the kernel before's programmatic dependent
     # (each entry waits for it: kernels_src/pdl.cuh), so that each launch overlaps that kernel's tail.
@@ -126,7 +126,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     go(select_k, (n_sel, rows, 1), steps_sel)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
-    o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True)
+    o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True, capture=capture)
     go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr)
     finish(s, [ws, o, lse, vrow])
     pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \

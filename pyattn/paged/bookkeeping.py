@@ -94,16 +94,18 @@ class CacheBookkeeping:
         self.book.seq_list(ids)  # (live, and no repeats: it checks both)
         return ids
 
-    def order(self, s) -> None:
+    def order(self, s) -> int:
         """Order stream ``s`` after the cache's last op and make ``s`` the cache's stream: an append
         on one stream and a decode on another never race (neither a read of tokens not yet written,
         nor a copy-on-write or append over slots an earlier decode still reads).
 
         Refused while ``s`` captures a CUDA graph: the cache keeps its page lists and lengths on
-        the host, so a replay would run with this call's tables after the cache had changed."""
-        refuse_capture(s, "a PagedKVCache's calls read its page lists and lengths on the host when made, "
-                          "and a replay would use them after the cache had changed: capture "
-                          "paged_decode or contiguous_decode over device lengths with max_seqlen= instead")
+        the host, so a replay would run with this call's tables after the cache had changed.
+        Returns ``s``'s capture id, 0, for the call's allocations to take."""
+        capture = refuse_capture(s, "a PagedKVCache's calls read its page lists and lengths on the host when "
+                                    "made, and a replay would use them after the cache had changed: capture "
+                                    "paged_decode or contiguous_decode over device lengths with max_seqlen= instead")
         if s.ptr != self._stream.ptr:
             order_after(s, self._stream.ptr)
             self._stream = s
+        return capture

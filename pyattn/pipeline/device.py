@@ -146,9 +146,10 @@ def layout(shape: tuple, dtype) -> tuple:
     return fields
 
 
-def output(device, s, shape: tuple, dtype) -> DeviceArray:
-    """A C-contiguous result array from pyattn's pool, ordered on ``s``."""
-    return allocate(device, s, *layout(shape, dtype))
+def output(device, s, shape: tuple, dtype, capture=None) -> DeviceArray:
+    """A C-contiguous result array from pyattn's pool, ordered on ``s`` (``capture``: see
+    :meth:`~pyattn.runtime.memory.DevicePool.allocate`)."""
+    return allocate(device, s, *layout(shape, dtype), capture)
 
 
 def finish(s, args) -> None:

@@ -123,13 +123,21 @@ def _free_async(ptr, stream, used_on, graph=0) -> None:
             _after_capture.append((ptr, stream, used_on, graph))
             return
         driver = _drv()
-        for other in (used_on or {}).values():
-            # Make the freeing stream wait for the other users before the block can be reused.
-            _, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-            driver.cuEventRecord(ev, other.handle)
-            driver.cuStreamWaitEvent(stream.handle, ev, 0)
-            driver.cuEventDestroy(ev)
-        driver.cuMemFreeAsync(driver.CUdeviceptr(ptr), stream.handle)
+        # A free on a stream outside any capture is safe, but while a capture in the driver's global
+        # mode runs (torch.cuda.graph's default), on any thread, the driver refuses it as "potentially
+        # unsafe" and invalidates that capture (a graph's block freed during the next capture, H200):
+        # so this thread's mode is relaxed for the free, and restored.
+        mode = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[1]
+        try:
+            for other in (used_on or {}).values():
+                # Make the freeing stream wait for the other users before the block can be reused.
+                _, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                driver.cuEventRecord(ev, other.handle)
+                driver.cuStreamWaitEvent(stream.handle, ev, 0)
+                driver.cuEventDestroy(ev)
+            driver.cuMemFreeAsync(driver.CUdeviceptr(ptr), stream.handle)
+        finally:
+            driver.cuThreadExchangeStreamCaptureMode(mode)
     except Exception:  # interpreter shutdown: the context may already be gone
         pass
 
@@ -177,11 +185,13 @@ class DevicePool:
         self._spares: dict = {}  # (stream ptr, nbytes) -> [(ptr, Stream), ...]: kept blocks (see Notes)
         self._counters: dict = {}  # stream ptr -> Allocation of zeroed uint32 counters (see counters())
 
-    def allocate(self, nbytes: int, stream) -> Allocation:
-        """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised."""
+    def allocate(self, nbytes: int, stream, capture: int | None = None) -> Allocation:
+        """Allocate ``nbytes`` ordered on ``stream``; the memory is uninitialised. ``capture``: the
+        stream's :func:`~pyattn.runtime.stream.capture_id` if the caller asked in this call
+        already (an op asks once), else None (asked here)."""
         if nbytes <= 0:
             return Allocation(0, 0, stream)
-        graph = capture_id(stream.handle)
+        graph = capture_id(stream.handle) if capture is None else capture
         if graph:  # the graph's own memory: see the module's notes
             return self._allocate_in_capture(nbytes, stream, graph)
         spare = self._spares.get((stream.ptr, nbytes))
@@ -226,7 +236,7 @@ class DevicePool:
 
     COUNTER_STREAMS = 64
 
-    def counters(self, count: int, stream) -> tuple:
+    def counters(self, count: int, stream, capture: int | None = None) -> tuple:
         """``(device address, keep)``: at least ``count`` uint32 counters for kernels on ``stream``,
         zero when that stream's next kernel starts; the caller holds ``keep`` until its launches
         are queued.
@@ -238,10 +248,11 @@ class DevicePool:
         ``COUNTER_STREAMS`` streams keep one, the oldest giving its block back past that.
         While ``stream`` captures a graph, the counters are the graph's own, zeroed by a memset
         node and freed by a free node once ``keep`` is dropped: a replay may run on another stream
-        beside the eager calls that use the stream's block.
+        beside the eager calls that use the stream's block. ``capture``: as :meth:`allocate`'s.
         """
-        if capture_id(stream.handle):
-            block = self.allocate(4 * count, stream)
+        capture = capture_id(stream.handle) if capture is None else capture
+        if capture:
+            block = self.allocate(4 * count, stream, capture)
             memset_async(block.ptr, 0, 4 * count, stream)
             return block.ptr, block
         block = self._counters.get(stream.ptr)

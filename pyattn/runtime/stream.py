@@ -169,25 +169,37 @@ def capture_id(handle) -> int:
     when it captures nothing, -1 when it does but the driver gives no id (an invalidated capture,
     or the legacy stream while another stream captures: the driver refuses the same calls there).
 
-    One driver call on a stream that captures nothing (``cuStreamIsCapturing``), two otherwise.
+    One driver call on a stream that captures nothing (``cuStreamIsCapturing``), two otherwise; an
+    op asks once per call (its allocations take the answer: ``DevicePool.allocate``'s ``capture``).
     """
-    driver = _drv()
+    driver = _capture_driver if _capture_driver is not None else _load_capture_driver()
     err, status = driver.cuStreamIsCapturing(handle)
     if err:
         return -1
-    if status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+    if not status:  # CU_STREAM_CAPTURE_STATUS_NONE (an int enum: 0)
         return 0
     info = driver.cuStreamGetCaptureInfo(handle)
     active = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
     return int(info[2]) if not info[0] and info[1] == active and int(info[2]) else -1
 
 
-def refuse_capture(s: Stream, what: str) -> None:
+_capture_driver = None  # cuda.bindings.driver, looked up once: capture_id is on every op call's path
+
+
+def _load_capture_driver():
+    global _capture_driver
+    _capture_driver = _drv()
+    return _capture_driver
+
+
+def refuse_capture(s: Stream, what: str) -> int:
     """Raise :class:`~pyattn.runtime.errors.CaptureError` (``what`` says why) when ``s`` captures a
     CUDA graph: for the steps a graph cannot replay faithfully (a host buffer read at replay time,
-    a synchronisation), before they reach the driver, whose refusal would invalidate the capture."""
+    a synchronisation), before they reach the driver, whose refusal would invalidate the capture.
+    Returns 0 (``s`` captures nothing), for the call's allocations to take."""
     if capture_id(s.handle):
         raise CaptureError(s.ptr, what)
+    return 0
 
 
 def order_after(consumer: Stream, producer_handle: int) -> None:
