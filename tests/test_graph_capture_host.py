@@ -255,3 +255,21 @@ def test_max_seqlen_validation(gpu):
     with pytest.raises(ValueError, match="max_seqlen: takes the block_table form"):
         pyattn.paged_decode(q, kp, vp, indptr=_da((3,), np.int32), indices=_da((4,), np.int32),
                             last_page_len=dl, max_seqlen=10)
+
+
+def test_device_lengths_under_max_seqlen_take_the_repeat_path(gpu, full_contig, decode_params):
+    """An eager loop of the graph-captured step's form: after the first call, validation is
+    reused (one context check, one capture query, one launch) and each call's lengths are read
+    from the array it passes; another bound is another key."""
+    from _host_path_helpers import _repeat_calls
+
+    q, kc, vc = _contig()
+    lens, other = _da((2,), np.int32), _da((2,), np.int32)
+    calls = _repeat_calls(lambda: pyattn.contiguous_decode(q, kc, vc, lens, max_seqlen=200))
+    assert calls == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 1}
+    assert len(full_contig) == 1
+    pyattn.contiguous_decode(q, kc, vc, other, max_seqlen=200)
+    assert len(full_contig) == 1
+    assert (decode_params[-1]["kv_len"], decode_params[-1]["uniform_len"]) == (other.ptr, 200)
+    pyattn.contiguous_decode(q, kc, vc, other, max_seqlen=256)
+    assert len(full_contig) == 2 and decode_params[-1]["uniform_len"] == 256
