@@ -15,8 +15,8 @@ and message.
 ``--trace``: every ``cuda.bindings.driver`` call pyattn makes while a capture is open is recorded, and
 a failing case prints the calls that returned an error (the first is what broke the capture).
 ``--time``: wall time per decode step, a loop of eager ``contiguous_decode(..., max_seqlen=)`` calls
-against a loop of replays of one captured call (bf16, GQA 32 / 8, d 128, HF layout, 1000 steps, one
-synchronisation at the end; median of 5 loops).
+(on torch's default stream, and on a side stream) against a loop of replays of one captured call
+(bf16, GQA 32 / 8, d 128, HF layout, 1000 steps, one synchronisation at the end; median of 5 loops).
 """
 
 from __future__ import annotations
@@ -106,18 +106,19 @@ def _time_steps() -> None:
         with torch.cuda.graph(g):
             step()
         rows = {}
-        for name, fn in (("eager", step), ("replay", g.replay)):
+        for name, fn, where in (("eager", step, None), ("eager, side stream", step, s), ("replay", g.replay, None)):
             runs = []
             for _ in range(5):
                 torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(1000):
-                    fn()
-                torch.cuda.synchronize()
+                with torch.cuda.stream(where or torch.cuda.current_stream()):
+                    t0 = time.perf_counter()
+                    for _ in range(1000):
+                        fn()
+                    torch.cuda.synchronize()
                 runs.append((time.perf_counter() - t0) / 1000 * 1e6)
             rows[name] = sorted(runs)[2]
-        print(f"contiguous_decode B{B} x {L}: eager {rows['eager']:.1f} us a step, "
-              f"graph replay {rows['replay']:.1f} us", flush=True)
+        print(f"contiguous_decode B{B} x {L}, us a step: " + ", ".join(f"{k} {v:.1f}" for k, v in rows.items()),
+              flush=True)
 
 
 def main() -> int:
