@@ -14,6 +14,9 @@ memory (an allocation node: ``cuMemAllocFromPoolAsync`` in the capture), never a
 before the capture (whose address eager calls would share with the replays); a block freed in the
 capture that allocated it becomes a free node of the graph; any other block freed while its
 stream captures waits in a list until the capture has ended (the driver refuses its free there).
+Frees on streams that capture nothing go through at once, in this thread's relaxed capture mode:
+while another stream captures in the driver's global mode (torch's default) the driver refuses
+them too, and invalidates that capture (``dev/probe_capture_frees.py``).
 
 Thread safety: pools are guarded by locks; an :class:`Allocation` must not be freed by two
 threads at once (its finalizer runs once).
@@ -125,8 +128,8 @@ def _free_async(ptr, stream, used_on, graph=0) -> None:
         driver = _drv()
         # A free on a stream outside any capture is safe, but while a capture in the driver's global
         # mode runs (torch.cuda.graph's default), on any thread, the driver refuses it as "potentially
-        # unsafe" and invalidates that capture (a graph's block freed during the next capture, H200):
-        # so this thread's mode is relaxed for the free, and restored.
+        # unsafe" and invalidates that capture (an eager block or an earlier graph's alike, H200:
+        # dev/probe_capture_frees.py): so this thread's mode is relaxed for the free, and restored.
         mode = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[1]
         try:
             for other in (used_on or {}).values():
