@@ -273,3 +273,34 @@ def test_device_lengths_under_max_seqlen_take_the_repeat_path(gpu, full_contig, 
     assert (decode_params[-1]["kv_len"], decode_params[-1]["uniform_len"]) == (other.ptr, 200)
     pyattn.contiguous_decode(q, kc, vc, other, max_seqlen=256)
     assert len(full_contig) == 2 and decode_params[-1]["uniform_len"] == 256
+
+
+def test_paged_decode_under_max_seqlen_takes_the_repeat_path(gpu, decode_params, monkeypatch):
+    """vLLM's eager decode loop in the captured step's form: after the first call the validation
+    is reused and each call reads its tables' addresses (new ones: read, not validated again);
+    the kernel gets the bound and the table's row stride."""
+    from _host_path_helpers import _repeat_calls
+    from pyattn.ops import decode as op
+
+    validations = []
+    real = op.check_pools
+    monkeypatch.setattr(op, "check_pools", lambda *a, **k: validations.append(1) or real(*a, **k))
+    q = _da((2, 1, 8, 64), BF16)
+    kp, vp = _da((32, 16, 2, 64), BF16), _da((32, 16, 2, 64), BF16)
+    table, lens = _da((2, 16), np.int32), _da((2,), np.int32)
+    calls = _repeat_calls(lambda: pyattn.paged_decode(q, kp, vp, block_table=table, seq_lens=lens, max_seqlen=200))
+    assert calls == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 1}
+    assert len(validations) == 1
+    table2, lens2 = _da((2, 16), np.int32), _da((2,), np.int32)
+    pyattn.paged_decode(q, kp, vp, block_table=table2, seq_lens=lens2, max_seqlen=200)
+    p = decode_params[-1]
+    assert (p["page_indices"], p["kv_len"], p["uniform_len"], p["table_stride"]) == (table2.ptr, lens2.ptr, 200, 16)
+    assert len(validations) == 1
+    pyattn.paged_decode(q, kp, vp, block_table=table2, seq_lens=lens2, max_seqlen=100)  # another bound: a key
+    assert len(validations) == 2 and decode_params[-1]["uniform_len"] == 100
+    wide = _da((2, 8), np.int32, strides=(32, 4))  # rows 8 entries wide, 8 apart: another layout, its own stride
+    pyattn.paged_decode(q, kp, vp, block_table=wide, seq_lens=lens2, max_seqlen=100)
+    assert len(validations) == 3 and decode_params[-1]["table_stride"] == 8
+    misaligned = _da((2, 1, 8, 64), BF16, ptr=q.ptr + 8)
+    with pytest.raises(ValueError, match="q: the address must be 16-byte aligned"):
+        pyattn.paged_decode(misaligned, kp, vp, block_table=table, seq_lens=lens, max_seqlen=200)

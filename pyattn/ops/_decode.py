@@ -29,7 +29,7 @@ from ..runtime.tensormap import encode_tiled, page_rank5, rank4
 from ..validate.options import LOG2E
 from ..validate.paged import MAX_SPLITS
 
-__all__ = ["DecodePlan", "run_decode", "choose_num_splits", "keyed_splits", "blocks_per_sm"]
+__all__ = ["DecodePlan", "Ptr", "run_decode", "choose_num_splits", "keyed_splits", "blocks_per_sm"]
 
 _F32 = np.dtype(np.float32)
 # Split partials up to this size share the output's block: a tiny decode's host time is mostly
@@ -62,6 +62,16 @@ def blocks_per_sm(spec, kernel) -> int:
     return max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
 
 
+
+
+class Ptr:
+    """A device array by address alone, as :func:`run_decode` reads a table (``.ptr``): a repeat
+    call's device lengths and tables, whose layout its quick key holds."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
 
 
 class DecodePlan(NamedTuple):

@@ -29,7 +29,7 @@ from ..validate.contiguous import check_caches, check_new_tokens, check_seqlens
 from ..validate.options import check_bool
 from ..validate.paged import check_max_seqlen, check_pool_address, check_q_address, check_query, check_token_address
 from . import _contiguous as C
-from ._decode import run_decode
+from ._decode import Ptr, run_decode
 from .decode import _alibi_ptr, _host_q
 
 __all__ = ["contiguous_decode"]
@@ -46,15 +46,6 @@ class _Hit:
 
     def __init__(self, bound, per, cols, max_len, append):
         self.bound, self.per, self.cols, self.max_len, self.append = bound, per, cols, max_len, append
-
-
-class _Lens:
-    """Device lengths by address, as run_decode reads a table (``.ptr``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
 
 
 def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, layout="nhd", causal=True,
@@ -153,7 +144,7 @@ def _repeat_unchecked(hit, arrays, stream, return_lse, reads):
     P, device = hit.bound.problem, hit.bound.device
     s, (q, kc, vc, alibi, _, _, lens) = begin(hit.bound, stream, arrays, reads)
     table = C.page_table(device, P.batch, hit.per, hit.cols, s)
-    out, lse = run_decode(P, device, q, kc, vc, (table, None, hit.cols, _Lens(lens), None), hit.max_len, alibi, s,
+    out, lse = run_decode(P, device, q, kc, vc, (table, None, hit.cols, Ptr(lens), None), hit.max_len, alibi, s,
                           return_lse)
     return (out, lse) if return_lse else out
 

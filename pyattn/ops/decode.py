@@ -20,14 +20,33 @@ from ..pipeline.host import upload
 from ..pipeline.plans import Memo, signature
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool
-from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pools, check_q_address,
-                              check_query, check_table_form)
-from ._decode import choose_num_splits, keyed_splits, run_decode
+from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_address, check_pools,
+                              check_q_address, check_query, check_table_form)
+from ._decode import Ptr, choose_num_splits, keyed_splits, run_decode
 
 __all__ = ["decode", "paged_decode", "choose_num_splits", "keyed_splits", "run_decode"]
 
 _memo = Memo()  # signature -> problem
 _quick = Memo()  # quick key -> pipeline.device.Bound
+_paged_quick = Memo()  # quick key -> _PagedHit of a paged_decode under max_seqlen on device arrays
+
+
+class _PagedHit:
+    """What a repeat ``paged_decode`` under ``max_seqlen`` reuses: the bound problem, the block
+    table's row stride (elements) and the bound."""
+
+    __slots__ = ("bound", "stride", "max_len")
+
+    def __init__(self, bound, stride: int, max_len: int):
+        self.bound, self.stride, self.max_len = bound, stride, max_len
+
+
+def _paged_check(P, ptrs) -> None:
+    """The per-call address checks of a repeat paged_decode (q, k_pool, v_pool, alibi_slopes,
+    block_table, seq_lens)."""
+    check_q_address(ptrs[0])
+    check_pool_address("k_pool", ptrs[1])
+    check_pool_address("v_pool", ptrs[2])
 
 
 def _cache_tables(cache, ids, s) -> tuple:
@@ -127,6 +146,13 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     """
     check_stream_arg(stream)
     params = locals()
+    reads, qkey = {}, None
+    if max_seqlen is not None:  # device tables read unchecked: a repeat call reads only the pointers
+        qkey = quick_key(params, reads)
+        hit = _paged_quick.get(qkey) if qkey is not None else None
+        if hit is not None:
+            return _paged_repeat(hit, (q, k_pool, v_pool, alibi_slopes, block_table, seq_lens), stream, return_lse,
+                                 reads)
     names = ("q", "k_pool", "v_pool", "block_table", "seq_lens", "indptr", "indices", "last_page_len",
              "alibi_slopes")
     a = read_args(params, names, ("q", "k_pool", "v_pool"))
@@ -180,10 +206,25 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
     if not trusted and any(t is not None for t in tabs):
         refuse_capture(s, "the device page tables were read on the host for their range check, and a replay "
                           "would keep what was planned from them: pass max_seqlen= to read them on the device")
+    if qkey is not None:  # (trusted: the block table's and the lengths' pointers read per call)
+        bound = bind(P, device, [a[n] for n in ("q", "k_pool", "v_pool", "alibi_slopes", "block_table", "seq_lens")],
+                     _paged_check)
+        if bound is not None:
+            _paged_quick.put(qkey, _PagedHit(bound, a["block_table"].strides[0], max_len))
     dev_tables = tuple(tabs)
     alibi_ptr, keep = _alibi_ptr(dal, device, s)
     out, lse = launch_fn(device, s, dq, alibi_ptr)
     finish(s, [dq, kp, vp, dal, *tabs])
+    return (out, lse) if return_lse else out
+
+
+def _paged_repeat(hit, arrays, stream, return_lse, reads):
+    """A ``paged_decode`` under ``max_seqlen`` whose quick key was seen: pointers and producers read,
+    then the launch over the block table and lengths as the kernel finds them."""
+    P, device = hit.bound.problem, hit.bound.device
+    s, (q, kp, vp, alibi, table, lens) = begin(hit.bound, stream, arrays, reads)
+    out, lse = run_decode(P, device, q, kp, vp, (Ptr(table), None, hit.stride, Ptr(lens), None), hit.max_len, alibi,
+                          s, return_lse)
     return (out, lse) if return_lse else out
 
 
