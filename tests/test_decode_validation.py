@@ -317,3 +317,20 @@ def test_csr_property(table, data):
         bad[data.draw(st.integers(0, int(indptr[-1]) - 1))] = data.draw(st.sampled_from([-1, pool_info.num_pages]))
         with pytest.raises(ValueError, match=r"^indices: page indices must be in"):
             check_csr(indptr, bad, last, len(counts), pool_info, _no_fetch)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.integers(-2**40, 2**40), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
+                       st.none()),
+       top=st.integers(0, 2**20), on_device=st.booleans())
+def test_max_seqlen_is_an_int_in_range_over_device_lengths(value, top, on_device):
+    """``max_seqlen`` (paged_decode / contiguous_decode): taken only as an int in [0, top] (not a
+    bool) over device lengths; anything else is refused with an error naming it, before any device
+    work (host lengths are checked as they are, so the bound is refused with them)."""
+    lens = read("seq_lens", FakeDev((2,), np.int32) if on_device else np.zeros(2, np.int32))
+    ok = on_device and type(value) is int and 0 <= value <= top
+    if ok:
+        assert V.check_max_seqlen(value, lens, "seq_lens", top) == value
+    else:
+        with pytest.raises((ValueError, TypeError), match="^max_seqlen: "):
+            V.check_max_seqlen(value, lens, "seq_lens", top)
