@@ -57,6 +57,17 @@ __device__ __forceinline__ void kv_quantize_row(const uint4& raw, unsigned char*
   if (lane == 0) *scale_out = scale;
 }
 
+// Sequence b's shift of its items' slots: its device length (dst_base, a CUDA graph's lengths,
+// read unchecked), clamped into [0, base_max] so that no write leaves the sequence's slots.
+__device__ __forceinline__ int kv_append_base(const KvAppendParams& p, int b) {
+  return min(max(p.dst_base[b], 0), p.base_max);
+}
+
+// Item `item`'s destination slot: dst[item], shifted by its sequence's base when dst_base is set.
+__device__ __forceinline__ int kv_append_dst(const KvAppendParams& p, int item) {
+  return p.dst_base != nullptr ? p.dst[item] + kv_append_base(p, item / p.per_seq) : p.dst[item];
+}
+
 template <typename T, int KV>
 __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
   static_assert(KV >= 0 && KV <= 2, "KV: 0 = 16-bit pool, 1 = int8, 2 = fp8 e4m3");
@@ -65,6 +76,10 @@ __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < p.n_patches;
        i += static_cast<long long>(gridDim.x) * blockDim.x)
     p.table[p.patch[i]] = p.patch[p.n_patches + i];
+  // With device lengths: the lengths after the append, for the decode behind this kernel.
+  if (p.len_out != nullptr)
+    for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < p.n_items / p.per_seq; b += gridDim.x * blockDim.x)
+      p.len_out[b] = kv_append_base(p, b) + p.per_seq;
   if constexpr (KV == 0) {
     const int chunks = p.head_dim / 8;  // head_dim is a multiple of 8: rows are whole 16-byte chunks
     const long long total = static_cast<long long>(p.n_items) * p.heads_kv * chunks;
@@ -73,7 +88,7 @@ __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
       const int col = static_cast<int>(c % chunks) * 8;
       const int h = static_cast<int>((c / chunks) % p.heads_kv);
       const int item = static_cast<int>(c / (static_cast<long long>(chunks) * p.heads_kv));
-      const int dst = p.dst[item], src = p.src[item];
+      const int dst = kv_append_dst(p, item), src = p.src[item];
       const long long dpage = dst / p.page_size, dslot = dst % p.page_size;
       T* k_out = static_cast<T*>(p.k) + dpage * p.k_stride_page + dslot * p.k_stride_slot + h * p.k_stride_h + col;
       T* v_out = static_cast<T*>(p.v) + dpage * p.v_stride_page + dslot * p.v_stride_slot + h * p.v_stride_h + col;
@@ -99,7 +114,7 @@ __device__ __forceinline__ void kv_append(const KvAppendParams& p) {
          r += warps) {
       const int h = static_cast<int>(r % p.heads_kv);
       const int item = static_cast<int>(r / p.heads_kv);
-      const int dst = p.dst[item], src = p.src[item];
+      const int dst = kv_append_dst(p, item), src = p.src[item];
       const long long dpage = dst / p.page_size, dslot = dst % p.page_size;
       unsigned char* k_out = static_cast<unsigned char*>(p.k) + dpage * p.k_stride_page + dslot * p.k_stride_slot
                              + h * p.k_stride_h;

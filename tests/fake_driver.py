@@ -32,7 +32,7 @@ from pyattn.runtime import _resource, device, memory, pinned, stream, tensormap
 
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
-LAUNCHES: list = []  # (kernel name, grid, stream handle, first 12 struct fields) per launch, when recording
+LAUNCHES: list = []  # (kernel name, grid, stream handle, first 16 struct words) per launch, when recording
 PDL_LAUNCHES: list = []  # kernel names launched as programmatic dependents (cuLaunchKernelEx), always
 MEMSETS: list = []  # (launches recorded before it, address, byte, bytes) per cuMemsetD8Async, when recording
 TMAP_L2: list = []  # the L2 promotion each tensor map was encoded with (CUtensorMapL2promotion), always
@@ -272,7 +272,7 @@ class _Fake:
         self._in_capture("cuLaunchKernel", s)
         if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
             struct = ctypes.c_uint64.from_address(int(argv)).value
-            ptrs = tuple((ctypes.c_uint64 * 12).from_address(struct))
+            ptrs = tuple((ctypes.c_uint64 * 16).from_address(struct))
             LAUNCHES.append((self.kernel_names.get(int(fn)), (gx, gy, gz), int(s), ptrs))
         return (OK,)
 

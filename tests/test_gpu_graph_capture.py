@@ -135,6 +135,40 @@ def test_a_contiguous_decode_step_replays_over_growing_device_lengths():
     _check_decode(_host(got), None, _host(q), ks, vs, causal=True)
 
 
+def test_a_contiguous_decode_step_with_its_append_replays():
+    """The whole step in the graph, as ``flash_attn_with_kvcache`` takes it: each step torch writes
+    the new token's K/V and q into fixed buffers, the replay appends them at each sequence's device
+    length and attends over the length plus one, then torch advances the lengths. The replay equals
+    the same call made eagerly (which rewrites the same slots with the same values), and the last
+    step the fp64 reference over the caches as the appends left them."""
+    B, Hkv, Hq, L, D = 3, 2, 8, 1024, 64
+    kc, vc = _rand(B, Hkv, L, D), _rand(B, Hkv, L, D)
+    q, kn, vn = _rand(B, 1, Hq, D), _rand(B, 1, Hkv, D), _rand(B, 1, Hkv, D)
+    start = [500, 17, 1000]
+    lens = torch.tensor(start, dtype=torch.int32, device="cuda")
+
+    def step():
+        return torch.from_dlpack(pyattn.contiguous_decode(q, kc, vc, lens, k_new=kn, v_new=vn, layout="hnd",
+                                                          max_seqlen=L))
+
+    g, out = _capture(step, "fresh")
+    host_lens = list(start)
+    for _ in range(4):
+        for x in (q, kn, vn):
+            x.copy_(_rand(*x.shape))
+        g.replay()
+        got = out.clone()
+        want = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert all(torch.equal(kc[b, :, n], kn[b, 0]) for b, n in enumerate(host_lens))
+        host_lens = [n + 1 for n in host_lens]
+        lens += 1
+    ks = [_host(kc[b, :, :n].transpose(0, 1)) for b, n in enumerate(host_lens)]
+    vs = [_host(vc[b, :, :n].transpose(0, 1)) for b, n in enumerate(host_lens)]
+    _check_decode(_host(got), None, _host(q), ks, vs, causal=True)
+
+
 def test_a_paged_decode_step_replays_over_changed_tables():
     """vLLM's form on the device under ``max_seqlen``: between replays the block table is rewritten
     (pages moved) and the lengths change; the replay equals the same call made eagerly (bitwise: one

@@ -241,9 +241,10 @@ def test_max_seqlen_validation(gpu):
         pyattn.contiguous_decode(q, kc, vc, dl, max_seqlen=257)
     with pytest.raises(TypeError, match="max_seqlen: expected an int, got float"):
         pyattn.contiguous_decode(q, kc, vc, dl, max_seqlen=10.0)
-    new = _da((2, 1, 2, 64), BF16)
-    with pytest.raises(ValueError, match="max_seqlen: not with k_new"):
-        pyattn.contiguous_decode(q, kc, vc, dl, k_new=new, v_new=new, max_seqlen=10)
+    new = _da((2, 3, 2, 64), BF16)
+    with pytest.raises(ValueError, match="max_seqlen: bounds the lengths after the 3 new tokens, so expected at "
+                                         "least 3, got 2"):
+        pyattn.contiguous_decode(q, kc, vc, dl, k_new=new, v_new=new, max_seqlen=2)
     kp, vp = _da((32, 16, 2, 64), BF16), _da((32, 16, 2, 64), BF16)
     table = _da((2, 4), np.int32)
     with pytest.raises(ValueError, match=r"max_seqlen: expected an int in \[0, 64\], got 65"):
@@ -304,3 +305,37 @@ def test_paged_decode_under_max_seqlen_takes_the_repeat_path(gpu, decode_params,
     misaligned = _da((2, 1, 8, 64), BF16, ptr=q.ptr + 8)
     with pytest.raises(ValueError, match="q: the address must be 16-byte aligned"):
         pyattn.paged_decode(misaligned, kp, vp, block_table=table, seq_lens=lens, max_seqlen=200)
+
+
+def test_a_captured_step_appends_from_the_device_lengths(gpu, decode_params, monkeypatch):
+    """``contiguous_decode(..., k_new=, v_new=, max_seqlen=)`` in a capture: the append's items are
+    the geometry's kept ones (uploaded at the eager call before), the kernel shifts them by the
+    device lengths (clamped to max_seqlen - n_new) and writes the lengths after the append into a
+    block of the graph's own, which the decode reads; nothing goes through host memory."""
+    from pyattn.kernels.params import KV_APPEND_PARAMS
+    from pyattn.paged import appender
+
+    appends, real = [], appender.launch
+    names = [name for name, _ in KV_APPEND_PARAMS.fields]
+
+    def spy(kernel, grid, block, smem, s, params):
+        appends.append(dict(zip(names, struct.unpack_from(KV_APPEND_PARAMS.format, params))))
+        return real(kernel, grid, block, smem, s, params)
+
+    monkeypatch.setattr(appender, "launch", spy)
+    s = Stream(pyattn.get_device())
+    q, kc, vc = _contig()
+    lens = _da((2,), np.int32)
+    kn, vn = _da((2, 1, 2, 64), BF16), _da((2, 1, 2, 64), BF16)
+    pyattn.contiguous_decode(q, kc, vc, lens, k_new=kn, v_new=vn, max_seqlen=256, stream=s)  # eager first
+    items = appends[-1]["dst"]
+    cid = gpu.begin_capture(s)
+    pyattn.contiguous_decode(q, kc, vc, lens, k_new=kn, v_new=vn, max_seqlen=256, stream=s)
+    a, p = appends[-1], decode_params[-1]
+    assert (a["dst"], a["dst_base"], a["per_seq"], a["base_max"], a["n_items"]) == (items, lens.ptr, 1, 255, 2)
+    assert a["k_src"] == kn.ptr and gpu.graph_blocks.get(a["len_out"]) == cid
+    assert p["kv_len"] == a["len_out"] and p["uniform_len"] == 256
+    names = [name for name, _ in gpu.captured]
+    assert "cuMemcpyHtoDAsync" not in names and "cuStreamSynchronize" not in names
+    gpu.end_capture(s)
+    assert gpu.refused == []

@@ -110,7 +110,8 @@ def test_new_tokens_are_appended_before_the_decode(gpu, full_contig):
     assert all(n.startswith("pyattn_attn_decode") for n in names[1::2])
     (_, _, _, a), (_, _, _, d) = fake_driver.LAUNCHES[-2:]
     assert a[:2] == (kn.ptr, vn.ptr) and a[6:10] == (128, 64, 128, 64)  # token and head strides
-    assert _u32(a[10]) == (6, 0) and a[11] == kc.ptr  # 2 x 3 items, no table patches; the K cache
+    assert _u32(a[10]) == (6, 0) and a[11:13] == (0, 0)  # 2 x 3 items, no patches, slots as they are
+    assert a[14] == kc.ptr  # the K cache
     assert d[1:3] == (kc.ptr, vc.ptr) and d[10] == 0  # the length (16 + 3) by value
 
 

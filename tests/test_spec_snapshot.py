@@ -41,14 +41,17 @@ _SMEM_ASSERT = re.compile(r"^static_assert\(.*::kSmemBytes == \d+, .*\);\n", re.
 # ... and those the fifty-second session added to every unit alike: the entry point's wait for the
 # stream's previous kernel (kernels_src/pdl.cuh; test_spec_render checks them).
 _PDL_LINES = re.compile(r'^(#include "pdl\.cuh"|  pyattn::pdl::wait\(\);)\n', re.M)
-# ... and the fifty-third session's field of DecodeParams, the pool's page count the decode clamps
-# page entries to (unchecked tables: paged_decode's max_seqlen), which grew the struct by 8 bytes.
-_NUM_PAGES = re.compile(r"^  int num_pages;\n", re.M)
+# ... and the fifty-third session's fields: DecodeParams' pool page count the decode clamps page
+# entries to, KvAppendParams' device lengths its slots shift by (both for max_seqlen's unchecked
+# tables), which grew the structs by 8 and 24 bytes.
+_MAX_SEQLEN_FIELDS = re.compile(r"^  (int num_pages|const int\* dst_base|int\* len_out|int per_seq|int base_max);\n",
+                                re.M)
 
 
 def _render_digest(spec) -> str:
-    unit = _NUM_PAGES.sub("", _PDL_LINES.sub("", _SMEM_ASSERT.sub("", render(spec))))
+    unit = _MAX_SEQLEN_FIELDS.sub("", _PDL_LINES.sub("", _SMEM_ASSERT.sub("", render(spec))))
     unit = unit.replace("sizeof(DecodeParams) == 376", "sizeof(DecodeParams) == 368")
+    unit = unit.replace("sizeof(KvAppendParams) == 256", "sizeof(KvAppendParams) == 232")
     return hashlib.sha256(unit.encode()).hexdigest()[:16]
 
 

@@ -111,11 +111,15 @@ DECODE_PARAMS = ParamStruct(
 KV_APPEND_PARAMS = ParamStruct(
     "KvAppendParams",
     # per call first (a cache pre-packs the rest once: ParamStruct.partial); the decode table's
-    # patches (pyattn.paged.decode_table): table[patch[i]] = patch[n_patches + i]
+    # patches (pyattn.paged.decode_table): table[patch[i]] = patch[n_patches + i]. With dst_base
+    # (contiguous_decode's device lengths under max_seqlen, which a CUDA graph replays with): item
+    # i's slot is dst[i] + dst_base[i / per_seq] clamped into [0, base_max], and len_out[b] =
+    # that clamped base + per_seq, the decode's lengths after the append.
     (("k_src", "ptr"), ("v_src", "ptr"), ("dst", "i32_cptr"), ("src", "i32_cptr"), ("patch", "i32_cptr"),
      ("table", "i32_ptr"))
     + (("k_src_stride_t", "i64"), ("k_src_stride_h", "i64"), ("v_src_stride_t", "i64"), ("v_src_stride_h", "i64"))
-    + (("n_items", "i32"), ("n_patches", "i32"))
+    + (("n_items", "i32"), ("n_patches", "i32"), ("dst_base", "i32_cptr"), ("len_out", "i32_ptr"), ("per_seq", "i32"),
+       ("base_max", "i32"))
     # per cache
     + (("k", "mut_ptr"), ("v", "mut_ptr"), ("k_scale", "f32_ptr"), ("v_scale", "f32_ptr"))
     + _pool_strides("k") + _pool_strides("v") + _pool_strides("ks") + _pool_strides("vs")

@@ -9,6 +9,10 @@ append of new tokens into the caches (the paged cache's kv_append kernel over th
   kernel takes only power-of-two pages from 16; other pages run on the cp.async kernel).
 - Token ``t`` of sequence ``b`` is pool slot ``b * per * P + t`` either way (the table is
   linear), so the append's destinations need no table lookup.
+- Under ``max_seqlen`` the lengths stay on the device: the append's items are then the same at
+  every call of one geometry (slots at length 0, and sources), uploaded once and kept, and the
+  kernel shifts each by its sequence's length as it finds it and writes the lengths after the
+  append for the decode (``KV_APPEND_PARAMS``'s ``dst_base``): a CUDA graph replays that step.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ..pipeline.plans import ptx_requested
 from ..runtime.mailbox import Mailbox
 from ..validate.paged import PoolInfo
 
-__all__ = ["VIEW_PAGE", "paged_view", "page_table", "Append", "new_tokens", "launch_append"]
+__all__ = ["VIEW_PAGE", "paged_view", "page_table", "Append", "new_tokens", "launch_append", "launch_append_on_device"]
 
 # The largest page the caches are viewed as. On an H200 (bf16 GQA 32/8 D 128) the TMA decode over
 # pages of 64 to 256 slots ran level with each other and 1-3% ahead of pages of 16 (BENCHMARKS.md,
@@ -82,6 +86,7 @@ class Append(NamedTuple):
     src: np.ndarray  # int32 (batch * n_new,): their rows of the new tokens' token stride
     strides: tuple  # (token, head) element strides of the new K and V tokens on the device
     packers: dict  # (device ordinal, K cache address, V cache address) -> kv_append's PartialPack
+    kept: dict  # device ordinal -> DeviceArray of dst0 then src (launch_append_on_device's items)
 
 
 def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, strides: tuple) -> Append:
@@ -92,7 +97,7 @@ def new_tokens(view: PoolInfo, per: int, batch: int, n_new: int, rows: int, stri
     if view.num_pages * view.page_size >= 2**31:
         raise ValueError(f"k_cache: the append addresses pool slots in int32; these caches hold "
                          f"{view.num_pages * view.page_size} slots")
-    return Append(n_new, dst0.astype(np.int32), (b * rows + i).ravel().astype(np.int32), strides, {})
+    return Append(n_new, dst0.astype(np.int32), (b * rows + i).ravel().astype(np.int32), strides, {}, {})
 
 
 @functools.lru_cache(maxsize=16)
@@ -101,24 +106,49 @@ def _append_spec(dtype: str, arch: str, ptx: bool) -> KernelSpec:
     return KernelSpec("kv_append", DTYPES[dtype][0], 32, arch, ptx)
 
 
+def _packer(device, view: PoolInfo, k: int, v: int, ap: Append):
+    """kv_append's kernel and the struct with the caches' fields packed, once per cache pair (a
+    model's layers)."""
+    spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
+    key = (device.ordinal, k, v)
+    packer = ap.packers.get(key)
+    if packer is None:
+        if len(ap.packers) >= _MAX_PACKERS:
+            ap.packers.pop(next(iter(ap.packers)))
+        packer = ap.packers[key] = spec.params.partial(pool_fields(view, k, v))
+    return get_kernel(spec, device), packer, spec.threads
+
+
+def launch_append_on_device(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens: int, bound: int,
+                            len_out: int, k_src: int, v_src: int) -> None:
+    """Write the new tokens into the caches from each sequence's length as the kernel reads it at
+    device address ``lens`` (clamped into ``[0, bound - n_new]``), and the lengths after the
+    append to ``len_out``: one kv_append launch over the geometry's kept items, with no host data
+    per call (what a CUDA graph can replay). The items are uploaded at the first call (one
+    synchronisation, refused inside a capture: make one call before it)."""
+    items = ap.kept.get(device.ordinal)
+    if items is None:
+        (items,) = upload([np.concatenate([ap.dst0, ap.src])], device, s)
+        s.synchronize()  # once per geometry: a later call on another stream then reads it safely
+        ap.kept[device.ordinal] = items
+    kernel, packer, threads = _packer(device, view, k, v, ap)
+    launch_kv_append(kernel, packer, view.heads_kv * (view.head_dim // 8), threads, device.sm_count, s, items.ptr,
+                     len(ap.src), (k_src, ap.strides), (v_src, ap.strides),
+                     base=(lens, len_out, ap.n_new, bound - ap.n_new))
+
+
 def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k_src: int, v_src: int) -> None:
     """Write the new tokens (device addresses ``k_src``, ``v_src``) into the caches ``k``, ``v``
     from position ``lens[b]`` of each sequence b on (``lens``: an int, or a host int array
     (batch,)): one kv_append launch, its items through this thread's mailbox (an upload was ~30 us
     of a decode step's host time on the fake driver, ``dev/host_cost_cpu.py``)."""
-    spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
-    key = (device.ordinal, k, v)
-    packer = ap.packers.get(key)
-    if packer is None:  # once per cache pair (a model's layers): the pool fields packed
-        if len(ap.packers) >= _MAX_PACKERS:
-            ap.packers.pop(next(iter(ap.packers)))
-        packer = ap.packers[key] = spec.params.partial(pool_fields(view, k, v))
+    kernel, packer, threads = _packer(device, view, k, v, ap)
     shift = lens if isinstance(lens, int) else np.repeat(np.asarray(lens, np.int32), ap.n_new)
     box = _mailbox(device)
     items, slot, keep = post_items(box, [ap.dst0 + shift, ap.src], device, s)
     # 16-bit caches: one thread a 16-byte chunk of a token's row of every kv head
-    launch_kv_append(get_kernel(spec, device), packer, view.heads_kv * (view.head_dim // 8), spec.threads,
-                     device.sm_count, s, items, len(ap.src), (k_src, ap.strides), (v_src, ap.strides))
+    launch_kv_append(kernel, packer, view.heads_kv * (view.head_dim // 8), threads, device.sm_count, s, items,
+                     len(ap.src), (k_src, ap.strides), (v_src, ap.strides))
     if slot is not None:
         box.sent(slot, s)
 

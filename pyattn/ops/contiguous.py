@@ -21,7 +21,7 @@ import numpy as np
 from ..interop.inputs import read, read_args
 from ..interop.quick import quick_key
 from ..paged.book import longest_first
-from ..pipeline.device import begin, bind, fetch_values, finish, start
+from ..pipeline.device import begin, bind, fetch_values, finish, output, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo
 from ..runtime.stream import check_stream_arg, refuse_capture
@@ -77,12 +77,14 @@ def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     causal, window, softcap, alibi_slopes, scale, num_splits, return_lse, stream
         As in :func:`pyattn.paged_decode`.
     max_seqlen : int, optional
-        With device ``cache_seqlens`` (and no ``k_new``): a host bound on them, at most ``max_len``.
-        The lengths are then not copied back for a range check: the kernel reads them as they are
-        when it runs, each clamped into ``[0, max_seqlen]``, and the splits are planned for
-        ``max_seqlen``. This is how a decode step is captured in a CUDA graph (a copy-back cannot
-        be captured) and replayed over lengths that grow: pass the caches' ``max_len``. A length
-        over the bound is attended as ``max_seqlen`` keys, not refused.
+        With device ``cache_seqlens``: a host bound on the lengths after the new tokens, at most
+        ``max_len``. The lengths are then not copied back for a range check: the kernels read them
+        as they are when they run, each clamped into ``[0, max_seqlen - n_new]``, write the new
+        tokens from there (device ``k_new`` / ``v_new``) and attend over the clamped length plus
+        ``n_new``; the splits are planned for ``max_seqlen``. This is how a decode step is captured
+        in a CUDA graph (a copy-back cannot be captured) and replayed over lengths that grow: pass
+        the caches' ``max_len``, and advance the lengths yourself after each step. A length over
+        the bound is taken as the bound, not refused.
 
     Returns
     -------
@@ -138,11 +140,15 @@ def _repeat(hit, length: int, arrays, stream, return_lse, reads):
 
 
 def _repeat_unchecked(hit, arrays, stream, return_lse, reads):
-    """A call whose quick key was seen, with device lengths under ``max_seqlen`` (no new tokens:
-    refused with them): pointers and producers read, then the launch (the graph-captured step's
-    eager form, whose full path is ~130 us of host time)."""
+    """A call whose quick key was seen, with device lengths under ``max_seqlen``: pointers and
+    producers read, the new tokens written from the lengths as the kernel finds them, then the
+    launch (the graph-captured step's eager form, whose full path is ~130 us of host time)."""
     P, device = hit.bound.problem, hit.bound.device
-    s, (q, kc, vc, alibi, _, _, lens) = begin(hit.bound, stream, arrays, reads)
+    s, (q, kc, vc, alibi, kn, vn, lens) = begin(hit.bound, stream, arrays, reads)
+    if hit.append is not None:  # (after: the lengths after the append, kept to the decode's launch)
+        after = output(device, s, (P.batch,), np.int32)
+        C.launch_append_on_device(device, s, P.pool, kc, vc, hit.append, lens, hit.max_len, after.ptr, kn, vn)
+        lens = after.ptr
     table = C.page_table(device, P.batch, hit.per, hit.cols, s)
     out, lse = run_decode(P, device, q, kc, vc, (table, None, hit.cols, Ptr(lens), None), hit.max_len, alibi, s,
                           return_lse)
@@ -167,17 +173,17 @@ def _full(params, qkey):
                                                                                           cache_seqlens)
     trusted = params["max_seqlen"] is not None
     if trusted:  # device lengths read unchecked under a host bound (the graph-captured decode step)
-        bound = check_max_seqlen(params["max_seqlen"], lens_arg, "cache_seqlens", whole.page_size)
-        if n_new:
-            raise ValueError("max_seqlen: not with k_new / v_new, whose append places the new tokens by host "
-                             "lengths: write them into the caches first (e.g. with index_copy_), then decode")
+        top = check_max_seqlen(params["max_seqlen"], lens_arg, "cache_seqlens", whole.page_size)
+        if top < n_new:
+            raise ValueError(f"max_seqlen: bounds the lengths after the {n_new} new tokens, so expected at least "
+                             f"{n_new}, got {top}")
     lens = check_seqlens(lens_arg, P.batch, whole.page_size, None if trusted else fetch_values, n_new)
     if lens is not None and not isinstance(lens, int) and (P.batch == 0 or int(lens.min()) == int(lens.max())):
         lens = int(lens[0]) if P.batch else 0  # equal lengths: by value
     host_new = n_new > 0 and not a["k_new"].on_device
     ap = C.new_tokens(pool, per, P.batch, n_new, rows, new_strides) if n_new else None
     if trusted:
-        max_len, total_len, order, dev_lens = bound, None, None, lens_arg
+        max_len, total_len, order, dev_lens = top, None, None, lens_arg
     elif isinstance(lens, int):
         max_len, total_len, order, dev_lens = lens + n_new, (lens + n_new) * P.batch, None, None
     else:
@@ -191,8 +197,15 @@ def _full(params, qkey):
             if host_new:  # (uploaded C-contiguous)
                 kn, vn = upload([np.ascontiguousarray(a["k_new"].obj), np.ascontiguousarray(a["v_new"].obj)],
                                 device, s)
-            C.launch_append(device, s, pool, kc.ptr, vc.ptr, ap, lens, kn.ptr, vn.ptr)
-        if isinstance(lens, int):
+            if trusted:  # slots from the device lengths; the lengths after the append written for the decode
+                after = output(device, s, (P.batch,), np.int32)
+                C.launch_append_on_device(device, s, pool, kc.ptr, vc.ptr, ap, dv_lens.ptr, max_len, after.ptr,
+                                          kn.ptr, vn.ptr)
+            else:
+                C.launch_append(device, s, pool, kc.ptr, vc.ptr, ap, lens, kn.ptr, vn.ptr)
+        if trusted:
+            kv_len = after if ap is not None else dv_lens
+        elif isinstance(lens, int):
             kv_len = lens + n_new
         else:  # ragged: device lengths in place (without new tokens), else uploaded with the order
             host = [None if dev_lens is not None else (np.asarray(lens, np.int64) + n_new).astype(np.int32), order]
@@ -214,10 +227,10 @@ def _full(params, qkey):
         bound = bind(P, device, ordered, _check)
         if bound is not None:
             _quick.put(qkey, _Hit(bound, per, cols, whole.page_size, ap))
-    elif qkey is not None and trusted:  # (the lengths' pointer read per call, after the others)
+    elif qkey is not None and trusted and not host_new:  # (the lengths' pointer read per call, after the others)
         bound = bind(P, device, ordered + [dev_lens], _check)
         if bound is not None:
-            _quick.put(qkey, _Hit(bound, per, cols, max_len, None))
+            _quick.put(qkey, _Hit(bound, per, cols, max_len, ap))
     alibi_ptr, keep = _alibi_ptr(dal, device, s)
     out, lse = launch_fn(device, s, dq, alibi_ptr)
     finish(s, [dq, kc, vc, dal, dv_lens, *new])

@@ -57,17 +57,21 @@ def post_items(box: Mailbox, parts: list, device, s) -> tuple:
 
 
 def launch_kv_append(kernel, packer, threads_per_item: int, block: int, sm_count: int, s, items: int,
-                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0)) -> None:
+                     n_items: int, k_new=(0, (0, 0)), v_new=(0, (0, 0)), patch=(0, 0, 0),
+                     base=(0, 0, 1, 0)) -> None:
     """One kv_append launch over ``n_items`` (destination slot, source) pairs at device address
     ``items`` (int32, all destinations then all sources): a source s >= 0 is row s of the new
     tokens ``k_new`` / ``v_new`` = (address, (token stride, head stride)), -1 - x is pool slot x.
     ``patch`` = (address of n int32 offsets then n values, int32 block they index, n): the decode
-    table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too. ``packer``: the
-    struct with the pools' fields packed (:func:`pool_fields`); a few blocks an SM at most (the
-    kernel strides over the rest)."""
+    table's patches (:class:`~pyattn.paged.decode_table.DecodeTable`), written too. ``base`` =
+    (address of int32 device lengths, address of int32 lengths out, items a sequence, the lengths'
+    bound): each item's slot shifted by its sequence's length as the kernel finds it, and the
+    lengths after the append written (``KV_APPEND_PARAMS``); (0, 0, 1, 0): slots as they are.
+    ``packer``: the struct with the pools' fields packed (:func:`pool_fields`); a few blocks an SM
+    at most (the kernel strides over the rest)."""
     (k_src, ks), (v_src, vs) = k_new, v_new
     params = packer.pack(k_src, v_src, items, items + 4 * n_items, patch[0], patch[1], ks[0], ks[1], vs[0], vs[1],
-                         n_items, patch[2])
+                         n_items, patch[2], *base)
     threads = max(n_items * threads_per_item, patch[2])
     grid = max(1, min(-(-threads // block), sm_count * _BLOCKS_PER_SM))
     launch(kernel, (grid, 1, 1), (block, 1, 1), 0, s, params)
