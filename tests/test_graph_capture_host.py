@@ -34,19 +34,25 @@ def _block(a):
     return owner
 
 
+def _spy_launches(monkeypatch, module, params_struct) -> list:
+    """Each launch through ``module.launch`` whose struct is ``params_struct``, unpacked by field
+    name (the launch still goes to the fake driver)."""
+    seen, real = [], module.launch
+    names = [name for name, _ in params_struct.fields]
+
+    def spy(kernel, grid, block, smem, s, params):
+        if len(params) == params_struct.size:
+            seen.append(dict(zip(names, struct.unpack_from(params_struct.format, params))))
+        return real(kernel, grid, block, smem, s, params)
+
+    monkeypatch.setattr(module, "launch", spy)
+    return seen
+
+
 @pytest.fixture
 def decode_params(monkeypatch):
     """Each decode launch's DecodeParams, unpacked by field name."""
-    seen, real = [], _decode.launch
-    names = [name for name, _ in DECODE_PARAMS.fields]
-
-    def spy(kernel, grid, block, smem, s, params):
-        if len(params) == DECODE_PARAMS.size:
-            seen.append(dict(zip(names, struct.unpack_from(DECODE_PARAMS.format, params))))
-        return real(kernel, grid, block, smem, s, params)
-
-    monkeypatch.setattr(_decode, "launch", spy)
-    return seen
+    return _spy_launches(monkeypatch, _decode, DECODE_PARAMS)
 
 
 def test_a_result_allocated_in_a_capture_is_the_graph_s_own(gpu):
@@ -315,14 +321,7 @@ def test_a_captured_step_appends_from_the_device_lengths(gpu, decode_params, mon
     from pyattn.kernels.params import KV_APPEND_PARAMS
     from pyattn.paged import appender
 
-    appends, real = [], appender.launch
-    names = [name for name, _ in KV_APPEND_PARAMS.fields]
-
-    def spy(kernel, grid, block, smem, s, params):
-        appends.append(dict(zip(names, struct.unpack_from(KV_APPEND_PARAMS.format, params))))
-        return real(kernel, grid, block, smem, s, params)
-
-    monkeypatch.setattr(appender, "launch", spy)
+    appends = _spy_launches(monkeypatch, appender, KV_APPEND_PARAMS)
     s = Stream(pyattn.get_device())
     q, kc, vc = _contig()
     lens = _da((2,), np.int32)
