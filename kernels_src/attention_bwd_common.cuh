@@ -23,13 +23,13 @@ struct BwdSeq {
 
 __device__ __forceinline__ BwdSeq bwd_seq(const AttnBwdParams& p, int b) {
   BwdSeq s;
-  if (p.cu_seqlens_q != nullptr) {
-    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+  if (p.cu_seqlens_q != nullptr) {  // clamped as the forward's (attention_mask.cuh clamp_rows says why)
+    int q0, k0;
+    clamp_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q0, s.sq);
+    clamp_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k0, s.sk);
     s.q_row0 = q0;
     s.k_row0 = k0;
     s.acc_row0 = q0 + static_cast<long long>(b) * kBwdRowPad;
-    s.sq = p.cu_seqlens_q[b + 1] - q0;
-    s.sk = p.cu_seqlens_k[b + 1] - k0;
   } else {
     s.q_row0 = s.k_row0 = s.acc_row0 = 0;
     s.sq = p.seqlen_q;

@@ -17,11 +17,11 @@ struct SeqInfo {
 __device__ __forceinline__ SeqInfo seq_info(const AttnFwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
-    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    int q0, k0;
+    clamp_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q0, s.sq);
+    clamp_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k0, s.sk);
     s.q_row0 = q0;
     s.k_row0 = k0;
-    s.sq = p.cu_seqlens_q[b + 1] - q0;
-    s.sk = p.cu_seqlens_k[b + 1] - k0;
   } else {
     s.q_row0 = s.k_row0 = 0;
     s.sq = p.seqlen_q;

@@ -50,6 +50,16 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// A varlen sequence's rows, [lo, lo + len) of [cu[b], cu[b + 1]), clamped into the packed array's
+// rows [0, total) and to at most `longest` rows. Offsets the host checked pass unchanged. Those it
+// did not (pyattn.attention_varlen with max_seqlen_q / max_seqlen_k over device offsets, as a CUDA
+// graph replays them) then address wrong rows of q, k, v, out and the LSE, never memory outside
+// them, and never more rows than the grid (sized by `longest`) covers.
+__device__ __forceinline__ void clamp_rows(const int* cu, int b, int total, int longest, int& lo, int& len) {
+  lo = min(max(cu[b], 0), total);
+  len = min(min(max(cu[b + 1], lo), total) - lo, longest);
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));

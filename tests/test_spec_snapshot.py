@@ -44,14 +44,19 @@ _PDL_LINES = re.compile(r'^(#include "pdl\.cuh"|  pyattn::pdl::wait\(\);)\n', re
 # ... and the fifty-third session's fields: DecodeParams' pool page count the decode clamps page
 # entries to, KvAppendParams' device lengths its slots shift by (both for max_seqlen's unchecked
 # tables), which grew the structs by 8 and 24 bytes.
-_MAX_SEQLEN_FIELDS = re.compile(r"^  (int num_pages|const int\* dst_base|int\* len_out|int per_seq|int base_max);\n",
-                                re.M)
+# The fifty-fourth session's: AttnFwdParams' and AttnBwdParams' packed row counts that varlen
+# offsets are clamped into (attention_varlen's unchecked device offsets), 8 bytes each.
+_MAX_SEQLEN_FIELDS = re.compile(r"^  (int num_pages|const int\* dst_base|int\* len_out|int per_seq|int base_max"
+                                r"|int total_q|int total_k);\n", re.M)
 
 
 def _render_digest(spec) -> str:
     unit = _MAX_SEQLEN_FIELDS.sub("", _PDL_LINES.sub("", _SMEM_ASSERT.sub("", render(spec))))
     unit = unit.replace("sizeof(DecodeParams) == 376", "sizeof(DecodeParams) == 368")
     unit = unit.replace("sizeof(KvAppendParams) == 256", "sizeof(KvAppendParams) == 232")
+    unit = unit.replace("sizeof(AttnFwdParams) == 312", "sizeof(AttnFwdParams) == 304")
+    unit = unit.replace("sizeof(AttnBwdParams) == 440", "sizeof(AttnBwdParams) == 432")
+    unit = unit.replace("sizeof(PagedFwdParams) == 424", "sizeof(PagedFwdParams) == 416")
     return hashlib.sha256(unit.encode()).hexdigest()[:16]
 
 

@@ -22,8 +22,10 @@ def _strides(prefix: str):
 # (mask, alibi, cu_seqlens) are null when unused. The mask is read as mask[b, h, i, j] with
 # stride 0 on broadcast axes. Varlen (cu_seqlens_q non-null): sequence b owns rows
 # cu_seqlens[b]:cu_seqlens[b+1] of the packed arrays, q/k/v/o stride_b is 0 and seqlen_q/k are
-# the maxima. LSE element (b, h, i) lives at lse[b * lse_stride_b + h * lse_stride_h + row0 + i],
-# row0 = cu_seqlens_q[b] for varlen, else 0. causal: 0 none, 1 bottom-right, 2 top-left;
+# the maxima, total_q / total_k the packed rows (kernels_src/common.cuh clamp_rows keeps each
+# sequence inside them and its lengths within the maxima; unused, 0, without cu_seqlens). LSE element
+# (b, h, i) lives at lse[b * lse_stride_b + h * lse_stride_h + row0 + i], row0 = cu_seqlens_q[b] for
+# varlen, else 0. causal: 0 none, 1 bottom-right, 2 top-left;
 # window_left/right: -1 = unbounded (both relative to the bottom-right diagonal).
 # Block-sparse (tile_ptr non-null): query tile m of head h visits only the key tiles
 # tile_idx[tile_ptr[r] : tile_ptr[r + 1]] with r = h * tile_stride_h + m (tile_stride_h 0: one
@@ -41,7 +43,8 @@ ATTN_FWD_PARAMS = ParamStruct(
        ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"),
        ("window_left", "i32"), ("window_right", "i32"), ("alibi_stride_b", "i32"),
        ("scale_log2", "f32"), ("scale", "f32"), ("softcap", "f32"), ("tile_stride_h", "i32"),
-       ("o_scale", "f32")),  # attn_fwd_fp8: V's descale, applied with the softmax's normalisation
+       ("o_scale", "f32"),  # attn_fwd_fp8: V's descale, applied with the softmax's normalisation
+       ("total_q", "i32"), ("total_k", "i32")),  # varlen: the packed rows its offsets are clamped into
 )
 
 # merge_states: out = LSE-weighted combination of state a and the n_b states of stack b.
@@ -194,7 +197,7 @@ ATTN_BWD_PARAMS = ParamStruct(
     + (("batch", "i32"), ("heads_q", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("seqlen_q", "i32"),
        ("seqlen_k", "i32"), ("head_dim", "i32"), ("causal", "i32"), ("window_left", "i32"), ("window_right", "i32"),
        ("alibi_stride_b", "i32"), ("m_blocks", "i32"), ("block_m", "i32"), ("deterministic", "i32"),
-       ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32")),
+       ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("total_q", "i32"), ("total_k", "i32")),
 )
 
 

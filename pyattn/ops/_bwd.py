@@ -104,7 +104,7 @@ def build_bwd_plan(problem, device) -> BwdPlan:
         "seqlen_q": Sq, "seqlen_k": Sk, "head_dim": P.head_dim, "causal": P.causal, "window_left": P.window[0],
         "window_right": P.window[1], "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "m_blocks": m_blocks, "block_m": bm, "deterministic": int(problem.deterministic), "scale": P.scale,
-        "scale_log2": P.scale * LOG2E, "softcap": P.softcap,
+        "scale_log2": P.scale * LOG2E, "softcap": P.softcap, "total_q": P.total_q, "total_k": P.total_k,
     })
     rows_launch = B > 0 and Sq > 0
     row_block = pre.tiles.warps * row_pass_rows_per_warp(P.head_dim, dtype.itemsize)  # rows per block

@@ -171,6 +171,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": scale * LOG2E, "scale": scale, "softcap": P.softcap,
         "tile_stride_h": -(-P.seqlen_q // tiles.block_m) if per_head else 0, "o_scale": P.descale[2],
+        "total_q": P.total_q, "total_k": P.total_k,  # (varlen's packed rows; 0 otherwise, unused)
     })
     empty = int(np.prod(out_shape)) == 0 or P.batch == 0
     mask_map = None

@@ -101,7 +101,7 @@ def _build(P, device) -> PrefillPlan:
         "head_dim": D, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * LOG2E, "scale": P.scale, "softcap": P.softcap, "tile_stride_h": 0,
-        "o_scale": 1.0,
+        "o_scale": 1.0, "total_q": 0, "total_k": 0,  # (the paged kernels read their own lengths)
     })
     ps = pool.page_size
     own = {"k_stride_page": pool.k_strides[0], "k_stride_slot": pool.k_strides[1],
