@@ -106,7 +106,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dout, out : array, shape (total_q, heads_q, head_dim)
         Upstream gradient and the forward's output, q's dtype.
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-        As :func:`pyattn.attention_varlen` takes them (offsets checked the same way).
+        As :func:`pyattn.attention_varlen` takes them: offsets checked the same way, and device
+        offsets with both maxima given not read on the host (no synchronisation; clamped in the
+        kernels, so wrong ones give wrong gradients, never accesses outside the arrays).
     lse : array, float32, shape (heads_q, total_q)
         The forward's LSE as ``attention_varlen(..., return_lse=True)`` returns it.
     causal, window, softcap, alibi_slopes, scale, dq, dk, dv, deterministic, stream
@@ -121,16 +123,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     check_stream_arg(stream)
     names = _ARRAYS + ("cu_seqlens_q", "cu_seqlens_k")
     args = read_args(params, names, _REQUIRED + ("cu_seqlens_q", "cu_seqlens_k"))
-    P, (cu_q, cu_k) = make_varlen_backward_problem(
+    P, cus = make_varlen_backward_problem(
         args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], args["cu_seqlens_q"],
         args["cu_seqlens_k"], lambda a: fetch_values(a) if a.on_device else a.obj, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, window=window, softcap=softcap, alibi=args["alibi_slopes"],
         scale=scale, dq=args["dq"], dk=args["dk"], dv=args["dv"], deterministic=deterministic)
-    return _run(P, args, stream, (cu_q.astype(np.int32), cu_k.astype(np.int32)))
+    return _run(P, args, stream, tuple(c.astype(np.int32) for c in cus) if cus is not None else None, True)
 
 
-def _run(P, args, stream, cus):
-    """Run a validated call: the NumPy path (``cus``: host offsets of a varlen call) or the device one."""
+def _run(P, args, stream, cus, varlen=False):
+    """Run a validated call: the NumPy path (``cus``: host offsets of a varlen call) or the device one
+    (``varlen``: with the device offsets, checked or not)."""
     alibi, grads = args["alibi_slopes"], [args[n] for n in ("dq", "dk", "dv")]
     if not P.on_device:  # NumPy in, NumPy out (a device alibi_slopes is read in place)
         ins = [args[n].obj for n in ("q", "k", "v", "out", "dout", "lse")] + list(cus)
@@ -148,11 +151,11 @@ def _run(P, args, stream, cus):
         return tuple(host.call(run, ins, [g.obj if g is not None else None for g in grads], stream))
     check_pointers(P.base, args["q"], args["k"], args["v"])
     _check(P, args)
-    names = _ARRAYS + (("cu_seqlens_q", "cu_seqlens_k") if cus else ())
+    names = _ARRAYS + (("cu_seqlens_q", "cu_seqlens_k") if varlen else ())
     device, s, a = start(stream, [args[n] for n in names], lambda a: _recheck(P, dict(zip(names, a))))
     a = dict(zip(names, a))
     _, alibi_ptr, keep = device_extras(None, a["alibi_slopes"], device, s)
-    extras = (alibi_ptr, a["cu_seqlens_q"].ptr, a["cu_seqlens_k"].ptr) if cus else (alibi_ptr,)
+    extras = (alibi_ptr, a["cu_seqlens_q"].ptr, a["cu_seqlens_k"].ptr) if varlen else (alibi_ptr,)
     plan = get_plan(build_bwd_plan, P, device)
     new = run_bwd(plan, device, s, tuple(a[n].ptr for n in ("q", "k", "v", "out", "dout", "lse")),
                   tuple(None if a[n] is None else a[n].ptr for n in ("dq", "dk", "dv")), extras)

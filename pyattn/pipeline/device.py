@@ -166,5 +166,6 @@ def fetch_values(a) -> np.ndarray:
     if view.stream is not None:
         refuse_capture(view.stream, f"{a.name} is copied back to the host for its checks, a synchronisation "
                                     f"that no capture can hold (paged_decode and contiguous_decode read their "
-                                    f"lengths on the device with max_seqlen=)")
+                                    f"lengths on the device with max_seqlen=, attention_varlen and its backward "
+                                    f"their offsets with max_seqlen_q= and max_seqlen_k=)")
     return view.numpy()

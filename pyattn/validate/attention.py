@@ -258,7 +258,13 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
     """Validate ``attention_varlen`` arguments: packed (total, H, D) Args and int32 cumulative lengths
     (Args). Their values are range-checked after every other check: a device array's values come
     back through ``fetch(arg)``, the only device work before the launch. Returns the problem and
-    the host values ``(cu_q, cu_k)`` (int64)."""
+    the host values ``(cu_q, cu_k)`` (int64).
+
+    Device offsets with both ``max_seqlen_q`` and ``max_seqlen_k`` given are not read (FlashAttention's
+    varlen contract): ``fetch`` is never called and the host values are None. The call then needs no
+    synchronisation and a CUDA graph can hold it; the kernels clamp each sequence's rows into the
+    packed arrays and its lengths to the maxima (kernels_src/common.cuh ``clamp_rows``), so wrong
+    offsets give wrong rows, never accesses outside q, k, v, out and the LSE."""
     causal = check_causal(causal)
     ins = (q, k, v)
     align = _check_qkv(ins, allow_tf32)
@@ -295,6 +301,8 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, fetch, *, max_seqle
                                window, softcap, None, alibi_info, total_q=Tq, allow_tf32=bool(allow_tf32),
                                align=align, total_k=Tk)
     problem = _with_out(problem, out, q.dtype)
+    if q.on_device and max_seqlen_q is not None and max_seqlen_k is not None:  # unread: see the docstring
+        return problem._replace(seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k)), None
     cu_q = _cu_values(cu_seqlens_q, fetch(cu_seqlens_q), Tq)
     cu_k = _cu_values(cu_seqlens_k, fetch(cu_seqlens_k), Tk)
     longest = []
