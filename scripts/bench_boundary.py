@@ -14,6 +14,8 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
    its result taken back with ``cupy.from_dlpack``, and a decode with a CuPy q), and torch SDPA's
    own tiny call in the same run (the host is shared and noisy: compare within a run). Targets:
    <= 20 us; ``decode(q, cache, ids)`` (and ``contiguous_decode`` over torch caches) <= 25 us.
+   Also (no target) ``attention_varlen`` on the same tokens with torch offsets, checked (copied
+   back, a synchronisation a call) and with both maxima (unread).
 2. NumPy in/out against the pinned-copy floor of the same run: (1, 4096, 16, 128) fp16 attention
    (floor: pinned H2D of q, k, v plus D2H of out; also with q, k, v in ``pyattn.pinned_empty`` arrays,
    which the DMA reads in place), and a decode step over a 32k-token bf16 cache
@@ -60,6 +62,12 @@ def host_costs(bench, loop: int, rounds: int = 3) -> tuple:
         jax_like = harness.DlpackOnly(t)
         kinds["torch via __dlpack__ only (a JAX stand-in)"] = lambda: pyattn.attention(jax_like, jax_like, jax_like)
         kinds["torch SDPA tiny (same run)"] = lambda: torch.nn.functional.scaled_dot_product_attention(tb, tb, tb)
+        # the same 16 tokens packed as two sequences with torch offsets: read back for their check
+        # (a synchronisation a call), or not read with both maxima (FlashAttention's contract)
+        tv, cu = t[0], torch.tensor([0, 7, 16], dtype=torch.int32, device="cuda")
+        kinds["varlen, torch offsets checked (copied back)"] = lambda: pyattn.attention_varlen(tv, tv, tv, cu, cu)
+        kinds["varlen, torch offsets, both maxima (unread)"] = lambda: pyattn.attention_varlen(
+            tv, tv, tv, cu, cu, max_seqlen_q=9, max_seqlen_k=9)
         syncs += [s.synchronize, torch.cuda.synchronize]
     try:
         import cupy
@@ -173,7 +181,7 @@ def main() -> int:
     print(f"\nimport torch after a compile in a fresh process: {after}")
     h = result["host_us"]
     targets = [{"pass": v <= 20, "text": f"{k}: {v:.1f} us <= 20 us"} for k, v in h.items()
-               if not k.startswith(("decode", "contiguous_decode", "torch SDPA"))]
+               if not k.startswith(("decode", "contiguous_decode", "torch SDPA", "varlen"))]
     targets += [{"pass": v <= 25, "text": f"{k}: {v:.1f} us <= 25 us"} for k, v in h.items()
                 if k.startswith(("decode", "contiguous_decode"))]
     targets += [{"pass": n[k] <= 1.5 * n[f], "text": f"NumPy {k}: {n[k] / n[f]:.2f}x the floor <= 1.5x"}
