@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..kernels.registry import get_kernel
+from ..kernels.registry import generation, get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
 from ..paged.appender import launch_kv_append, pool_fields, post_items
 from ..pipeline.host import upload
@@ -85,7 +85,7 @@ class Append(NamedTuple):
     dst0: np.ndarray  # int32 (batch * n_new,): the new tokens' pool slots at length 0 (add the length)
     src: np.ndarray  # int32 (batch * n_new,): their rows of the new tokens' token stride
     strides: tuple  # (token, head) element strides of the new K and V tokens on the device
-    packers: dict  # (device ordinal, K cache address, V cache address) -> kv_append's PartialPack
+    packers: dict  # (device ordinal, K / V cache addresses, kernel generation) -> (kernel, PartialPack, threads)
     kept: dict  # device ordinal -> DeviceArray of dst0 then src (launch_append_on_device's items)
 
 
@@ -107,16 +107,17 @@ def _append_spec(dtype: str, arch: str, ptx: bool) -> KernelSpec:
 
 
 def _packer(device, view: PoolInfo, k: int, v: int, ap: Append):
-    """kv_append's kernel and the struct with the caches' fields packed, once per cache pair (a
-    model's layers)."""
-    spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
-    key = (device.ordinal, k, v)
-    packer = ap.packers.get(key)
-    if packer is None:
+    """kv_append's kernel, the struct with the caches' fields packed and the block size, once per
+    cache pair (a model's layers) and kernel generation (``override_tiles``). A step that appends
+    looked the spec, its tiles and the kernel up each call before: ~3 us of its host time."""
+    key = (device.ordinal, k, v, generation())
+    hit = ap.packers.get(key)
+    if hit is None:
+        spec = _append_spec(view.dtype.name, device.arch, ptx_requested())
         if len(ap.packers) >= _MAX_PACKERS:
             ap.packers.pop(next(iter(ap.packers)))
-        packer = ap.packers[key] = spec.params.partial(pool_fields(view, k, v))
-    return get_kernel(spec, device), packer, spec.threads
+        hit = ap.packers[key] = (get_kernel(spec, device), spec.params.partial(pool_fields(view, k, v)), spec.threads)
+    return hit
 
 
 def launch_append_on_device(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens: int, bound: int,

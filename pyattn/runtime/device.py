@@ -173,8 +173,13 @@ class Device:
 
     @property
     def arch(self) -> str:
-        """The arch kernels are compiled for; raises ``PyattnError`` on an unsupported GPU."""
-        return arch_for_capability(*self.capability)
+        """The arch kernels are compiled for; raises ``PyattnError`` on an unsupported GPU. (Kept
+        once known: per-call paths ask for it.)"""
+        arch = self.__dict__.get("_arch")
+        if arch is None:
+            arch = arch_for_capability(*self.capability)
+            object.__setattr__(self, "_arch", arch)
+        return arch
 
     def activate(self) -> None:
         """Make this device's primary context current on the calling thread (cheap when it already is)."""
