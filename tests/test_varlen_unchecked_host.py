@@ -168,3 +168,13 @@ def test_unchecked_repeat_calls_take_the_quick_path(gpu, fetched, monkeypatch):
     for _ in range(2):
         pyattn.attention_varlen(*second, max_seqlen_k=7)
     assert len(reads) == 4 and fetched == ["cu_seqlens_q", "cu_seqlens_k"] * 2
+
+
+def test_a_quick_repeat_writes_into_out_and_returns_the_lse(gpu, monkeypatch):
+    launched = _spy(monkeypatch, _fwd, ATTN_FWD_PARAMS)
+    q, k, v, cq, ck = _arrays()
+    for _ in range(3):
+        out = _da((10, 4, 64), np.float16)
+        res, lse = pyattn.attention_varlen(q, k, v, cq, ck, max_seqlen_q=6, max_seqlen_k=7, out=out, return_lse=True)
+        assert res is out and launched[-1]["o"] == out.ptr and lse.shape == (4, 10)
+        assert launched[-1]["lse"] == lse.ptr
