@@ -23,7 +23,7 @@ struct BwdSeq {
 
 __device__ __forceinline__ BwdSeq bwd_seq(const AttnBwdParams& p, int b) {
   BwdSeq s;
-  if (p.cu_seqlens_q != nullptr) {  // clamped as the forward's (attention_mask.cuh clamp_rows says why)
+  if (p.cu_seqlens_q != nullptr) {  // clamped as the forward's (common.cuh clamp_rows says why)
     int q0, k0;
     clamp_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q0, s.sq);
     clamp_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k0, s.sk);

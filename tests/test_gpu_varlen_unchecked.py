@@ -23,6 +23,7 @@ import pytest
 import pyattn
 from pyattn.reference import attention_ref, attention_varlen_ref, error_bound
 from test_gpu_attention import _has_gpu
+from test_gpu_graph_capture import _capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU")]
 torch = pytest.importorskip("torch") if _has_gpu() else None
@@ -218,15 +219,8 @@ def test_a_graph_replays_on_new_offsets():
     cq, ck = _cu([100, 50, 100, 50]), _cu([200, 100, 100, 100])
     call = lambda: pyattn.attention_varlen(q, k, v, cq, ck, max_seqlen_q=Tq, max_seqlen_k=Tk,  # noqa: E731
                                            causal=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = _t(call())
+    g, out = _capture(call, "fresh")
+    out = _t(out)
     rng = np.random.default_rng(6)
     for _ in range(3):
         cuts_q = np.sort(rng.integers(0, Tq + 1, n - 1))
@@ -256,15 +250,7 @@ def test_a_graph_replays_the_backward_on_new_offsets():
         return [_t(g) for g in pyattn.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, deterministic=True,
                                                                 **maxima)]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        grads = call()
+    g, grads = _capture(call, "fresh")
     for split_q, split_k in ((30, 250), (200, 0), (7, 99)):
         cq.copy_(torch.tensor([0, split_q, Tq], dtype=torch.int32))
         ck.copy_(torch.tensor([0, split_k, Tk], dtype=torch.int32))
