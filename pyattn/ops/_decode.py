@@ -275,7 +275,7 @@ def pool_maps(device, pool, k: int, v: int, box: int, s, per_head: bool = False)
     decode kernel, and a repeat call passes one pointer instead of 256 bytes. The upload is ordered
     on ``s`` before the launch that reads it.
     """
-    key = (device.ordinal, k, v, pool.num_pages, pool.page_size, pool.heads_kv, pool.head_dim, pool.dtype.name,
+    key = (device.ordinal, k, v, pool.num_pages, pool.page_size, pool.heads_kv, pool.head_dim, pool.dtype,
            pool.k_strides, pool.v_strides, box, per_head)
     maps = _maps.get(key)
     if maps is None:
