@@ -280,6 +280,10 @@ def test_device_lengths_under_max_seqlen_take_the_repeat_path(gpu, full_contig, 
     assert (decode_params[-1]["kv_len"], decode_params[-1]["uniform_len"]) == (other.ptr, 200)
     pyattn.contiguous_decode(q, kc, vc, other, max_seqlen=256)
     assert len(full_contig) == 2 and decode_params[-1]["uniform_len"] == 256
+    # with the step's new tokens: the append's launch too, and still one capture query a call
+    kn = _da((2, 1, 2, 64), BF16)
+    calls = _repeat_calls(lambda: pyattn.contiguous_decode(q, kc, vc, lens, k_new=kn, v_new=kn, max_seqlen=200))
+    assert calls == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 2}
 
 
 def test_paged_decode_under_max_seqlen_takes_the_repeat_path(gpu, decode_params, monkeypatch):

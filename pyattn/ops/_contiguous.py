@@ -26,6 +26,7 @@ import numpy as np
 from ..kernels.registry import generation, get_kernel
 from ..kernels.specs import DTYPES, KernelSpec
 from ..paged.appender import launch_kv_append, pool_fields, post_items
+from ..pipeline.device import output
 from ..pipeline.host import upload
 from ..pipeline.plans import ptx_requested
 from ..runtime.mailbox import Mailbox
@@ -121,21 +122,25 @@ def _packer(device, view: PoolInfo, k: int, v: int, ap: Append):
 
 
 def launch_append_on_device(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens: int, bound: int,
-                            len_out: int, k_src: int, v_src: int) -> None:
+                            k_src: int, v_src: int, capture=None):
     """Write the new tokens into the caches from each sequence's length as the kernel reads it at
-    device address ``lens`` (clamped into ``[0, bound - n_new]``), and the lengths after the
-    append to ``len_out``: one kv_append launch over the geometry's kept items, with no host data
-    per call (what a CUDA graph can replay). The items are uploaded at the first call (one
-    synchronisation, refused inside a capture: make one call before it)."""
+    device address ``lens`` (clamped into ``[0, bound - n_new]``): one kv_append launch over the
+    geometry's kept items, with no host data per call (what a CUDA graph can replay). The items
+    are uploaded at the first call (one synchronisation, refused inside a capture: make one call
+    before it). Returns the lengths after the append, an int32 (batch,) DeviceArray the kernel
+    writes, for the decode behind it (hold it until that launch); ``capture`` as
+    :meth:`~pyattn.runtime.memory.DevicePool.allocate`'s, for its allocation."""
     items = ap.kept.get(device.ordinal)
     if items is None:
         (items,) = upload([np.concatenate([ap.dst0, ap.src])], device, s)
         s.synchronize()  # once per geometry: a later call on another stream then reads it safely
         ap.kept[device.ordinal] = items
     kernel, packer, threads = _packer(device, view, k, v, ap)
+    after = output(device, s, (len(ap.src) // ap.n_new,), np.int32, capture)
     launch_kv_append(kernel, packer, view.heads_kv * (view.head_dim // 8), threads, device.sm_count, s, items.ptr,
                      len(ap.src), (k_src, ap.strides), (v_src, ap.strides),
-                     base=(lens, len_out, ap.n_new, bound - ap.n_new))
+                     base=(lens, after.ptr, ap.n_new, bound - ap.n_new))
+    return after
 
 
 def launch_append(device, s, view: PoolInfo, k: int, v: int, ap: Append, lens, k_src: int, v_src: int) -> None:

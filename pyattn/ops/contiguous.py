@@ -21,10 +21,10 @@ import numpy as np
 from ..interop.inputs import read, read_args
 from ..interop.quick import quick_key
 from ..paged.book import longest_first
-from ..pipeline.device import begin, bind, fetch_values, finish, output, start
+from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo
-from ..runtime.stream import check_stream_arg, refuse_capture
+from ..runtime.stream import capture_id, check_stream_arg, refuse_capture
 from ..validate.contiguous import check_caches, check_new_tokens, check_seqlens
 from ..validate.options import check_bool
 from ..validate.paged import check_max_seqlen, check_pool_address, check_q_address, check_query, check_token_address
@@ -145,13 +145,13 @@ def _repeat_unchecked(hit, arrays, stream, return_lse, reads):
     launch (the graph-captured step's eager form, whose full path is ~130 us of host time)."""
     P, device = hit.bound.problem, hit.bound.device
     s, (q, kc, vc, alibi, kn, vn, lens) = begin(hit.bound, stream, arrays, reads)
+    capture = capture_id(s.handle)  # (asked once: the append's lengths out and the decode's allocations take it)
     if hit.append is not None:  # (after: the lengths after the append, kept to the decode's launch)
-        after = output(device, s, (P.batch,), np.int32)
-        C.launch_append_on_device(device, s, P.pool, kc, vc, hit.append, lens, hit.max_len, after.ptr, kn, vn)
+        after = C.launch_append_on_device(device, s, P.pool, kc, vc, hit.append, lens, hit.max_len, kn, vn, capture)
         lens = after.ptr
     table = C.page_table(device, P.batch, hit.per, hit.cols, s)
     out, lse = run_decode(P, device, q, kc, vc, (table, None, hit.cols, Ptr(lens), None), hit.max_len, alibi, s,
-                          return_lse)
+                          return_lse, capture=capture)
     return (out, lse) if return_lse else out
 
 
@@ -198,9 +198,8 @@ def _full(params, qkey):
                 kn, vn = upload([np.ascontiguousarray(a["k_new"].obj), np.ascontiguousarray(a["v_new"].obj)],
                                 device, s)
             if trusted:  # slots from the device lengths; the lengths after the append written for the decode
-                after = output(device, s, (P.batch,), np.int32)
-                C.launch_append_on_device(device, s, pool, kc.ptr, vc.ptr, ap, dv_lens.ptr, max_len, after.ptr,
-                                          kn.ptr, vn.ptr)
+                after = C.launch_append_on_device(device, s, pool, kc.ptr, vc.ptr, ap, dv_lens.ptr, max_len, kn.ptr,
+                                                  vn.ptr)
             else:
                 C.launch_append(device, s, pool, kc.ptr, vc.ptr, ap, lens, kn.ptr, vn.ptr)
         if trusted:
