@@ -22,6 +22,7 @@ _EXPORTS = {
     "contiguous_decode": "ops.contiguous",
     "prefill": "ops.prefill",
     "verify_tree": "ops.prefill",
+    "paged_prefill": "ops.paged_prefill",
     "sparq_decode": "ops.sparq",
     "PagedKVCache": "paged.cache",
     "OutOfPagesError": "paged.book",

@@ -96,7 +96,7 @@ def calls(draw):
     """``(entry name, function, positional args, keyword args, what was broken)``."""
     entry = draw(st.sampled_from(["attention", "attention_varlen", "sparse_attention", "block_sparse_attention",
                                   "merge_states", "paged_decode", "contiguous_decode", "decode", "prefill",
-                                  "verify_tree",
+                                  "verify_tree", "paged_prefill",
                                   "attention_backward", "attention_varlen_backward",
                                   "sparq_decode"]))
     B, S, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 40)), 4, draw(st.sampled_from([32, 64]))
@@ -155,6 +155,15 @@ def calls(draw):
         options = ["scale", "softcap", "stream", "num_splits", "return_lse"]
         if entry == "prefill":
             options += ["window", "causal", "alibi_slopes"]
+    elif entry == "paged_prefill":  # new tokens over the caller's pools: each sequence S + 2 tokens in 3 pages of 16
+        packed = draw(st.booleans())
+        pool = Dev((8, 16, 2, D), dt)
+        args, names = [arr((B * S, H, D)) if packed else arr((B, S, H, D)), pool, pool], ["q", "k_pool", "v_pool"]
+        kwargs = {"block_table": np.zeros((B, 3), np.int32), "seq_lens": np.full(B, S + 2, np.int32)}
+        if packed:
+            kwargs["cu_seqlens_q"] = np.arange(B + 1, dtype=np.int32) * S
+        options = ["scale", "softcap", "window", "causal", "layout", "stream", "num_splits", "return_lse",
+                   "alibi_slopes"]
     else:  # decode over pools or a cache: q is (batch, q_len, Hq, D)
         args = [arr((B, 1, H, D))]
         names, options = ["q"], ["scale", "softcap", "window", "causal", "stream", "num_splits", "return_lse"]
@@ -272,6 +281,11 @@ def test_the_fuzz_reaches_the_driver_with_valid_calls(blocked, cache):
         lambda: pyattn.prefill(np.zeros((1, 8, 4, 32), np.float16), cache(32, np.float16, [20]), [0]),
         lambda: pyattn.prefill(Dev((8, 4, 32)), cache(32, np.float16, [20, 8]), [0, 1],
                                np.array([0, 3, 8], np.int32)),
+        lambda: pyattn.paged_prefill(np.zeros((1, 8, 4, 32), np.float16), Dev((8, 16, 2, 32)), Dev((8, 16, 2, 32)),
+                                     block_table=np.zeros((1, 2), np.int32), seq_lens=np.full(1, 20, np.int32)),
+        lambda: pyattn.paged_prefill(Dev((8, 4, 32)), Dev((8, 2, 16, 32)), Dev((8, 2, 16, 32)), np.array([0, 3, 8], np.int32),
+                                     indptr=np.array([0, 1, 3], np.int32), indices=np.array([4, 0, 7], np.int32),
+                                     last_page_len=np.array([9, 1], np.int32), layout="hnd"),
         lambda: pyattn.verify_tree(np.zeros((1, 3, 4, 32), np.float16), cache(32, np.float16, [9]), [0],
                                    np.array([[-1, 0, 0]], np.int32)),
         lambda: pyattn.attention_backward(q, q, kv, kv, q, np.zeros((1, 4, 8), np.float32), causal=True),

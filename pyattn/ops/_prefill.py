@@ -4,7 +4,8 @@ The kernel is the paged variant of the tensor-core prefill (``attn_prefill_wgmma
 ``attn_prefill_tma``, its K/V read as TMA page boxes, where the page size and head dim allow;
 ``attn_prefill_mma`` elsewhere; ``attn_tree_*`` with ancestor masks). A plan fixes everything
 but the per-call values (which sequences, how many new tokens each, the page table): the page
-table is the cache's own device copy, and cu_seqlens_q / tree masks go up in one small copy,
+table is the cache's own device copy (or the caller's, :func:`pyattn.paged_prefill`), and
+cu_seqlens_q / tree masks go up in one small copy,
 reused while a recent call had the same values. When the grid would not fill the GPU (a draft tree of a few
 sequences), each block's key tiles are split and the fp32 partials merged by the decode combine.
 """
@@ -29,7 +30,7 @@ from ..runtime.launch import launch
 from ..validate.options import LOG2E
 from ._decode import choose_num_splits, pool_maps
 
-__all__ = ["PrefillPlan", "prefill_specs", "run_prefill"]
+__all__ = ["KVTables", "PrefillPlan", "prefill_specs", "run_prefill"]
 
 _F32 = np.dtype(np.float32)
 # The last few uploads of (cu_seqlens_q, tree masks), by value: a serving loop repeats its shapes
@@ -145,11 +146,26 @@ def _values_on_device(device, s, cu32: np.ndarray, masks) -> tuple:
     return hit
 
 
-def run_prefill(P, device, s, q: int, cache, ids, cu: np.ndarray, masks, alibi_ptr: int, return_lse: bool):
-    """Launch the prefill (and the split combine) of problem ``P`` over ``cache``'s sequences ``ids``.
+class KVTables(NamedTuple):
+    """Where a prefill's keys are: the K / V pools' addresses, the CSR page table (``indices`` and
+    ``indptr``: sequence ``b``'s pages start at ``indices + indptr[b]``) and ``kv_len`` (int32 device
+    arrays or anything with a ``ptr``), and the longest length (the split choice reads it)."""
 
-    ``q``: device address of the packed queries; ``cu``: host cu_seqlens_q (int64); ``masks``: the
-    tree's uint64 ancestor masks (total,) or None. Returns ``(out, lse or None)`` DeviceArrays.
+    k: int
+    v: int
+    indices: object
+    indptr: object
+    kv_len: object
+    max_len: int
+
+
+def run_prefill(P, device, s, q: int, tables, cu: np.ndarray, masks, alibi_ptr: int, return_lse: bool):
+    """Launch the prefill (and the split combine) of problem ``P`` over ``P.pool``'s pages.
+
+    ``q``: device address of the packed queries; ``tables``: a callable returning the
+    :class:`KVTables` on ``s``, called only when some sequence has new tokens (a cache orders its
+    stream and uploads its tables then); ``cu``: host cu_seqlens_q (int64); ``masks``: the tree's
+    uint64 ancestor masks (total,) or None. Returns ``(out, lse or None)`` DeviceArrays.
     """
     plan = get_plan(_build, P, device)
     t = P.total_q // P.batch if P.layout == "bshd" else 0
@@ -160,8 +176,8 @@ def run_prefill(P, device, s, q: int, cache, ids, cu: np.ndarray, masks, alibi_p
     m_blocks = -(-int(counts.max(initial=0)) * plan.row_group // plan.block_m)
     if m_blocks == 0:
         return out, lse
-    cache.order(s)
-    (idx, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
+    kv = tables(s)
+    max_len = kv.max_len
     if P.num_splits:
         splits = P.num_splits
     else:
@@ -173,11 +189,11 @@ def run_prefill(P, device, s, q: int, cache, ids, cu: np.ndarray, masks, alibi_p
         rows = P.total_q * P.heads_q
         part = output(device, s, (splits * rows * P.head_dim,), _F32)
         lpart = output(device, s, (splits * rows,), _F32)
-    own = dict(plan.own, page_indices=idx.ptr, page_indptr=indptr.ptr, kv_len=kv_len.ptr,
+    own = dict(plan.own, page_indices=kv.indices.ptr, page_indptr=kv.indptr.ptr, kv_len=kv.kv_len.ptr,
                tree_mask=d_masks.ptr if d_masks is not None else 0, o_part=part.ptr if part is not None else 0,
                lse_part=lpart.ptr if lpart is not None else 0, num_splits=splits,
-               tmaps=pool_maps(device, P.pool, cache.k.ptr, cache.v.ptr, plan.tma_box, s) if plan.tma_box else 0)
-    params = plan.base.pack(q, cache.k.ptr, cache.v.ptr, out.ptr, lse.ptr if lse is not None else 0, 0, alibi_ptr,
+               tmaps=pool_maps(device, P.pool, kv.k, kv.v, plan.tma_box, s) if plan.tma_box else 0)
+    params = plan.base.pack(q, kv.k, kv.v, out.ptr, lse.ptr if lse is not None else 0, 0, alibi_ptr,
                             d_cu.ptr, 0, 0, 0, 0) + PAGED_FWD_EXTRA.pack(own)
     launch(plan.kernel, (m_blocks * splits, plan.grid_y, P.batch), plan.block, plan.shared_bytes, s, params)
     if splits > 1:

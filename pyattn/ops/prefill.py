@@ -12,6 +12,8 @@ new tokens sits at position ``length - n + i``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..interop.inputs import read_args
@@ -24,13 +26,20 @@ from ..runtime.stream import check_stream_arg
 from ..validate.options import check_bool
 from ..validate.serving import (check_cu_seqlens_q, check_new_tokens, check_parents, check_prefill,
                                 tree_masks)
-from ._prefill import run_prefill
+from ._prefill import KVTables, run_prefill
 
 __all__ = ["prefill", "verify_tree"]
 
 
 def _fetch(a):
     return fetch_values(a) if a.on_device else np.asarray(a.obj)
+
+
+def _cache_tables(cache, ids, s) -> KVTables:
+    """The cache's pools and its device page tables of sequences ``ids``, ordered on ``s``."""
+    cache.order(s)
+    (idx, indptr, _, kv_len, _), max_len, _ = cache.device_tables(ids, s)
+    return KVTables(cache.k.ptr, cache.v.ptr, idx, indptr, kv_len, max_len)
 
 
 def _run(P, cache, ids, a, cu, masks, stream, return_lse):
@@ -41,7 +50,8 @@ def _run(P, cache, ids, a, cu, masks, stream, return_lse):
         if device is not cache.device:
             raise ValueError(f"q: expected an array on the cache's device {cache.device.ordinal}, "
                              f"got device {device.ordinal}")
-        return run_prefill(P, device, s, q_ptr, cache, ids, cu, masks, alibi_ptr, return_lse)
+        return run_prefill(P, device, s, q_ptr, functools.partial(_cache_tables, cache, ids), cu, masks, alibi_ptr,
+                           return_lse)
 
     if not P.q_on_device:
         ins = [a["q"].obj, np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]

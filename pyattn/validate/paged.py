@@ -239,12 +239,15 @@ def check_block_table(block_table, seq_lens, batch: int, pool: PoolInfo, fetch) 
 
 
 def check_csr(indptr, indices, last_page_len, batch: int, pool: PoolInfo, fetch) -> tuple:
-    """Range-check FlashInfer's CSR page table (Args) and return host ``(indptr, indices, kv_len)``."""
+    """Range-check FlashInfer's CSR page table (Args) and return host ``(indptr, indices, kv_len)``;
+    ``fetch`` None: the metadata alone, and ``(None, None, None)``."""
     for a in (indptr, indices, last_page_len):
         _int32_meta(a)
     if indptr.shape != (batch + 1,) or last_page_len.shape != (batch,):
         raise ValueError(f"indptr, last_page_len: expected shapes ({batch + 1},), ({batch},) for batch {batch}, "
                          f"got {indptr.shape}, {last_page_len.shape}")
+    if fetch is None:
+        return None, None, None
     ip, ix, lp = _values((indptr, indices, last_page_len), fetch)
     if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] > indices.shape[0]:
         raise ValueError(f"indptr: must start at 0, be non-decreasing and end at most at len(indices) = "

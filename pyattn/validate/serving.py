@@ -58,7 +58,7 @@ class PrefillProblem:
             (self.batch, t, self.heads_q, self.head_dim)
 
 
-def check_pool_rows(pool: PoolInfo) -> None:
+def check_pool_rows(pool: PoolInfo, name: str = "cache") -> None:
     """The prefill kernels address a pool row (one slot of one kv head) by a 32-bit index in slot
     strides, shared by K and V (``kernels_src/wgmma_paged_load.cuh``): the page stride must be a
     whole number of slot strides, the same number for K and V, the pool under 2**32 such rows and a
@@ -67,22 +67,23 @@ def check_pool_rows(pool: PoolInfo) -> None:
     rows = kp // ks if ks > 0 and kp % ks == 0 else 0
     if (rows < 1 or vs < 1 or vp != rows * vs or pool.num_pages * rows >= 2**32
             or max(ks, vs) * pool.dtype.itemsize >= 2**32):
-        raise ValueError(f"cache: prefill needs K/V pools whose page stride is the same whole number of slot "
+        raise ValueError(f"{name}: prefill needs K/V pools whose page stride is the same whole number of slot "
                          f"strides in K and V, under 2**32 slot rows in all; got (page, slot) element strides "
                          f"K {(kp, ks)}, V {(vp, vs)} over {pool.num_pages} pages")
 
 
 def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, window, softcap, alibi_slopes, scale,
-                  num_splits, tree: bool) -> PrefillProblem:
+                  num_splits, tree: bool, seqs: str = "seq_ids", pools: str = "cache") -> PrefillProblem:
     """Validate q (an Arg) against the cache's pools and the options.
 
     ``has_cu``: whether ``cu_seqlens_q`` was given (then q is packed (total, heads_q, head_dim));
-    ``n_seqs``: the number of sequence ids.
+    ``n_seqs``: the number of sequences, named ``seqs`` in errors (the ids, or a page table's
+    rows); ``pools``: the name errors give the pools.
     """
     if pool.kv:
-        raise TypeError(f"cache: prefill reads float16 / bfloat16 caches; this one holds {pool.kv} codes "
+        raise TypeError(f"{pools}: prefill reads float16 / bfloat16 caches; this one holds {pool.kv} codes "
                         f"(8-bit caches serve decode only)")
-    check_pool_rows(pool)
+    check_pool_rows(pool, pools)
     if q.dtype != pool.dtype:
         raise TypeError(f"q: expected dtype {pool.dtype} (the KV cache's), got {q.dtype}")
     if q.dtype.name not in DECODE_DTYPES:
@@ -99,7 +100,7 @@ def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, windo
                              f"with cu_seqlens_q; got {q.shape}")
         batch, t, heads_q, dim = q.shape
         if batch != n_seqs:
-            raise ValueError(f"seq_ids: expected {batch} ids (q's batch), got {n_seqs}")
+            raise ValueError(f"{seqs}: expected {batch} sequences (q's batch), got {n_seqs}")
         total, layout = batch * t, "bshd"
         strides = (q.strides[1], q.strides[2]) if q.on_device else (heads_q * dim, dim)
         if q.on_device and batch > 1 and t > 0 and q.strides[0] != t * q.strides[1]:
@@ -112,7 +113,7 @@ def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, windo
     if heads_q > _MAX_GRID_YZ:
         raise ValueError(f"q: at most {_MAX_GRID_YZ} query heads, got {heads_q}")
     if not 0 < batch <= _MAX_GRID_YZ:
-        raise ValueError(f"seq_ids: expected 1 to {_MAX_GRID_YZ} sequences, got {batch}")
+        raise ValueError(f"{seqs}: expected 1 to {_MAX_GRID_YZ} sequences, got {batch}")
     if total >= 2**31 // max(heads_q, 1):
         raise ValueError(f"q: total tokens x heads must stay below 2**31, got {total} x {heads_q}")
     if q.on_device:
@@ -134,13 +135,17 @@ def check_prefill(q, pool: PoolInfo, n_seqs: int, *, has_cu: bool, causal, windo
 
 
 def check_cu_seqlens_q(cu, batch: int, total: int, fetch) -> np.ndarray:
-    """Validate ``cu_seqlens_q`` (an Arg, int32 (batch + 1,)) and return its host values as int64."""
+    """Validate ``cu_seqlens_q`` (an Arg, int32 (batch + 1,)) and return its host values as int64;
+    ``fetch`` None: its metadata only (a caller with other device values to read checks every
+    argument's metadata first), returning None."""
     if cu.dtype != np.int32:
         raise TypeError(f"cu_seqlens_q: expected dtype int32, got {cu.dtype}")
     if cu.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q: expected shape ({batch + 1},) (one more than the sequences), got {cu.shape}")
     if cu.on_device and cu.strides[0] != 1 and batch > 0:
         raise ValueError(f"cu_seqlens_q: expected a contiguous array, got element strides {cu.strides}")
+    if fetch is None and cu.on_device:
+        return None
     host = np.asarray(fetch(cu) if cu.on_device else cu.obj).astype(np.int64)
     if host[0] != 0 or host[-1] != total or (np.diff(host) < 0).any():
         raise ValueError(f"cu_seqlens_q: must start at 0, be non-decreasing and end at q's {total} tokens, "
@@ -148,13 +153,16 @@ def check_cu_seqlens_q(cu, batch: int, total: int, fetch) -> np.ndarray:
     return host
 
 
-def check_new_tokens(counts: np.ndarray, lengths: np.ndarray, tree: bool) -> None:
-    """Each sequence's new tokens are the last ones it holds (their K/V appended first)."""
+def check_new_tokens(counts: np.ndarray, lengths: np.ndarray, tree: bool, pools: bool = False) -> None:
+    """Each sequence's new tokens are the last ones it holds (their K/V appended first); ``pools``:
+    the lengths are a caller's page table's, not a cache's."""
     over = np.flatnonzero(counts > lengths)
     if over.size:
         b = int(over[0])
+        hint = ("seq_lens / the page table must count them: write the new tokens' K/V into the pools first"
+                if pools else "append the new tokens' K/V to the cache first")
         raise ValueError(f"cu_seqlens_q: sequence {b} has {int(counts[b])} new tokens but its cache holds "
-                         f"{int(lengths[b])} (append the new tokens' K/V to the cache first)")
+                         f"{int(lengths[b])} ({hint})")
     if tree and (counts > MAX_TREE).any():
         b = int(np.flatnonzero(counts > MAX_TREE)[0])
         raise ValueError(f"q: a tree of at most {MAX_TREE} tokens per sequence, got {int(counts[b])} for "

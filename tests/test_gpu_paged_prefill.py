@@ -1,0 +1,146 @@
+"""GPU tests of ``pyattn.paged_prefill``: chunked prefill over pools and page tables the caller manages
+(marked ``gpu``; skipped without a driver), against the fp64 reference with the 2x rule, and bitwise
+against :func:`pyattn.prefill` over a cache holding the same pages.
+
+Pools are NaN outside the slots a sequence owns (pages assigned at random, so sequences interleave),
+and outputs are allocated poisoned: a read through a wrong page, past a sequence's end, or an
+unwritten output shows up as NaN. The torch test writes every input on torch's stream just before
+the call, behind a sleep, as a vLLM-style engine would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import pyattn
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_gpu_attention import _has_gpu  # noqa: E402
+from test_gpu_decode import _pools, _rand  # noqa: E402
+from test_gpu_serving import _check_prefill, _filled  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
+              pytest.mark.usefixtures("poison_allocations")]
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                    phases=[p for p in Phase if p != Phase.shrink or not os.environ.get("PYATTN_TEST_NO_SHRINK")])
+DT16 = ["float16", "bfloat16"]
+
+
+def _tables(rng, pages, lengths, page_size, form):
+    """The page tables of ``pages`` in vLLM's form (padding holds garbage) or FlashInfer's CSR form."""
+    if form == "block_table":
+        width = max(len(p) for p in pages) + 1
+        table = rng.integers(-5, 10**6, (len(pages), width)).astype(np.int32)
+        for b, p in enumerate(pages):
+            table[b, :len(p)] = p
+        return dict(block_table=table, seq_lens=np.array(lengths, np.int32))
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+    last = np.array([n - (len(p) - 1) * page_size if n else 0 for n, p in zip(lengths, pages)], np.int32)
+    return dict(indptr=indptr, indices=np.concatenate(pages + [np.zeros(2, np.int32)]).astype(np.int32),
+                last_page_len=last)
+
+
+@SETTINGS
+@given(data=st.data(), n_seqs=st.integers(1, 3), page_size=st.sampled_from([1, 3, 16, 64, 256]),
+       Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), D=st.sampled_from([64, 128, 40, 256]),
+       dtype=st.sampled_from(DT16), form=st.sampled_from(["block_table", "csr"]),
+       layout=st.sampled_from(["nhd", "hnd"]), causal=st.sampled_from([True, True, False]),
+       window=st.sampled_from([None, None, (100, 0), (300, -1)]), mods=st.sampled_from(["", "", "softcap", "alibi"]),
+       packed=st.booleans(), q_on_device=st.booleans(), tables_on_device=st.booleans(),
+       splits=st.sampled_from([None, None, 1, 3]), seed=st.integers(0, 2**31 - 1))
+def test_paged_prefill_matches_reference(data, n_seqs, page_size, Hkv, group, D, dtype, form, layout, causal, window,
+                                         mods, packed, q_on_device, tables_on_device, splits, seed):
+    rng = np.random.default_rng(seed)
+    prefixes = data.draw(st.lists(st.integers(0, 600) | st.sampled_from([0, 1, 255, 256]), min_size=n_seqs,
+                                  max_size=n_seqs))
+    if packed:
+        news = data.draw(st.lists(st.integers(0, 300) | st.sampled_from([1, 64, 129]), min_size=n_seqs,
+                                  max_size=n_seqs))
+    else:
+        news = [data.draw(st.integers(1, 200))] * n_seqs
+    lengths = [p + n for p, n in zip(prefixes, news)]
+    Hq = Hkv * group
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page_size, Hkv, D, dtype, layout, extra=int(rng.integers(1, 3)))
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = _rand(rng, (int(cu[-1]), Hq, D) if packed else (n_seqs, news[0], Hq, D), dtype)
+    opts = dict(causal=causal, window=window)
+    if mods == "softcap":
+        opts["softcap"] = 3.0
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (n_seqs, Hq) if n_seqs > 1 else (Hq,)).astype(np.float32)
+    tables = _tables(rng, pages, lengths, page_size, form)
+    if tables_on_device:
+        tables = {k: pyattn.asarray(v) for k, v in tables.items()}
+    if packed:
+        tables["cu_seqlens_q"] = pyattn.asarray(cu) if tables_on_device else cu
+    out, lse = pyattn.paged_prefill(pyattn.asarray(q) if q_on_device else q, pyattn.asarray(kp), pyattn.asarray(vp),
+                                    layout=layout, num_splits=splits, return_lse=True, **tables, **opts)
+    if q_on_device:
+        assert isinstance(out, pyattn.DeviceArray)
+        out, lse = out.numpy(), lse.numpy()
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == np.float32
+    assert lse.shape == ((Hq, int(cu[-1])) if packed else (n_seqs, Hq, news[0]))
+    _check_prefill(out, lse, q, cu, ks, vs, packed, **opts)
+
+
+@pytest.mark.parametrize("page_size, D, form", [(16, 128, "block_table"), (64, 64, "csr"), (1, 128, "block_table"),
+                                                (256, 256, "csr")])
+def test_bitwise_equal_to_prefill_over_a_cache_of_the_same_pages(page_size, D, form):
+    rng = np.random.default_rng(page_size)
+    prefixes, news = [700, 0, 130], [333, 64, 1]
+    cache, ids, ks, vs = _filled(rng, prefixes, news, page_size, 2, D, "bfloat16")
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = pyattn.asarray(_rand(rng, (int(cu[-1]), 8, D), "bfloat16"))
+    lengths = cache.book.lengths(ids).tolist()
+    tables = _tables(rng, [cache.book.pages(i).astype(np.int32) for i in ids], lengths, page_size, form)
+    want, wl = pyattn.prefill(q, cache, ids, cu, softcap=20.0, return_lse=True)
+    got, gl = pyattn.paged_prefill(q, cache.k, cache.v, cu, softcap=20.0, return_lse=True,
+                                   **{k: pyattn.asarray(v) for k, v in tables.items()})
+    assert np.array_equal(got.numpy().view(np.uint16), want.numpy().view(np.uint16))
+    assert np.array_equal(gl.numpy(), wl.numpy())
+    _check_prefill(got.numpy(), gl.numpy(), q.numpy(), cu, ks, vs, True, causal=True, softcap=20.0)
+
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+@pytest.mark.skipif(torch is None or not getattr(torch, "cuda", None) or not torch.cuda.is_available(),
+                    reason="torch with CUDA not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_torch_engine_arrays_written_just_before_the_call(dtype):
+    """vLLM's layout: one (2, num_blocks, page, heads, dim) tensor whose halves are the K and V pools;
+    every input written on torch's stream behind a sleep; the bf16 result handed back to torch."""
+    rng = np.random.default_rng(11)
+    tdt = getattr(torch, dtype)
+    lengths, news, ps, Hkv, D, Hq = [900, 300], [512, 77], 16, 2, 128, 8
+    kp, vp, pages, ks, vs = _pools(rng, lengths, ps, Hkv, D, dtype, "nhd", extra=5)
+    kv_host = np.stack([kp, vp]).view(np.int16)
+    tables = _tables(rng, pages, lengths, ps, "block_table")
+    cu = np.array([0, news[0], sum(news)], np.int32)
+    q = _rand(rng, (sum(news), Hq, D), dtype)
+    kv = torch.zeros(kv_host.shape, dtype=tdt, device="cuda")
+    tq = torch.zeros(q.shape, dtype=tdt, device="cuda")
+    ttab = torch.zeros(tables["block_table"].shape, dtype=torch.int32, device="cuda")
+    tlen = torch.zeros(2, dtype=torch.int32, device="cuda")
+    tcu = torch.zeros(3, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the writes below land well after this call is queued
+    kv.copy_(torch.from_numpy(kv_host).view(tdt), non_blocking=True)
+    tq.copy_(torch.from_numpy(q.view(np.int16)).view(tdt), non_blocking=True)
+    ttab.copy_(torch.from_numpy(tables["block_table"]), non_blocking=True)
+    tlen.copy_(torch.from_numpy(tables["seq_lens"]), non_blocking=True)
+    tcu.copy_(torch.from_numpy(cu), non_blocking=True)
+    out = pyattn.paged_prefill(tq, kv[0], kv[1], tcu, block_table=ttab, seq_lens=tlen, window=(256, 0))
+    got = torch.from_dlpack(out)
+    assert got.dtype == tdt and got.shape == tq.shape
+    host = got.view(torch.int16).cpu().numpy().view(q.dtype)
+    _check_prefill(host, None, q, cu, ks, vs, True, causal=True, window=(256, 0))

@@ -1,0 +1,128 @@
+"""``pyattn.paged_prefill`` on a CPU through the fake driver: the launch it makes over a caller's pools
+and page tables is :func:`pyattn.prefill`'s launch over a cache holding the same pages, field for
+field, except the table and output addresses; device tables are read in place (after their copy-back
+for the range check, which comes after every argument's metadata check); the ``hnd`` layout reaches
+the kernel as its strides. What the kernel computes is ``test_gpu_paged_prefill.py``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pyattn
+from _host_path_helpers import _da  # (fixtures gpu, cache: conftest.py)
+from pyattn.kernels.params import PAGED_FWD_PARAMS
+from pyattn.ops import _prefill, paged_prefill
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Per-call addresses: the tables, the offsets, the outputs and the split partials.
+_PER_CALL = {"q", "out", "lse", "cu_seqlens_q", "page_indices", "page_indptr", "kv_len", "o_part", "lse_part"}
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """(kernel entry, grid, PagedFwdParams by field name) of each prefill launch."""
+    seen, real, names = [], _prefill.launch, [name for name, _ in PAGED_FWD_PARAMS.fields]
+
+    def spy(kernel, grid, block, smem, s, packed):
+        if len(packed) == PAGED_FWD_PARAMS.size:
+            seen.append((kernel, grid, dict(zip(names, struct.unpack_from(PAGED_FWD_PARAMS.format, packed)))))
+        return real(kernel, grid, block, smem, s, packed)
+
+    monkeypatch.setattr(_prefill, "launch", spy)
+    return seen
+
+
+@pytest.fixture
+def fetched(monkeypatch) -> dict:
+    """Device table values the op copies back, served from this dict by argument name (every name
+    fetched is recorded under "names")."""
+    values = {"names": []}
+
+    def fetch(a):
+        values["names"].append(a.name)
+        return values[a.name]
+
+    monkeypatch.setattr(paged_prefill, "fetch_values", fetch)
+    return values
+
+
+def _block_table(cache, ids, width=20):
+    table = np.full((len(ids), width), -7, np.int32)  # padding past a sequence's pages: garbage
+    for b, i in enumerate(ids):
+        pages = cache.book.pages(i)
+        table[b, :len(pages)] = pages
+    return table
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_launch_is_prefills_over_the_same_pages(gpu, cache, launches, packed):
+    c, ids = cache
+    q = _da((64, 4, 64) if packed else (2, 32, 4, 64), BF16)
+    cu = np.array([0, 40, 64], np.int32) if packed else None
+    lens = c.book.lengths(ids).astype(np.int32)
+    pyattn.prefill(q, c, ids, cu, window=(100, 0), return_lse=True)
+    pyattn.paged_prefill(q, c.k, c.v, cu, block_table=_block_table(c, ids), seq_lens=lens, window=(100, 0),
+                         return_lse=True)
+    (k0, g0, want), (k1, g1, got) = launches
+    assert k1 is k0 and g1 == g0
+    assert {n: v for n, v in got.items() if n not in _PER_CALL} == {n: v for n, v in want.items() if n not in _PER_CALL}
+    assert got["q"] == want["q"] and got["k"] == c.k.ptr and got["page_indptr"] != want["page_indptr"]
+
+
+def test_device_tables_are_read_in_place(gpu, cache, launches, fetched):
+    c, ids = cache
+    q = _da((2, 8, 4, 64), BF16)
+    lens = c.book.lengths(ids).astype(np.int32)
+    table = _block_table(c, ids)
+    fetched.update(block_table=table, seq_lens=lens)
+    d_table, d_lens = _da((2, 20), np.int32), _da((2,), np.int32)
+    pyattn.paged_prefill(q, c.k, c.v, block_table=d_table, seq_lens=d_lens)
+    assert fetched["names"] == ["block_table", "seq_lens"]
+    p = launches[-1][2]
+    assert p["page_indices"] == d_table.ptr and p["kv_len"] == d_lens.ptr
+    n_pages = [len(c.book.pages(i)) for i in ids]
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    fetched.update(indptr=indptr, indices=np.concatenate([c.book.pages(i) for i in ids]).astype(np.int32),
+                   last_page_len=np.full(2, 16, np.int32))
+    d_ip, d_ix, d_last = _da((3,), np.int32), _da((32,), np.int32), _da((2,), np.int32)
+    pyattn.paged_prefill(q, c.k, c.v, indptr=d_ip, indices=d_ix, last_page_len=d_last)
+    p = launches[-1][2]
+    assert p["page_indices"] == d_ix.ptr and p["page_indptr"] == d_ip.ptr and p["kv_len"] not in (0, d_last.ptr)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(cu=np.zeros(3, np.int64)), "^cu_seqlens_q: expected dtype int32"),
+    (dict(lens=(2, 1)), "^seq_lens: expected 1 dim"),
+    (dict(table=np.int64), "^block_table: expected dtype int32"),
+    (dict(q=np.float16), "^q: expected dtype bfloat16"),
+])
+def test_metadata_is_checked_before_any_table_is_copied_back(gpu, cache, fetched, bad, match):
+    c, _ = cache
+    q = _da((64, 4, 64), bad.get("q", BF16))
+    cu = bad.get("cu", _da((3,), np.int32))
+    with pytest.raises((ValueError, TypeError), match=match):
+        pyattn.paged_prefill(q, c.k, c.v, cu, block_table=_da((2, 20), bad.get("table", np.int32)),
+                             seq_lens=_da(bad.get("lens", (2,)), np.int32))
+    assert fetched["names"] == []
+
+
+def test_hnd_pools_reach_the_kernel_as_their_strides(gpu, launches):
+    kp, vp = _da((8, 2, 16, 64), BF16), _da((8, 2, 16, 64), BF16)  # (pages, heads, slots, dim)
+    pyattn.paged_prefill(_da((1, 5, 4, 64), BF16), kp, vp, block_table=np.array([[3, 1]], np.int32),
+                         seq_lens=np.array([20], np.int32), layout="hnd")
+    p = launches[-1][2]
+    assert (p["k_stride_page"], p["k_stride_slot"], p["k_stride_h"]) == (2 * 16 * 64, 64, 16 * 64)
+    assert (p["v_stride_page"], p["v_stride_slot"], p["v_stride_h"]) == (2 * 16 * 64, 64, 16 * 64)
+    assert p["page_size"] == 16 and p["k"] == kp.ptr and p["v"] == vp.ptr
+
+
+def test_new_tokens_must_be_counted_by_the_table(gpu):
+    kp = _da((8, 16, 2, 64), BF16)
+    with pytest.raises(ValueError, match="^cu_seqlens_q: sequence 1 has 9 new tokens but its cache holds 4"):
+        pyattn.paged_prefill(_da((12, 4, 64), BF16), kp, kp, np.array([0, 3, 12], np.int32),
+                             block_table=np.array([[0], [1]], np.int32), seq_lens=np.array([16, 4], np.int32))
