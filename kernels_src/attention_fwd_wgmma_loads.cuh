@@ -134,7 +134,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_tiles(unsigned&
 // session). Spread over the four warps, each scheduler takes a quarter. A lane's page lookup for
 // a tile is issued before the wait for the stage. Each warp arrives once on the stage's "full"
 // barrier (4 arrivals), its lane 0 with the warp's bytes, before its lanes' copies. A chunk wholly
-// past the sequence reads page -1 (out of the map: TMA fills zeros and still counts the bytes).
+// past the sequence reads page -1 (out of the map: TMA fills zeros and still counts the bytes); a
+// table entry is clamped into the pool (copy_v_rows reads its page itself).
 // The sequence's last, partly filled page holds stale slots past its end (the pool is never
 // cleared): its K ones need nothing (their scores become -inf), but its V ones must be zeros, as
 // 0 * inf is NaN in P V; so the warp holding that chunk copies its V itself (16-byte loads, zeros
@@ -158,7 +159,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned 
     page = -1, slot = 0, valid = 0;
     if (chunk < chunks && key < sk) {
       const int pi = key >> page_shift;
-      page = __ldg(pages + pi);
+      page = static_cast<int>(min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(num_pages - 1)));
       slot = key - (pi << page_shift);
       valid = min(box, sk - key);
     }

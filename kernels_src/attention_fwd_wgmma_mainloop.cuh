@@ -125,6 +125,7 @@ struct AttnFwdWgmmaMainloop {
   const int* pages;
   long long k_page, v_page, q_head_stride;
   int page_size, page_shift, row_group;
+  int num_pages;                   // the pool's pages: page entries are clamped into it (paged_prefill's unchecked tables)
   int rows_per_page;               // slot strides per page stride (K's = V's: validate/serving.py)
   int tok[2];                      // tokens of rows row_a, row_a + 8
   int wg_tok0, wg_tok1;            // tokens of the warpgroup's first and last rows
@@ -179,7 +180,8 @@ struct AttnFwdWgmmaMainloop {
   template <int NT>
   __device__ __forceinline__ PagedKVLoad<Tr, BN, NT> paged_load(int tid) const {
     PagedKVLoad<Tr, BN, NT> pl;
-    pl.init(k, v, k_stride, v_stride, k_page, v_page, pages, page_size, page_shift, rows_per_page, head_dim, tid);
+    pl.init(k, v, k_stride, v_stride, k_page, v_page, pages, page_size, page_shift, rows_per_page, num_pages,
+            head_dim, tid);
     return pl;
   }
 

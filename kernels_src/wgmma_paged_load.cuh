@@ -55,16 +55,18 @@ struct PagedKVLoad {
   unsigned k_row, v_row;  // bytes between slots of the K / V pool
   long long k_slot, v_slot, k_page, v_page;  // (flat walk) element strides
   const int* pages;
-  int page_size, page_shift, rows_per_page, head_dim;
+  int page_size, page_shift, rows_per_page, num_pages, head_dim;
   int me, cc, r0, look;  // this thread (0..NT-1); its chunk column and first row; the tile row its lane looks up
   bool col_ok;
   int page, slot;     // fetched: the page and slot of row `look` of the next tile (0, 0 past the end)
 
   __device__ __forceinline__ void init(const T* k_, const T* v_, long long k_slot_, long long v_slot_,
                                        long long k_page_, long long v_page_, const int* pages_, int page_size_,
-                                       int page_shift_, int rows_per_page_, int head_dim_, int tid) {
+                                       int page_shift_, int rows_per_page_, int num_pages_, int head_dim_,
+                                       int tid) {
     k = k_, v = v_, k_slot = k_slot_, v_slot = v_slot_, k_page = k_page_, v_page = v_page_;
     pages = pages_, page_size = page_size_, page_shift = page_shift_, rows_per_page = rows_per_page_;
+    num_pages = num_pages_;
     head_dim = head_dim_;
     page = slot = 0;
     me = tid;
@@ -86,6 +88,13 @@ struct PagedKVLoad {
     return page_shift >= 0 ? key >> page_shift : key / page_size;
   }
 
+  // Page list entry `pi`, clamped into the pool (an unsigned min: a negative entry too), so that a
+  // table no host check has seen (paged_prefill's max_seqlen_k) never reads outside the pools; a
+  // checked one is unchanged.
+  __device__ __forceinline__ int page_at(int pi) const {
+    return static_cast<int>(min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(num_pages - 1)));
+  }
+
   // Issue this lane's page lookup for the tile at row0 (its result is read by `take`).
   __device__ __forceinline__ void fetch(int row0, int row_end) {
     if constexpr (kShuffle) {
@@ -93,7 +102,7 @@ struct PagedKVLoad {
       page = slot = 0;
       if (look >= 0 && key < row_end) {
         const int pi = page_of(key);
-        page = __ldg(pages + pi);
+        page = page_at(pi);
         slot = key - pi * page_size;
       }
     }
@@ -144,7 +153,7 @@ struct PagedKVLoad {
         long long ko = 0, vo = 0;
         if (ok) {
           const int pi = page_of(key);
-          const long long pg = __ldg(pages + pi), sl = key - pi * page_size;
+          const long long pg = page_at(pi), sl = key - pi * page_size;
           ko = pg * k_page + sl * k_slot + col;
           vo = pg * v_page + sl * v_slot + col;
         }

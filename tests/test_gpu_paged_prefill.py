@@ -21,7 +21,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from test_gpu_attention import _has_gpu  # noqa: E402
+from test_gpu_attention import _check, _has_gpu  # noqa: E402
 from test_gpu_decode import _pools, _rand  # noqa: E402
 from test_gpu_serving import _check_prefill, _filled  # noqa: E402
 
@@ -144,3 +144,136 @@ def test_torch_engine_arrays_written_just_before_the_call(dtype):
     assert got.dtype == tdt and got.shape == tq.shape
     host = got.view(torch.int16).cpu().numpy().view(q.dtype)
     _check_prefill(host, None, q, cu, ks, vs, True, causal=True, window=(256, 0))
+
+
+# -- tables read unchecked on the device (max_seqlen_q / max_seqlen_k) ---------------------------------
+@pytest.mark.parametrize("page_size, D, dtype, splits", [(16, 128, "bfloat16", None), (3, 64, "float16", None),
+                                                         (64, 256, "bfloat16", 3), (1, 128, "float16", 2)])
+def test_bounded_tables_give_the_checked_result_bitwise(page_size, D, dtype, splits):
+    """Right tables under bounds at or above their values: the clamps change nothing. Bounds equal to
+    the values (or a fixed split count) make the same plan: bitwise; looser ones may split the keys
+    otherwise (the split choice reads the bounds): the reference."""
+    rng = np.random.default_rng(page_size + D)
+    lengths, news = [700, 64, 131, 5], [333, 64, 1, 5]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page_size, 2, D, dtype, "nhd", extra=3)
+    tables = {k: pyattn.asarray(v) for k, v in _tables(rng, pages, lengths, page_size, "block_table").items()}
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = pyattn.asarray(_rand(rng, (int(cu[-1]), 8, D), dtype))
+    dkp, dvp, dcu = pyattn.asarray(kp), pyattn.asarray(vp), pyattn.asarray(cu)
+    want, wl = pyattn.paged_prefill(q, dkp, dvp, dcu, num_splits=splits, return_lse=True, **tables)
+    width = tables["block_table"].shape[1] * page_size
+    for mq, mk in ((333, 700), (400, width)):
+        got, gl = pyattn.paged_prefill(q, dkp, dvp, dcu, num_splits=splits, return_lse=True, max_seqlen_q=mq,
+                                       max_seqlen_k=mk, **tables)
+        if splits is not None or (mq, mk) == (333, 700):
+            assert np.array_equal(got.numpy().view(np.uint16), want.numpy().view(np.uint16))
+            assert np.array_equal(gl.numpy(), wl.numpy())
+        else:
+            _check_prefill(got.numpy(), gl.numpy(), q.numpy(), cu, ks, vs, True, causal=True)
+    _check_prefill(want.numpy(), wl.numpy(), q.numpy(), cu, ks, vs, True, causal=True)
+
+
+def _clamped(cu, lens, table, total, max_q, max_k, num_pages):
+    """What the kernels make of unchecked tables (kernels_src: clamp_rows, the length and page
+    clamps): per sequence (first row, rows, keys, pages)."""
+    out = []
+    for b in range(len(lens)):
+        lo = min(max(int(cu[b]), 0), total)
+        n = min(min(max(int(cu[b + 1]), lo), total) - lo, max_q)
+        sk = min(max(int(lens[b]), 0), max_k)
+        pages = np.where((table[b] < 0) | (table[b] >= num_pages), num_pages - 1, table[b])
+        out.append((lo, n, sk, pages))
+    return out
+
+
+# Wrong tables (each a set of edits to a right one): entries outside the pool, lengths past the
+# bound or negative, offsets negative, decreasing, past q's rows or longer than max_seqlen_q, and a
+# sequence with more new tokens than keys (its first rows see no key).
+WRONG = {
+    "pages": dict(table={(0, 0): -1, (1, 1): 12, (2, 0): 2**31 - 1, (3, 2): -2**31}),
+    "lengths": dict(lens=[500, -7, 33, 80]),
+    "offsets": dict(cu=[-5, 10, 10, 28, 90]),
+    "decreasing": dict(cu=[0, 12, 8, 30, 40]),
+    "too long": dict(cu=[0, 30, 31, 39, 40]),
+    "more tokens than keys": dict(lens=[3, 20, 5, 12]),
+}
+
+
+@pytest.mark.parametrize("page_size", [16, 3])
+@pytest.mark.parametrize("wrong", sorted(WRONG))
+def test_wrong_bounded_tables_read_the_clamped_problem(page_size, wrong):
+    rng = np.random.default_rng(7)
+    N, Hkv, Hq, D, B, total, max_q = 30, 2, 4, 128, 4, 40, 16
+    width = -(-80 // page_size)
+    max_k = width * page_size
+    kp, vp = (_rand(rng, (N, page_size, Hkv, D), "bfloat16") for _ in range(2))  # every slot a real value
+    table = rng.integers(0, N, (B, width)).astype(np.int32)
+    lens, cu = np.array([60, 20, 45, 12], np.int32), np.array([0, 10, 20, 30, 40], np.int32)
+    edit = WRONG[wrong]
+    for (b, j), val in edit.get("table", {}).items():
+        table[b, j] = val
+    lens = np.array(edit.get("lens", lens), np.int32)
+    cu = np.array(edit.get("cu", cu), np.int32)
+    q = _rand(rng, (total, Hq, D), "bfloat16")
+    out, lse = pyattn.paged_prefill(pyattn.asarray(q), pyattn.asarray(kp), pyattn.asarray(vp), pyattn.asarray(cu),
+                                    block_table=pyattn.asarray(table), seq_lens=pyattn.asarray(lens),
+                                    max_seqlen_q=max_q, max_seqlen_k=max_k, return_lse=True)
+    out, lse = out.numpy(), lse.numpy()
+    seqs = _clamped(cu, lens, table, total, max_q, max_k, N)
+    cover = np.zeros(total, int)
+    for lo, n, _, _ in seqs:
+        cover[lo:lo + n] += 1
+    checked = 0
+    for lo, n, sk, pages in seqs:
+        if n == 0 or (cover[lo:lo + n] != 1).any():
+            continue
+        slots = np.arange(sk)
+        k = kp[pages[slots // page_size], slots % page_size][None]
+        v = vp[pages[slots // page_size], slots % page_size][None]
+        _check(out[lo:lo + n][None], lse[:, lo:lo + n][None], q[lo:lo + n][None], k, v, causal=True)
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.skipif(torch is None or not getattr(torch, "cuda", None) or not torch.cuda.is_available(),
+                    reason="torch with CUDA not installed")
+def test_a_bounded_chunk_step_replays_in_a_torch_graph_over_changed_tables():
+    """A mixed prefill batch captured once: between replays the engine rewrites its block table,
+    lengths and offsets (same tensors); each replay equals the eager call (bitwise: one plan) and the
+    fp64 reference over the pages the table names."""
+    from test_gpu_graph_capture import _capture
+
+    rng = np.random.default_rng(3)
+    N, ps, Hkv, Hq, D, B, cols, total, mq = 96, 16, 2, 8, 128, 3, 32, 300, 256
+    kp, vp = (torch.from_numpy(_rand(rng, (N, ps, Hkv, D), "bfloat16").view(np.int16)).view(torch.bfloat16).cuda()
+              for _ in range(2))
+    q = torch.zeros(total, Hq, D, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(B, cols, dtype=torch.int32, device="cuda")
+    lens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+
+    def refill(new_lens, counts):
+        table.copy_(torch.from_numpy(rng.permutation(N)[: B * cols].reshape(B, cols).astype(np.int32) % N))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        cu.copy_(torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32))
+        q.copy_(torch.from_numpy(_rand(rng, (total, Hq, D), "bfloat16").view(np.int16)).view(torch.bfloat16))
+
+    def step():
+        return torch.from_dlpack(pyattn.paged_prefill(q, kp, vp, cu, block_table=table, seq_lens=lens,
+                                                      max_seqlen_q=mq, max_seqlen_k=cols * ps))
+
+    refill([300, 40, 500], [100, 40, 160])
+    g, out = _capture(step, "warm-up")
+    for new_lens, counts in (([512, 17, 260], [256, 4, 40]), ([1, 400, 99], [1, 200, 99]), ([0, 50, 300], [0, 45, 255])):
+        refill(new_lens, counts)
+        g.replay()
+        got = out.clone()
+        want = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        host = lambda t: t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)  # noqa: E731
+        t, kh, vh, qh, gh = table.cpu().numpy(), host(kp), host(vp), host(q), host(got)
+        c = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        ks = [kh[t[b, : -(-n // ps)]].reshape(-1, Hkv, D)[:n] for b, n in enumerate(new_lens)]
+        vs = [vh[t[b, : -(-n // ps)]].reshape(-1, Hkv, D)[:n] for b, n in enumerate(new_lens)]
+        _check_prefill(gh[: c[-1]], None, qh[: c[-1]], c, ks, vs, True, causal=True)

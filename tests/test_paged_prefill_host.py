@@ -2,7 +2,9 @@
 and page tables is :func:`pyattn.prefill`'s launch over a cache holding the same pages, field for
 field, except the table and output addresses; device tables are read in place (after their copy-back
 for the range check, which comes after every argument's metadata check); the ``hnd`` layout reaches
-the kernel as its strides. What the kernel computes is ``test_gpu_paged_prefill.py``.
+the kernel as its strides. With ``max_seqlen_k`` (and ``max_seqlen_q``) nothing is read on the host,
+so a CUDA graph captures the call, and the kernel gets the bounds it clamps to. What the kernel
+computes is ``test_gpu_paged_prefill.py``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import pyattn
 from _host_path_helpers import _da  # (fixtures gpu, cache: conftest.py)
 from pyattn.kernels.params import PAGED_FWD_PARAMS
 from pyattn.ops import _prefill, paged_prefill
+from pyattn.runtime.stream import Stream
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Per-call addresses: the tables, the offsets, the outputs and the split partials.
-_PER_CALL = {"q", "out", "lse", "cu_seqlens_q", "page_indices", "page_indptr", "kv_len", "o_part", "lse_part"}
+_PER_CALL = {"q", "out", "lse", "cu_seqlens_q", "page_indices", "page_indptr", "kv_len", "o_part", "lse_part",
+             "table_stride"}
 
 
 @pytest.fixture
@@ -71,7 +75,9 @@ def test_the_launch_is_prefills_over_the_same_pages(gpu, cache, launches, packed
     (k0, g0, want), (k1, g1, got) = launches
     assert k1 is k0 and g1 == g0
     assert {n: v for n, v in got.items() if n not in _PER_CALL} == {n: v for n, v in want.items() if n not in _PER_CALL}
-    assert got["q"] == want["q"] and got["k"] == c.k.ptr and got["page_indptr"] != want["page_indptr"]
+    assert got["q"] == want["q"] and got["k"] == c.k.ptr
+    assert (got["page_indptr"], got["table_stride"]) == (0, 20) and want["page_indptr"] != 0
+    assert (got["max_q"], got["max_k"], got["total_q"]) == (40 if packed else 32, 256, 64)
 
 
 def test_device_tables_are_read_in_place(gpu, cache, launches, fetched):
@@ -85,6 +91,7 @@ def test_device_tables_are_read_in_place(gpu, cache, launches, fetched):
     assert fetched["names"] == ["block_table", "seq_lens"]
     p = launches[-1][2]
     assert p["page_indices"] == d_table.ptr and p["kv_len"] == d_lens.ptr
+    assert p["page_indptr"] == 0 and p["table_stride"] == 20  # (the device table's row stride)
     n_pages = [len(c.book.pages(i)) for i in ids]
     indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
     fetched.update(indptr=indptr, indices=np.concatenate([c.book.pages(i) for i in ids]).astype(np.int32),
@@ -126,3 +133,74 @@ def test_new_tokens_must_be_counted_by_the_table(gpu):
     with pytest.raises(ValueError, match="^cu_seqlens_q: sequence 1 has 9 new tokens but its cache holds 4"):
         pyattn.paged_prefill(_da((12, 4, 64), BF16), kp, kp, np.array([0, 3, 12], np.int32),
                              block_table=np.array([[0], [1]], np.int32), seq_lens=np.array([16, 4], np.int32))
+
+
+def _unchecked(stream=None):
+    """Pools of 8 pages of 16, two sequences' device block table (2, 4), lengths and offsets, and
+    packed q of 12 tokens."""
+    kp = _da((8, 16, 2, 64), BF16, stream=stream)
+    return (_da((12, 4, 64), BF16, stream=stream), kp, kp, _da((3,), np.int32, stream=stream),
+            _da((2, 4), np.int32, stream=stream), _da((2,), np.int32, stream=stream))
+
+
+def test_bounded_device_tables_are_not_read_on_the_host(gpu, launches, fetched):
+    q, kp, vp, cu, table, lens = _unchecked()
+    pyattn.paged_prefill(q, kp, vp, cu, block_table=table, seq_lens=lens, max_seqlen_q=9, max_seqlen_k=50)
+    assert fetched["names"] == []
+    _, grid, p = launches[-1]
+    assert (p["cu_seqlens_q"], p["page_indices"], p["kv_len"], p["page_indptr"]) == (cu.ptr, table.ptr, lens.ptr, 0)
+    assert (p["max_q"], p["max_k"], p["total_q"], p["num_pages"], p["table_stride"]) == (9, 50, 12, 8, 4)
+    assert grid[2] == 2 and grid[0] >= 1
+    # A host cu_seqlens_q is read (no copy-back needed); the device tables still are not.
+    pyattn.paged_prefill(q, kp, vp, np.array([0, 5, 12], np.int32), block_table=table, seq_lens=lens, max_seqlen_k=64)
+    assert fetched["names"] == [] and launches[-1][2]["max_q"] == 7 and launches[-1][2]["max_k"] == 64
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(max_seqlen_k=None), "^max_seqlen_q: bounds a device cu_seqlens_q read unchecked, which takes max_seqlen_k"),
+    (dict(max_seqlen_q=None), "^max_seqlen_q: required with max_seqlen_k and a device cu_seqlens_q"),
+    (dict(max_seqlen_k=65), "^max_seqlen_k: expected"),  # over the table's 4 pages x 16
+    (dict(max_seqlen_k=-1), "^max_seqlen_k: expected"),
+    (dict(max_seqlen_q=13), "^max_seqlen_q: expected"),  # over q's 12 tokens
+    (dict(host_table=True), "^max_seqlen_k: bounds device tables read unchecked, so block_table"),
+    (dict(host_lens=True), "^max_seqlen_k: bounds device lengths read unchecked, so seq_lens"),
+    (dict(host_cu=True), "^max_seqlen_q: bounds a device cu_seqlens_q read unchecked; a host one"),
+    (dict(csr=True), "^max_seqlen_k: takes the block_table form"),
+])
+def test_bounds_are_refused_where_they_cannot_apply(gpu, fetched, change, match):
+    q, kp, vp, cu, table, lens = _unchecked()
+    kw = dict(block_table=table, seq_lens=lens, max_seqlen_q=9, max_seqlen_k=50)
+    kw.update({k: v for k, v in change.items() if k.startswith("max_")})
+    if change.get("host_table"):
+        kw["block_table"] = np.zeros((2, 4), np.int32)
+    if change.get("host_lens"):
+        kw["seq_lens"] = np.zeros(2, np.int32)
+    if change.get("host_cu"):
+        cu = np.array([0, 5, 12], np.int32)
+    if change.get("csr"):
+        del kw["block_table"], kw["seq_lens"]
+        kw.update(indptr=_da((3,), np.int32), indices=_da((8,), np.int32), last_page_len=_da((2,), np.int32))
+    with pytest.raises(ValueError, match=match):
+        pyattn.paged_prefill(q, kp, vp, cu, **kw)
+    assert fetched["names"] == []
+
+
+def test_a_bounded_call_captures_and_a_checked_one_is_refused(gpu, fetched):
+    s = Stream(pyattn.get_device())
+    q, kp, vp, cu, table, lens = _unchecked(stream=s)
+    kw = dict(block_table=table, seq_lens=lens, max_seqlen_q=9, max_seqlen_k=50, stream=s)
+    pyattn.paged_prefill(q, kp, vp, cu, **kw)  # loads the kernel and the pools' tensor maps
+    cid = gpu.begin_capture(s)
+    out = pyattn.paged_prefill(q, kp, vp, cu, **kw)
+    assert out.owner.graph == cid
+    names = [name for name, _ in gpu.captured]
+    assert "cuMemcpyDtoHAsync" not in names and "cuStreamSynchronize" not in names and "cuLaunchKernel" in str(names)
+    n = len(gpu.captured)
+    fetched.update(block_table=np.zeros((2, 4), np.int32), seq_lens=np.full(2, 12, np.int32),
+                   cu_seqlens_q=np.array([0, 5, 12], np.int32))
+    with pytest.raises(pyattn.CaptureError):
+        pyattn.paged_prefill(q, kp, vp, cu, block_table=table, seq_lens=lens, stream=s)
+    assert len(gpu.captured) == n
+    del out
+    gpu.end_capture(s)
+    assert gpu.refused == []

@@ -148,7 +148,11 @@ SPARSE_PARAMS = ParamStruct(
 # AttnFwdParams member ``fwd`` carries the packed queries (cu_seqlens_q), the output, the LSE, the
 # band and the modifiers; k / v there point at the pools and k_stride_h / v_stride_h are the pools'
 # kv-head strides. Sequence b's keys are its kv_len[b] cached tokens, key t at slot t % page_size
-# of page page_indices[page_indptr[b] + t / page_size] (page_shift = log2(page_size) or -1).
+# of page page_indices[page_indptr[b] + t / page_size] (page_shift = log2(page_size) or -1); with
+# page_indptr null, a block table's row: page_indices[b * table_stride + t / page_size]. The kernels
+# clamp each sequence's query rows as varlen's (common.cuh clamp_rows: into fwd.total_q and max_q
+# rows), kv_len[b] into [0, max_k] and every page entry into [0, num_pages): tables no host check
+# has seen (paged_prefill's max_seqlen_q / max_seqlen_k) then read wrong pages, never outside.
 # row_group query heads of one GQA group share a block's rows: row r of sequence b is query token
 # r / row_group of head (block's first head) + r % row_group. tree_mask (null unless a tree
 # variant): bit j of tree_mask[cu_seqlens_q[b] + i] says whether token i may see key kv_len[b] -
@@ -162,7 +166,8 @@ PAGED_FWD_EXTRA = ParamStruct(
      ("o_part", "f32_ptr"), ("lse_part", "f32_ptr"))  # per call; the rest per plan
     + (("k_stride_page", "i64"), ("k_stride_slot", "i64"), ("v_stride_page", "i64"), ("v_stride_slot", "i64"),
        ("part_stride", "i64"))
-    + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32"))
+    + (("page_size", "i32"), ("page_shift", "i32"), ("row_group", "i32"), ("num_splits", "i32"),
+       ("num_pages", "i32"), ("table_stride", "i32"), ("max_q", "i32"), ("max_k", "i32"))
     + (("tmaps", "ptr"),),  # attn_prefill_tma: the pools' tensor maps (K, V) in device memory; else null
 )
 PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS, own=PAGED_FWD_EXTRA)

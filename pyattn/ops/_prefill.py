@@ -102,13 +102,14 @@ def _build(P, device) -> PrefillPlan:
         "head_dim": D, "causal": P.causal, "window_left": P.window[0], "window_right": P.window[1],
         "alibi_stride_b": P.alibi.stride_b if P.alibi is not None else 0,
         "scale_log2": P.scale * LOG2E, "scale": P.scale, "softcap": P.softcap, "tile_stride_h": 0,
-        "o_scale": 1.0, "total_q": 0, "total_k": 0,  # (the paged kernels read their own lengths)
+        "o_scale": 1.0, "total_q": P.total_q, "total_k": 0,  # (the paged kernels read their own key lengths)
     })
     ps = pool.page_size
     own = {"k_stride_page": pool.k_strides[0], "k_stride_slot": pool.k_strides[1],
            "v_stride_page": pool.v_strides[0], "v_stride_slot": pool.v_strides[1],
            "part_stride": P.total_q * Hq, "page_size": ps,
-           "page_shift": ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1, "row_group": rg}
+           "page_shift": ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1, "row_group": rg,
+           "num_pages": pool.num_pages}
     slots = device.sm_count * max(1, kernel.max_active_blocks(spec.threads, spec.shared_bytes))
     box = min(ps, t.block_n) if spec.family == "attn_prefill_tma" else 0
     return PrefillPlan(kernel, ckernel, (spec.threads, 1, 1), spec.shared_bytes, t.block_m, t.block_n, rg, Hq // rg,
@@ -147,9 +148,11 @@ def _values_on_device(device, s, cu32: np.ndarray, masks) -> tuple:
 
 
 class KVTables(NamedTuple):
-    """Where a prefill's keys are: the K / V pools' addresses, the CSR page table (``indices`` and
-    ``indptr``: sequence ``b``'s pages start at ``indices + indptr[b]``) and ``kv_len`` (int32 device
-    arrays or anything with a ``ptr``), and the longest length (the split choice reads it)."""
+    """Where a prefill's keys are: the K / V pools' addresses; the page table, CSR (``indices`` and
+    ``indptr``: sequence ``b``'s pages start at ``indices + indptr[b]``) or a block table
+    (``indptr`` None: row ``b`` at ``indices + b * stride``); ``kv_len`` (int32 device arrays, or
+    anything with a ``ptr``); and a bound on the lengths (the kernel clamps them to it, and the split
+    choice reads it)."""
 
     k: int
     v: int
@@ -157,23 +160,28 @@ class KVTables(NamedTuple):
     indptr: object
     kv_len: object
     max_len: int
+    stride: int = 0
 
 
-def run_prefill(P, device, s, q: int, tables, cu: np.ndarray, masks, alibi_ptr: int, return_lse: bool):
+def run_prefill(P, device, s, q: int, tables, cu, masks, alibi_ptr: int, return_lse: bool, max_q: int = 0):
     """Launch the prefill (and the split combine) of problem ``P`` over ``P.pool``'s pages.
 
     ``q``: device address of the packed queries; ``tables``: a callable returning the
     :class:`KVTables` on ``s``, called only when some sequence has new tokens (a cache orders its
-    stream and uploads its tables then); ``cu``: host cu_seqlens_q (int64); ``masks``: the tree's
-    uint64 ancestor masks (total,) or None. Returns ``(out, lse or None)`` DeviceArrays.
+    stream and uploads its tables then); ``cu``: host cu_seqlens_q (int64), or a device int32 array
+    read unchecked (then ``max_q``, a host bound on its counts, sizes the grid and the kernel
+    clamps to it); ``masks``: the tree's uint64 ancestor masks (total,) or None. Returns ``(out,
+    lse or None)`` DeviceArrays.
     """
     plan = get_plan(_build, P, device)
     t = P.total_q // P.batch if P.layout == "bshd" else 0
     out = allocate(device, s, *layout(P.out_shape(t), P.dtype))
     lse_shape = (P.heads_q, P.total_q) if P.layout == "thd" else (P.batch, P.heads_q, t)
     lse = allocate(device, s, *layout(lse_shape, _F32)) if return_lse else None
-    counts = np.diff(cu)
-    m_blocks = -(-int(counts.max(initial=0)) * plan.row_group // plan.block_m)
+    on_host = isinstance(cu, np.ndarray)
+    if on_host:
+        max_q = int(np.diff(cu).max(initial=0))
+    m_blocks = -(-max_q * plan.row_group // plan.block_m)
     if m_blocks == 0:
         return out, lse
     kv = tables(s)
@@ -183,13 +191,14 @@ def run_prefill(P, device, s, q: int, tables, cu: np.ndarray, masks, alibi_ptr: 
     else:
         units = m_blocks * plan.grid_y * P.batch
         splits = choose_num_splits(units, -(-max_len // plan.block_n), plan.slots) if units < plan.slots else 1
-    d_cu, d_masks = _values_on_device(device, s, cu.astype(np.int32), masks)
+    d_cu, d_masks = _values_on_device(device, s, cu.astype(np.int32), masks) if on_host else (cu, None)
     part = lpart = None
     if splits > 1:
         rows = P.total_q * P.heads_q
         part = output(device, s, (splits * rows * P.head_dim,), _F32)
         lpart = output(device, s, (splits * rows,), _F32)
-    own = dict(plan.own, page_indices=kv.indices.ptr, page_indptr=kv.indptr.ptr, kv_len=kv.kv_len.ptr,
+    own = dict(plan.own, page_indices=kv.indices.ptr, page_indptr=kv.indptr.ptr if kv.indptr is not None else 0,
+               kv_len=kv.kv_len.ptr, table_stride=kv.stride, max_q=max_q, max_k=max_len,
                tree_mask=d_masks.ptr if d_masks is not None else 0, o_part=part.ptr if part is not None else 0,
                lse_part=lpart.ptr if lpart is not None else 0, num_splits=splits,
                tmaps=pool_maps(device, P.pool, kv.k, kv.v, plan.tma_box, s) if plan.tma_box else 0)

@@ -9,10 +9,13 @@ pages hold, on the tensor-core prefill tiles. This is that call, on the same ker
 :func:`pyattn.prefill` (the page table is the only difference), with the page tables in
 :func:`pyattn.paged_decode`'s two forms.
 
-The tables and a device ``cu_seqlens_q`` are copied back and range-checked before the launch (one
-synchronisation; the chunk's own work is milliseconds). A form read unchecked on the device, for
-graph capture as ``paged_decode(max_seqlen=)`` does, would need the prefill kernels to clamp their
-page entries: not offered yet.
+By default the tables and a device ``cu_seqlens_q`` are copied back and range-checked before the
+launch: one synchronisation, which costs an engine calling it once a layer its host/GPU overlap
+(H200, 64 x 512 tokens: 4.94 ms wall a call against 4.49 for the same launch over a cache). With
+``max_seqlen_k`` (and ``max_seqlen_q`` for a device ``cu_seqlens_q``), FlashAttention's varlen
+contract, nothing is read on the host: the kernels clamp each sequence's rows (as varlen's offsets),
+its length into ``[0, max_seqlen_k]`` and each page entry into the pool, so a CUDA graph captures the
+call and wrong tables read wrong pages, never outside the arrays.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from ..pipeline import host
 from ..pipeline.device import fetch_values, finish, start
 from ..pipeline.host import upload
 from ..runtime.stream import check_stream_arg, refuse_capture
-from ..validate.options import check_bool
-from ..validate.paged import check_block_table, check_csr, check_pools, check_table_form
+from ..validate.options import check_bool, check_int
+from ..validate.paged import check_block_table, check_csr, check_max_seqlen, check_pools, check_table_form
 from ..validate.serving import check_cu_seqlens_q, check_new_tokens, check_prefill
 from ._prefill import KVTables, run_prefill
 
@@ -34,7 +37,6 @@ __all__ = ["paged_prefill"]
 
 _NAMES = ("q", "k_pool", "v_pool", "cu_seqlens_q", "block_table", "seq_lens", "indptr", "indices", "last_page_len",
           "alibi_slopes")
-_TABLES = ("block_table", "seq_lens", "indptr", "indices", "last_page_len")
 
 
 def _batch(a, block_table) -> tuple:
@@ -45,38 +47,69 @@ def _batch(a, block_table) -> tuple:
     return (t.shape[0], name) if rank == 2 else (t.shape[0] - 1, name)
 
 
-def _host_tables(a, block_table, P, fetch) -> tuple:
-    """Every table's metadata, then cu_seqlens_q's, then their values (the only device work before the
-    launch): ``(cu int64, lengths int32, host values of the table (kind, arrays))``."""
-    pool, cu_arg = P.pool, a["cu_seqlens_q"]
-    if block_table is not None:
+def _check_tables(a, block_table, P, max_seqlen_q, max_seqlen_k) -> tuple:
+    """Every table's metadata, then cu_seqlens_q's, then (unless read unchecked) their values: the
+    only device work before the launch. Returns ``(cu, max_q, tables)``: ``cu`` host int64 values or
+    the device Arg read unchecked, ``max_q`` the grid's bound on the new tokens (0: from ``cu``),
+    ``tables`` (indices, indptr, lengths) each a device Arg (read in place) or host int32 values
+    (uploaded), then the lengths' bound and a block table's row stride."""
+    pool, cu_arg, bt = P.pool, a["cu_seqlens_q"], block_table is not None
+    if bt:
         check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, None)
     else:
         check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, None)
     if cu_arg is not None:
         check_cu_seqlens_q(cu_arg, P.batch, P.total_q, None)
-    if block_table is not None:
-        table, lens = check_block_table(a["block_table"], a["seq_lens"], P.batch, pool, fetch)
-        rows = a["block_table"].strides[0] if a["block_table"].on_device else table.shape[1]
-        if rows * P.batch >= 2**31:
-            raise ValueError(f"block_table: the kernel indexes its rows with 32-bit offsets, so rows x row stride "
-                             f"must stay below 2**31, got {P.batch} x {rows}")
-        # vLLM's table as the kernel's CSR form: row b starts at b * (its row stride).
-        csr = (table, np.arange(P.batch + 1, dtype=np.int64) * rows)
+    unchecked = max_seqlen_k is not None
+    max_q = 0
+    if max_seqlen_q is not None:
+        if not unchecked:
+            raise ValueError("max_seqlen_q: bounds a device cu_seqlens_q read unchecked, which takes max_seqlen_k "
+                             "(and device block_table / seq_lens) too")
+        if cu_arg is None or not cu_arg.on_device:
+            raise ValueError("max_seqlen_q: bounds a device cu_seqlens_q read unchecked; a host one (or 4-D q) is "
+                             "read on the host")
+        max_q = check_int("max_seqlen_q", max_seqlen_q, 0, P.total_q)
+    if unchecked:  # FlashAttention's varlen contract: the tables are read as they are when the kernel runs
+        if not bt:
+            raise ValueError("max_seqlen_k: takes the block_table form (the CSR form's lengths are derived on the host)")
+        if not a["block_table"].on_device:
+            raise ValueError("max_seqlen_k: bounds device tables read unchecked, so block_table must then be a "
+                             "device int32 array, got a host one")
+        max_len = check_max_seqlen(max_seqlen_k, a["seq_lens"], "seq_lens", a["block_table"].shape[1] * pool.page_size,
+                                   "max_seqlen_k")
+        if cu_arg is not None and cu_arg.on_device and max_seqlen_q is None:
+            raise ValueError("max_seqlen_q: required with max_seqlen_k and a device cu_seqlens_q (the grid is "
+                             "sized by it; the offsets are not read on the host)")
+    rows = (a["block_table"].strides[0] if a["block_table"].on_device else a["block_table"].shape[1]) if bt else 0
+    if rows * P.batch >= 2**31:
+        raise ValueError(f"block_table: the kernel indexes its rows with 32-bit offsets, so rows x row stride "
+                         f"must stay below 2**31, got {P.batch} x {rows}")
+    fetch = fetch_values
+    if bt:
+        table, lens = (None, None) if unchecked else check_block_table(a["block_table"], a["seq_lens"], P.batch,
+                                                                       pool, fetch)
+        tables = (a["block_table"] if a["block_table"].on_device else table, None,
+                  a["seq_lens"] if a["seq_lens"].on_device else lens)
     else:
         ip, ix, lens = check_csr(a["indptr"], a["indices"], a["last_page_len"], P.batch, pool, fetch)
-        csr = (ix, ip)
-    if cu_arg is not None:
+        tables = (a["indices"] if a["indices"].on_device else ix, a["indptr"] if a["indptr"].on_device else ip, lens)
+    if max_seqlen_q is not None:  # a device cu_seqlens_q read unchecked (max_q 0: nothing is launched)
+        cu = cu_arg
+    elif cu_arg is not None:
         cu = check_cu_seqlens_q(cu_arg, P.batch, P.total_q, fetch)
     else:
         cu = np.arange(P.batch + 1, dtype=np.int64) * (P.total_q // P.batch)
-    check_new_tokens(np.diff(cu), lens.astype(np.int64), False, pools=True)
-    return cu, lens, csr
+    if not unchecked:
+        check_new_tokens(np.diff(cu), lens.astype(np.int64), False, pools=True)
+        max_len = int(lens.max(initial=0))
+    return cu, max_q, tables, max_len, rows
 
 
 def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq_lens=None, indptr=None,
                   indices=None, last_page_len=None, layout="nhd", causal=True, window=None, softcap=None,
-                  alibi_slopes=None, scale=None, num_splits=None, return_lse=False, stream=None):
+                  alibi_slopes=None, scale=None, num_splits=None, return_lse=False, max_seqlen_q=None,
+                  max_seqlen_k=None, stream=None):
     """Attention of each sequence's new tokens over K/V page pools you manage (chunked prefill).
 
     Parameters
@@ -112,6 +145,15 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     return_lse : bool
         Also return the natural-log LSE, float32: ``(heads_q, total)`` for packed q (FlashAttention's
         varlen layout), ``(batch, heads_q, t)`` for 4-D q.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Host bounds that make the call read its tables on the device only (no copy-back, no
+        synchronisation; capturable in a CUDA graph), as FlashAttention's varlen call does.
+        ``max_seqlen_k`` bounds device ``seq_lens`` (at most the device ``block_table``'s
+        ``max_pages * page_size``; the block-table form only); ``max_seqlen_q`` bounds the new
+        tokens of a device ``cu_seqlens_q`` (required with one). The kernels clamp what they read
+        to these bounds, to q's rows and to the pool's pages; nothing checks that each sequence's
+        new tokens are among its ``seq_lens`` tokens (a query before its sequence's first key
+        sees no key: zeros). Rows no clamped sequence covers are left unwritten.
     stream : optional
 
     Returns
@@ -123,9 +165,9 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     -----
     Equal to :func:`pyattn.prefill` on a cache holding the same pages, bitwise, and to
     :func:`pyattn.attention_varlen` over each sequence's gathered keys. Every page entry a sequence
-    uses is range-checked before the launch: device tables and a device ``cu_seqlens_q`` are copied
-    back for that, after every other check (a synchronisation, which no CUDA graph capture can
-    hold). Pools are read in place; the pages of a sequence's last, partly filled page past its
+    uses is range-checked before the launch (unless ``max_seqlen_k``): device tables and a device
+    ``cu_seqlens_q`` are copied back for that, after every other check (a synchronisation, which
+    no CUDA graph capture can hold). Pools are read in place; the pages of a sequence's last, partly filled page past its
     length may hold anything (NaN included).
     """
     check_stream_arg(stream)
@@ -140,45 +182,46 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     P = check_prefill(a["q"], pool, batch, has_cu=cu_seqlens_q is not None, tree=False, seqs=seqs,
                       pools="k_pool", causal=causal, window=window, softcap=softcap,
                       alibi_slopes=a["alibi_slopes"], scale=scale, num_splits=num_splits)
-    cu, lens, csr = _host_tables(a, block_table, P, fetch_values)
-    kv_len = lens if block_table is None or not a["seq_lens"].on_device else None
-    # Device tables are read in place; the rest (a host table, vLLM's row offsets, CSR lengths) go up.
-    dev = [a["block_table"] if block_table is not None else a["indices"],
-           None if block_table is not None else a["indptr"], None if kv_len is not None else a["seq_lens"]]
-    dev = [t if t is not None and t.on_device else None for t in dev]
-    sent = [None if d is not None else np.ascontiguousarray(h, np.int32) for d, h in zip(dev, (*csr, kv_len))]
-    max_len = int(lens.max(initial=0))
+    cu, max_q, tabs, max_len, stride = _check_tables(a, block_table, P, max_seqlen_q, max_seqlen_k)
+    unread = not isinstance(cu, np.ndarray)  # a device cu_seqlens_q, read by the kernel only: ordered with the rest
+    # Device tables are read in place, host ones (a CSR form's lengths among them) go up with the call.
+    dev = [t if t is not None and not isinstance(t, np.ndarray) else None for t in tabs] + [cu if unread else None]
+    sent = [np.ascontiguousarray(t, np.int32) if isinstance(t, np.ndarray) else None for t in tabs]
 
     def tables(device, kp, vp, on_dev):
         """run_prefill's tables: the device ones in place, the rest uploaded on the launch's stream."""
         def on_stream(s_):
             ups = upload(sent, device, s_) if any(x is not None for x in sent) else sent
-            return KVTables(kp.ptr, vp.ptr, *(d if d is not None else u for d, u in zip(on_dev, ups)), max_len)
+            idx, iptr, lens = (d if d is not None else u for d, u in zip(on_dev, ups))
+            return KVTables(kp.ptr, vp.ptr, idx, iptr, lens, max_len, stride)
         return on_stream
 
     alibi = a["alibi_slopes"]
     if not P.q_on_device:
         device, s, (kp, vp, *on_dev) = start(stream, [a["k_pool"], a["v_pool"], *dev])
-        ins = [a["q"].obj, np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]
 
         def run(d_in, s_):
             dq, dal = d_in
             if alibi is not None and alibi.on_device:
                 order_inputs(s_, device, [alibi])
             al = dal.ptr if dal is not None else (alibi.ptr if alibi is not None else 0)
-            return run_prefill(P, device, s_, dq.ptr, tables(device, kp, vp, on_dev), cu, None, al, return_lse)
+            return run_prefill(P, device, s_, dq.ptr, tables(device, kp, vp, on_dev[:3]), on_dev[3] if unread else cu,
+                               None, al, return_lse, max_q)
 
+        ins = [a["q"].obj, np.asarray(alibi.obj, np.float32) if alibi is not None and not alibi.on_device else None]
         o, lse = host.call(run, ins, [], s)
         finish(s, [kp, vp, *on_dev])
         return (o, lse) if return_lse else o
     device, s, (dq, kp, vp, dal, *on_dev) = start(stream, [a["q"], a["k_pool"], a["v_pool"], alibi, *dev])
-    if any(t is not None and t.on_device for t in (*dev, a["cu_seqlens_q"])):
+    if max_seqlen_k is None and any(t is not None and t.on_device for t in (*dev, a["cu_seqlens_q"])):
         refuse_capture(s, "paged_prefill copied its device page tables (or cu_seqlens_q) back for their range "
-                          "check, and a replay would keep what was planned from them")
+                          "check, and a replay would keep what was planned from them: pass max_seqlen_k= (and "
+                          "max_seqlen_q=) to have them read on the device")
     keep = None
     if dal is not None and not dal.on_device:
         (keep,) = upload([np.asarray(dal.obj, np.float32)], device, s)
     al = keep.ptr if keep is not None else (dal.ptr if dal is not None else 0)
-    out, lse = run_prefill(P, device, s, dq.ptr, tables(device, kp, vp, on_dev), cu, None, al, return_lse)
+    out, lse = run_prefill(P, device, s, dq.ptr, tables(device, kp, vp, on_dev[:3]), on_dev[3] if unread else cu,
+                           None, al, return_lse, max_q)
     finish(s, [dq, kp, vp, dal, *on_dev])
     return (out, lse) if return_lse else out

@@ -187,13 +187,14 @@ def check_table_form(block_table, seq_lens, indptr, indices, last_page_len) -> N
                          "(and no seq_lens)")
 
 
-def check_max_seqlen(max_seqlen, lengths, name: str, top: int) -> int:
-    """``max_seqlen``: a host bound in ``[0, top]`` on the device lengths ``lengths`` (the Arg of
-    parameter ``name``), which the kernel then reads unchecked, clamped to the bound."""
+def check_max_seqlen(max_seqlen, lengths, name: str, top: int, param: str = "max_seqlen") -> int:
+    """``max_seqlen`` (parameter ``param``): a host bound in ``[0, top]`` on the device lengths
+    ``lengths`` (the Arg of parameter ``name``), which the kernel then reads unchecked, clamped to
+    the bound."""
     if not getattr(lengths, "on_device", False):
-        raise ValueError(f"max_seqlen: bounds device lengths read unchecked, so {name} must then be a device "
+        raise ValueError(f"{param}: bounds device lengths read unchecked, so {name} must then be a device "
                          f"int32 array, got {type(getattr(lengths, 'obj', lengths)).__name__}")
-    return check_int("max_seqlen", max_seqlen, 0, top)
+    return check_int(param, max_seqlen, 0, top)
 
 
 def _int32_meta(i, ndim: int = 1) -> None:
