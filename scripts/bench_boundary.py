@@ -15,7 +15,8 @@ Usage: PYTHONPATH=. python scripts/bench_boundary.py [--json out.json] [--quick]
    own tiny call in the same run (the host is shared and noisy: compare within a run). Targets:
    <= 20 us; ``decode(q, cache, ids)`` (and ``contiguous_decode`` over torch caches) <= 25 us.
    Also (no target) ``attention_varlen`` on the same tokens with torch offsets, checked (copied
-   back, a synchronisation a call) and with both maxima (unread).
+   back, a synchronisation a call) and with both maxima (unread), and ``paged_prefill`` of them over
+   torch pools and tables, checked and bounded (``max_seqlen_q`` / ``max_seqlen_k``: unread).
 2. NumPy in/out against the pinned-copy floor of the same run: (1, 4096, 16, 128) fp16 attention
    (floor: pinned H2D of q, k, v plus D2H of out; also with q, k, v in ``pyattn.pinned_empty`` arrays,
    which the DMA reads in place), and a decode step over a 32k-token bf16 cache
@@ -68,6 +69,15 @@ def host_costs(bench, loop: int, rounds: int = 3) -> tuple:
         kinds["varlen, torch offsets checked (copied back)"] = lambda: pyattn.attention_varlen(tv, tv, tv, cu, cu)
         kinds["varlen, torch offsets, both maxima (unread)"] = lambda: pyattn.attention_varlen(
             tv, tv, tv, cu, cu, max_seqlen_q=9, max_seqlen_k=9)
+        # the same tokens as a chunked prefill over an engine's torch pools and tables (paged_prefill):
+        # checked (tables copied back) and bounded (read on the device only; a repeat reads addresses)
+        pool = torch.zeros((8, 16, 2, 64), dtype=t.dtype, device="cuda")
+        table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([9, 16], dtype=torch.int32, device="cuda")
+        kinds["paged_prefill, torch tables checked (copied back)"] = lambda: pyattn.paged_prefill(
+            tv, pool, pool, cu, block_table=table, seq_lens=lens)
+        kinds["paged_prefill, torch tables bounded (unread)"] = lambda: pyattn.paged_prefill(
+            tv, pool, pool, cu, block_table=table, seq_lens=lens, max_seqlen_q=9, max_seqlen_k=32)
         syncs += [s.synchronize, torch.cuda.synchronize]
     try:
         import cupy
@@ -181,7 +191,7 @@ def main() -> int:
     print(f"\nimport torch after a compile in a fresh process: {after}")
     h = result["host_us"]
     targets = [{"pass": v <= 20, "text": f"{k}: {v:.1f} us <= 20 us"} for k, v in h.items()
-               if not k.startswith(("decode", "contiguous_decode", "torch SDPA", "varlen"))]
+               if not k.startswith(("decode", "contiguous_decode", "torch SDPA", "varlen", "paged_prefill"))]
     targets += [{"pass": v <= 25, "text": f"{k}: {v:.1f} us <= 25 us"} for k, v in h.items()
                 if k.startswith(("decode", "contiguous_decode"))]
     targets += [{"pass": n[k] <= 1.5 * n[f], "text": f"NumPy {k}: {n[k] / n[f]:.2f}x the floor <= 1.5x"}

@@ -204,3 +204,39 @@ def test_a_bounded_call_captures_and_a_checked_one_is_refused(gpu, fetched):
     del out
     gpu.end_capture(s)
     assert gpu.refused == []
+
+
+def test_a_repeat_bounded_call_reads_only_addresses(gpu, launches, monkeypatch):
+    """An engine's per-layer call: after the first, the validation is reused; new tables, offsets and
+    pools are read by address; another bound or layout is another key; addresses are still checked."""
+    from _host_path_helpers import _repeat_calls
+
+    validations = []
+    real = paged_prefill.check_pools
+    monkeypatch.setattr(paged_prefill, "check_pools", lambda *a, **k: validations.append(1) or real(*a, **k))
+    q, kp, vp, cu, table, lens = _unchecked()
+    call = lambda: pyattn.paged_prefill(q, kp, vp, cu, block_table=table, seq_lens=lens,  # noqa: E731
+                                        max_seqlen_q=9, max_seqlen_k=50)
+    calls = _repeat_calls(call)
+    assert calls == {"cuCtxGetCurrent": 1, "cuStreamIsCapturing": 1, "cuLaunchKernelEx": 1}
+    assert len(validations) == 1
+    first = launches[-1][2]
+    q2, kp2, vp2, cu2, table2, lens2 = _unchecked()
+    pyattn.paged_prefill(q2, kp2, vp2, cu2, block_table=table2, seq_lens=lens2, max_seqlen_q=9, max_seqlen_k=50)
+    p = launches[-1][2]
+    assert len(validations) == 1
+    assert (p["q"], p["k"], p["cu_seqlens_q"], p["page_indices"], p["kv_len"]) == (q2.ptr, kp2.ptr, cu2.ptr,
+                                                                                    table2.ptr, lens2.ptr)
+    assert {n: v for n, v in p.items() if n not in _PER_CALL | {"k", "v", "tmaps"}} == \
+        {n: v for n, v in first.items() if n not in _PER_CALL | {"k", "v", "tmaps"}}
+    pyattn.paged_prefill(q2, kp2, vp2, cu2, block_table=table2, seq_lens=lens2, max_seqlen_q=9, max_seqlen_k=40)
+    assert len(validations) == 2 and launches[-1][2]["max_k"] == 40
+    misaligned = _da((12, 4, 64), BF16, ptr=q.ptr + 8)
+    with pytest.raises(ValueError, match="^q: the address must be 16-byte aligned"):
+        pyattn.paged_prefill(misaligned, kp, vp, cu, block_table=table, seq_lens=lens, max_seqlen_q=9, max_seqlen_k=50)
+    # 4-D q, no offsets: the host offsets are kept with the key.
+    q4 = _da((2, 6, 4, 64), BF16)
+    for _ in range(2):
+        pyattn.paged_prefill(q4, kp, vp, block_table=table, seq_lens=lens, max_seqlen_k=50)
+        assert launches[-1][2]["max_q"] == 6 and launches[-1][2]["cu_seqlens_q"] not in (0, cu.ptr)
+    assert len(validations) == 3

@@ -20,23 +20,62 @@ call and wrong tables read wrong pages, never outside the arrays.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..interop.inputs import read_args
+from ..interop.quick import quick_key
 from ..interop.streams import order_inputs
 from ..pipeline import host
-from ..pipeline.device import fetch_values, finish, start
+from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
+from ..pipeline.plans import Memo
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool, check_int
-from ..validate.paged import check_block_table, check_csr, check_max_seqlen, check_pools, check_table_form
+from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_address, check_pools,
+                              check_q_address, check_table_form)
 from ..validate.serving import check_cu_seqlens_q, check_new_tokens, check_prefill
+from ._decode import Ptr
 from ._prefill import KVTables, run_prefill
 
 __all__ = ["paged_prefill"]
 
+_quick = Memo()  # quick key -> _Hit of a bounded call on device arrays
+# The arrays a repeat call reads, in the order bind / begin take them.
+_REPEAT = ("q", "k_pool", "v_pool", "alibi_slopes", "block_table", "seq_lens", "cu_seqlens_q")
 _NAMES = ("q", "k_pool", "v_pool", "cu_seqlens_q", "block_table", "seq_lens", "indptr", "indices", "last_page_len",
           "alibi_slopes")
+
+
+class _Hit(NamedTuple):
+    """What a repeat bounded call reuses: the bound problem, the host offsets (None: a device
+    cu_seqlens_q, read per call), the grid's bound on the new tokens, the lengths' bound and the
+    block table's row stride."""
+
+    bound: object
+    cu: object
+    max_q: int
+    max_len: int
+    stride: int
+
+
+def _check_addresses(P, ptrs) -> None:
+    """A repeat call's address checks (in _REPEAT's order): q's alignment, the pools'."""
+    check_q_address(ptrs[0])
+    check_pool_address("k_pool", ptrs[1])
+    check_pool_address("v_pool", ptrs[2])
+
+
+def _repeat(hit: _Hit, arrays, stream, return_lse, reads):
+    """A bounded call whose quick key was seen: pointers and producers read, then the launch over the
+    tables as the kernel finds them."""
+    P, device = hit.bound.problem, hit.bound.device
+    s, (q, kp, vp, alibi, table, lens, cu) = begin(hit.bound, stream, arrays, reads)
+    tables = (lambda s_: KVTables(kp, vp, Ptr(table), None, Ptr(lens), hit.max_len, hit.stride))  # noqa: E731
+    out, lse = run_prefill(P, device, s, q, tables, Ptr(cu) if hit.cu is None else hit.cu, None, alibi, return_lse,
+                           hit.max_q)
+    return (out, lse) if return_lse else out
 
 
 def _batch(a, block_table) -> tuple:
@@ -167,10 +206,20 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     :func:`pyattn.attention_varlen` over each sequence's gathered keys. Every page entry a sequence
     uses is range-checked before the launch (unless ``max_seqlen_k``): device tables and a device
     ``cu_seqlens_q`` are copied back for that, after every other check (a synchronisation, which
-    no CUDA graph capture can hold). Pools are read in place; the pages of a sequence's last, partly filled page past its
-    length may hold anything (NaN included).
+    no CUDA graph capture can hold). Pools are read in place; the slots of a sequence's last,
+    partly filled page past its length may hold anything (NaN included). A repeat bounded call on
+    device arrays (an engine's per-layer call) reuses the first one's validation and reads only the
+    arrays' addresses and producers, as :func:`pyattn.attention` does.
     """
     check_stream_arg(stream)
+    params = locals()
+    reads, qkey = {}, None
+    if max_seqlen_k is not None:  # tables read on the device: a repeat call reads only the pointers
+        qkey = quick_key(params, reads)
+        hit = _quick.get(qkey) if qkey is not None else None
+        if hit is not None:
+            return _repeat(hit, (q, k_pool, v_pool, alibi_slopes, block_table, seq_lens, cu_seqlens_q), stream,
+                           return_lse, reads)
     return_lse = check_bool("return_lse", return_lse)
     given = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "cu_seqlens_q": cu_seqlens_q, "block_table": block_table,
              "seq_lens": seq_lens, "indptr": indptr, "indices": indices, "last_page_len": last_page_len,
@@ -213,6 +262,10 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
         finish(s, [kp, vp, *on_dev])
         return (o, lse) if return_lse else o
     device, s, (dq, kp, vp, dal, *on_dev) = start(stream, [a["q"], a["k_pool"], a["v_pool"], alibi, *dev])
+    if qkey is not None:
+        bound = bind(P, device, [a[n] for n in _REPEAT], _check_addresses)
+        if bound is not None:
+            _quick.put(qkey, _Hit(bound, None if unread else cu, max_q, max_len, stride))
     if max_seqlen_k is None and any(t is not None and t.on_device for t in (*dev, a["cu_seqlens_q"])):
         refuse_capture(s, "paged_prefill copied its device page tables (or cu_seqlens_q) back for their range "
                           "check, and a replay would keep what was planned from them: pass max_seqlen_k= (and "
