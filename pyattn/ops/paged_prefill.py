@@ -171,19 +171,8 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     indptr, indices, last_page_len : int32 arrays (batch + 1,), (nnz,), (batch,)
         FlashInfer's CSR form, instead of ``block_table``.
     layout : {"nhd", "hnd"}
-    causal : bool or {"bottom_right", "top_left"}, default True
-        Bottom-right: new token ``i`` of a sequence of ``L`` tokens sees keys ``0 .. L - n_b + i``.
-    window : (int, int), optional
-        Sliding window ``(left, right)`` around that diagonal; -1 unbounded.
-    softcap : float, optional
-    alibi_slopes : array (heads_q,) or (batch, heads_q), optional
-    scale : float, optional
-        Default ``1 / sqrt(head_dim)``.
-    num_splits : int, optional
-        Key splits per block; default: split only when the grid would not fill the GPU.
-    return_lse : bool
-        Also return the natural-log LSE, float32: ``(heads_q, total)`` for packed q (FlashAttention's
-        varlen layout), ``(batch, heads_q, t)`` for 4-D q.
+    causal, window, softcap, alibi_slopes, scale, num_splits, return_lse
+        As in :func:`pyattn.prefill` (a sequence's length is its ``seq_lens`` entry).
     max_seqlen_q, max_seqlen_k : int, optional
         Host bounds that make the call read its tables on the device only (no copy-back, no
         synchronisation; capturable in a CUDA graph), as FlashAttention's varlen call does.
