@@ -11,7 +11,8 @@ driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch ten
 stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
 ``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``contiguous_decode`` with one int
 length, with ragged NumPy lengths (an upload a call) and with an int length and one new token a
-sequence (k_new / v_new: an append launch too). The per-stage times of the attention
+sequence (k_new / v_new: an append launch too), ``attention_varlen`` with torch offsets and both
+maxima, and ``paged_prefill`` over torch pools and tables under its bounds. The per-stage times of the attention
 call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
 """
 
@@ -120,6 +121,9 @@ def calls():
     kc = pyattn.empty((2, 256, 2, 64), ml_dtypes.bfloat16)  # contiguous caches (batch, max_len, Hkv, D)
     ragged = np.array([256, 100], np.int32)
     kn = pyattn.empty((2, 1, 2, 64), ml_dtypes.bfloat16)  # one new token a sequence
+    tv, tp = torch.Tensor((16, 2, 64), d.ptr), torch.Tensor((8, 16, 2, 64), d.ptr + 8192)  # prefill over pools
+    tcu = torch.Tensor((3,), d.ptr + 65536, "int32")
+    ttab, tlens = torch.Tensor((2, 2), d.ptr + 65600, "int32"), torch.Tensor((2,), d.ptr + 65664, "int32")
     keep = [None]
 
     def run(f):
@@ -139,6 +143,11 @@ def calls():
         "contiguous_decode, int length": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200)),
         "contiguous_decode, NumPy ragged": run(lambda: pyattn.contiguous_decode(qd, kc, kc, ragged)),
         "contiguous_decode, int + k_new": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200, k_new=kn, v_new=kn)),
+        "varlen torch, both maxima": run(lambda: pyattn.attention_varlen(tv, tv, tv, tcu, tcu, max_seqlen_q=9,
+                                                                         max_seqlen_k=9)),
+        "paged_prefill torch, bounded": run(lambda: pyattn.paged_prefill(tv, tp, tp, tcu, block_table=ttab,
+                                                                         seq_lens=tlens, max_seqlen_q=9,
+                                                                         max_seqlen_k=32)),
     }, d
 
 

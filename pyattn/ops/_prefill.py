@@ -33,6 +33,9 @@ from ._decode import choose_num_splits, pool_maps
 __all__ = ["KVTables", "PrefillPlan", "prefill_specs", "run_prefill"]
 
 _F32 = np.dtype(np.float32)
+# choose_num_splits by value: a pure function of three ints, which a repeat call (an engine's
+# per-layer paged_prefill under its bounds) asks again each time (~5 us of host time a call).
+_splits = functools.lru_cache(maxsize=1024)(choose_num_splits)
 # The last few uploads of (cu_seqlens_q, tree masks), by value: a serving loop repeats its shapes
 # (every chunk or tree alike), and a host upload goes through pinned staging, which waits for the
 # stream's earlier work; a hit costs a bytes comparison instead.
@@ -190,7 +193,7 @@ def run_prefill(P, device, s, q: int, tables, cu, masks, alibi_ptr: int, return_
         splits = P.num_splits
     else:
         units = m_blocks * plan.grid_y * P.batch
-        splits = choose_num_splits(units, -(-max_len // plan.block_n), plan.slots) if units < plan.slots else 1
+        splits = _splits(units, -(-max_len // plan.block_n), plan.slots) if units < plan.slots else 1
     d_cu, d_masks = _values_on_device(device, s, cu.astype(np.int32), masks) if on_host else (cu, None)
     part = lpart = None
     if splits > 1:
