@@ -154,14 +154,17 @@ def test_bounded_device_tables_are_not_read_on_the_host(gpu, launches, fetched):
     # A host cu_seqlens_q is read (no copy-back needed); the device tables still are not.
     pyattn.paged_prefill(q, kp, vp, np.array([0, 5, 12], np.int32), block_table=table, seq_lens=lens, max_seqlen_k=64)
     assert fetched["names"] == [] and launches[-1][2]["max_q"] == 7 and launches[-1][2]["max_k"] == 64
+    # Bounds past q's rows or the table's pages act as those (an engine's token budget, say).
+    pyattn.paged_prefill(q, kp, vp, cu, block_table=table, seq_lens=lens, max_seqlen_q=4096, max_seqlen_k=10**6)
+    assert (launches[-1][2]["max_q"], launches[-1][2]["max_k"]) == (12, 64)
 
 
 @pytest.mark.parametrize("change, match", [
     (dict(max_seqlen_k=None), "^max_seqlen_q: bounds a device cu_seqlens_q read unchecked, which takes max_seqlen_k"),
     (dict(max_seqlen_q=None), "^max_seqlen_q: required with max_seqlen_k and a device cu_seqlens_q"),
-    (dict(max_seqlen_k=65), "^max_seqlen_k: expected"),  # over the table's 4 pages x 16
+    (dict(max_seqlen_k=2**31), "^max_seqlen_k: expected"),
     (dict(max_seqlen_k=-1), "^max_seqlen_k: expected"),
-    (dict(max_seqlen_q=13), "^max_seqlen_q: expected"),  # over q's 12 tokens
+    (dict(max_seqlen_q=-1), "^max_seqlen_q: expected"),
     (dict(host_table=True), "^max_seqlen_k: bounds device tables read unchecked, so block_table"),
     (dict(host_lens=True), "^max_seqlen_k: bounds device lengths read unchecked, so seq_lens"),
     (dict(host_cu=True), "^max_seqlen_q: bounds a device cu_seqlens_q read unchecked; a host one"),

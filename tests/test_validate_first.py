@@ -163,7 +163,7 @@ def calls(draw):
         if packed:
             kwargs["cu_seqlens_q"] = np.arange(B + 1, dtype=np.int32) * S
         options = ["scale", "softcap", "window", "causal", "layout", "stream", "num_splits", "return_lse",
-                   "alibi_slopes"]
+                   "alibi_slopes", "max_seqlen_q"]
     else:  # decode over pools or a cache: q is (batch, q_len, Hq, D)
         args = [arr((B, 1, H, D))]
         names, options = ["q"], ["scale", "softcap", "window", "causal", "stream", "num_splits", "return_lse"]

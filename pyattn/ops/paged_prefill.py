@@ -108,15 +108,18 @@ def _check_tables(a, block_table, P, max_seqlen_q, max_seqlen_k) -> tuple:
         if cu_arg is None or not cu_arg.on_device:
             raise ValueError("max_seqlen_q: bounds a device cu_seqlens_q read unchecked; a host one (or 4-D q) is "
                              "read on the host")
-        max_q = check_int("max_seqlen_q", max_seqlen_q, 0, P.total_q)
+        # (any int32 bound, as FlashAttention takes it: an engine passes its token budget. The grid
+        # needs no more than q's rows.)
+        max_q = min(check_int("max_seqlen_q", max_seqlen_q, 0, 2**31 - 1), P.total_q)
     if unchecked:  # FlashAttention's varlen contract: the tables are read as they are when the kernel runs
         if not bt:
             raise ValueError("max_seqlen_k: takes the block_table form (the CSR form's lengths are derived on the host)")
         if not a["block_table"].on_device:
             raise ValueError("max_seqlen_k: bounds device tables read unchecked, so block_table must then be a "
                              "device int32 array, got a host one")
-        max_len = check_max_seqlen(max_seqlen_k, a["seq_lens"], "seq_lens", a["block_table"].shape[1] * pool.page_size,
-                                   "max_seqlen_k")
+        # (any int32 bound, as max_seqlen_q; the lengths are clamped to the table's pages too)
+        max_len = min(check_max_seqlen(max_seqlen_k, a["seq_lens"], "seq_lens", 2**31 - 1, "max_seqlen_k"),
+                      a["block_table"].shape[1] * pool.page_size)
         if cu_arg is not None and cu_arg.on_device and max_seqlen_q is None:
             raise ValueError("max_seqlen_q: required with max_seqlen_k and a device cu_seqlens_q (the grid is "
                              "sized by it; the offsets are not read on the host)")
@@ -176,10 +179,11 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
     max_seqlen_q, max_seqlen_k : int, optional
         Host bounds that make the call read its tables on the device only (no copy-back, no
         synchronisation; capturable in a CUDA graph), as FlashAttention's varlen call does.
-        ``max_seqlen_k`` bounds device ``seq_lens`` (at most the device ``block_table``'s
-        ``max_pages * page_size``; the block-table form only); ``max_seqlen_q`` bounds the new
-        tokens of a device ``cu_seqlens_q`` (required with one). The kernels clamp what they read
-        to these bounds, to q's rows and to the pool's pages; nothing checks that each sequence's
+        ``max_seqlen_k`` bounds device ``seq_lens`` (the block-table form only; above the table's
+        ``max_pages * page_size`` it acts as that); ``max_seqlen_q`` bounds the new tokens of a
+        device ``cu_seqlens_q`` (required with one; above q's rows it acts as that). Any int32
+        bound is taken, as FlashAttention takes it (an engine may pass its token budget). The
+        kernels clamp what they read to these bounds, to q's rows and to the pool's pages; nothing checks that each sequence's
         new tokens are among its ``seq_lens`` tokens (a query before its sequence's first key
         sees no key: zeros). Rows no clamped sequence covers are left unwritten.
     stream : optional
