@@ -51,6 +51,7 @@ if [[ $what == all || $what == bench ]]; then
   bench bench_boundary "$tables" 45         # host time per input kind, NumPy vs its floor, torch after a compile
   bench bench_serving "$tables" 40          # paged chunked prefill vs dense, 64 x 512 batch, tree verify vs decode
   bench bench_varlen "$tables" 20           # attention_varlen vs FA2's varlen kernel (torch jagged SDPA), host time
+  bench bench_engine "^  (decode|mixed)|^==|WARNING|FAILED" 12  # an engine's pools: paged_decode vs paged_prefill rows, a mixed step
   bench bench_backward "$tables" 45         # backward vs SDPA FA2 / cuDNN backward (issue 14)
   # Examples: each examples/*.py must run to completion on the GPU (they print their own checks).
   for ex in examples/*.py; do
