@@ -22,7 +22,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 # example -> the optional libraries it needs beyond pyattn and its dependencies
 NEEDS = {"numpy_attention.py": (), "cupy_attention.py": ("cupy",), "hf_llama.py": ("torch", "transformers"),
-         "train_tiny.py": ("torch",), "fp8_prefill.py": ("torch",), "serving_loop.py": ("torch",)}
+         "train_tiny.py": ("torch",), "fp8_prefill.py": ("torch",), "serving_loop.py": ("torch",),
+         "engine_pools.py": ("torch",)}
 # Runs the example with the named modules made unimportable (``None`` in sys.modules: an import
 # raises ImportError and importlib.util.find_spec returns None), as on a machine without them.
 _BLOCKED_RUN = ("import runpy, sys\n"
