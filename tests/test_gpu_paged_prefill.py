@@ -277,3 +277,59 @@ def test_a_bounded_chunk_step_replays_in_a_torch_graph_over_changed_tables():
         ks = [kh[t[b, : -(-n // ps)]].reshape(-1, Hkv, D)[:n] for b, n in enumerate(new_lens)]
         vs = [vh[t[b, : -(-n // ps)]].reshape(-1, Hkv, D)[:n] for b, n in enumerate(new_lens)]
         _check_prefill(gh[: c[-1]], None, qh[: c[-1]], c, ks, vs, True, causal=True)
+
+
+@pytest.fixture
+def sm80_prefill(monkeypatch):
+    """The paged prefill's sm_80 kernels (attn_prefill_mma, the split combine) as compute_80 PTX,
+    which the driver compiles for this GPU: what sm_80 / sm_86 / sm_89 machines run, checked here.
+    Plans are built afresh for the fixture's life (none made with this GPU's own kernels is reused)."""
+    from pyattn.ops import _prefill
+    from pyattn.pipeline import plans
+
+    real = _prefill.prefill_specs
+    monkeypatch.setattr(_prefill, "prefill_specs", lambda dt, d, arch, ptx, *rest: real(dt, d, "sm_80", True, *rest))
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setattr(plans, "_by_id", {})
+    monkeypatch.setattr(paged_prefill_module(), "_quick", type(paged_prefill_module()._quick)())
+    return real
+
+
+def paged_prefill_module():
+    import importlib
+
+    return importlib.import_module("pyattn.ops.paged_prefill")
+
+
+@pytest.mark.parametrize("page_size, D, splits", [(16, 128, None), (3, 64, 2)])
+def test_the_sm80_kernels_checked_bounded_and_wrong_tables(sm80_prefill, page_size, D, splits, launched):
+    rng = np.random.default_rng(80 + page_size)
+    lengths, news = [300, 64, 131], [200, 64, 1]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page_size, 2, D, "bfloat16", "nhd", extra=0)
+    tables = {k: pyattn.asarray(v) for k, v in _tables(rng, pages, lengths, page_size, "block_table").items()}
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = pyattn.asarray(_rand(rng, (int(cu[-1]), 8, D), "bfloat16"))
+    dkp, dvp, dcu = pyattn.asarray(kp), pyattn.asarray(vp), pyattn.asarray(cu)
+    got, lse = pyattn.paged_prefill(q, dkp, dvp, dcu, num_splits=splits, return_lse=True, softcap=15.0, **tables)
+    assert all(name.startswith(("pyattn_attn_prefill_mma", "pyattn_split_combine")) for name in launched), launched
+    _check_prefill(got.numpy(), lse.numpy(), q.numpy(), cu, ks, vs, True, causal=True, softcap=15.0)
+    bounded = pyattn.paged_prefill(q, dkp, dvp, dcu, num_splits=splits, softcap=15.0, max_seqlen_q=200,
+                                   max_seqlen_k=300, **tables)
+    assert np.array_equal(bounded.numpy().view(np.uint16), got.numpy().view(np.uint16))
+    # Wrong entries under the bounds: negative and past the pool, a length past the bound.
+    table = tables["block_table"].numpy()
+    bad = table.copy()
+    bad[0, 0], bad[1, 1] = -3, 10**6
+    lens = np.array([900, 64, 131], np.int32)
+    out = pyattn.paged_prefill(q, dkp, dvp, dcu, num_splits=splits, softcap=15.0, block_table=pyattn.asarray(bad),
+                               seq_lens=pyattn.asarray(lens), max_seqlen_q=200, max_seqlen_k=300).numpy()
+    n_pool = kp.shape[0]
+    fixed = np.where((bad < 0) | (bad >= n_pool), n_pool - 1, bad)
+    for b, n in enumerate([300, 64, 131]):
+        slots = np.arange(n)
+        k = kp[fixed[b][slots // page_size], slots % page_size]
+        v = vp[fixed[b][slots // page_size], slots % page_size]
+        if np.isnan(k.astype(np.float32)).any() or np.isnan(v.astype(np.float32)).any():
+            continue  # a clamped entry pointed at the pool's last page, NaN outside its owner's slots
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        _check(out[lo:hi][None], None, q.numpy()[lo:hi][None], k[None], v[None], causal=True, softcap=15.0)
