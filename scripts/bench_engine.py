@@ -61,7 +61,8 @@ def decode_rows(bench, args, B: int, L: int) -> dict:
     q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     row = {"batch": B, "ctx": L, "kv_gb": B * L * HKV * D * 4 / 1e9}
-    dec = lambda: pyattn.paged_decode(q, kp, vp, block_table=table, seq_lens=lens, max_seqlen=width * PAGE)  # noqa: E731
+    dec = lambda: pyattn.paged_decode(q, kp, vp, block_table=table, seq_lens=lens,  # noqa: E731
+                                      max_seqlen=width * PAGE)
     pre = lambda: pyattn.paged_prefill(q.view(B, HQ, D), kp, vp, cu, block_table=table, seq_lens=lens,  # noqa: E731
                                        max_seqlen_q=1, max_seqlen_k=width * PAGE)
     # The same rows under a chunk-sized bound, as a mixed batch with a 2048-token chunk sizes its grid:

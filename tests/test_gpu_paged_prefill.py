@@ -264,7 +264,8 @@ def test_a_bounded_chunk_step_replays_in_a_torch_graph_over_changed_tables():
 
     refill([300, 40, 500], [100, 40, 160])
     g, out = _capture(step, "warm-up")
-    for new_lens, counts in (([512, 17, 260], [256, 4, 40]), ([1, 400, 99], [1, 200, 99]), ([0, 50, 300], [0, 45, 255])):
+    steps = (([512, 17, 260], [256, 4, 40]), ([1, 400, 99], [1, 200, 99]), ([0, 50, 300], [0, 45, 255]))
+    for new_lens, counts in steps:
         refill(new_lens, counts)
         g.replay()
         got = out.clone()

@@ -113,7 +113,8 @@ def _check_tables(a, block_table, P, max_seqlen_q, max_seqlen_k) -> tuple:
         max_q = min(check_int("max_seqlen_q", max_seqlen_q, 0, 2**31 - 1), P.total_q)
     if unchecked:  # FlashAttention's varlen contract: the tables are read as they are when the kernel runs
         if not bt:
-            raise ValueError("max_seqlen_k: takes the block_table form (the CSR form's lengths are derived on the host)")
+            raise ValueError("max_seqlen_k: takes the block_table form (the CSR form's lengths are derived on "
+                             "the host)")
         if not a["block_table"].on_device:
             raise ValueError("max_seqlen_k: bounds device tables read unchecked, so block_table must then be a "
                              "device int32 array, got a host one")
@@ -183,9 +184,10 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
         ``max_pages * page_size`` it acts as that); ``max_seqlen_q`` bounds the new tokens of a
         device ``cu_seqlens_q`` (required with one; above q's rows it acts as that). Any int32
         bound is taken, as FlashAttention takes it (an engine may pass its token budget). The
-        kernels clamp what they read to these bounds, to q's rows and to the pool's pages; nothing checks that each sequence's
-        new tokens are among its ``seq_lens`` tokens (a query before its sequence's first key
-        sees no key: zeros). Rows no clamped sequence covers are left unwritten.
+        kernels clamp what they read to these bounds, to q's rows and to the pool's pages;
+        nothing checks that each sequence's new tokens are among its ``seq_lens`` tokens (a query
+        before its sequence's first key sees no key: zeros). Rows no clamped sequence covers are
+        left unwritten.
     stream : optional
 
     Returns
