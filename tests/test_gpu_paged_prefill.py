@@ -285,21 +285,15 @@ def sm80_prefill(monkeypatch):
     """The paged prefill's sm_80 kernels (attn_prefill_mma, the split combine) as compute_80 PTX,
     which the driver compiles for this GPU: what sm_80 / sm_86 / sm_89 machines run, checked here.
     Plans are built afresh for the fixture's life (none made with this GPU's own kernels is reused)."""
-    from pyattn.ops import _prefill
+    from pyattn.ops import _prefill, paged_prefill
     from pyattn.pipeline import plans
 
     real = _prefill.prefill_specs
     monkeypatch.setattr(_prefill, "prefill_specs", lambda dt, d, arch, ptx, *rest: real(dt, d, "sm_80", True, *rest))
     monkeypatch.setattr(plans, "_plans", {})
     monkeypatch.setattr(plans, "_by_id", {})
-    monkeypatch.setattr(paged_prefill_module(), "_quick", type(paged_prefill_module()._quick)())
+    monkeypatch.setattr(paged_prefill, "_quick", plans.Memo())
     return real
-
-
-def paged_prefill_module():
-    import importlib
-
-    return importlib.import_module("pyattn.ops.paged_prefill")
 
 
 @pytest.mark.parametrize("page_size, D, splits", [(16, 128, None), (3, 64, 2)])

@@ -20,7 +20,7 @@ from ..pipeline.host import upload
 from ..pipeline.plans import Memo, signature
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool
-from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_address, check_pools,
+from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_call_addresses, check_pools,
                               check_q_address, check_query, check_table_form)
 from ._decode import Ptr, choose_num_splits, keyed_splits, run_decode
 
@@ -39,14 +39,6 @@ class _PagedHit:
 
     def __init__(self, bound, stride: int, max_len: int):
         self.bound, self.stride, self.max_len = bound, stride, max_len
-
-
-def _paged_check(P, ptrs) -> None:
-    """The per-call address checks of a repeat paged_decode (q, k_pool, v_pool, alibi_slopes,
-    block_table, seq_lens)."""
-    check_q_address(ptrs[0])
-    check_pool_address("k_pool", ptrs[1])
-    check_pool_address("v_pool", ptrs[2])
 
 
 def _cache_tables(cache, ids, s) -> tuple:
@@ -208,7 +200,7 @@ def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=N
                           "would keep what was planned from them: pass max_seqlen= to read them on the device")
     if qkey is not None:  # (trusted: the block table's and the lengths' pointers read per call)
         bound = bind(P, device, [a[n] for n in ("q", "k_pool", "v_pool", "alibi_slopes", "block_table", "seq_lens")],
-                     _paged_check)
+                     check_pool_call_addresses)
         if bound is not None:
             _paged_quick.put(qkey, _PagedHit(bound, a["block_table"].strides[0], max_len))
     dev_tables = tuple(tabs)

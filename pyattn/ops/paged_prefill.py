@@ -33,8 +33,8 @@ from ..pipeline.host import upload
 from ..pipeline.plans import Memo
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool, check_int
-from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_address, check_pools,
-                              check_q_address, check_table_form)
+from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_call_addresses, check_pools,
+                              check_table_form)
 from ..validate.serving import check_cu_seqlens_q, check_new_tokens, check_prefill
 from ._decode import Ptr
 from ._prefill import KVTables, run_prefill
@@ -58,13 +58,6 @@ class _Hit(NamedTuple):
     max_q: int
     max_len: int
     stride: int
-
-
-def _check_addresses(P, ptrs) -> None:
-    """A repeat call's address checks (in _REPEAT's order): q's alignment, the pools'."""
-    check_q_address(ptrs[0])
-    check_pool_address("k_pool", ptrs[1])
-    check_pool_address("v_pool", ptrs[2])
 
 
 def _repeat(hit: _Hit, arrays, stream, return_lse, reads):
@@ -258,7 +251,7 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
         return (o, lse) if return_lse else o
     device, s, (dq, kp, vp, dal, *on_dev) = start(stream, [a["q"], a["k_pool"], a["v_pool"], alibi, *dev])
     if qkey is not None:
-        bound = bind(P, device, [a[n] for n in _REPEAT], _check_addresses)
+        bound = bind(P, device, [a[n] for n in _REPEAT], check_pool_call_addresses)
         if bound is not None:
             _quick.put(qkey, _Hit(bound, None if unread else cu, max_q, max_len, stride))
     if max_seqlen_k is None and any(t is not None and t.on_device for t in (*dev, a["cu_seqlens_q"])):

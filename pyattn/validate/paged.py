@@ -16,8 +16,8 @@ from .options import check_alibi, check_causal, check_int, check_scale, check_so
 
 __all__ = ["DecodeProblem", "PoolInfo", "check_pools", "check_query", "check_q_address", "check_block_table",
            "check_csr", "check_table_form", "POOL_LAYOUTS", "DECODE_DTYPES", "MAX_SPLITS", "check_cache_options",
-           "check_layout", "check_pool_address", "check_append", "check_token_rows", "check_token_chunks",
-           "check_token_address", "check_max_seqlen", "KEY_SCALES"]
+           "check_layout", "check_pool_address", "check_pool_call_addresses", "check_append", "check_token_rows",
+           "check_token_chunks", "check_token_address", "check_max_seqlen", "KEY_SCALES"]
 
 DECODE_DTYPES = ("float16", "bfloat16")
 POOL_LAYOUTS = ("nhd", "hnd")  # (pages, page_size, heads, dim) / (pages, heads, page_size, dim)
@@ -169,6 +169,14 @@ def check_q_address(ptr: int) -> None:
     every call, since a memoised problem is shared by calls with other addresses."""
     if ptr % 16:
         raise ValueError(f"q: the address must be 16-byte aligned, got {ptr:#x} (copy the array to make it aligned)")
+
+
+def check_pool_call_addresses(P, ptrs) -> None:
+    """A repeat call's address checks over pools (``paged_decode``, ``paged_prefill``: the bound
+    arrays' addresses, q, k_pool, v_pool first): q's alignment and the pools'."""
+    check_q_address(ptrs[0])
+    check_pool_address("k_pool", ptrs[1])
+    check_pool_address("v_pool", ptrs[2])
 
 
 def check_table_form(block_table, seq_lens, indptr, indices, last_page_len) -> None:
