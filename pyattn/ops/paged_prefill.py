@@ -209,10 +209,7 @@ def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq
             return _repeat(hit, (q, k_pool, v_pool, alibi_slopes, block_table, seq_lens, cu_seqlens_q), stream,
                            return_lse, reads)
     return_lse = check_bool("return_lse", return_lse)
-    given = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "cu_seqlens_q": cu_seqlens_q, "block_table": block_table,
-             "seq_lens": seq_lens, "indptr": indptr, "indices": indices, "last_page_len": last_page_len,
-             "alibi_slopes": alibi_slopes}
-    a = read_args(given, _NAMES, ("q", "k_pool", "v_pool"))
+    a = read_args(params, _NAMES, ("q", "k_pool", "v_pool"))
     pool = check_pools(a["k_pool"], a["v_pool"], layout)
     check_table_form(block_table, seq_lens, indptr, indices, last_page_len)
     batch, seqs = _batch(a, block_table)
