@@ -159,7 +159,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::produce_tma_paged(unsigned 
     page = -1, slot = 0, valid = 0;
     if (chunk < chunks && key < sk) {
       const int pi = key >> page_shift;
-      page = static_cast<int>(min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(num_pages - 1)));
+      page = static_cast<int>(pool_page(__ldg(pages + pi), num_pages));
       slot = key - (pi << page_shift);
       valid = min(box, sk - key);
     }

@@ -8,6 +8,23 @@
 
 namespace pyattn {
 
+// A paged prefill's sequence b (PagedFwdParams pp, its member fwd p): its first packed query row
+// and new tokens, clamped as varlen's offsets (common.cuh clamp_rows, into fwd.total_q and max_q),
+// and its cached keys clamped into [0, max_k]. Tables no host check has seen (paged_prefill's
+// max_seqlen_q / max_seqlen_k) then address wrong rows and pages, never memory outside q, out, the
+// LSE, the partials or the pools.
+template <class PP>
+__device__ __forceinline__ void paged_seq(const AttnFwdParams& p, const PP& pp, int b, int& q_row0, int& sq, int& sk) {
+  clamp_rows(p.cu_seqlens_q, b, p.total_q, pp.max_q, q_row0, sq);
+  sk = min(max(pp.kv_len[b], 0), pp.max_k);
+}
+
+// Its page list: a CSR row (page_indptr) or, page_indptr null, a block table's row.
+template <class PP>
+__device__ __forceinline__ const int* paged_pages(const PP& pp, int b) {
+  return pp.page_indices + (pp.page_indptr != nullptr ? pp.page_indptr[b] : b * pp.table_stride);
+}
+
 // Where batch entry (or varlen sequence) b lives in the (packed) arrays.
 struct SeqInfo {
   long long q_row0, k_row0;  // first row in the packed arrays (0 for dense batches)

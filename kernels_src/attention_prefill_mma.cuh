@@ -27,10 +27,8 @@ __device__ __forceinline__ void load_kv_paged(typename Tr::T* dk, typename Tr::T
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int c = threadIdx.x + i * Tr::kThreads, key = first_row + c / CPR;
-    // (the entry clamped into the pool: paged_prefill's unchecked tables never read outside it)
     page[i] = (kChunks % Tr::kThreads == 0 || c < kChunks) && key < row_end
-                  ? static_cast<int>(min(static_cast<unsigned>(__ldg(pages + index_of(key))),
-                                         static_cast<unsigned>(pp.num_pages - 1)))
+                  ? static_cast<int>(pool_page(__ldg(pages + index_of(key)), pp.num_pages))
                   : 0;
   }
 #pragma unroll
@@ -79,9 +77,8 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
   const int m_raw = blockIdx.x / splits, split = blockIdx.x - m_raw * splits;
   const int m_block = p.causal ? gridDim.x / splits - 1 - m_raw : m_raw;  // most work first
   const int batch = blockIdx.z, rg = pp.row_group;
-  int q_row0, sq;  // clamped as varlen's offsets (common.cuh clamp_rows), the lengths into [0, max_k]
-  clamp_rows(p.cu_seqlens_q, batch, p.total_q, pp.max_q, q_row0, sq);
-  const int sk = min(max(pp.kv_len[batch], 0), pp.max_k);
+  int q_row0, sq, sk;  // clamped (attention_mask.cuh paged_seq)
+  paged_seq(p, pp, batch, q_row0, sq, sk);
   const int rows = sq * rg, m0 = m_block * BM;
   if (m0 >= rows) return;
   const int head0 = blockIdx.y * rg, kv_head = head0 / p.group;
@@ -89,7 +86,7 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
   const T* q = static_cast<const T*>(p.q) + q_row0 * p.q_stride_s + head0 * p.q_stride_h;
   const T* k = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
   const T* v = static_cast<const T*>(p.v) + kv_head * p.v_stride_h;
-  const int* pages = pp.page_indices + (pp.page_indptr != nullptr ? pp.page_indptr[batch] : batch * pp.table_stride);
+  const int* pages = paged_pages(pp, batch);
 
   const Band band = make_band(p, sq, sk);
   int n_begin, n_end;  // key tiles some token of the block sees, then this split's share

@@ -39,12 +39,8 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   const int m_raw = blockIdx.x / splits, split = blockIdx.x - m_raw * splits;
   const int m_block = p.causal ? gridDim.x / splits - 1 - m_raw : m_raw;  // most work first
   const int batch = blockIdx.z, rg = pp.row_group;
-  // New tokens (the last sq of the sk keys). Clamped as varlen's offsets (common.cuh clamp_rows) and
-  // the lengths into [0, max_k]: tables no host check has seen (paged_prefill's max_seqlen_q / _k)
-  // address wrong rows and pages, never memory outside q, out, the LSE, the partials or the pools.
-  int q_row0, sq;
-  clamp_rows(p.cu_seqlens_q, batch, p.total_q, pp.max_q, q_row0, sq);
-  const int sk = min(max(pp.kv_len[batch], 0), pp.max_k);
+  int q_row0, sq, sk;  // new tokens (the last sq of the sk keys), clamped (attention_mask.cuh paged_seq)
+  paged_seq(p, pp, batch, q_row0, sq, sk);
   const int rows = sq * rg, m0 = m_block * BM;
   if (m0 >= rows) return;  // this sequence has fewer rows than the longest (whole block exits)
   const int head0 = blockIdx.y * rg;  // the block's first query head; all share one kv head
@@ -59,7 +55,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
   ml.k_page = pp.k_stride_page;
   ml.v_page = pp.v_stride_page;
   ml.q_head_stride = p.q_stride_h;
-  ml.pages = pp.page_indices + (pp.page_indptr != nullptr ? pp.page_indptr[batch] : batch * pp.table_stride);
+  ml.pages = paged_pages(pp, batch);
   ml.num_pages = pp.num_pages;
   ml.page_size = pp.page_size;
   ml.page_shift = pp.page_shift;

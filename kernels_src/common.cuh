@@ -60,6 +60,13 @@ __device__ __forceinline__ void clamp_rows(const int* cu, int b, int total, int 
   len = min(min(max(cu[b + 1], lo), total) - lo, longest);
 }
 
+// A page-table entry clamped into a pool of `num_pages` pages (an unsigned min: a negative entry
+// too), so that a table no host check has seen (paged_decode's max_seqlen, paged_prefill's
+// max_seqlen_k) never reads outside the pool; a checked one is unchanged.
+__device__ __forceinline__ unsigned pool_page(int entry, int num_pages) {
+  return min(static_cast<unsigned>(entry), static_cast<unsigned>(num_pages - 1));
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));

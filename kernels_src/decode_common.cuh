@@ -104,9 +104,8 @@ __device__ __forceinline__ void decode_sync() {
   }
 }
 
-// The pool page of key `key` of a sequence whose page list is `pages`, and its slot in that page.
-// The entry is clamped into the pool (an unsigned min: a negative one too), so that a table no
-// host check has seen (max_seqlen's) never reads outside it; a checked one is unchanged.
+// The pool page of key `key` of a sequence whose page list is `pages` (clamped: common.cuh
+// pool_page), and its slot in that page.
 __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
   int pi;
   if (p.page_shift >= 0) {  // power-of-two pages: no division
@@ -116,7 +115,7 @@ __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* 
     pi = key / p.page_size;
     slot = key - pi * p.page_size;
   }
-  return min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(p.num_pages - 1));
+  return pool_page(__ldg(pages + pi), p.num_pages);
 }
 
 // Where one decode block works: its (split, kv head, row block, sequence), its sequence's pages,

@@ -88,11 +88,9 @@ struct PagedKVLoad {
     return page_shift >= 0 ? key >> page_shift : key / page_size;
   }
 
-  // Page list entry `pi`, clamped into the pool (an unsigned min: a negative entry too), so that a
-  // table no host check has seen (paged_prefill's max_seqlen_k) never reads outside the pools; a
-  // checked one is unchanged.
+  // Page list entry `pi`, clamped into the pool (common.cuh pool_page).
   __device__ __forceinline__ int page_at(int pi) const {
-    return static_cast<int>(min(static_cast<unsigned>(__ldg(pages + pi)), static_cast<unsigned>(num_pages - 1)));
+    return static_cast<int>(pool_page(__ldg(pages + pi), num_pages));
   }
 
   // Issue this lane's page lookup for the tile at row0 (its result is read by `take`).
