@@ -9,7 +9,8 @@ Usage: PYTHONPATH=. python dev/probe_mixed_step.py [--ncu]
 ``scripts/bench_engine.py``'s mixed step (63 decode rows over 4k cached tokens plus one 2048-token
 chunk over a 4k prefix, vLLM-layout torch pools): the one-launch ``paged_prefill``, the chunk alone
 and the 63 decode rows alone through ``paged_prefill`` (the split's prefill half, and what the
-decode rows cost on prefill tiles), GPU us by CUDA events. ``--ncu``: one call of each, between
+decode rows cost on prefill tiles), and the one launch with the chunk's keys taken away (what the
+grid itself costs), GPU us by CUDA events. ``--ncu``: one call of each, between
 ``cudaProfilerStart`` / ``Stop``, for the command above: per launch its duration and the SMs'
 active cycles (avg / max / min: a max far above the avg is a tail of a few SMs).
 """
@@ -47,7 +48,13 @@ def main() -> None:
         "decode rows alone (prefill tiles)": lambda: pyattn.paged_prefill(
             q[:n_dec], kp, vp, cu_dec, block_table=table[:n_dec], seq_lens=lens[:n_dec], max_seqlen_q=1,
             max_seqlen_k=top),
+        # The one launch's grid and blocks with the chunk's work gone (its sequence's keys 0: its
+        # blocks only write zeros): what the grid's shape costs the decode rows.
+        "decode rows + a keyless 2048-token row": lambda: pyattn.paged_prefill(
+            q, kp, vp, cu, block_table=table, seq_lens=lens_keyless, max_seqlen_q=chunk, max_seqlen_k=top),
     }
+    lens_keyless = lens.clone()
+    lens_keyless[-1] = 0
     for fn in calls.values():  # compile, load, plan
         fn()
     torch.cuda.synchronize()
@@ -60,7 +67,7 @@ def main() -> None:
         return
     for name, fn in calls.items():
         t = bench.gpu_ms(fn, loop=10, reps=7, label=name)
-        print(f"{name:36s} {t.ms * 1e3:8.1f} us")
+        print(f"{name:40s} {t.ms * 1e3:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,87 @@ __device__ __forceinline__ void paged_seq(const AttnFwdParams& p, const PP& pp, 
   sk = min(max(pp.kv_len[b], 0), pp.max_k);
 }
 
+// The paged prefill kernels' compact grid, one-dimensional: block x / splits is unit t of the
+// whole batch, sequence by sequence, and in a sequence row group (kv head) by row group, query tile
+// by query tile (the order of the (query tiles, row groups, sequences) grid before, whose
+// neighbouring blocks share a sequence's pages and, for a long sequence, a kv head's keys in L2).
+// Sequence b owns groups x ceil(rows_b / BM) units (groups = heads_q / row_group; rows_b its new
+// tokens, clamped by paged_seq, times row_group). The grid is sized by a bound on that sum that
+// needs no offsets on the host (total rows / BM + one part tile a sequence, for each group) instead
+// of the longest sequence's tiles for every sequence: a mixed step of 63 one-token rows and one
+// 2048-token chunk had 63 empty blocks for each real one, and passing them cost it 80 us
+// (BENCHMARKS.md, the fifty-sixth session). Causal launches take the units backwards: each
+// sequence's last rows (most keys) first.
+__device__ __forceinline__ int paged_unit(const AttnFwdParams& p, int splits, int& split) {
+  const int t_raw = blockIdx.x / splits;
+  split = blockIdx.x - t_raw * splits;
+  return p.causal ? gridDim.x / splits - 1 - t_raw : t_raw;
+}
+
+struct PagedTile {
+  int seq, group, tile;  // the sequence, its row group and query tile; seq < 0: past the batch's units
+  int q_row0, sq, sk;    // as paged_seq gives them for the sequence
+};
+
+// Unit t's sequence, found by every warp itself from a scan of the sequences, 128 a round (one
+// round for a batch of up to 128). A lane's loads of a round (its sequences' offsets and lengths)
+// are independent, and the unit's geometry comes from the lane that read it: one round trip of
+// loads a round, as paged_seq alone took.
+template <int BM, class PP>
+__device__ __forceinline__ PagedTile paged_tile_scan(const AttnFwdParams& p, const PP& pp, int t) {
+  constexpr int K = 4;  // sequences a lane
+  const int lane = threadIdx.x % 32, rg = pp.row_group, groups = p.heads_q / rg;
+  int before = 0;  // the units of the earlier rounds' sequences
+  for (int base = 0; base < p.batch; base += 32 * K) {
+    int n[K], lo[K], len[K], keys[K], mine = 0;
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      const int j = base + lane * K + i;
+      lo[i] = len[i] = keys[i] = 0;
+      if (j < p.batch) paged_seq(p, pp, j, lo[i], len[i], keys[i]);
+      n[i] = (len[i] * rg + BM - 1) / BM * groups;
+      mine += n[i];
+    }
+    int incl = mine;  // inclusive scan of the lanes' units
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += up;
+    }
+    const unsigned hit = __ballot_sync(kFullMask, t < before + incl);
+    if (hit != 0u) {  // the first lane whose sequences reach unit t holds it
+      PagedTile at{0, 0, 0, 0, 0, 0};
+      int first = before + incl - mine;
+      bool found = false;
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        if (!found && t < first + n[i]) {
+          const int u = t - first, tiles = n[i] / groups, g = u / tiles;
+          at = {base + lane * K + i, g, u - g * tiles, lo[i], len[i], keys[i]};
+          found = true;
+        }
+        first += n[i];
+      }
+      const int f = __ffs(hit) - 1;
+      return {__shfl_sync(kFullMask, at.seq, f), __shfl_sync(kFullMask, at.group, f),
+              __shfl_sync(kFullMask, at.tile, f), __shfl_sync(kFullMask, at.q_row0, f),
+              __shfl_sync(kFullMask, at.sq, f), __shfl_sync(kFullMask, at.sk, f)};
+    }
+    before += __shfl_sync(kFullMask, incl, 31);
+  }
+  return {-1, 0, 0, 0, 0, 0};
+}
+
+// The same out of line, for the wgmma kernels: inlined there, the scan's loop and shuffles cost
+// their main loops spills (ptxas, NVRTC 13.0: 36-64 bytes at d = 128 with a soft-cap or ALiBi,
+// against 8-16 before); the call costs a few instructions at the entry. The mma.sync kernel
+// (attention_prefill_mma.cuh) spills less with it inlined (20 bytes at d = 128 against 28 out of
+// line and 36 before; with a soft-cap and ALiBi 68 against 236), so it takes paged_tile_scan.
+template <int BM, class PP>
+__device__ __noinline__ PagedTile paged_tile(const AttnFwdParams& p, const PP& pp, int t) {
+  return paged_tile_scan<BM>(p, pp, t);
+}
+
 // Its page list: a CSR row (page_indptr) or, page_indptr null, a block table's row.
 template <class PP>
 __device__ __forceinline__ const int* paged_pages(const PP& pp, int b) {

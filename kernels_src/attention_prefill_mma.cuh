@@ -5,8 +5,8 @@
 // tokens (cu_seqlens_q) as the last of kv_len[b] keys, row groups (row r = token r / row_group
 // of head first + r % row_group), TREE ancestor masks over the last sq keys, and key splits whose
 // fp32 partials a combine launch merges.
-// Requires pyattn::PagedFwdParams (rendered), common.cuh and mma.cuh; grid (query tiles x splits,
-// heads_q / row_group, sequences).
+// Requires pyattn::PagedFwdParams (rendered), common.cuh and mma.cuh; grid: the batch's units
+// (sequence, row group, query tile) x splits, one-dimensional (attention_mask.cuh paged_unit).
 #pragma once
 #include "attention_fwd_mma.cuh"
 
@@ -74,14 +74,13 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
 
   // -- which rows, heads, keys and split this block owns
   const int splits = pp.num_splits;
-  const int m_raw = blockIdx.x / splits, split = blockIdx.x - m_raw * splits;
-  const int m_block = p.causal ? gridDim.x / splits - 1 - m_raw : m_raw;  // most work first
-  const int batch = blockIdx.z, rg = pp.row_group;
-  int q_row0, sq, sk;  // clamped (attention_mask.cuh paged_seq)
-  paged_seq(p, pp, batch, q_row0, sq, sk);
+  int split;  // this block's unit of the batch: its sequence, row group, query tile (attention_mask.cuh)
+  const PagedTile pt = paged_tile_scan<BM>(p, pp, paged_unit(p, splits, split));
+  if (pt.seq < 0) return;  // past the batch's last unit
+  const int batch = pt.seq, m_block = pt.tile, q_row0 = pt.q_row0, sq = pt.sq, sk = pt.sk;
+  const int rg = pp.row_group;
   const int rows = sq * rg, m0 = m_block * BM;
-  if (m0 >= rows) return;
-  const int head0 = blockIdx.y * rg, kv_head = head0 / p.group;
+  const int head0 = pt.group * rg, kv_head = head0 / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + q_row0 * p.q_stride_s + head0 * p.q_stride_h;
   const T* k = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
@@ -216,7 +215,7 @@ __device__ __forceinline__ void attn_prefill_mma(const PagedFwdParams& pp) {
           if (d < p.head_dim)
             *reinterpret_cast<unsigned*>(orow + d) = pack2<T>(acc[mi][dt][2 * h] * inv, acc[mi][dt][2 * h + 1] * inv);
         }
-        if (p.lse != nullptr && t == 0) p.lse[batch * p.lse_stride_b + head * p.lse_stride_h + q_row0 + tk] = lse;
+        if (p.lse != nullptr && t == 0) p.lse[q_row0 * p.lse_stride_b + head * p.lse_stride_h + tk] = lse;
       } else {
         const long long prow = split * pp.part_stride + static_cast<long long>(q_row0 + tk) * p.heads_q + head;
         float* orow = pp.o_part + prow * p.head_dim;

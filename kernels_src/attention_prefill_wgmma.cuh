@@ -14,8 +14,9 @@
 //   - on TMA traits (family attn_prefill_tma: pages of a power of two from 16), K/V as page boxes
 //     through tensor maps over the pools (Mainloop::produce_tma_paged) instead of the producer
 //     warpgroup's cp.async gather.
-// Requires pyattn::PagedFwdParams (rendered), common.cuh, mma.cuh; grid (query tiles x splits,
-// heads_q / row_group, sequences); Traits as attn_fwd_wgmma.
+// Requires pyattn::PagedFwdParams (rendered), common.cuh, mma.cuh; grid: the batch's units
+// (sequence, row group, query tile) x splits, one-dimensional (attention_mask.cuh paged_unit);
+// Traits as attn_fwd_wgmma.
 #pragma once
 #include "attention_fwd_wgmma.cuh"
 
@@ -36,14 +37,13 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
 
   // -- which rows, heads, keys and split this block owns
   const int splits = pp.num_splits;
-  const int m_raw = blockIdx.x / splits, split = blockIdx.x - m_raw * splits;
-  const int m_block = p.causal ? gridDim.x / splits - 1 - m_raw : m_raw;  // most work first
-  const int batch = blockIdx.z, rg = pp.row_group;
-  int q_row0, sq, sk;  // new tokens (the last sq of the sk keys), clamped (attention_mask.cuh paged_seq)
-  paged_seq(p, pp, batch, q_row0, sq, sk);
+  int split;  // this block's unit of the batch: its sequence, row group, query tile (attention_mask.cuh)
+  const PagedTile pt = paged_tile<BM>(p, pp, paged_unit(p, splits, split));
+  if (pt.seq < 0) return;  // past the batch's last unit
+  const int batch = pt.seq, m_block = pt.tile, q_row0 = pt.q_row0, sq = pt.sq, sk = pt.sk;
+  const int rg = pp.row_group;
   const int rows = sq * rg, m0 = m_block * BM;
-  if (m0 >= rows) return;  // this sequence has fewer rows than the longest (whole block exits)
-  const int head0 = blockIdx.y * rg;  // the block's first query head; all share one kv head
+  const int head0 = pt.group * rg;  // the block's first query head; all share one kv head
   const int kv_head = head0 / p.group;
   const T* q = static_cast<const T*>(p.q) + q_row0 * p.q_stride_s + head0 * p.q_stride_h;
 
@@ -129,7 +129,7 @@ __device__ __forceinline__ void attn_prefill_wgmma(const PagedFwdParams& pp) {
               pack2<T>(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
       }
       if (p.lse != nullptr && ml.t == 0)
-        p.lse[batch * p.lse_stride_b + head * p.lse_stride_h + q_row0 + tok] = lse;
+        p.lse[q_row0 * p.lse_stride_b + head * p.lse_stride_h + tok] = lse;  // (PagedFwdExtra: no batch)
     } else {
       const long long prow = split * pp.part_stride + static_cast<long long>(q_row0 + tok) * p.heads_q + head;
       float* orow = pp.o_part + prow * p.head_dim;

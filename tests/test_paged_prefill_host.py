@@ -150,7 +150,10 @@ def test_bounded_device_tables_are_not_read_on_the_host(gpu, launches, fetched):
     _, grid, p = launches[-1]
     assert (p["cu_seqlens_q"], p["page_indices"], p["kv_len"], p["page_indptr"]) == (cu.ptr, table.ptr, lens.ptr, 0)
     assert (p["max_q"], p["max_k"], p["total_q"], p["num_pages"], p["table_stride"]) == (9, 50, 12, 8, 4)
-    assert grid[2] == 2 and grid[0] >= 1
+    # The grid's query tiles: a bound from the rows alone (12 rows x row group 4 over 64-row tiles,
+    # plus one part tile for the second sequence), not the longest sequence's tiles for each.
+    # One query tile for each sequence (18 rows at most: 9 tokens x row group 2), for each of 2 kv heads.
+    assert grid == (2 * 2, 1, 1)
     # A host cu_seqlens_q is read (no copy-back needed); the device tables still are not.
     pyattn.paged_prefill(q, kp, vp, np.array([0, 5, 12], np.int32), block_table=table, seq_lens=lens, max_seqlen_k=64)
     assert fetched["names"] == [] and launches[-1][2]["max_q"] == 7 and launches[-1][2]["max_k"] == 64
@@ -243,3 +246,30 @@ def test_a_repeat_bounded_call_reads_only_addresses(gpu, launches, monkeypatch):
         pyattn.paged_prefill(q4, kp, vp, block_table=table, seq_lens=lens, max_seqlen_k=50)
         assert launches[-1][2]["max_q"] == 6 and launches[-1][2]["cu_seqlens_q"] not in (0, cu.ptr)
     assert len(validations) == 3
+
+
+def test_grid_holds_the_batch_tiles_not_the_longest_sequence_tiles_for_each(gpu, launches):
+    """A mixed step (one-token rows beside a long chunk) gets a grid of the batch's query tiles for
+    each kv head (the kernel finds its sequence from the offsets: attention_mask.cuh paged_tile),
+    bounded without reading device offsets: the rows' tiles plus one part tile a sequence. The old
+    grid gave every sequence the longest's tiles."""
+    n_dec, chunk, hq, hk = 7, 300, 4, 2
+    total = n_dec + chunk
+    kp = _da((64, 16, hk, 64), BF16)
+    cu = np.array(list(range(n_dec + 1)) + [total], np.int32)
+    table = np.arange(8 * 24, dtype=np.int32).reshape(8, 24) % 64
+    lens = np.array([16] * n_dec + [chunk + 16], np.int32)
+    spec = _prefill.prefill_specs("bfloat16", 64, "sm_90a", False, False, False, False, 16)[0]
+    bm, rg = spec.tiles.block_m, hq // hk
+    longest = -(-chunk * rg // bm)
+    for dev_cu in (False, True):
+        # A device cu_seqlens_q is read unchecked: with device tables and the bounds.
+        args = ((_da((n_dec + 2,), np.int32), _da(table.shape, np.int32), _da(lens.shape, np.int32)) if dev_cu
+                else (cu, table, lens))
+        bounds = {"max_seqlen_q": chunk, "max_seqlen_k": 384} if dev_cu else {}
+        pyattn.paged_prefill(_da((total, hq, 64), BF16), kp, kp, args[0], block_table=args[1], seq_lens=args[2],
+                             **bounds)
+        grid, p = launches[-1][1], launches[-1][2]
+        assert p["num_splits"] == 1 and p["batch"] == n_dec + 1
+        assert grid == (min((n_dec + 1) * longest, -(-total * rg // bm) + n_dec) * hk, 1, 1)
+        assert grid[0] < (n_dec + 1) * longest * hk  # the old grid's (8 x the chunk's tiles, a kv head)

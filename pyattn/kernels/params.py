@@ -159,7 +159,10 @@ SPARSE_PARAMS = ParamStruct(
 # n_b + j (n_b = its new tokens, at most 64); keys before those are all visible. num_splits > 1:
 # split s of a block's key tiles writes normalised fp32 rows to o_part + (s * part_stride + row
 # * heads_q + head) * head_dim (row: the packed query row) and the natural-log LSE to lse_part +
-# s * part_stride + row * heads_q + head; a combine launch merges them.
+# s * part_stride + row * heads_q + head; a combine launch merges them. The LSE of token i of a
+# sequence whose first packed row is q_row0, head h: fwd.lse[q_row0 * lse_stride_b + h * lse_stride_h
+# + i] (a block finds its sequence from the offsets, attention_mask.cuh paged_tile, and keeps no
+# batch index past its main loop).
 PAGED_FWD_EXTRA = ParamStruct(
     "PagedFwdExtra",
     (("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"), ("kv_len", "i32_cptr"), ("tree_mask", "u64_cptr"),

@@ -89,11 +89,12 @@ def _build(P, device) -> PrefillPlan:
     t = spec.tiles
     rg = 1 if P.alibi is not None else P.group  # ALiBi slopes differ per head: one head per block
     Hq, D, pool = P.heads_q, P.head_dim, P.pool
+    # LSE element (sequence, head h, token i) at q_row0 * lse_stride_b + h * lse_stride_h + i, q_row0
+    # the sequence's first packed row (params.py PagedFwdExtra: the kernels keep no batch index).
     if P.layout == "thd":  # FlashAttention's varlen LSE: (Hq, total)
-        lse_b, lse_h = 0, P.total_q
-    else:  # (batch, Hq, t): element (b, h, i) at b * Hq * t + h * t + (b * t + i) - b * t
-        tt = P.total_q // P.batch
-        lse_b, lse_h = Hq * tt - tt, tt
+        lse_b, lse_h = 1, P.total_q
+    else:  # (batch, Hq, t): q_row0 = b * t, element (b, h, i) at b * t * Hq + h * t + i
+        lse_b, lse_h = Hq, P.total_q // P.batch
     base = spec.params.base.partial({
         "q_stride_b": 0, "q_stride_s": P.q_strides[0], "q_stride_h": P.q_strides[1],
         "k_stride_b": 0, "k_stride_s": 0, "k_stride_h": pool.k_strides[2],
@@ -184,15 +185,22 @@ def run_prefill(P, device, s, q: int, tables, cu, masks, alibi_ptr: int, return_
     on_host = isinstance(cu, np.ndarray)
     if on_host:
         max_q = int(np.diff(cu).max(initial=0))
-    m_blocks = -(-max_q * plan.row_group // plan.block_m)
-    if m_blocks == 0:
+    # The grid: the batch's query tiles for each row group, a block finding its sequence from the
+    # offsets (attention_mask.cuh paged_unit / paged_tile). The tiles are bounded without reading the
+    # offsets (a device cu_seqlens_q is not read): no more than the longest sequence's tiles each,
+    # nor than the rows' tiles plus one part tile a sequence. (The longest's tiles for every
+    # sequence, the grid before, gave a mixed step of one-token rows and a 2048-token chunk 63 empty
+    # blocks for each real one.)
+    bm, rg = plan.block_m, plan.row_group
+    tiles = min(P.batch * -(-max_q * rg // bm), -(-P.total_q * rg // bm) + P.batch - 1)
+    if tiles <= 0:
         return out, lse
     kv = tables(s)
     max_len = kv.max_len
     if P.num_splits:
         splits = P.num_splits
     else:
-        units = m_blocks * plan.grid_y * P.batch
+        units = tiles * plan.grid_y
         splits = _splits(units, -(-max_len // plan.block_n), plan.slots) if units < plan.slots else 1
     d_cu, d_masks = _values_on_device(device, s, cu.astype(np.int32), masks) if on_host else (cu, None)
     part = lpart = None
@@ -207,7 +215,7 @@ def run_prefill(P, device, s, q: int, tables, cu, masks, alibi_ptr: int, return_
                tmaps=pool_maps(device, P.pool, kv.k, kv.v, plan.tma_box, s) if plan.tma_box else 0)
     params = plan.base.pack(q, kv.k, kv.v, out.ptr, lse.ptr if lse is not None else 0, 0, alibi_ptr,
                             d_cu.ptr, 0, 0, 0, 0) + PAGED_FWD_EXTRA.pack(own)
-    launch(plan.kernel, (m_blocks * splits, plan.grid_y, P.batch), plan.block, plan.shared_bytes, s, params)
+    launch(plan.kernel, (tiles * splits * plan.grid_y, 1, 1), plan.block, plan.shared_bytes, s, params)
     if splits > 1:
         _combine(plan, P, s, part, lpart, splits, out, lse, t)
     return out, lse
