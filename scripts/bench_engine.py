@@ -10,8 +10,7 @@ and step. Hq 32, Hkv 8, D 128. Every pyattn call here reads its tables on the de
 - decode rows: a batch of one new token a sequence, B 64 x 4k and B 8 x 32k. ``paged_decode`` (the
   decode kernels: keys on the M side of the MMA, split-KV) against ``paged_prefill`` with one token
   a sequence (the prefill tiles, as a mixed batch carries its decode tokens), under
-  ``max_seqlen_q`` 1 and 2048 (the grid gives every sequence the bound's row blocks: a mixed
-  batch's decode rows get a long chunk's, all but one empty).
+  ``max_seqlen_q`` 1 and 2048 (an engine's token budget; taken down to q's rows, so the same grid).
 - mixed step: 63 sequences decoding one token over 4k cached tokens plus one sequence prefilling a
   2048-token chunk over a 4k prefix. ``paged_prefill`` of all 2111 tokens in one launch against the
   split an engine could make: ``paged_decode`` of the 63 rows plus ``paged_prefill`` of the chunk.
@@ -65,8 +64,9 @@ def decode_rows(bench, args, B: int, L: int) -> dict:
                                       max_seqlen=width * PAGE)
     pre = lambda: pyattn.paged_prefill(q.view(B, HQ, D), kp, vp, cu, block_table=table, seq_lens=lens,  # noqa: E731
                                        max_seqlen_q=1, max_seqlen_k=width * PAGE)
-    # The same rows under a chunk-sized bound, as a mixed batch with a 2048-token chunk sizes its grid:
-    # every sequence gets the longest one's row blocks, all but one of them empty.
+    # The same rows under a chunk-sized bound, as an engine passes its token budget. paged_prefill takes
+    # the bound down to q's B rows, so this grid is the one-token rows' own; the mixed step below is
+    # where a long chunk sizes the grid (the fifty-fifth session read this row as that case: it is not).
     wide = lambda: pyattn.paged_prefill(q.view(B, HQ, D), kp, vp, cu, block_table=table, seq_lens=lens,  # noqa: E731
                                         max_seqlen_q=2048, max_seqlen_k=width * PAGE)
     for name, fn in (("decode", dec), ("prefill", pre), ("wide", wide)):
