@@ -280,6 +280,34 @@ def test_a_bounded_chunk_step_replays_in_a_torch_graph_over_changed_tables():
         _check_prefill(gh[: c[-1]], None, qh[: c[-1]], c, ks, vs, True, causal=True)
 
 
+@pytest.mark.parametrize("kernels, page_size, causal", [("own", 16, True), ("own", 3, False), ("sm80", 16, True)])
+def test_a_mixed_batch_over_several_rounds_of_the_unit_scan(request, kernels, page_size, causal):
+    """A mixed step of 300 sequences: one new token for most, none for some (at the edges of the
+    unit scan's rounds of 128 too), long chunks among them. Each block finds its sequence by that
+    scan (attention_mask.cuh paged_tile); checked tables and device ones under bounds far above the
+    values (a 2048-token budget, as an engine passes) give the reference, bitwise the same."""
+    if kernels == "sm80":
+        request.getfixturevalue("sm80_prefill")
+    rng = np.random.default_rng(300 + page_size)
+    news = [1] * 300
+    for b in (0, 57, 127, 128, 256, 298):
+        news[b] = 0
+    for b, m in ((5, 200), (126, 129), (129, 64), (255, 17), (299, 333)):
+        news[b] = m
+    lengths = [int(p) + m for p, m in zip(rng.integers(0, 200, len(news)), news)]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page_size, 2, 64, "bfloat16", "nhd", extra=1)
+    tables = {k: pyattn.asarray(v) for k, v in _tables(rng, pages, lengths, page_size, "block_table").items()}
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    q = pyattn.asarray(_rand(rng, (int(cu[-1]), 8, 64), "bfloat16"))
+    dkp, dvp = pyattn.asarray(kp), pyattn.asarray(vp)
+    got, lse = pyattn.paged_prefill(q, dkp, dvp, cu, causal=causal, return_lse=True, **tables)
+    _check_prefill(got.numpy(), lse.numpy(), q.numpy(), cu, ks, vs, True, causal=causal)
+    bounded, bl = pyattn.paged_prefill(q, dkp, dvp, pyattn.asarray(cu), causal=causal, return_lse=True,
+                                       max_seqlen_q=2048, max_seqlen_k=max(lengths), **tables)
+    assert np.array_equal(bounded.numpy().view(np.uint16), got.numpy().view(np.uint16))
+    assert np.array_equal(bl.numpy(), lse.numpy())
+
+
 @pytest.fixture
 def sm80_prefill(monkeypatch):
     """The paged prefill's sm_80 kernels (attn_prefill_mma, the split combine) as compute_80 PTX,
