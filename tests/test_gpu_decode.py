@@ -69,6 +69,20 @@ def _pools(rng, lengths, page_size, Hkv, D, dtype, layout, extra):
     return kp, vp, pages, ks, vs
 
 
+def _tables(rng, pages, lengths, page_size, form):
+    """The page tables of ``pages`` in vLLM's form (padding holds garbage) or FlashInfer's CSR form."""
+    if form == "block_table":
+        width = max(len(p) for p in pages) + 1
+        table = rng.integers(-5, 10**6, (len(pages), width)).astype(np.int32)
+        for b, p in enumerate(pages):
+            table[b, :len(p)] = p
+        return dict(block_table=table, seq_lens=np.array(lengths, np.int32))
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+    last = np.array([n - (len(p) - 1) * page_size if n else 0 for n, p in zip(lengths, pages)], np.int32)
+    return dict(indptr=indptr, indices=np.concatenate(pages + [np.zeros(2, np.int32)]).astype(np.int32),
+                last_page_len=last)
+
+
 @SETTINGS
 @given(lengths=st.lists(st.integers(0, 700) | st.sampled_from([1, 16, 64, 257]), min_size=1, max_size=3),
        page_size=st.sampled_from([1, 3, 16, 64, 256]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
@@ -88,17 +102,7 @@ def test_paged_decode_matches_dense(lengths, page_size, Hkv, group, q_len, D, dt
         opts["softcap"] = 2.5
     if mods == "alibi":
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (B, Hq)).astype(np.float32)
-    if form == "block_table":
-        width = max(len(p) for p in pages) + 1
-        table = rng.integers(-5, 10**6, (B, width)).astype(np.int32)  # padding holds garbage
-        for b, p in enumerate(pages):
-            table[b, :len(p)] = p
-        tables = dict(block_table=table, seq_lens=np.array(lengths, np.int32))
-    else:
-        indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
-        last = np.array([n - (len(p) - 1) * page_size if n else 0 for n, p in zip(lengths, pages)], np.int32)
-        tables = dict(indptr=indptr, indices=np.concatenate(pages + [np.zeros(2, np.int32)]).astype(np.int32),
-                      last_page_len=last)
+    tables = _tables(rng, pages, lengths, page_size, form)
     if on_device:
         tables = {k: pyattn.asarray(v) for k, v in tables.items()}
     out, lse = pyattn.paged_decode(pyattn.asarray(q) if on_device else q, pyattn.asarray(kp), pyattn.asarray(vp),

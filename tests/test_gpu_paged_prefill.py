@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from test_gpu_attention import _check, _has_gpu  # noqa: E402
-from test_gpu_decode import _pools, _rand  # noqa: E402
+from test_gpu_decode import _pools, _rand, _tables  # noqa: E402
 from test_gpu_serving import _check_prefill, _filled  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUDA driver or GPU"),
@@ -30,20 +30,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="no CUD
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     phases=[p for p in Phase if p != Phase.shrink or not os.environ.get("PYATTN_TEST_NO_SHRINK")])
 DT16 = ["float16", "bfloat16"]
-
-
-def _tables(rng, pages, lengths, page_size, form):
-    """The page tables of ``pages`` in vLLM's form (padding holds garbage) or FlashInfer's CSR form."""
-    if form == "block_table":
-        width = max(len(p) for p in pages) + 1
-        table = rng.integers(-5, 10**6, (len(pages), width)).astype(np.int32)
-        for b, p in enumerate(pages):
-            table[b, :len(p)] = p
-        return dict(block_table=table, seq_lens=np.array(lengths, np.int32))
-    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
-    last = np.array([n - (len(p) - 1) * page_size if n else 0 for n, p in zip(lengths, pages)], np.int32)
-    return dict(indptr=indptr, indices=np.concatenate(pages + [np.zeros(2, np.int32)]).astype(np.int32),
-                last_page_len=last)
 
 
 @SETTINGS
