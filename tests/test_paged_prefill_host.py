@@ -150,8 +150,6 @@ def test_bounded_device_tables_are_not_read_on_the_host(gpu, launches, fetched):
     _, grid, p = launches[-1]
     assert (p["cu_seqlens_q"], p["page_indices"], p["kv_len"], p["page_indptr"]) == (cu.ptr, table.ptr, lens.ptr, 0)
     assert (p["max_q"], p["max_k"], p["total_q"], p["num_pages"], p["table_stride"]) == (9, 50, 12, 8, 4)
-    # The grid's query tiles: a bound from the rows alone (12 rows x row group 4 over 64-row tiles,
-    # plus one part tile for the second sequence), not the longest sequence's tiles for each.
     # One query tile for each sequence (18 rows at most: 9 tokens x row group 2), for each of 2 kv heads.
     assert grid == (2 * 2, 1, 1)
     # A host cu_seqlens_q is read (no copy-back needed); the device tables still are not.
