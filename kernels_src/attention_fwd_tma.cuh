@@ -19,6 +19,7 @@
 // tm_v, tm_mask).
 #pragma once
 #include "attention_fwd_wgmma.cuh"
+#include "fwd_tail_split.cuh"
 
 namespace pyattn {
 
@@ -171,8 +172,16 @@ struct PersistentUnits {
 // Tiles past a varlen sequence's end are skipped by every role; tiles without key tiles (a
 // band that sees no key) store zeros / -inf without touching the query tile.
 template <class Tr, class Mods>
-__device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, const TmaMap* maps) {
+__device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdTmaParams& tp) {
+  const AttnFwdParams& p = tp.fwd;
+  const TmaMap* maps = &tp.tm_q;
   using Mainloop = AttnFwdWgmmaMainloop<Tr, Mods, false>;
+  // The last round's key split (fwd_tail_split.cuh; the traits' TAIL_SPLIT): without a mask tensor
+  // or a bounded soft-cap (whose O is normalised by other sums than its LSE's); ALiBi compiles
+  // without spills but was not measured, so the host leaves it out (pyattn/ops/_fwd_tail.py)
+  constexpr bool kTail = Tr::kTailSplit;
+  static_assert(!kTail || (Mods::kMask == kMaskNone && !Mods::kAlibi && !Mainloop::FIXED_REF),
+                "a tail split: no mask tensor, ALiBi or bounded soft-cap");
   constexpr int STAGES = Tr::kStages, BM = Tr::kBlockM;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const FwdSmem<Tr> sm(smem_raw);
@@ -215,11 +224,19 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
         }
       }
     } else {
-      for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+      // the whole units, then (kTail) the pieces of the tail (fwd_tail_split.cuh)
+      const int whole = kTail && tp.sk_iters > 0 ? tp.sk_first : units.total;
+      const int end = kTail ? tail_walk_end(tp, units.total) : units.total;
+      for (int u = blockIdx.x; u < end; u += gridDim.x) {
+        int unit = u, j0 = 0, j1 = 0x7fffffff;
+        if (kTail && u >= whole && !tail_piece_of(tp, u, unit, j0, j1)) continue;
 #pragma unroll 1
         for (int side = 0; side < 2; ++side) {
-          if (!units.tile(p, u, side, m_block, head, batch)) continue;
-          if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at) || ml.n_tiles == 0) continue;
+          if (!units.tile(p, unit, side, m_block, head, batch)) continue;
+          if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, j0, j1)
+                      : wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) ||
+              ml.n_tiles == 0)
+            continue;
           pipe::wait(ml.bar_q_empty, q_parity);
           q_parity ^= 1;
           tma::arrive_expect(bar_q_full, Tr::kQBytes);
@@ -265,17 +282,29 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdParams& p, 
       }
     }
   } else {
-    for (int u = blockIdx.x; u < units.total; u += gridDim.x) {
+    const int whole = kTail && tp.sk_iters > 0 ? tp.sk_first : units.total;
+    const int end = kTail ? tail_walk_end(tp, units.total) : units.total;
+    for (int u = blockIdx.x; u < end; u += gridDim.x) {
+      int unit = u, j0 = 0, j1 = 0x7fffffff;
+      if (kTail && u >= whole && !tail_piece_of(tp, u, unit, j0, j1)) continue;
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {
-        if (!units.tile(p, u, side, m_block, head, batch, fast)) continue;
-        if (!wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) continue;
+        if (!units.tile(p, unit, side, m_block, head, batch, fast)) continue;
+        if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, j0, j1)
+                    : wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)))
+          continue;
         ml.clear();
         ml.stage = ml.prev_stage = 0;
         if (ml.n_tiles > 0) {  // CTA-uniform
           pipe::wait(bar_q_full, q_parity);
           q_parity ^= 1;
           ml.run_tiles();
+        }
+        if constexpr (kTail) {
+          // a piece of the unit: stored for the merge; the warp that completes the unit goes on
+          // to store it merged
+          if (u >= whole && (j0 > 0 || j1 < tp.sk_tiles) && !tail_piece(ml, tp, unit - tp.sk_first, j1 - j0))
+            continue;
         }
         wgmma_fwd_store<Tr>(ml, p, at, sm.o);
       }
@@ -292,7 +321,7 @@ __device__ __forceinline__ void attn_fwd_tma(const AttnFwdTmaParams& p) {
   static_assert(Tr::kTma, "attn_fwd_tma: traits with TMA on");
   // tm_q, tm_k, tm_v, tm_mask: consecutive 128-byte maps
   if constexpr (Tr::kPersist)
-    attn_fwd_tma_persistent<Tr, Mods>(p.fwd, &p.tm_q);
+    attn_fwd_tma_persistent<Tr, Mods>(p);
   else
     attn_fwd_wgmma<Tr, Mods, false>(p.fwd, &p.tm_q);
 }

@@ -101,10 +101,11 @@ struct FwdTileAt {
 
 // Set up `ml` for query tile (m_block, head, batch): every field that depends on the tile (the
 // block-invariant ones are the caller's). Returns false when the tile starts past its sequence's
-// end (varlen: the grid covers the longest), where the block has nothing to do for it.
+// end (varlen: the grid covers the longest), where the block has nothing to do for it. [j0, j1):
+// only those of the tile's key tiles (a tail split's piece; fwd_tail_split.cuh).
 template <class Tr, class Mainloop>
 __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams& p, int m_block, int head, int batch,
-                                               FwdTileAt<Tr>& at) {
+                                               FwdTileAt<Tr>& at, int j0 = 0, int j1 = 0x7fffffff) {
   using T = typename Tr::T;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
   int m0 = m_block * BM;
@@ -124,6 +125,10 @@ __device__ __forceinline__ bool wgmma_fwd_tile(Mainloop& ml, const AttnFwdParams
   ml.band = make_band(p, sq, sk);
   int n_begin, n_end;  // key tiles outside every row's band are skipped
   band_key_range<BN>(ml.band, Tr::kBottomAlign ? max(m0, 0) : m0, min(m0 + BM, sq) - 1, sk, n_begin, n_end);
+  if (j0 > 0 || j1 != 0x7fffffff) {  // a piece of the tile's key tiles (fwd_tail_split.cuh)
+    n_end = min(n_end, n_begin + j1 * BN);
+    n_begin += j0 * BN;
+  }
   ml.tiles.init(p, head, m_block, n_begin, n_end);
   ml.n_tiles = ml.tiles.count;
   ml.sq = sq;

@@ -14,7 +14,7 @@ namespace pyattn {
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPGROUPS_, int STAGES_ = 3,
           bool OVERLAP_ = true, int MASK_BYTES_ = 0, bool WS_ = false, bool TMA_ = false, bool PERSIST_ = false,
           bool MASK_ROW_ = false, bool SPLIT_KV_ = false, int POLY_EXP_ = 0, bool O_STAGE_ = false,
-          bool MASK_BITS_ = false, bool Q_REGS_ = false>
+          bool MASK_BITS_ = false, bool Q_REGS_ = false, bool TAIL_SPLIT_ = false>
 struct AttnFwdWgmmaTraits {
   using T = T_;
   using TO = typename OutOf<T_>::type;  // the output's element type
@@ -139,6 +139,14 @@ struct AttnFwdWgmmaTraits {
   // forty-third session). No persistent row sets it yet (that pairing is untested).
   static constexpr bool kQRegs = Q_REGS_;
   static_assert(!Q_REGS_ || (TMA_ && sizeof(T_) == 2), "Q_REGS: the TMA rows' 16-bit inputs");
+  // TAIL_SPLIT (persistent TMA rows of two consumer warpgroups, 16-bit, HEAD_DIM <= 128): the
+  // launch's last, partial round of query tiles is split by keys over every block
+  // (fwd_tail_split.cuh). A variant of its own, which the host launches only for calls it splits:
+  // compiled into the row's one variant, the tail's code cost every call ~20% more NVRTC time
+  // and, in a first form, 2-5% of the unsplit calls' speed.
+  static constexpr bool kTailSplit = TAIL_SPLIT_;
+  static_assert(!TAIL_SPLIT_ || (PERSIST_ && WARPGROUPS_ == 2 && sizeof(T_) == 2 && HEAD_DIM_ <= 128),
+                "TAIL_SPLIT: the persistent two-warpgroup 16-bit rows up to d = 128");
   static constexpr int kOStageBytes = O_STAGE_ ? BLOCK_M_ * HEAD_DIM_ * 2 : 0;
   static_assert(!O_STAGE_ || (TMA_ && sizeof(T_) == 2), "O_STAGE: the TMA rows' 16-bit outputs");
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; swizzle atoms need 1024.

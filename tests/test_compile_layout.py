@@ -49,18 +49,25 @@ def _compile_offset_checks(source: str, headers=(), options=("-arch=sm_80", "-st
 
 
 def test_tma_params_layout_matches_c():
-    """The maps start at the next multiple of 64 bytes after AttnFwdParams, in Python and in C++."""
+    """The maps start at the next multiple of 64 bytes after AttnFwdParams, the tail split's fields
+    follow them, in Python and in C++."""
     from pyattn.kernels.params import ATTN_FWD_PARAMS, ATTN_FWD_TMA_PARAMS
+
+    from pyattn.ops._fwd_tail import NO_TAIL
 
     first = -(-ATTN_FWD_PARAMS.size // 64) * 64
     names = ("tm_q", "tm_k", "tm_v", "tm_mask")
-    assert ATTN_FWD_TMA_PARAMS.size == first + 4 * 128
+    # the tail split's fields after the maps (three pointers, five ints), the struct padded to 64 bytes
+    tail = {"sk_part": 0, "sk_lse": 8, "sk_ctr": 16, "sk_first": 24, "sk_iters": 28, "sk_tiles": 32, "sk_slots": 36,
+            "sk_pieces": 40}
+    assert ATTN_FWD_TMA_PARAMS.size == first + 4 * 128 + 64 == first + 4 * 128 + len(NO_TAIL)
     raw = ATTN_FWD_TMA_PARAMS.pack({**{n: 0 for n, k in ATTN_FWD_TMA_PARAMS.fields if k != "tmap"},
-                                    **{n: bytes([i + 1]) * 128 for i, n in enumerate(names)}})
-    assert raw[first:first + 128] == b"\x01" * 128 and raw[-128:] == b"\x04" * 128
+                                    **{n: bytes([i + 1]) * 128 for i, n in enumerate(names)}, "sk_slots": 7})
+    assert raw[first:first + 128] == b"\x01" * 128 and raw[first + 384:first + 512] == b"\x04" * 128
+    assert raw[first + 512 + 36] == 7 and NO_TAIL == bytes(64)
+    offsets = {**{n: first + 128 * i for i, n in enumerate(names)}, **{n: first + 512 + o for n, o in tail.items()}}
     source = ATTN_FWD_TMA_PARAMS.c_declaration() + "".join(
-        f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {first + 128 * i}, "{n}");\n'
-        for i, n in enumerate(names))
+        f'static_assert(__builtin_offsetof(AttnFwdTmaParams, {n}) == {o}, "{n}");\n' for n, o in offsets.items())
     _compile_offset_checks('#include "common.cuh"\nnamespace pyattn {\n' + source + "}\n", kernel_headers(),
                            ("-arch=sm_90a", "-std=c++17", f"-I{check_headers_match_nvrtc()}"))
 

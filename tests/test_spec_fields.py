@@ -67,10 +67,13 @@ def test_spec_is_frozen_and_hashable():
 def test_standard_specs_cover_every_dtype_and_bucket(arch):
     specs = standard_specs(arch)
     # sm_90a: the TMA kernel's 4 buckets, and its short row (q_tiles 1) where a short call (under a
-    # dense row's min_keys: d = 64) runs, and that row's small-grid row (q_tiles 2)
+    # dense row's min_keys: d = 64) runs, that row's small-grid row (q_tiles 2), and the d = 128
+    # row's variant with the last round split by keys (q_tiles 3)
     short = {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a") if r.min_keys > 1}
     assert short == {r.max_head_dim for r in tile_table("attn_fwd_tma", "sm_90a", table="short")} == {64}
-    assert len(specs) == len(set(specs)) == (28 if arch == "sm_90a" else 32)
+    assert len(specs) == len(set(specs)) == (30 if arch == "sm_90a" else 32)
+    assert {(s.dtype, s.head_dim) for s in specs if s.q_tiles == 3} == (
+        {("f16", 128), ("bf16", 128)} if arch == "sm_90a" else set())
     assert {(s.family, s.dtype, s.head_dim) for s in specs} == {
         (*_expected(name, arch, d)[:1], DTYPES[name][0], _expected(name, arch, d)[1])
         for name in DTYPE_NAMES for d in HEAD_DIM_BUCKETS} | {
@@ -82,7 +85,7 @@ def test_standard_specs_cover_every_dtype_and_bucket(arch):
     for s in specs:
         by_kind[(s.family, s.dtype)] = by_kind.get((s.family, s.dtype), 0) + 1
     tc = "attn_fwd_tma" if arch == "sm_90a" else "attn_fwd_mma"
-    n = 6 if arch == "sm_90a" else 8
+    n = 7 if arch == "sm_90a" else 8  # sm_90a: 4 buckets, the short row, its small-grid row, d = 128 split
     assert by_kind == {("attn_fwd_simt", "f32"): 8, (tc, "f16"): n, (tc, "bf16"): n, ("attn_fwd_tf32", "f32"): 8}
     assert all(s.arch == arch and not s.ptx for s in specs)
 
@@ -94,7 +97,7 @@ def test_entry_names_are_unique_c_identifiers(arch):
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     # one arch's cubin holds one spec; across archs (arch, entry) pairs stay distinct too
     everything = [(s.arch, s.entry_name) for a in ARCHS for s in standard_specs(a)]
-    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 4  # sm_90a: 28 variants
+    assert len(set(everything)) == len(everything) == 32 * len(ARCHS) - 2  # sm_90a: 30 variants
 
 
 def test_compile_options():

@@ -25,9 +25,11 @@ def test_tiles_satisfy_the_kernel_static_asserts(arch):
     for s in standard_specs(arch):
         t = s.tiles
         assert isinstance(t, TileConfig) and t.reason, s.describe()
-        if s.q_tiles:  # attn_fwd_tma's short row, or (2) its small-grid row
+        if s.q_tiles in (1, 2):  # attn_fwd_tma's short row, or (2) its small-grid row
             short = tile_table(s.family, arch, table="short")[0]
             assert t == (short.mods_row if s.q_tiles == 2 else short).config()
+        elif s.q_tiles == 3:  # its table's row, the last round split by keys
+            assert t == tile_config(s.family, arch, s.head_dim)._replace(tail_split=True) and t.persistent
         else:
             assert t == tile_config(s.family, arch, s.head_dim)
         if s.family == "attn_fwd_simt":  # AttnFwdSimtTraits

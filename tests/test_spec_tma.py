@@ -92,7 +92,8 @@ def test_short_row_of_the_tma_kernel():
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=row.max_keys_causal - 1).q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, mask="bf16").q_tiles == 0
     assert select_attention_spec("float16", row.max_head_dim, "sm_90a", keys=1, tma=False).q_tiles == 0
-    for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=3), "takes 0"),
+    for bad, match in ((dict(head_dim=128), "no short row for bucket 128"), (dict(q_tiles=4), "takes 0"),
+                       (dict(q_tiles=3), "splits the last round by keys"),  # d = 64: three warpgroups
                        (dict(mask="f32"), "no short row for bucket 64 on sm_90a with a f32 mask")):
         with pytest.raises(ValueError, match=match):
             KernelSpec(**{**dict(family="attn_fwd_tma", dtype="f16", head_dim=64, arch="sm_90a", q_tiles=1), **bad})

@@ -47,7 +47,8 @@ class KernelSpec:
     q_tiles : int
         Decode: m16 row tiles per block (1 or 2), the bucket of group * q_len query rows.
         attn_fwd_tma: 1 for its short row (calls of few keys; its own tiles), 2 for that row's
-        small-grid row (its ``mods_row``: plain calls on small grids, ``short_small_grid``), else 0.
+        small-grid row (its ``mods_row``: plain calls on small grids, ``short_small_grid``), 3 for
+        its table's row with the last round split by keys (``pyattn.ops._fwd_tail``), else 0.
     sparse : int
         Tensor-core attention only: 0 dense; 1 visit the key tiles of a block-sparse tile list (see
         ``AttnFwdParams``) at the standard tiles; 2 the same at 64 x 64 tiles (small blocks).

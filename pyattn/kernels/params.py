@@ -177,10 +177,18 @@ PAGED_FWD_PARAMS = NestedParamStruct("PagedFwdParams", (), base=ATTN_FWD_PARAMS,
 
 # attn_fwd_tma (attention_fwd_tma.cuh): AttnFwdParams ``fwd``, then the TMA tensor maps of q, k,
 # v and the mask tensor (pyattn.runtime.tensormap; zeros without a mask), encoded per call
-# because they hold the arrays' addresses.
+# because they hold the arrays' addresses. Then a persistent launch's tail split
+# (kernels_src/fwd_tail_split.cuh; sk_iters 0: none): units from sk_first on are split by keys,
+# sk_iters = their key tiles (sk_tiles each) shared out evenly over the blocks; a piece writes its
+# fp32 O rows to sk_part[slot][row][head-dim bucket] and log2 LSEs to sk_lse[slot][row] (sk_slots
+# slots a tail unit) and counts in sk_ctr (a zeroed uint32 per tail unit and consumer warp);
+# sk_pieces: the most pieces one block's range holds.
 ATTN_FWD_TMA_PARAMS = NestedParamStruct(
     "AttnFwdTmaParams", (), base=ATTN_FWD_PARAMS,
-    own=ParamStruct("AttnFwdTmaMaps", (("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap"), ("tm_mask", "tmap"))))
+    own=ParamStruct("AttnFwdTmaMaps", (("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap"), ("tm_mask", "tmap"),
+                                       ("sk_part", "f32_ptr"), ("sk_lse", "f32_ptr"), ("sk_ctr", "mut_ptr"),
+                                       ("sk_first", "i32"), ("sk_iters", "i32"), ("sk_tiles", "i32"),
+                                       ("sk_slots", "i32"), ("sk_pieces", "i32"))))
 
 
 # The backward pass (attention_bwd_*.cuh), one struct for its three kernels (pre, main, convert).

@@ -208,6 +208,11 @@ def standard_specs(arch: str) -> list:
     plain += [select_attention_spec(name, d, arch, keys=1, queries=1, batch_heads=1, sm_count=1) for name in DTYPES
               for d in HEAD_DIM_BUCKETS]
     plain += [select_attention_spec("float32", d, arch, allow_tf32=True) for d in HEAD_DIM_BUCKETS]
+    from .families.tma import tma_tail_splits
+
+    # long calls whose last round of query tiles the plan splits by keys (pyattn/ops/_fwd_tail.py)
+    plain += [s.replace(q_tiles=3) for s in plain if s.family == "attn_fwd_tma" and not s.q_tiles
+              and tma_tail_splits(s.arch, s.head_dim, s.mask, s.softcap, s.alibi)]
     return list(dict.fromkeys(plain))  # wgmma's 64-wide buckets serve two 32-wide ones
 
 

@@ -25,6 +25,7 @@ from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.attention import FP8
 from ..validate.block_layout import band_limits
 from ..validate.options import LOG2E
+from ._fwd_tail import NO_TAIL, tail_fields, tail_split
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
            "packed_mask_layout", "packed_map_layout", "persistent_slots", "run_fwd", "device_extras"]
@@ -61,6 +62,7 @@ class FwdPlan(NamedTuple):
     problem: object = None  # what the plan was built for (a mask TMA cannot read needs another plan)
     bits: object = None  # MaskBits when the kernel reads the bool mask packed to bits
     vt: object = None  # VtPass when the kernel reads fp8 V transposed (attn_fwd_fp8)
+    tail: object = None  # _fwd_tail.TailSplit when a persistent launch splits its last round by keys
 
 
 class VtPass(NamedTuple):
@@ -195,10 +197,14 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         boxes = ((inner, tiles.block_m), (inner, tiles.block_n), (128, spec.head_dim) if fp8 else (inner, tiles.block_n))
         maps_of = TmaMaps("u8" if fp8 else spec.dtype, maps, boxes, bytes(-spec.params.base.size % 64), mask_map)
     vt = _vt_pass(P, device) if fp8 and not empty else None
+    tail = tail_split(P, spec, tiles, slots) if slots and not sparse and not empty else None
+    if tail is not None:  # the row's variant with the split (its tiles, shared memory and grid are the row's)
+        spec = spec.replace(q_tiles=3)
+        kernel = get_kernel(spec, device)
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
                    spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("out", P.out_dtype)), layout(P.lse_shape(), _F32), empty,
-                   maps_of, problem, bits, vt)
+                   maps_of, problem, bits, vt, tail)
 
 
 def _vt_keys(P) -> int:
@@ -364,9 +370,12 @@ def run_fwd(plan: FwdPlan, device, s, q: int, k: int, v: int, *, out=None, retur
             # cp.async kernel, which reads such a mask in place (documented: slower).
             plan = get_plan(_build_without_tma, plan.problem, device)
         params = plan.packer.pack(q, k, v, o.ptr if out is None else out, lse.ptr if lse is not None else 0, *ptrs)
-        if plan.tma is not None:
-            params += plan.tma.pack(q, k, v, ptrs[0])
+        keep = None
+        if plan.tma is not None:  # the maps, then the tail split's fields (its partials freed after the kernel)
+            tail, keep = tail_fields(plan.tail, device, s) if plan.tail is not None else (NO_TAIL, None)
+            params += plan.tma.pack(q, k, v, ptrs[0]) + tail
         launch(plan.kernel, plan.grid, plan.block, plan.shared_bytes, s, params)
+        del keep
     return o, lse
 
 

@@ -70,6 +70,9 @@ class TileConfig(NamedTuple):
     o_stage: bool = False  # wgmma kernel with TMA: O leaves through shared memory (stmatrix), not shuffles
     mask_bits: bool = False  # wgmma kernel with TMA, a bool mask packed to bits: its words ride the ring
     q_regs: bool = False  # wgmma kernel with TMA: Q K^T takes the query tile from registers (wgmma RS)
+    # attn_fwd_tma, persistent: the last, partial round's query tiles split by keys over every block
+    # (kernels_src/fwd_tail_split.cuh; spec q_tiles 3, the plan's pyattn/ops/_fwd_tail.py rule)
+    tail_split: bool = False
 
 
 class FixedTile(NamedTuple):
@@ -157,6 +160,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
     ring += f"e{t.poly_exp}" if t.poly_exp else ""
     ring += "o" if t.o_stage else ""
     ring += "q" if t.q_regs else ""
+    ring += "t" if t.tail_split else ""
     return f"pyattn_{spec.family}_{spec.dtype}_d{spec.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}{ring}{mods}"
 
 

@@ -147,9 +147,16 @@ def _check_tma(spec) -> None:
     _check(spec)
     if spec.mask == "bool":
         raise ValueError(f"mask: attn_fwd_tma reads bool masks packed to bits (mask='bits'), got {spec}")
-    if spec.q_tiles not in (0, 1, 2):
-        raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row), 1 (the short row) or 2 (the short "
-                         f"row's small-grid row), got {spec}")
+    if spec.q_tiles not in (0, 1, 2, 3):
+        raise ValueError(f"q_tiles: attn_fwd_tma takes 0 (its table's row), 1 (the short row), 2 (the short "
+                         f"row's small-grid row) or 3 (the table's row with its last round split by keys), "
+                         f"got {spec}")
+    if spec.q_tiles == 3:
+        if not tma_tail_splits(spec.arch, spec.head_dim, spec.mask, spec.softcap, spec.alibi):
+            raise ValueError(f"q_tiles: attn_fwd_tma splits the last round by keys (3) on its persistent "
+                             f"two-warpgroup rows up to head dim 128, without a mask tensor, ALiBi or a "
+                             f"bounded soft-cap; got {spec}")
+        return
     if spec.q_tiles and not tma_serves_short(spec.arch, spec.head_dim, keys=0, mask=spec.mask):
         raise ValueError(f"q_tiles: attn_fwd_tma has no short row for bucket {spec.head_dim} on {spec.arch}"
                          + (f" with a {spec.mask} mask" if spec.mask != "none" else ""))
@@ -176,8 +183,9 @@ def _spilling_mods(mask: str, alibi: bool, softcap: int) -> bool:
 def _tma_spec_tiles(spec, t):
     """q_tiles = 1: the "short" table's row instead of the table's (its ``mods_row`` with a mask
     tensor or ALiBi); q_tiles = 2: that row's ``mods_row`` (a small grid, ``short_small_grid``);
+    q_tiles = 3: the table's row with its last round split by keys (``tail_split``);
     _spilling_mods: the row's ``warpgroups_mods`` warpgroups where it names them."""
-    if spec.q_tiles:
+    if spec.q_tiles in (1, 2):
         row = table_row(ATTN_FWD_TMA, "short", spec.arch, spec.head_dim)
         row = row.mods_row if row.mods_row and (spec.q_tiles == 2 or _wide_mods(spec.mask, spec.alibi)) else row
         t = row.config()
@@ -189,7 +197,7 @@ def _tma_spec_tiles(spec, t):
     # bytes more with it (NVRTC 13.0), and the f32 row's such calls were not measured with it
     return t._replace(poly_exp=(0, row.poly_exp_max, row.poly_exp)[spec.softcap],
                       mask_bits=spec.mask == "bits" and row.stage_bits,
-                      q_regs=row.q_regs and not (spec.softcap or spec.alibi))
+                      q_regs=row.q_regs and not (spec.softcap or spec.alibi), tail_split=spec.q_tiles == 3)
 
 
 ATTN_FWD_TMA = Family(
@@ -205,6 +213,17 @@ ATTN_FWD_TMA = Family(
     traits=_traits, smem_bytes=_smem_bytes, table_for=_table, spec_tiles=_tma_spec_tiles, takes=_TAKES,
     check=_check_tma, q_tiles=True,
 )
+
+
+def tma_tail_splits(arch: str, head_dim: int, mask: str = "none", softcap: int = 0, alibi: bool = False) -> bool:
+    """Whether attn_fwd_tma's table row for these (q_tiles 0, any number of keys) has the variant
+    whose last round of query tiles is split by keys (spec ``q_tiles`` 3, kernels_src/fwd_tail_split.cuh):
+    persistent rows of two consumer warpgroups up to head dim 128, without a mask tensor, ALiBi
+    (not measured) or a bounded soft-cap (``softcap`` 2: its O and LSE take other sums)."""
+    if head_dim > 128 or mask != "none" or alibi or softcap == 2 or not tma_serves(arch, head_dim, keys=1 << 62):
+        return False
+    row = table_row(ATTN_FWD_TMA, "dense", arch, head_dim)
+    return row.persistent and row.warpgroups == 2
 
 
 def tma_serves(arch: str, head_dim: int, keys: int, mask: str = "none") -> bool:

@@ -138,9 +138,10 @@ def _traits(spec, t) -> str:
     # older rows stay as they were.
     mb = _MASK_BYTES[spec.mask]
     if spec.family in _TMA_FAMILIES:
-        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP, O_STAGE, MASK_BITS, Q_REGS): spelled up to the last that is set
+        # (PERSIST, MASK_ROW, SPLIT_KV, POLY_EXP, O_STAGE, MASK_BITS, Q_REGS, TAIL_SPLIT): spelled up to
+        # the last that is set
         flags = [str(f).lower() for f in (t.persistent, spec.mask.endswith("_row"), t.split_kv)] + [str(t.poly_exp)]
-        flags += [str(f).lower() for f in (t.o_stage, t.mask_bits, t.q_regs)]
+        flags += [str(f).lower() for f in (t.o_stage, t.mask_bits, t.q_regs, t.tail_split)]
         while flags and flags[-1] in ("false", "0"):
             flags.pop()
         tail = f", {mb}, true, true" + "".join(f", {f}" for f in flags)

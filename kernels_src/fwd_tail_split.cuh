@@ -1,0 +1,121 @@
+// The persistent attn_fwd_tma's last, partial round split by keys (stream-K's tail).
+// A persistent launch of G blocks takes U equal query tiles in rounds of G (PersistentUnits): with
+// U = R G + r, 0 < r < G, the call lasts R + 1 tiles' time while G - r blocks idle through the last
+// one (H200, d = 128, 2048 tiles on 132 SMs: 15.5 rounds run as 16). With a tail split (the host
+// sets sk_iters, attention's plan says when) the first R G units run whole as before and the last
+// r units' key tiles, sk_iters = r x sk_tiles of them in (unit, key tile) order, are cut into G
+// equal ranges, block b taking [b I / G, (b + 1) I / G): every block ends about R + r / G tiles in.
+// A range crosses units, so a unit's key tiles may lie in two or three blocks' ranges ("pieces",
+// the blocks first..last of it, consecutive; a piece's slot is its block's place among them). A
+// piece stores its normalised fp32 O rows and their log2 LSEs in its slot, and each consumer warp
+// adds the key tiles it covered to a counter of its 16 rows; the warp whose add completes the
+// unit's sk_tiles merges every slot's rows (weighted by their LSEs) and stores O and the LSE as a
+// whole tile would (wgmma_fwd_store). Not with a bounded soft-cap (FIXED_REF), whose O is
+// normalised by other sums than its LSE's. The counters live in the stream's zeroed block
+// (runtime.memory counters) and the merging warp zeroes its own again.
+// Non-causal calls without a window, varlen or mask tensor only (every unit the same key tiles);
+// the host's rule is pyattn/ops/_fwd_tail.py tail_split (it also keeps every block at least one
+// key tile, so a unit's slots are all written).
+// Requires AttnFwdTmaParams (sk_*), attention_fwd_wgmma.cuh (the Mainloop).
+#pragma once
+
+namespace pyattn {
+
+// A block's work items walk the plain stride u = blockIdx.x + k G: units below sk_first whole,
+// then u = sk_first + i G + blockIdx.x names the block's tail piece i (i < sk_pieces, the most any
+// block has; a block with fewer skips the rest). Each piece is worked out from u by arithmetic on
+// blockIdx and the parameters alone, so ptxas keeps it in uniform registers as it keeps the plain
+// stride's unit (a first form that carried the walk in shared memory made the unit's tile, head,
+// batch and pointers per-thread values, and its producer thread spilled at 24 registers).
+// (The host keeps G x sk_iters below 2^31: 32-bit products.)
+__device__ __forceinline__ bool tail_piece_of(const AttnFwdTmaParams& tp, int u, int& unit, int& j0, int& j1) {
+  const int g = gridDim.x, b = blockIdx.x, i = (u - tp.sk_first) / g;
+  const int start = b * tp.sk_iters / g, end = (b + 1) * tp.sk_iters / g;
+  const int kt = tp.sk_tiles, t = start / kt + i;
+  const int a = i == 0 ? start : t * kt;  // the piece's first key tile in the tail's order
+  if (a >= end) return false;
+  unit = tp.sk_first + t;
+  j0 = a - t * kt;
+  j1 = min(kt, end - t * kt);
+  return true;
+}
+
+// The walk's end: past the whole units, or past the tail's pieces when the call splits.
+__device__ __forceinline__ int tail_walk_end(const AttnFwdTmaParams& tp, int total) {
+  return tp.sk_iters > 0 ? tp.sk_first + tp.sk_pieces * static_cast<int>(gridDim.x) : total;
+}
+
+// The blocks whose ranges hold tail unit t's first and last key tile: block b holds key tile x of
+// the tail when b I / G <= x < (b + 1) I / G (integer parts), i.e. b = ((x + 1) G - 1) / I.
+__device__ __forceinline__ int tail_block_of(int x, const AttnFwdTmaParams& tp) {
+  return ((x + 1) * static_cast<int>(gridDim.x) - 1) / tp.sk_iters;  // (G I < 2^31: the host's rule)
+}
+
+// A piece's end (consumer threads, before wgmma_fwd_store): store this block's slot of tail unit t
+// (`done` key tiles of it) and count them; false, or where this warp's count completes the unit,
+// merge every slot's rows into `ml` as a whole tile's state and return true (the caller stores it).
+template <class Mainloop>
+__device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams& tp, int t, int done) {
+  constexpr int D = Mainloop::D, BM = Mainloop::BM, WARPS = BM / 16;
+  static_assert(!Mainloop::FIXED_REF, "a tail split: not with a bounded soft-cap's tensor-core sums");
+  const int x0 = t * tp.sk_tiles;
+  const int first = tail_block_of(x0, tp), n = tail_block_of(x0 + tp.sk_tiles - 1, tp) - first + 1;
+  const long long slot0 = static_cast<long long>(t) * tp.sk_slots;  // the unit's first slot
+  const long long mine = slot0 + blockIdx.x - first;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sum = quad_sum(ml.row_sum[h]);
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    const int r = ml.row_a + 8 * h - ml.m0;  // the row within the tile
+    float* orow = tp.sk_part + (mine * BM + r) * D;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<float2*>(orow + i * 8 + 2 * ml.t) =
+          make_float2(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
+    if (ml.t == 0) tp.sk_lse[mine * BM + r] = sum == 0.f ? -inf() : ml.row_max[h] * ml.sl2 + log2f(sum);
+  }
+  // Release: each lane's stores are visible GPU-wide before lane 0 counts them (the classic
+  // fence-then-count of a last-block reduction); acquire below before the merge reads others'.
+  __threadfence();
+  __syncwarp();
+  unsigned* ctr = static_cast<unsigned*>(tp.sk_ctr) + static_cast<long long>(t) * WARPS + warp;
+  unsigned before = 0;
+  if (lane == 0) before = atomicAdd(ctr, static_cast<unsigned>(done));
+  before = __reduce_max_sync(kFullMask, before);  // to every lane, warp-uniform (the caller's `continue`)
+  if (before + done != static_cast<unsigned>(tp.sk_tiles)) return false;
+  __threadfence();
+  if (lane == 0) *ctr = 0u;  // the block stays zeroed for the stream's next kernel
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = ml.row_a + 8 * h - ml.m0;
+    float m = -inf();
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) m = fmaxf(m, __ldcg(tp.sk_lse + (slot0 + s) * BM + r));
+    float w_sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) ml.acc[4 * i + 2 * h] = ml.acc[4 * i + 2 * h + 1] = 0.f;
+    // No branch on the row's values: a per-thread branch here (m = -inf: rows past the sequence's
+    // end, which saw no key in any piece, get weights 0) made ptxas move every wgmma descriptor of
+    // the main loop through per-thread registers (+48 R2UR; nvdisasm, NVRTC 13.0)
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) {
+      const float lse = __ldcg(tp.sk_lse + (slot0 + s) * BM + r);
+      const float w = m == -inf() ? 0.f : exp2f(lse - m);
+      const float* orow = tp.sk_part + ((slot0 + s) * BM + r) * D;
+      w_sum += w;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const float2 o = __ldcg(reinterpret_cast<const float2*>(orow + i * 8 + 2 * ml.t));
+        ml.acc[4 * i + 2 * h] += w * o.x;
+        ml.acc[4 * i + 2 * h + 1] += w * o.y;
+      }
+    }
+    // As a whole tile's state: O over its reference m (row_max in score units), the quad's sum w_sum
+    ml.row_max[h] = __fdividef(m, ml.sl2);  // (an IEEE division's slow path is a call: see above)
+    ml.row_sum[h] = 0.25f * w_sum;
+  }
+  return true;
+}
+
+}  // namespace pyattn

@@ -1,0 +1,101 @@
+"""The persistent forward kernel's tail split: its last, partial round of query tiles shared out
+by keys over every block (kernels_src/fwd_tail_split.cuh has the kernel's side).
+
+A persistent attn_fwd_tma launch of G blocks walks U equal query tiles in rounds of G. With U = R G
++ r (0 < r < G) the call lasts R + 1 tiles' time while G - r blocks sit out the last round: at
+d = 128 the FlashAttention benchmark's shapes (2048 tiles of 128 rows at 1k / 4k / 16k keys) run
+15.5 rounds on the H200's 132 SMs as 16. Split, the last r tiles' key tiles go to all G blocks in
+equal ranges, each block writing an fp32 partial of the pieces it holds, and the last warp to
+finish a tile's rows merges them (the fused combine of the split decode). The rule weighs the
+rounds saved against what a piece costs (:data:`PIECE_STEPS`).
+"""
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from ..kernels.families.tma import tma_tail_splits
+from ..pipeline.device import output
+from ..runtime.memory import get_pool
+
+__all__ = ["TailSplit", "tail_split", "tail_fields", "NO_TAIL"]
+
+# What a piece costs a block beyond its key tiles, in key-tile steps: a query tile's start and end
+# (about two key steps at d = 128 on an H200: _fwd.persistent_slots), here the fp32 partial's store
+# and the merge in place of the end. The split is taken where it saves at least MIN_GAIN of the call.
+PIECE_STEPS = 2
+MIN_GAIN = 0.015
+
+_FMT = struct.Struct("@QQQiiiii")
+# AttnFwdTmaParams' tail fields (after the maps) for a call without a split, padded to the struct's
+# 64-byte alignment as the C++ struct is
+NO_TAIL = _FMT.pack(0, 0, 0, 0, 0, 0, 0, 0) + bytes(-_FMT.size % 64)
+_F32 = np.dtype(np.float32)
+
+
+class TailSplit(NamedTuple):
+    """A call's tail split: the first split unit (R G), the split units' key tiles in all
+    (``iters``), each unit's (``tiles``), the most blocks one unit's tiles span (``slots``), the
+    split units (``units``), the fp32 floats a slot takes (rows x head-dim bucket) and the
+    consumer warps a block (one counter each a unit), and the most pieces one block holds."""
+
+    first: int
+    iters: int
+    tiles: int
+    slots: int
+    units: int
+    slot_floats: int
+    rows: int
+    warps: int
+    pieces: int
+
+
+def tail_split(P, spec, tiles, grid_blocks: int) -> "TailSplit | None":
+    """The tail split of problem ``P`` on ``spec`` (its ``tiles``) launched as ``grid_blocks``
+    persistent blocks, or None where the kernel takes none or it would not pay.
+
+    Taken only where every query tile has the same key tiles (no causality, window, varlen or mask
+    tensor) on the table's rows that have the split's variant (spec ``q_tiles`` 3, which the plan
+    then launches: two consumer warpgroups of 64 rows, 16-bit, head dim <= 128, no ALiBi, not a
+    bounded soft-cap's fixed reference, ``softcap`` 2).
+    """
+    if (spec.family != "attn_fwd_tma" or spec.q_tiles or not tiles.persistent or tiles.block_m != 128
+            or not tma_tail_splits(spec.arch, spec.head_dim, spec.mask, spec.softcap, spec.alibi)
+            or P.causal or P.window != (-1, -1) or P.mask is not None or P.total_q or grid_blocks <= 0
+            or not P.scale > 0):
+        return None
+    units = P.batch * P.heads_q * -(-P.seqlen_q // tiles.block_m)
+    rounds, r = divmod(units, grid_blocks)
+    kt = -(-P.seqlen_k // tiles.block_n)
+    if rounds == 0 or r == 0 or kt < 2:
+        return None
+    iters = r * kt
+    whole = (rounds + 1) * kt
+    split = rounds * kt + -(-iters // grid_blocks) + PIECE_STEPS
+    # every block at least one key tile: a unit's slots are its consecutive blocks, each writing one
+    # (with fewer tiles than blocks, empty ranges among them left slots unwritten: the GPU test's
+    # 6-unit case failed so); and the kernel's 32-bit products
+    if split > (1 - MIN_GAIN) * whole or iters < grid_blocks or grid_blocks * iters >= 2 ** 31:
+        return None
+
+    def block_of(x: int) -> int:  # the block holding tail key tile x (fwd_tail_split.cuh tail_block_of)
+        return ((x + 1) * grid_blocks - 1) // iters
+
+    slots = max(block_of((t + 1) * kt - 1) - block_of(t * kt) + 1 for t in range(r))
+    # a block's pieces: the units its range [b I / G, (b + 1) I / G) meets
+    pieces = max((((b + 1) * iters // grid_blocks - 1) // kt - b * iters // grid_blocks // kt + 1)
+                 for b in range(grid_blocks) if (b + 1) * iters // grid_blocks > b * iters // grid_blocks)
+    return TailSplit(rounds * grid_blocks, iters, kt, slots, r, tiles.block_m * spec.head_dim, tiles.block_m,
+                     tiles.block_m // 16, pieces)
+
+
+def tail_fields(tail: TailSplit, device, s) -> tuple:
+    """The tail fields' bytes for one call, and what must live until its launch is queued: the
+    partials' buffer (freed in stream order after the kernel) and the counters' keep."""
+    slots = tail.units * tail.slots
+    part = output(device, s, (slots * (tail.slot_floats + tail.rows),), _F32)
+    counters, keep = get_pool(device).counters(tail.units * tail.warps, s)
+    lse = part.ptr + 4 * slots * tail.slot_floats
+    raw = _FMT.pack(part.ptr, lse, counters, tail.first, tail.iters, tail.tiles, tail.slots, tail.pieces)
+    return raw + bytes(-_FMT.size % 64), (part, keep)

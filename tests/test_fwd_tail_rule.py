@@ -1,0 +1,68 @@
+"""The tail split's rule and bookkeeping on the host (no GPU): which calls split their last round
+of query tiles by keys (pyattn/ops/_fwd_tail.py), and that the slots a unit needs cover every
+block whose key-tile range reaches into it (kernels_src/fwd_tail_split.cuh walks the same ranges)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyattn.kernels.specs import select_attention_spec
+from pyattn.ops._fwd_tail import NO_TAIL, tail_split
+from pyattn.validate.attention import AttentionProblem
+
+
+def _problem(B, H, S, Sk=None, D=128, causal=0, window=(-1, -1)):
+    Sk = Sk or S
+    return AttentionProblem(B, H, H, S, Sk, D, "bfloat16", "bshd", causal, D ** -0.5, True,
+                            (S * H * D, H * D, D), (Sk * H * D, H * D, D), (Sk * H * D, H * D, D), window)
+
+
+def _rule(P, G=132, **kw):
+    spec = select_attention_spec("bfloat16", P.head_dim, "sm_90a", keys=P.seqlen_k, causal=bool(P.causal), **kw)
+    return tail_split(P, spec, spec.tiles, G)
+
+
+def test_benchmark_shapes_split_their_last_round():
+    """(4, 4k, 16, 128): 2048 tiles on 132 blocks, 15 whole rounds and 68 tiles of 32 key tiles."""
+    t = _rule(_problem(4, 16, 4096))
+    assert t is not None and (t.first, t.iters, t.tiles, t.units) == (15 * 132, 68 * 32, 32, 68)
+    assert t.slots == 3 and t.pieces == 2 and t.warps == 8 and t.slot_floats == 128 * 128
+
+
+def test_no_split_where_it_cannot_pay_or_apply():
+    assert _rule(_problem(2, 33, 4096)) is None  # 2112 tiles: 16 whole rounds
+    assert _rule(_problem(4, 16, 1024)) is None  # 8 key tiles a unit: the pieces cost more than they save
+    assert _rule(_problem(4, 16, 4096, causal=1)) is None
+    assert _rule(_problem(4, 16, 4096, window=(256, 0))) is None
+    assert _rule(_problem(4, 16, 4096), softcap=30.0) is None  # bf16 cap <= 51: the fixed reference
+    assert _rule(_problem(4, 16, 4096), alibi=True) is None
+    assert _rule(_problem(4, 16, 4096, D=256)) is None
+    assert len(NO_TAIL) == 64 and not any(NO_TAIL)
+
+
+@settings(max_examples=200, deadline=None)
+@given(units=st.integers(1, 5000), kt=st.integers(2, 600), G=st.integers(1, 264))
+def test_slots_cover_every_block_of_a_unit(units, kt, G):
+    """Each tail unit's blocks (the ranges [b I / G, (b + 1) I / G) that meet its key tiles) are
+    consecutive and fewer than the plan's slots; the kernel's block-of formula names them."""
+    H = units
+    P = _problem(1, H, 128, Sk=128 * kt)
+    t = _rule(P, G)
+    if t is None:
+        return
+    ranges = [(b * t.iters // G, (b + 1) * t.iters // G) for b in range(G)]
+    for u in range(t.units):
+        lo, hi = u * t.tiles, (u + 1) * t.tiles
+        blocks = [b for b, (s, e) in enumerate(ranges) if s < hi and e > lo]
+        assert blocks == list(range(blocks[0], blocks[-1] + 1)) and len(blocks) <= t.slots
+        assert blocks[0] == ((lo + 1) * G - 1) // t.iters and blocks[-1] == (hi * G - 1) // t.iters
+        assert sum(min(e, hi) - max(s, lo) for b, (s, e) in enumerate(ranges) if b in blocks) == t.tiles
+    # every block's pieces fit its sk_pieces walk, in the kernel's order (tail_piece_of)
+    for b, (s, e) in enumerate(ranges):
+        units = sorted({x // t.tiles for x in range(s, e)})
+        assert len(units) <= t.pieces
+        for i, unit in enumerate(units):
+            a = s if i == 0 else unit * t.tiles
+            assert s // t.tiles + i == unit and (a - unit * t.tiles, min(t.tiles, e - unit * t.tiles)) == (
+                max(s, unit * t.tiles) - unit * t.tiles, min(e, (unit + 1) * t.tiles) - unit * t.tiles)
