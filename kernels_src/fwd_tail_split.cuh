@@ -112,7 +112,7 @@ __device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams&
       }
     }
     // As a whole tile's state: O over its reference m (row_max in score units), the quad's sum w_sum
-    ml.row_max[h] = __fdividef(m, ml.sl2);  // (an IEEE division's slow path is a call: see above)
+    ml.row_max[h] = __fdividef(m, ml.sl2);  // (an IEEE division would add a slow-path call)
     ml.row_sum[h] = 0.25f * w_sum;
   }
   return true;
