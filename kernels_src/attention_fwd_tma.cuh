@@ -233,7 +233,11 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdTmaParams& 
 #pragma unroll 1
         for (int side = 0; side < 2; ++side) {
           if (!units.tile(p, unit, side, m_block, head, batch)) continue;
-          if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, j0, j1)
+          int a = 0, b = 0x7fffffff;  // a tail item's key tiles of this query tile
+          if (kTail && u >= whole &&
+              !tail_side(side, p.causal ? (side ? units.n_mb - m_block : m_block + 1) : tp.sk_tiles, j0, j1, a, b))
+            continue;
+          if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, a, b)
                       : wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)) ||
               ml.n_tiles == 0)
             continue;
@@ -290,7 +294,13 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdTmaParams& 
 #pragma unroll 1
       for (int side = 0; side < 2; ++side) {
         if (!units.tile(p, unit, side, m_block, head, batch, fast)) continue;
-        if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, j0, j1)
+        // a tail item's key tiles of this query tile, [a, b) of its own c of them, the tail's x0 on
+        int a = 0, b = 0x7fffffff, c0 = 0;
+        if (kTail && u >= whole) {
+          c0 = p.causal ? (side ? units.n_mb - m_block : m_block + 1) : tp.sk_tiles;
+          if (!tail_side(side, c0, j0, j1, a, b)) continue;
+        }
+        if (!(kTail ? wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at, a, b)
                     : wgmma_fwd_tile<Tr>(ml, p, m_block, head, batch, at)))
           continue;
         ml.clear();
@@ -301,10 +311,14 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdTmaParams& 
           ml.run_tiles();
         }
         if constexpr (kTail) {
-          // a piece of the unit: stored for the merge; the warp that completes the unit goes on
-          // to store it merged
-          if (u >= whole && (j0 > 0 || j1 < tp.sk_tiles) && !tail_piece(ml, tp, unit - tp.sk_first, j1 - j0))
-            continue;
+          // a piece of the query tile: stored for the merge; the warp that completes the tile goes
+          // on to store it merged
+          if (u >= whole) {
+            const int t = unit - tp.sk_first, c = side ? tp.sk_tiles - c0 : c0;  // (causal: side 1's i + 1)
+            if ((a > 0 || b < c) &&
+                !tail_piece(ml, tp, p.causal ? 2 * t + side : t, t * tp.sk_tiles + (side ? c0 : 0), c, b - a))
+              continue;
+          }
         }
         wgmma_fwd_store<Tr>(ml, p, at, sm.o);
       }

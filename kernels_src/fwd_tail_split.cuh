@@ -13,9 +13,13 @@
 // whole tile would (wgmma_fwd_store). Not with a bounded soft-cap (FIXED_REF), whose O is
 // normalised by other sums than its LSE's. The counters live in the stream's zeroed block
 // (runtime.memory counters) and the merging warp zeroes its own again.
-// Non-causal calls without a window, varlen or mask tensor only (every unit the same key tiles);
-// the host's rule is pyattn/ops/_fwd_tail.py tail_split (it also keeps every block at least one
-// key tile, so a unit's slots are all written).
+// Every unit must cost the same key tiles: non-causal calls, and causal ones whose units pair row
+// blocks n - 1 - i and i of an even count n with as many keys as queries and 128-row / 128-key
+// tiles (n + 1 key tiles a unit: side 0's n - i, then side 1's i + 1); no window, varlen or mask
+// tensor. A causal piece may hold key tiles of both its unit's query tiles: each query tile
+// ("tile": 2 t + side, or t) has its own slots and counters. The host's rule is
+// pyattn/ops/_fwd_tail.py tail_split (it also keeps every block at least one key tile, so a
+// tile's slots are all written).
 // Requires AttnFwdTmaParams (sk_*), attention_fwd_wgmma.cuh (the Mainloop).
 #pragma once
 
@@ -45,22 +49,32 @@ __device__ __forceinline__ int tail_walk_end(const AttnFwdTmaParams& tp, int tot
   return tp.sk_iters > 0 ? tp.sk_first + tp.sk_pieces * static_cast<int>(gridDim.x) : total;
 }
 
-// The blocks whose ranges hold tail unit t's first and last key tile: block b holds key tile x of
-// the tail when b I / G <= x < (b + 1) I / G (integer parts), i.e. b = ((x + 1) G - 1) / I.
+// A tail item's key tiles [j0, j1) of its unit, as those of query tile `side` of it: [a, b) of that
+// tile's own, false when the item holds none of them. c0: side 0's key tiles (causal: its row
+// block m0 + 1 of the pair, with as many keys as queries and BM = BN; else all the unit's).
+__device__ __forceinline__ bool tail_side(int side, int c0, int j0, int j1, int& a, int& b) {
+  a = side ? max(j0 - c0, 0) : j0;
+  b = side ? j1 - c0 : min(j1, c0);
+  return a < b;
+}
+
+// The blocks whose ranges hold tail key tiles x0 and x0 + n - 1: block b holds key tile x of the
+// tail when b I / G <= x < (b + 1) I / G (integer parts), i.e. b = ((x + 1) G - 1) / I.
 __device__ __forceinline__ int tail_block_of(int x, const AttnFwdTmaParams& tp) {
   return ((x + 1) * static_cast<int>(gridDim.x) - 1) / tp.sk_iters;  // (G I < 2^31: the host's rule)
 }
 
-// A piece's end (consumer threads, before wgmma_fwd_store): store this block's slot of tail unit t
-// (`done` key tiles of it) and count them; false, or where this warp's count completes the unit,
-// merge every slot's rows into `ml` as a whole tile's state and return true (the caller stores it).
+// A piece's end (consumer threads, before wgmma_fwd_store): store this block's slot of query tile
+// `tile` of the tail, whose `count` key tiles are the tail's x0 on, and count the `done` of them it
+// held; false, or where this warp's count completes the tile, merge every slot's rows into `ml` as
+// a whole tile's state and return true (the caller stores it).
 template <class Mainloop>
-__device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams& tp, int t, int done) {
+__device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams& tp, int tile, int x0, int count,
+                                           int done) {
   constexpr int D = Mainloop::D, BM = Mainloop::BM, WARPS = BM / 16;
   static_assert(!Mainloop::FIXED_REF, "a tail split: not with a bounded soft-cap's tensor-core sums");
-  const int x0 = t * tp.sk_tiles;
-  const int first = tail_block_of(x0, tp), n = tail_block_of(x0 + tp.sk_tiles - 1, tp) - first + 1;
-  const long long slot0 = static_cast<long long>(t) * tp.sk_slots;  // the unit's first slot
+  const int first = tail_block_of(x0, tp), n = tail_block_of(x0 + count - 1, tp) - first + 1;
+  const long long slot0 = static_cast<long long>(tile) * tp.sk_slots;  // the tile's first slot
   const long long mine = slot0 + blockIdx.x - first;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -79,11 +93,11 @@ __device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams&
   // fence-then-count of a last-block reduction); acquire below before the merge reads others'.
   __threadfence();
   __syncwarp();
-  unsigned* ctr = static_cast<unsigned*>(tp.sk_ctr) + static_cast<long long>(t) * WARPS + warp;
+  unsigned* ctr = static_cast<unsigned*>(tp.sk_ctr) + static_cast<long long>(tile) * WARPS + warp;
   unsigned before = 0;
   if (lane == 0) before = atomicAdd(ctr, static_cast<unsigned>(done));
   before = __reduce_max_sync(kFullMask, before);  // to every lane, warp-uniform (the caller's `continue`)
-  if (before + done != static_cast<unsigned>(tp.sk_tiles)) return false;
+  if (before + done != static_cast<unsigned>(count)) return false;
   __threadfence();
   if (lane == 0) *ctr = 0u;  // the block stays zeroed for the stream's next kernel
 #pragma unroll

@@ -1,8 +1,8 @@
 """GPU tests of the persistent attn_fwd_tma's tail split (kernels_src/fwd_tail_split.cuh, its
-row's variant with spec q_tiles 3): calls whose last round of query tiles the plan splits by keys
-over every block, against the fp64 reference (outputs and LSEs), repeated on one stream (the
-counters left zero), and calls the rule leaves whole on the row's own variant. Marked ``gpu``,
-skipped without an sm_90a GPU.
+row's variant with spec q_tiles 3): calls whose last round of work units the plan splits by keys
+over every block (non-causal, and causal pairs of row blocks), against the fp64 reference
+(outputs and LSEs), repeated on one stream (the counters left zero), and calls the rule leaves
+whole on the row's own variant. Marked ``gpu``, skipped without an sm_90a GPU.
 """
 
 from __future__ import annotations
@@ -70,6 +70,25 @@ def test_tail_split_odd_shapes(Dh, Sq, Sk, group, dtype, launched):
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True)
     assert spec.replace(q_tiles=3).entry_name in launched, launched
     _check(out.numpy(), lse.numpy(), q, k, v)
+
+
+@pytest.mark.parametrize("fill, group, dtype", [(0.5, 1, "bfloat16"), (0.3, 2, "float16"), (0.2, 1, "bfloat16")])
+def test_tail_split_causal_pairs(fill, group, dtype, launched):
+    """Causal: units pair row blocks 15 - i and i of 2048 queries over 2048 keys (17 key tiles), so
+    a piece may hold key tiles of both of its unit's query tiles, each merged on its own."""
+    sms = pyattn.get_device().sm_count
+    S, H = 2048, -(-(sms + max(1, round(fill * sms))) // (8 * group)) * group  # 8 units a head
+    P = AttentionProblem(1, H, H // group, S, S, D, dtype, "bshd", 1, D ** -0.5, True,
+                         (S * H * D, H * D, D), (S * H * D, H * D, D), (S * H * D, H * D, D))
+    spec = select_attention_spec(dtype, D, "sm_90a", keys=S, causal=True, queries=S, batch_heads=H,
+                                 sm_count=sms)
+    tail = tail_split(P, spec, spec.tiles, sms)
+    assert tail is not None and tail.tiles_split == 2 * tail.units, (H, tail)
+    rng = np.random.default_rng(H + group)
+    q, k, v = _inputs(rng, 1, S, S, H, H // group, D, dtype)
+    out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), causal=True, return_lse=True)
+    assert spec.replace(q_tiles=3).entry_name in launched, launched
+    _check(out.numpy(), lse.numpy(), q, k, v, causal=True)
 
 
 def test_tail_split_soft_cap_with_a_row_max(launched):

@@ -187,9 +187,11 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         # a whole tile of rows (a key-padding mask is a "_row" kind, above)
         mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, tiles.block_m), swizzle)
     # A persistent kernel's grid: the blocks the GPU holds at once (one an SM for its rows), or for
-    # some causal calls one work unit a block (persistent_slots).
-    slots = persistent_slots(P, tiles, device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)) \
-        if tiles.persistent else 0
+    # some causal calls one work unit a block (persistent_slots); held blocks where the last round
+    # is split by keys (_fwd_tail: the rounding that a block a unit weighs is then gone)
+    held = device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes) if tiles.persistent else 0
+    tail = tail_split(P, spec, tiles, held) if held and not sparse and not empty else None
+    slots = held if tail is not None else persistent_slots(P, tiles, held) if held else 0
     maps_of = None
     if tma and not empty:  # the maps follow AttnFwdParams at a multiple of 64 bytes
         inner = 128 if fp8 else 64  # elements of one 128-byte swizzle row
@@ -197,7 +199,6 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         boxes = ((inner, tiles.block_m), (inner, tiles.block_n), (128, spec.head_dim) if fp8 else (inner, tiles.block_n))
         maps_of = TmaMaps("u8" if fp8 else spec.dtype, maps, boxes, bytes(-spec.params.base.size % 64), mask_map)
     vt = _vt_pass(P, device) if fp8 and not empty else None
-    tail = tail_split(P, spec, tiles, slots) if slots and not sparse and not empty else None
     if tail is not None:  # the row's variant with the split (its tiles, shared memory and grid are the row's)
         spec = spec.replace(q_tiles=3)
         kernel = get_kernel(spec, device)

@@ -1,4 +1,4 @@
-"""The persistent forward kernel's tail split: its last, partial round of query tiles shared out
+"""The persistent forward kernel's tail split: its last, partial round of work units shared out
 by keys over every block (kernels_src/fwd_tail_split.cuh has the kernel's side).
 
 A persistent attn_fwd_tma launch of G blocks walks U equal query tiles in rounds of G. With U = R G
@@ -26,6 +26,11 @@ __all__ = ["TailSplit", "tail_split", "tail_fields", "NO_TAIL"]
 # and the merge in place of the end. The split is taken where it saves at least MIN_GAIN of the call.
 PIECE_STEPS = 2
 MIN_GAIN = 0.015
+# Causal units: a piece may hold two query tiles (two starts, stores and merges), and at (4, 4k, 16,
+# 128), 7.76 rounds, a split predicted at 2.3% ran 1.2% slower (two rounds, BENCHMARKS.md
+# fifty-seventh session): twice the steps, and twice the gain asked
+CAUSAL_PIECE_STEPS = 4
+CAUSAL_MIN_GAIN = 0.03
 
 _FMT = struct.Struct("@QQQiiiii")
 # AttnFwdTmaParams' tail fields (after the maps) for a call without a split, padded to the struct's
@@ -36,9 +41,10 @@ _F32 = np.dtype(np.float32)
 
 class TailSplit(NamedTuple):
     """A call's tail split: the first split unit (R G), the split units' key tiles in all
-    (``iters``), each unit's (``tiles``), the most blocks one unit's tiles span (``slots``), the
-    split units (``units``), the fp32 floats a slot takes (rows x head-dim bucket) and the
-    consumer warps a block (one counter each a unit), and the most pieces one block holds."""
+    (``iters``) and each unit's (``tiles``), the most blocks one query tile's key tiles span
+    (``slots``), the split units (``units``), the fp32 floats a slot's O rows take (rows x head-dim
+    bucket), the rows of a tile (one LSE each a slot), the consumer warps a block (a counter each a
+    query tile), the most pieces one block holds (``pieces``) and the tail's query tiles."""
 
     first: int
     iters: int
@@ -49,53 +55,66 @@ class TailSplit(NamedTuple):
     rows: int
     warps: int
     pieces: int
+    tiles_split: int  # the tail's query tiles (units; causal: two a unit), each with slots and counters
 
 
 def tail_split(P, spec, tiles, grid_blocks: int) -> "TailSplit | None":
     """The tail split of problem ``P`` on ``spec`` (its ``tiles``) launched as ``grid_blocks``
     persistent blocks, or None where the kernel takes none or it would not pay.
 
-    Taken only where every query tile has the same key tiles (no causality, window, varlen or mask
-    tensor) on the table's rows that have the split's variant (spec ``q_tiles`` 3, which the plan
-    then launches: two consumer warpgroups of 64 rows, 16-bit, head dim <= 128, no ALiBi, not a
+    Taken only where every unit costs the same key tiles: without causality (a unit is a query
+    tile), or causal with as many keys as queries, 128-key tiles and an even count of row blocks
+    (a unit pairs row blocks n - 1 - i and i: n + 1 key tiles); no window, varlen or mask tensor.
+    And on the table's rows that have the split's variant (spec ``q_tiles`` 3, which the plan then
+    launches: two consumer warpgroups of 64 rows, 16-bit, head dim <= 128, no ALiBi, not a
     bounded soft-cap's fixed reference, ``softcap`` 2).
     """
     if (spec.family != "attn_fwd_tma" or spec.q_tiles or not tiles.persistent or tiles.block_m != 128
             or not tma_tail_splits(spec.arch, spec.head_dim, spec.mask, spec.softcap, spec.alibi)
-            or P.causal or P.window != (-1, -1) or P.mask is not None or P.total_q or grid_blocks <= 0
-            or not P.scale > 0):
+            or P.window != (-1, -1) or P.mask is not None or P.total_q or grid_blocks <= 0 or not P.scale > 0):
         return None
-    units = P.batch * P.heads_q * -(-P.seqlen_q // tiles.block_m)
+    n_mb = -(-P.seqlen_q // tiles.block_m)
+    if P.causal:
+        if P.seqlen_q != P.seqlen_k or tiles.block_n != tiles.block_m or n_mb % 2:
+            return None
+        units, kt = P.batch * P.heads_q * n_mb // 2, n_mb + 1  # PersistentUnits' pairs
+    else:
+        units, kt = P.batch * P.heads_q * n_mb, -(-P.seqlen_k // tiles.block_n)
     rounds, r = divmod(units, grid_blocks)
-    kt = -(-P.seqlen_k // tiles.block_n)
     if rounds == 0 or r == 0 or kt < 2:
         return None
     iters = r * kt
     whole = (rounds + 1) * kt
-    split = rounds * kt + -(-iters // grid_blocks) + PIECE_STEPS
-    # every block at least one key tile: a unit's slots are its consecutive blocks, each writing one
+    split = rounds * kt + -(-iters // grid_blocks) + (CAUSAL_PIECE_STEPS if P.causal else PIECE_STEPS)
+    # every block at least one key tile: a tile's slots are its consecutive blocks, each writing one
     # (with fewer tiles than blocks, empty ranges among them left slots unwritten: the GPU test's
     # 6-unit case failed so); and the kernel's 32-bit products
-    if split > (1 - MIN_GAIN) * whole or iters < grid_blocks or grid_blocks * iters >= 2 ** 31:
+    if (split > (1 - (CAUSAL_MIN_GAIN if P.causal else MIN_GAIN)) * whole or iters < grid_blocks
+            or grid_blocks * iters >= 2 ** 31):
         return None
 
     def block_of(x: int) -> int:  # the block holding tail key tile x (fwd_tail_split.cuh tail_block_of)
         return ((x + 1) * grid_blocks - 1) // iters
 
-    slots = max(block_of((t + 1) * kt - 1) - block_of(t * kt) + 1 for t in range(r))
+    # each query tile's key tiles in the tail's order: [x0, x1); causal: side 0's c0 = n - i, then side 1's
+    spans = []
+    for t in range(r):
+        c0 = n_mb - (rounds * grid_blocks + t) % (n_mb // 2) if P.causal else kt
+        spans += [(t * kt, t * kt + c0)] + ([(t * kt + c0, (t + 1) * kt)] if P.causal else [])
+    slots = max(block_of(x1 - 1) - block_of(x0) + 1 for x0, x1 in spans)
     # a block's pieces: the units its range [b I / G, (b + 1) I / G) meets
     pieces = max((((b + 1) * iters // grid_blocks - 1) // kt - b * iters // grid_blocks // kt + 1)
                  for b in range(grid_blocks) if (b + 1) * iters // grid_blocks > b * iters // grid_blocks)
     return TailSplit(rounds * grid_blocks, iters, kt, slots, r, tiles.block_m * spec.head_dim, tiles.block_m,
-                     tiles.block_m // 16, pieces)
+                     tiles.block_m // 16, pieces, len(spans))
 
 
 def tail_fields(tail: TailSplit, device, s) -> tuple:
     """The tail fields' bytes for one call, and what must live until its launch is queued: the
     partials' buffer (freed in stream order after the kernel) and the counters' keep."""
-    slots = tail.units * tail.slots
+    slots = tail.tiles_split * tail.slots
     part = output(device, s, (slots * (tail.slot_floats + tail.rows),), _F32)
-    counters, keep = get_pool(device).counters(tail.units * tail.warps, s)
+    counters, keep = get_pool(device).counters(tail.tiles_split * tail.warps, s)
     lse = part.ptr + 4 * slots * tail.slot_floats
     raw = _FMT.pack(part.ptr, lse, counters, tail.first, tail.iters, tail.tiles, tail.slots, tail.pieces)
     return raw + bytes(-_FMT.size % 64), (part, keep)
