@@ -1,13 +1,14 @@
 """The persistent forward kernel's tail split: its last, partial round of work units shared out
 by keys over every block (kernels_src/fwd_tail_split.cuh has the kernel's side).
 
-A persistent attn_fwd_tma launch of G blocks walks U equal query tiles in rounds of G. With U = R G
-+ r (0 < r < G) the call lasts R + 1 tiles' time while G - r blocks sit out the last round: at
-d = 128 the FlashAttention benchmark's shapes (2048 tiles of 128 rows at 1k / 4k / 16k keys) run
-15.5 rounds on the H200's 132 SMs as 16. Split, the last r tiles' key tiles go to all G blocks in
-equal ranges, each block writing an fp32 partial of the pieces it holds, and the last warp to
-finish a tile's rows merges them (the fused combine of the split decode). The rule weighs the
-rounds saved against what a piece costs (:data:`PIECE_STEPS`).
+A persistent attn_fwd_tma launch of G blocks walks U equal work units (query tiles; causal:
+pairs of row blocks) in rounds of G. With U = R G + r (0 < r < G) the call lasts R + 1 units' time
+while G - r blocks sit out the last round: at d = 128 the FlashAttention benchmark's non-causal
+shapes (2048 tiles of 128 rows at 1k / 4k / 16k keys) run 15.5 rounds on the H200's 132 SMs as
+16. Split, the last r units' key tiles go to all G blocks in equal ranges, each block writing an
+fp32 partial of the pieces it holds, and the last warp to finish a query tile's rows merges them
+(the fused combine of the split decode). The rule weighs the rounds saved against what a piece
+costs (:data:`PIECE_STEPS`, :data:`CAUSAL_PIECE_STEPS`).
 """
 
 import struct
