@@ -1,6 +1,7 @@
 """The tail split's rule and bookkeeping on the host (no GPU): which calls split their last round
-of query tiles by keys (pyattn/ops/_fwd_tail.py), and that the slots a unit needs cover every
-block whose key-tile range reaches into it (kernels_src/fwd_tail_split.cuh walks the same ranges)."""
+of work units by keys (pyattn/ops/_fwd_tail.py), that the slots a query tile needs cover every
+block whose key-tile range reaches into it (kernels_src/fwd_tail_split.cuh walks the same ranges),
+and, on the fake driver, the launch a split call makes (its variant, grid and parameter fields)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,40 @@ def test_slots_cover_every_block_of_a_tile(units, kt, G, causal):
             a = s if i == 0 else unit * t.tiles
             assert s // t.tiles + i == unit and (a - unit * t.tiles, min(t.tiles, e - unit * t.tiles)) == (
                 max(s, unit * t.tiles) - unit * t.tiles, min(e, (unit + 1) * t.tiles) - unit * t.tiles)
+
+
+def test_a_split_call_launches_the_tail_variant_with_its_fields(gpu, monkeypatch):
+    """On the fake driver (132 SMs, one attn_fwd_tma block an SM): a (1, 256, 99, 128) call over
+    2048 keys (198 tiles, 66 in the last round) launches the q_tiles 3 variant on 132 blocks with
+    its tail fields and their buffers; a call of whole rounds (66 heads) the row's own variant
+    with the fields zero (AttnFwdTmaParams packed as the kernel reads it)."""
+    import struct
+
+    import fake_driver
+    import ml_dtypes
+    from _host_path_helpers import _da
+
+    import pyattn
+    from pyattn.kernels.params import ATTN_FWD_TMA_PARAMS
+    from pyattn.ops import _fwd
+
+    monkeypatch.setitem(fake_driver.OCCUPANCY, "attn_fwd_tma", 1)
+    seen, real = [], _fwd.launch
+
+    def spy(kernel, grid, block, smem, s, packed):
+        seen.append((kernel, grid, packed))
+        return real(kernel, grid, block, smem, s, packed)
+
+    monkeypatch.setattr(_fwd, "launch", spy)
+    names = [n for n, _ in ATTN_FWD_TMA_PARAMS.fields]
+    bf16 = ml_dtypes.bfloat16
+    for H, split in ((99, True), (66, False)):
+        seen.clear()
+        pyattn.attention(_da((1, 256, H, 128), bf16), _da((1, 2048, H, 128), bf16), _da((1, 2048, H, 128), bf16))
+        (kernel, grid, packed), = seen
+        assert len(packed) == ATTN_FWD_TMA_PARAMS.size and grid == (132, 1, 1)
+        f = dict(zip(names, struct.unpack_from(ATTN_FWD_TMA_PARAMS.format, packed)))
+        tail = (f["sk_first"], f["sk_iters"], f["sk_tiles"], f["sk_slots"], f["sk_pieces"])
+        assert tail == ((132, 66 * 16, 16, 2, 1) if split else (0,) * 5), tail
+        assert all(f[n] for n in ("sk_part", "sk_lse", "sk_ctr")) == split
+        assert gpu.kernel_names[int(kernel.handle)].endswith("pt") == split  # (entry suffix t: the split)
