@@ -342,3 +342,31 @@ def test_a_captured_step_appends_from_the_device_lengths(gpu, decode_params, mon
     assert "cuMemcpyHtoDAsync" not in names and "cuStreamSynchronize" not in names
     gpu.end_capture(s)
     assert gpu.refused == []
+
+
+def test_a_split_attention_call_captures_with_the_graph_s_own_partials_and_counters(gpu, monkeypatch):
+    """A call whose last round of query tiles is split by keys (pyattn/ops/_fwd_tail.py; one
+    attn_fwd_tma block an SM on the fake's 132): in a capture its fp32 partials and its counters
+    are the graph's own blocks (the counters zeroed by a memset node, not the stream's block,
+    which eager calls beside a replay use), both freed in the capture."""
+    import fake_driver
+    from pyattn.kernels.params import ATTN_FWD_TMA_PARAMS
+    from pyattn.ops import _fwd
+
+    monkeypatch.setitem(fake_driver.OCCUPANCY, "attn_fwd_tma", 1)
+    seen = _spy_launches(monkeypatch, _fwd, ATTN_FWD_TMA_PARAMS)
+    s = Stream(pyattn.get_device())
+    q, k, v = _da((1, 256, 99, 128), BF16), _da((1, 2048, 99, 128), BF16), _da((1, 2048, 99, 128), BF16)
+    pyattn.attention(q, k, v, stream=s)  # eager first: the plan, the stream's counter block
+    eager = seen[-1]
+    assert eager["sk_iters"] == 66 * 16 and gpu.graph_blocks.get(eager["sk_ctr"]) is None
+    cid = gpu.begin_capture(s)
+    out = pyattn.attention(q, k, v, stream=s)
+    p = seen[-1]
+    assert p["sk_iters"] == 66 * 16 and p["sk_ctr"] != eager["sk_ctr"]
+    assert gpu.graph_blocks[p["sk_ctr"]] == cid and gpu.graph_blocks[p["sk_part"]] == cid
+    names = [name for name, _ in gpu.captured]
+    assert "cuMemsetD8Async" in names and names.count("cuMemFreeAsync") >= 2  # the counters' and partials'
+    del out
+    gpu.end_capture(s)
+    assert gpu.refused == []
