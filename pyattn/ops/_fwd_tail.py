@@ -70,7 +70,9 @@ def tail_split(P, spec, tiles, grid_blocks: int) -> "TailSplit | None":
     launches: two consumer warpgroups of 64 rows, 16-bit, head dim <= 128, no ALiBi, not a
     bounded soft-cap's fixed reference, ``softcap`` 2).
     """
-    if (spec.family != "attn_fwd_tma" or spec.q_tiles or not tiles.persistent or tiles.block_m != 128
+    # (tma_tail_splits: the table's row, which the q_tiles 0 spec's tiles are here, persistent on two
+    # consumer warpgroups, so 128-row tiles)
+    if (spec.family != "attn_fwd_tma" or spec.q_tiles
             or not tma_tail_splits(spec.arch, spec.head_dim, spec.mask, spec.softcap, spec.alibi)
             or P.window != (-1, -1) or P.mask is not None or P.total_q or grid_blocks <= 0 or not P.scale > 0):
         return None
