@@ -31,12 +31,19 @@ def _heads(fill: float, group: int = 1) -> int:
     return -(-(sms + max(1, round(fill * sms))) // (2 * group)) * group
 
 
+def _problem(H: int, Hkv: int, Sq: int, Sk: int, Dh: int, dtype: str, causal: bool = False,
+             softcap: float = 0.0) -> AttentionProblem:
+    """The validated problem of (1, Sq, H, Dh) queries over Sk keys of Hkv heads, bshd, on the device
+    (what tail_split reads of it: the shape, causality and soft-cap)."""
+    return AttentionProblem(1, H, Hkv, Sq, Sk, Dh, dtype, "bshd", int(causal), Dh ** -0.5, True,
+                            (Sq * H * Dh, H * Dh, Dh), (Sk * Hkv * Dh, Hkv * Dh, Dh), (Sk * Hkv * Dh, Hkv * Dh, Dh),
+                            softcap=softcap)
+
+
 def _tail(H: int, Hkv: int, causal: bool = False, dtype: str = "bfloat16", softcap: float = 0.0):
     """The plan's tail split (None: none) and spec for (1, SQ, H, D) queries over SK keys."""
-    P = AttentionProblem(1, H, Hkv, SQ, SK, D, dtype, "bshd", int(causal), D ** -0.5, True,
-                         (SQ * H * D, H * D, D), (SK * Hkv * D, Hkv * D, D), (SK * Hkv * D, Hkv * D, D),
-                         softcap=softcap)
     spec = select_attention_spec(dtype, D, "sm_90a", keys=SK, causal=causal, softcap=softcap)
+    P = _problem(H, Hkv, SQ, SK, D, dtype, causal, softcap)
     return tail_split(P, spec, spec.tiles, pyattn.get_device().sm_count), spec
 
 
@@ -61,10 +68,8 @@ def test_tail_split_odd_shapes(Dh, Sq, Sk, group, dtype, launched):
     the sequence (rows merged, never stored) and a last key tile partly past the keys."""
     sms = pyattn.get_device().sm_count
     H = -(-(sms + sms // 2) // (2 * group)) * group  # two row blocks a head: a half-full last round
-    P = AttentionProblem(1, H, H // group, Sq, Sk, Dh, dtype, "bshd", 0, Dh ** -0.5, True,
-                         (Sq * H * Dh, H * Dh, Dh), (Sk * H * Dh, H * Dh, Dh), (Sk * H * Dh, H * Dh, Dh))
     spec = select_attention_spec(dtype, Dh, "sm_90a", keys=Sk)
-    assert tail_split(P, spec, spec.tiles, sms) is not None
+    assert tail_split(_problem(H, H // group, Sq, Sk, Dh, dtype), spec, spec.tiles, sms) is not None
     rng = np.random.default_rng(Dh + Sk)
     q, k, v = _inputs(rng, 1, Sq, Sk, H, H // group, Dh, dtype)
     out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True)
@@ -78,11 +83,9 @@ def test_tail_split_causal_pairs(fill, group, dtype, launched):
     a piece may hold key tiles of both of its unit's query tiles, each merged on its own."""
     sms = pyattn.get_device().sm_count
     S, H = 2048, -(-(sms + max(1, round(fill * sms))) // (8 * group)) * group  # 8 units a head
-    P = AttentionProblem(1, H, H // group, S, S, D, dtype, "bshd", 1, D ** -0.5, True,
-                         (S * H * D, H * D, D), (S * H * D, H * D, D), (S * H * D, H * D, D))
     spec = select_attention_spec(dtype, D, "sm_90a", keys=S, causal=True, queries=S, batch_heads=H,
                                  sm_count=sms)
-    tail = tail_split(P, spec, spec.tiles, sms)
+    tail = tail_split(_problem(H, H // group, S, S, D, dtype, causal=True), spec, spec.tiles, sms)
     assert tail is not None and tail.tiles_split == 2 * tail.units, (H, tail)
     rng = np.random.default_rng(H + group)
     q, k, v = _inputs(rng, 1, S, S, H, H // group, D, dtype)
