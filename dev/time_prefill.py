@@ -8,7 +8,8 @@ Usage: PYTHONPATH=<tree> PYATTN_CACHE_DIR=<dir per tree> python dev/time_prefill
 Shapes: the prefill benchmark's (batch 16k / S, hidden 2048, bf16) at d = 128 / 64 / 256, S = 1k /
 4k / 16k, causal or not (``--shapes`` names others, e.g. ``128:1920:1``, or ``128:16384:1:30`` with a
 soft-cap of 30; a soft-capped shape's key ends in its cap), on torch-made tensors as
-pyattn arrays (``--dtype``: bfloat16 unless named). ``--cudnn`` times torch SDPA's cuDNN backend on
+pyattn arrays (``--dtype``: bfloat16 unless named; ``--alibi``: every shape with ALiBi's slopes
+2^(-8 (h + 1) / H), its keys marked ``alibi``). ``--cudnn`` times torch SDPA's cuDNN backend on
 the same shapes instead. A tree is extracted with e.g. ``mkdir .head && git archive HEAD | tar -x -C
 .head`` (``.head/`` kept out of git by .git/info/exclude, carried to the GPU).
 """
@@ -37,9 +38,13 @@ def main() -> int:
     if "--shapes" in sys.argv:
         shapes = [(int(d), int(s), bool(int(c)), *map(float, cap)) for d, s, c, *cap in
                   (x.split(":") for x in sys.argv[sys.argv.index("--shapes") + 1].split(","))]
+    alibi = "--alibi" in sys.argv
     for D, S, causal, *cap in shapes:
         opts = {"causal": causal, "softcap": cap[0]} if cap else {"causal": causal}
         B, H = max(1, 16384 // S), 2048 // D
+        if alibi:
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
+            opts["alibi_slopes"] = harness.to_pyattn(slopes, bench.stream)
         g = torch.Generator(device="cuda").manual_seed(0)
         ts = [torch.randn(B, S, H, D, device="cuda", dtype=getattr(torch, dtype), generator=g) for _ in range(3)]
         if cudnn:
@@ -49,7 +54,7 @@ def main() -> int:
         else:
             xs = [harness.to_pyattn(t, bench.stream) for t in ts]
             fn = lambda: pyattn.attention(*xs, stream=bench.stream, **opts)  # noqa: E731
-        out[f"{D} {S} {int(causal)}" + (f" {cap[0]:g}" if cap else "")] = round(bench.gpu_ms(fn, loop=20, reps=5).ms, 4)
+        out[f"{D} {S} {int(causal)}" + (f" {cap[0]:g}" if cap else "") + (" alibi" if alibi else "")] = round(bench.gpu_ms(fn, loop=20, reps=5).ms, 4)
     print("RESULT", tag, json.dumps(out), flush=True)
     return 0
 
