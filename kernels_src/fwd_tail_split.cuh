@@ -100,30 +100,37 @@ __device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams&
   if (before + done != static_cast<unsigned>(count)) return false;
   __threadfence();
   if (lane == 0) *ctr = 0u;  // the block stays zeroed for the stream's next kernel
+  // Each row half in one pass over the slots, a slot's LSE and O rows loaded together: one L2
+  // round trip a slot, where a max pass and then a weighted pass took two. The weights rescale
+  // online, as the softmax's running max does. (The merging warp is the last of its tile's pieces,
+  // so its piece's end, store and merge set the split's end: 7-8 us from the piece's end to the
+  // merged state, 0.6 us less in this form; BENCHMARKS.md, fifty-eighth session.)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = ml.row_a + 8 * h - ml.m0;
-    float m = -inf();
-#pragma unroll 1
-    for (int s = 0; s < n; ++s) m = fmaxf(m, __ldcg(tp.sk_lse + (slot0 + s) * BM + r));
-    float w_sum = 0.f;
+    float m = -inf(), w_sum = 0.f;
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) ml.acc[4 * i + 2 * h] = ml.acc[4 * i + 2 * h + 1] = 0.f;
-    // No branch on the row's values: a per-thread branch here (m = -inf: rows past the sequence's
-    // end, which saw no key in any piece, get weights 0) made ptxas move every wgmma descriptor of
-    // the main loop through per-thread registers (+48 R2UR; nvdisasm, NVRTC 13.0)
 #pragma unroll 1
     for (int s = 0; s < n; ++s) {
       const float lse = __ldcg(tp.sk_lse + (slot0 + s) * BM + r);
-      const float w = m == -inf() ? 0.f : exp2f(lse - m);
       const float* orow = tp.sk_part + ((slot0 + s) * BM + r) * D;
-      w_sum += w;
+      float2 o[D / 8];
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) o[i] = __ldcg(reinterpret_cast<const float2*>(orow + i * 8 + 2 * ml.t));
+      // No branch on the row's values: a per-thread branch here (rows past the sequence's end,
+      // which saw no key in any piece, m = -inf: weights 0) made ptxas move every wgmma
+      // descriptor of the main loop through per-thread registers (+48 R2UR; nvdisasm, NVRTC 13.0)
+      const float m_new = fmaxf(m, lse);
+      const float keep = m_new == -inf() ? 0.f : exp2f(m - m_new);
+      const float w = m_new == -inf() ? 0.f : exp2f(lse - m_new);
+      w_sum = w_sum * keep + w;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
-        const float2 o = __ldcg(reinterpret_cast<const float2*>(orow + i * 8 + 2 * ml.t));
-        ml.acc[4 * i + 2 * h] += w * o.x;
-        ml.acc[4 * i + 2 * h + 1] += w * o.y;
+        ml.acc[4 * i + 2 * h] = ml.acc[4 * i + 2 * h] * keep + w * o[i].x;
+        ml.acc[4 * i + 2 * h + 1] = ml.acc[4 * i + 2 * h + 1] * keep + w * o[i].y;
       }
+      m = m_new;
     }
     // As a whole tile's state: O over its reference m (row_max in score units), the quad's sum w_sum
     ml.row_max[h] = __fdividef(m, ml.sl2);  // (an IEEE division would add a slow-path call)
