@@ -15,6 +15,7 @@ import ml_dtypes
 import pytest
 
 import pyattn
+from pyattn.kernels.specs import select_attention_spec
 from test_gpu_attention import _has_gpu
 from test_gpu_decode import _check_decode
 
@@ -53,12 +54,18 @@ def _replays_match_eager(g, out, call, refill, rounds=3):
 
 
 @pytest.mark.parametrize("where", ["warm-up", "fresh"])
-@pytest.mark.parametrize("case", ["new output", "out=", "bool mask", "backward"])
-def test_attention_calls_replay_as_eager_calls(case, where):
+@pytest.mark.parametrize("case", ["new output", "out=", "bool mask", "backward", "tail split"])
+def test_attention_calls_replay_as_eager_calls(case, where, launched):
     """Results allocated in the capture (the graph's own memory), ``out=``, a two-kernel masked
-    call and the backward, captured on the stream the warm-up calls used (whose kept blocks and
-    counters a capture must not take) and on a fresh one."""
+    call, the backward, and a call whose last round of query tiles is split by keys (its fp32
+    partials and counters taken in the capture: on sm_90a; elsewhere the same call unsplit),
+    captured on the stream the warm-up calls used (whose kept blocks and counters a capture must
+    not take) and on a fresh one."""
     q, k, v, dout = (_rand(1, 512, 8, 128) for _ in range(4))
+    if case == "tail split":  # 2 query tiles a head over 16 key tiles, the last round half full
+        sms = pyattn.get_device().sm_count
+        H = -(-(sms + sms // 2) // 2)
+        q, k, v = _rand(1, 256, H, 128), _rand(1, 2048, H, 128), _rand(1, 2048, H, 128)
     mask = torch.rand(1, 1, 512, 512, device="cuda") < 0.8
     o = torch.empty_like(q)
     out_t, lse_t = (torch.from_dlpack(x) for x in pyattn.attention(q, k, v, causal=True, return_lse=True))
@@ -69,9 +76,14 @@ def test_attention_calls_replay_as_eager_calls(case, where):
         # (deterministic: dq's order of sums fixed, so that replays and eager calls agree bitwise)
         "backward": lambda: torch.from_dlpack(pyattn.attention_backward(dout, q, k, v, out_t, lse_t, causal=True,
                                                                         deterministic=True)[0]),
+        # (the merge adds a tile's slots in a fixed order, whichever warp completes it)
+        "tail split": lambda: torch.from_dlpack(pyattn.attention(q, k, v)),
     }
     call = calls[case]
     g, out = _capture(call, where)
+    if case == "tail split" and pyattn.get_device().arch == "sm_90a":  # the row's split variant ran
+        split = select_attention_spec("bfloat16", 128, "sm_90a", keys=2048).replace(q_tiles=3)
+        assert split.entry_name in launched, launched
     target = dout if case == "backward" else q
     _replays_match_eager(g, out, call, lambda: target.copy_(_rand(*target.shape)))
 
