@@ -21,7 +21,7 @@ from test_gpu_wgmma_ws import _is_sm90a
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90a(), reason="needs an sm_90a GPU"),
               pytest.mark.usefixtures("poison_allocations")]
 
-SQ, SK, D = 256, 2048, 128  # two 128-row query tiles a head, 16 key tiles each
+SQ, SK, D = 256, 4096, 128  # two 128-row query tiles a head, 32 key tiles each
 
 
 def _heads(fill: float, group: int = 1) -> int:
@@ -61,8 +61,8 @@ def test_tail_split_matches_reference(fill, group, launched):
     _check(out.numpy(), lse.numpy(), q, k, v)
 
 
-@pytest.mark.parametrize("Dh, Sq, Sk, group, dtype", [(96, 200, 1000, 1, "float16"), (72, 256, 2049, 2, "bfloat16"),
-                                                      (128, 131, 1337, 3, "bfloat16")])
+@pytest.mark.parametrize("Dh, Sq, Sk, group, dtype", [(96, 200, 3000, 1, "float16"), (72, 256, 4097, 2, "bfloat16"),
+                                                      (128, 131, 2500, 3, "bfloat16")])
 def test_tail_split_odd_shapes(Dh, Sq, Sk, group, dtype, launched):
     """Head dims below the bucket (the slots' columns past head_dim), a last row block partly past
     the sequence (rows merged, never stored) and a last key tile partly past the keys."""

@@ -22,10 +22,13 @@ from ..runtime.memory import get_pool
 
 __all__ = ["TailSplit", "tail_split", "tail_fields", "NO_TAIL"]
 
-# What a piece costs a block beyond its key tiles, in key-tile steps: a query tile's start and end
-# (about two key steps at d = 128 on an H200: _fwd.persistent_slots), here the fp32 partial's store
-# and the merge in place of the end. The split is taken where it saves at least MIN_GAIN of the call.
-PIECE_STEPS = 2
+# What a split costs beyond its key tiles, in key-tile steps: a piece's start, its fp32 partial's
+# store and count, and the merge on the warp that completes a tile, which is the last of its pieces
+# and so ends the call. Measured at d = 128 on an H200 (BENCHMARKS.md, fifty-eighth session): a
+# merge takes 7-8 us from its piece's end, about 4.5 key steps, and at 2k keys (16 key tiles, 15.5
+# rounds), where two steps a piece predicted 2%, the split ran level with the whole call, so about
+# 5-7; at 4k it gained 2%. The split is taken where it saves at least MIN_GAIN of the call.
+PIECE_STEPS = 5
 MIN_GAIN = 0.015
 # Causal units: a piece may hold two query tiles (two starts, stores and merges), and at (4, 4k, 16,
 # 128), 7.76 rounds, a split predicted at 2.3% ran 1.2% slower (two rounds, BENCHMARKS.md
