@@ -31,8 +31,10 @@ __all__ = ["TailSplit", "tail_split", "tail_fields", "NO_TAIL"]
 PIECE_STEPS = 5
 MIN_GAIN = 0.015
 # Causal units: a piece may hold two query tiles (two starts, stores and merges), and at (4, 4k, 16,
-# 128), 7.76 rounds, a split predicted at 2.3% ran 1.2% slower (two rounds, BENCHMARKS.md
-# fifty-seventh session): twice the steps, and twice the gain asked
+# 128), 7.76 rounds, a split predicted at 2.3% (two steps a piece) ran 1.2% slower (BENCHMARKS.md,
+# fifty-seventh session; forced again in the fifty-eighth, 1-3.6% slower), while (4, 4k, 17), 8.24
+# rounds, gained 2.5%. Four steps with 3% asked separate those two calls; the causal cost is not
+# otherwise modelled (a merge between a block's pieces delays the rest of them: 10-15 us there).
 CAUSAL_PIECE_STEPS = 4
 CAUSAL_MIN_GAIN = 0.03
 
