@@ -120,10 +120,13 @@ __device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams&
       for (int i = 0; i < D / 8; ++i) o[i] = __ldcg(reinterpret_cast<const float2*>(orow + i * 8 + 2 * ml.t));
       // No branch on the row's values: a per-thread branch here (rows past the sequence's end,
       // which saw no key in any piece, m = -inf: weights 0) made ptxas move every wgmma
-      // descriptor of the main loop through per-thread registers (+48 R2UR; nvdisasm, NVRTC 13.0)
+      // descriptor of the main loop through per-thread registers (+48 R2UR; nvdisasm, NVRTC 13.0).
+      // The selects test the operands that are -inf, not m_new: a piece's NaN LSE (a NaN key
+      // among its keys) must reach the row as NaN, as in a whole tile, and fmaxf drops it from
+      // m_new (with m_new -inf there, a test on it zeroed the NaN piece's weight).
       const float m_new = fmaxf(m, lse);
-      const float keep = m_new == -inf() ? 0.f : exp2f(m - m_new);
-      const float w = m_new == -inf() ? 0.f : exp2f(lse - m_new);
+      const float keep = m == -inf() ? 0.f : exp2f(m - m_new);
+      const float w = lse == -inf() ? 0.f : exp2f(lse - m_new);
       w_sum = w_sum * keep + w;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {

@@ -106,6 +106,24 @@ def test_tail_split_soft_cap_with_a_row_max(launched):
     _check(out.numpy(), lse.numpy(), q, k, v, softcap=60.0)
 
 
+def test_nan_key_reaches_a_split_tiles_rows():
+    """A NaN key makes every row that sees it NaN, in split tiles as in whole ones: key 0 is in
+    each tail tile's first piece, whose NaN LSE the merge must not drop (fmaxf does); the heads
+    without one stay finite."""
+    H = _heads(0.5)
+    tail, _ = _tail(H, H)
+    assert tail is not None
+    nan_head = H - 1  # its two query tiles are tail units (the last ones)
+    assert (tail.first // 2) <= nan_head, (tail, nan_head)
+    rng = np.random.default_rng(5)
+    q, k, v = _inputs(rng, 1, SQ, SK, H, H, D, "bfloat16")
+    k[0, 0, nan_head, 3] = np.nan
+    out, lse = (x.numpy() for x in pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), return_lse=True))
+    others = [h for h in range(H) if h != nan_head]
+    assert np.isnan(out[0, :, nan_head].astype(np.float32)).all() and np.isnan(lse[0, nan_head]).all()
+    assert np.isfinite(out[0][:, others].astype(np.float32)).all() and np.isfinite(lse[0, others]).all()
+
+
 def test_tail_split_repeats_on_one_stream():
     """Three calls on one stream give the same bits: each leaves its counters zero for the next
     (a counter left over would merge a unit early, from slots not yet written)."""
