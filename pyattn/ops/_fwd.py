@@ -25,7 +25,7 @@ from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.attention import FP8
 from ..validate.block_layout import band_limits
 from ..validate.options import LOG2E
-from ._fwd_tail import NO_TAIL, tail_fields, tail_split
+from ._fwd_tail import NO_TAIL, persistent_units, tail_fields, tail_split
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
            "packed_mask_layout", "packed_map_layout", "persistent_slots", "run_fwd", "device_extras"]
@@ -295,9 +295,7 @@ def persistent_slots(P, tiles, held: int) -> int:
         return held
     bm, bn = tiles.block_m, tiles.block_n
     n_mb = -(-P.seqlen_q // bm)
-    n_bh = P.heads_q * P.batch
-    # as PersistentUnits counts them: with an odd n_mb two (batch, head)s share a unit of middle blocks
-    units = n_mb // 2 * n_bh if n_mb % 2 == 0 else n_bh // 2 * n_mb + n_bh % 2 * (n_mb // 2 + 1)
+    units = persistent_units(P, bm)
     if units <= held:  # one round: nothing to balance
         return held
     rounding = -(-units // held) * held / units - 1

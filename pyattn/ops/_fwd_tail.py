@@ -20,7 +20,7 @@ from ..kernels.families.tma import tma_tail_splits
 from ..pipeline.device import output
 from ..runtime.memory import get_pool
 
-__all__ = ["TailSplit", "tail_split", "tail_fields", "NO_TAIL"]
+__all__ = ["TailSplit", "tail_split", "tail_fields", "persistent_units", "NO_TAIL"]
 
 # What a split costs beyond its key tiles, in key-tile steps: a piece's start, its fp32 partial's
 # store and count, and the merge on the warp that completes a tile, which is the last of its pieces
@@ -64,6 +64,17 @@ class TailSplit(NamedTuple):
     tiles_split: int  # the tail's query tiles (units; causal: two a unit), each with slots and counters
 
 
+def persistent_units(P, block_m: int) -> int:
+    """The work units a persistent attn_fwd_tma launch walks for problem ``P`` on ``block_m``-row
+    tiles, as kernels_src/attention_fwd_tma.cuh ``PersistentUnits`` counts them: a query tile each,
+    or causal a pair of row blocks; with an odd count of row blocks two (batch, head)s share a unit
+    of their middle blocks (a last lone one: its pairs and its middle block)."""
+    n_mb, n_bh = -(-P.seqlen_q // block_m), P.heads_q * P.batch
+    if not P.causal:
+        return n_mb * n_bh
+    return n_mb // 2 * n_bh if n_mb % 2 == 0 else n_bh // 2 * n_mb + n_bh % 2 * (n_mb // 2 + 1)
+
+
 def tail_split(P, spec, tiles, grid_blocks: int) -> "TailSplit | None":
     """The tail split of problem ``P`` on ``spec`` (its ``tiles``) launched as ``grid_blocks``
     persistent blocks, or None where the kernel takes none or it would not pay.
@@ -85,9 +96,10 @@ def tail_split(P, spec, tiles, grid_blocks: int) -> "TailSplit | None":
     if P.causal:
         if P.seqlen_q != P.seqlen_k or tiles.block_n != tiles.block_m or n_mb % 2:
             return None
-        units, kt = P.batch * P.heads_q * n_mb // 2, n_mb + 1  # PersistentUnits' pairs
+        kt = n_mb + 1  # a pair's key tiles
     else:
-        units, kt = P.batch * P.heads_q * n_mb, -(-P.seqlen_k // tiles.block_n)
+        kt = -(-P.seqlen_k // tiles.block_n)
+    units = persistent_units(P, tiles.block_m)
     rounds, r = divmod(units, grid_blocks)
     if rounds == 0 or r == 0 or kt < 2:
         return None
