@@ -86,13 +86,14 @@ def test_num_splits_of_the_decode_grid(units, keys, tile_keys, expect):
 
 
 @pytest.mark.parametrize("units, keys, expect", [
-    (8, 16384, 16), (8, 32768, 16), (16, 16384, 8), (16, 32768, 8), (32, 32768, 4), (8, 4096, 16), (16, 4096, 16),
-    (8, 8192, 32), (64, 32768, 4), (512, 32768, 1)])
+    (8, 16384, 16), (8, 32768, 16), (16, 16384, 8), (16, 32768, 8), (32, 32768, 4), (8, 4096, 16), (16, 4096, 8),
+    (8, 8192, 16), (16, 8192, 8), (8, 6144, 24), (64, 32768, 4), (512, 32768, 1)])
 def test_num_splits_of_long_splits_one_block_an_sm(units, keys, expect):
-    """The 16-bit TMA decode (sm_slots = 132 SMs; 64-key tiles, 2 blocks an SM): below one wave,
-    splits of >= 1024 keys fill one block an SM (the bf16 sweep's best); shorter ones keep the
-    wave's count (B1 / B2 x 4k: 16), as do counts that would fall below 4 (B8 x 32k: 4, not 2), and
-    from one wave on nothing changes."""
+    """The 16-bit TMA decodes (sm_slots = 132 SMs; 64-key tiles, 2 blocks an SM): below one wave,
+    splits of >= 512 keys fill one block an SM (the bf16 sweep's best: B1 x 8k 16 splits, B2 x 4k
+    8); shorter ones keep the wave's count (B1 x 4k: 16 of 256 keys; B1 x 6k: 24, its splits of 384
+    keys), as do counts that would fall below 4 (B8 x 32k: 4, not 2), and from one wave on nothing
+    changes."""
     assert choose_num_splits(units, keys // 64, 264, 1.0, 64, 132) == expect
 
 
@@ -101,10 +102,10 @@ def test_num_splits_of_long_splits_one_block_an_sm(units, keys, expect):
        st.integers(1, 300))
 def test_num_splits_with_sm_slots(units, max_tiles, slots, tile_keys, sms):
     """sm_slots only ever lowers the count, to one block an SM, and only where each split keeps
-    >= 1024 keys and 4 splits remain; without it the rule is unchanged."""
+    >= 512 keys and 4 splits remain; without it the rule is unchanged."""
     base = choose_num_splits(units, max_tiles, slots, 1.0, tile_keys)
     s = choose_num_splits(units, max_tiles, slots, 1.0, tile_keys, sms)
-    assert s == base or (4 <= s == sms // units < base and max_tiles * tile_keys >= s * 1024 and units < slots)
+    assert s == base or (4 <= s == sms // units < base and max_tiles * tile_keys >= s * 512 and units < slots)
 
 
 def test_num_splits_of_the_ragged_benchmark_batch():

@@ -308,13 +308,12 @@ def test_tma_decode_maps_of_8_bit_pools(gpu, kind, key_scales, D):
                                                             128)
 
 
-def test_swapped_blocks_fill_the_wave_where_m16_rows_take_one_block_an_sm(gpu):
+def test_16bit_decodes_take_one_block_an_sm_below_a_wave(gpu):
     """A 16-bit decode's split count below one wave (8 KV heads, one 16k-token sequence): a group of
-    4 at q_len 1 (4 rows: the swapped-role blocks) takes the wave's count, 264 slots (the fake GPU's
-    132 SMs x 2 blocks) over 8 units, 33, less the one split its 256 key tiles leave empty (8 tiles
-    a split: 32); the same cache at q_len 4 (16 rows: attn_decode_tma's m16 tiles) one block an SM,
-    132 / 8 (sm_slots), as measured for each (BENCHMARKS.md, thirty-fourth and thirty-fifth
-    sessions)."""
+    4 at q_len 1 (4 rows: the swapped-role blocks) and the same cache at q_len 4 (16 rows:
+    attn_decode_tma's m16 tiles) both take one block an SM, 132 / 8 (sm_slots; the fake GPU's 132
+    SMs), not the wave's 264 / 8, as measured for each (BENCHMARKS.md, fifty-ninth session). An
+    8-bit cache keeps the wave's count (test_decode_splits.py covers the rule itself)."""
     c = pyattn.PagedKVCache(1040, 16, 8, 64, "bfloat16")
     sid = c.add_sequence()
     kv = np.zeros((1, 16384, 8, 64), ml_dtypes.bfloat16)
@@ -326,4 +325,13 @@ def test_swapped_blocks_fill_the_wave_where_m16_rows_take_one_block_an_sm(gpu):
         pyattn.decode(_da((1, q_len, 32, 64), ml_dtypes.bfloat16), c, [sid])
         name, grid = fake_driver.LAUNCHES[0][:2]
         got[q_len] = (name.split("_bf16")[0], grid[0])
-    assert got == {1: ("pyattn_attn_decode_swap", 32), 4: ("pyattn_attn_decode_tma", 132 // 8)}
+    assert got == {1: ("pyattn_attn_decode_swap", 132 // 8), 4: ("pyattn_attn_decode_tma", 132 // 8)}
+    c8 = pyattn.PagedKVCache(1040, 16, 8, 128, "int8")
+    sid = c8.add_sequence()
+    kv = np.zeros((1, 16384, 8, 128), ml_dtypes.bfloat16)
+    c8.append([sid], kv, kv)
+    fake_driver.LAUNCHES.clear()
+    pyattn.decode(_da((1, 1, 32, 128), ml_dtypes.bfloat16), c8, [sid])
+    name, grid = fake_driver.LAUNCHES[0][:2]
+    # 264 slots / 8 units = 33, less the split that 128 key tiles of 128 leave empty
+    assert (name.split("_bf16")[0], grid[0]) == ("pyattn_attn_decode_swap", 32)

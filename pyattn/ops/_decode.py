@@ -150,8 +150,8 @@ def _build(P, device) -> DecodePlan:
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,
                       device.sm_count * blocks_per_sm(spec, kernel),
-                      # the 16-bit TMA decode's m16 rows; its swapped-role blocks fill the wave
-                      device.sm_count if spec.family == "attn_decode_tma" and not kv else 0,
+                      # the 16-bit TMA decodes, m16 rows and swapped-role blocks (choose_num_splits)
+                      device.sm_count if spec.family in ("attn_decode_tma", "attn_decode_swap") and not kv else 0,
                       layout(out_shape, P.dtype),
                       layout((P.batch, P.heads_q, P.q_len), _F32), n_rows, D, tma_box, heads)
     return plan
@@ -304,7 +304,7 @@ def pool_maps(device, pool, k: int, v: int, box: int, s, per_head: bool = False)
 # The fewest keys a decode split keeps where a batch fills less than one wave (choose_num_splits).
 _MIN_SPLIT_KEYS = 256
 # Splits at least this long fill one block an SM (choose_num_splits' sm_slots).
-_LONG_SPLIT_KEYS = 1024
+_LONG_SPLIT_KEYS = 512
 
 
 def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0, tile_keys: int = 0,
@@ -315,18 +315,24 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
 
     ``sm_slots`` (the SM count; 0 for kernels not measured so): below one wave, a kernel whose
     splits are long fills one block an SM rather than every slot, when each split then keeps at
-    least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decode reads
-    at the SM's share of bandwidth with one block (its producer keeps a 3-stage ring of 64-key
+    least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decodes read
+    at the SM's share of bandwidth with one block (two producer warps keep a 3-stage ring of page
     boxes in flight), so a second block an SM only adds its partial row and its share of the
-    combine. Measured on an H200, bf16, Hkv 8 (``dev/probe_q8_rows.py --kind bf16 --splits``,
-    BENCHMARKS.md "Twelfth session"): B1 x 16k 16 splits 26.5 us against the wave's 33 at 28.6;
-    B1 x 32k 42.8 against 44.8; B2 x 16k / 32k 8 splits 41.8 / 73.6 against 16 at 42.5 / 74.5;
-    B4 x 16k / 32k even; B8 x 32k (2 splits) 267.4 against 262.6 at 4, hence the 4-split floor.
-    The 8-bit kernels (their dequantization is the longer path) were best at the wave's count
-    (int8 B1 x 32k: 32 splits 33.8 us, 16 splits 35.2) and keep it, and so is the 16-bit kernel's
-    swapped-role variant (up to 8 rows: half the MMAs, 116 registers; BENCHMARKS.md, thirty-fourth
-    session): B1 x 32k 32 splits 41.1 us against 16 at 45.3, B1 x 16k 25.0 / 26.7, B2 x 32k 16
-    splits 72.4 against 8 at 77.6, B4 x 32k 8 splits 135.8 against 4 at 144.9.
+    combine: half the splits halve the partials that the unit's last block folds in (two L2 round
+    trips of 16 splits at 32). Measured on an H200, bf16, Hq 32, Hkv 8, page 16, GPU us a call back
+    to back (``dev/probe_decode_fixed.py --splits 4,8,16,32``, BENCHMARKS.md, fifty-ninth session):
+    - swapped-role blocks (q_len 1, 4 rows), one block an SM against the wave's count: B1 x 8k /
+      16k / 32k / 64k / 128k 16 splits 10.5 / 22.3 / 36.9 / 66.1 / 124.5 against 32's 12.3 / 24.2 /
+      39.1 / 68.7 / 129.4; B2 x 4k / 8k / 16k / 32k / 128k 8 splits 10.5 / 22.1 / 36.8 / 65.9 / 241.2
+      against 16's 10.8 / 22.6 / 37.7 / 67.3 / 247.3; B4 x 4k / 8k / 32k 4 splits 22.0 / 36.8 / 124.4
+      against 8's 22.4 / 37.6 / 127.4; q_len 2 (8 rows) B1 x 32k 38.5 against 42.2; MHA (32 units)
+      B1 x 32k 4 splits 1.031x cuDNN against 8's 1.005x. (The thirty-fourth session had found the
+      wave's count best for them, before the second producer warp and the page-chunk boxes.)
+    - m16 rows (q_len 4, 16 rows): B1 x 8k 16 splits (512 keys) 15.3 against 32's 22.1, hence 512
+      keys, not the 1024 of the twelfth session's sweep; B1 x 4k / 16k, B2 x 8k: the rule's 16 / 16 /
+      8 were the best counts.
+    The 8-bit kernels (their dequantization is the longer path) are best at the wave's count
+    (int8 B1 x 32k: 32 splits 25.9 us, 16 splits 29.8, 24 28.3) and keep it.
 
     Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
     takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least
