@@ -90,7 +90,7 @@ class DecodePlan(NamedTuple):
     block_n: int
     units: int  # independent blocks before splitting
     slots: int  # concurrent blocks on the GPU
-    sm_slots: int  # the SM count where long splits fill one block an SM (16-bit TMA decode), else 0
+    sm_slots: int  # the SM count where long splits fill one block an SM (16-bit TMA decodes), else 0
     out_layout: tuple  # pipeline.device.layout of the output and of the LSE
     lse_layout: tuple
     n_rows: int  # batch x q_len x heads_q
@@ -325,9 +325,10 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
       16k / 32k / 64k / 128k 16 splits 10.5 / 22.3 / 36.9 / 66.1 / 124.5 against 32's 12.3 / 24.2 /
       39.1 / 68.7 / 129.4; B2 x 4k / 8k / 16k / 32k / 128k 8 splits 10.5 / 22.1 / 36.8 / 65.9 / 241.2
       against 16's 10.8 / 22.6 / 37.7 / 67.3 / 247.3; B4 x 4k / 8k / 32k 4 splits 22.0 / 36.8 / 124.4
-      against 8's 22.4 / 37.6 / 127.4; q_len 2 (8 rows) B1 x 32k 38.5 against 42.2; MHA (32 units)
-      B1 x 32k 4 splits 1.031x cuDNN against 8's 1.005x. (The thirty-fourth session had found the
-      wave's count best for them, before the second producer warp and the page-chunk boxes.)
+      against 8's 22.4 / 37.6 / 127.4; q_len 2 (8 rows) B1 x 32k 38.5 against 42.2; MHA (32 units,
+      ``scripts/bench_decode.py --kv-heads 32``, the rules alternating) B1 x 32k 4 splits 121.4-121.6
+      against 8's 123.2-123.3. (The thirty-fourth session had found the wave's count best for them,
+      before the second producer warp and the page-chunk boxes.)
     - m16 rows (q_len 4, 16 rows): B1 x 8k 16 splits (512 keys) 15.3 against 32's 22.1, hence 512
       keys, not the 1024 of the twelfth session's sweep; B1 x 4k / 16k, B2 x 8k: the rule's 16 / 16 /
       8 were the best counts.
