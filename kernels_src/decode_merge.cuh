@@ -17,20 +17,10 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int k
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim, ROWS = Tr::kRows, U = 16;
   __shared__ int s_last;
-  // The last-block hand-over with one strong operation, as a grid barrier makes it: the block
-  // barrier orders every thread's partial stores before thread 0's count, whose release (cumulative)
-  // makes them visible device-wide; its acquire, then the second barrier, orders every other
-  // split's stores (released by their counts) before this block's reads. ptxas (sm_90a): one
-  // MEMBAR.ALL.GPU in warp 0 and an L1 invalidate, where a __threadfence in every thread before
-  // and after the count took a MEMBAR.SC.GPU per warp each (0.3-0.6 us a fence at B1 x 32k).
-  decode_sync<Tr>();
+  decode_sync<Tr>();  // every thread's partial stores, before the count's release (common.cuh)
   unsigned* counter = static_cast<unsigned*>(p.split_counters) + blockIdx.z * gridDim.y + blockIdx.y;
-  if (threadIdx.x == 0) {
-    unsigned before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
-    s_last = before == static_cast<unsigned>(p.num_splits - 1);
-  }
-  decode_sync<Tr>();
+  if (threadIdx.x == 0) s_last = count_acq_rel(counter) == static_cast<unsigned>(p.num_splits - 1);
+  decode_sync<Tr>();  // the other splits' partials, acquired by the count, before this block's reads
   if (!s_last) return;
   if (threadIdx.x == 0) *counter = 0u;
   // -- out = sum_s w_s o_s / l, a thread per (row, 4 columns), U splits at a time: each thread

@@ -144,15 +144,13 @@ __device__ __forceinline__ void sparq_find256(const unsigned* c, unsigned need, 
   above = cum;
 }
 
-// Whether this block is the last of its row to pass here (threadfence reduction pattern).
+// Whether this block is the last of its row to pass here (the hand-over of common.cuh's
+// count_acq_rel: every write before, every other block's write after).
 __device__ __forceinline__ bool sparq_last(int* counter, int blocks, int* flag) {
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == blocks - 1;
+  if (threadIdx.x == 0) *flag = count_acq_rel(counter) == static_cast<unsigned>(blocks - 1);
   __syncthreads();
-  const bool last = *flag;
-  if (last) __threadfence();
-  return last;
+  return *flag;
 }
 
 }  // namespace pyattn
