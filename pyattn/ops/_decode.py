@@ -318,22 +318,15 @@ def choose_num_splits(units: int, max_tiles: int, slots: int, fill: float = 1.0,
     least ``_LONG_SPLIT_KEYS`` keys and there are at least 4 splits. The 16-bit TMA decodes read
     at the SM's share of bandwidth with one block (two producer warps keep a 3-stage ring of page
     boxes in flight), so a second block an SM only adds its partial row and its share of the
-    combine: half the splits halve the partials that the unit's last block folds in (two L2 round
-    trips of 16 splits at 32). Measured on an H200, bf16, Hq 32, Hkv 8, page 16, GPU us a call back
-    to back (``dev/probe_decode_fixed.py --splits 4,8,16,32``, BENCHMARKS.md, fifty-ninth session):
-    - swapped-role blocks (q_len 1, 4 rows), one block an SM against the wave's count: B1 x 8k /
-      16k / 32k / 64k / 128k 16 splits 10.5 / 22.3 / 36.9 / 66.1 / 124.5 against 32's 12.3 / 24.2 /
-      39.1 / 68.7 / 129.4; B2 x 4k / 8k / 16k / 32k / 128k 8 splits 10.5 / 22.1 / 36.8 / 65.9 / 241.2
-      against 16's 10.8 / 22.6 / 37.7 / 67.3 / 247.3; B4 x 4k / 8k / 32k 4 splits 22.0 / 36.8 / 124.4
-      against 8's 22.4 / 37.6 / 127.4; q_len 2 (8 rows) B1 x 32k 38.5 against 42.2; MHA (32 units,
-      ``scripts/bench_decode.py --kv-heads 32``, the rules alternating) B1 x 32k 4 splits 121.4-121.6
-      against 8's 123.2-123.3. (The thirty-fourth session had found the wave's count best for them,
-      before the second producer warp and the page-chunk boxes.)
-    - m16 rows (q_len 4, 16 rows): B1 x 8k 16 splits (512 keys) 15.3 against 32's 22.1, hence 512
-      keys, not the 1024 of the twelfth session's sweep; B1 x 4k / 16k, B2 x 8k: the rule's 16 / 16 /
-      8 were the best counts.
-    The 8-bit kernels (their dequantization is the longer path) are best at the wave's count
-    (int8 B1 x 32k: 32 splits 25.9 us, 16 splits 29.8, 24 28.3) and keep it.
+    combine: half the splits halve the partials that the unit's last block folds in. Measured on
+    an H200, bf16, Hq 32, Hkv 8, page 16 (``dev/probe_decode_fixed.py --splits 4,8,16,32``;
+    every point in BENCHMARKS.md, fifty-ninth session): the swapped-role blocks (q_len 1-2; MHA)
+    at one block an SM against the wave's count, B1 x 8k / 32k / 128k 10.5 / 36.9 / 124.5 us
+    against 12.3 / 39.1 / 129.4, B2 -2 to -4%, B4 -2%, MHA B1 x 32k 121.5 against 123.2 (the
+    thirty-fourth session's opposite reading predates the second producer warp and the
+    page-chunk boxes); the m16 rows (q_len 4) at B1 x 8k, splits of 512 keys, 15.3 against 22.1,
+    hence 512 keys, not the twelfth session's 1024. The 8-bit kernels (their dequantization is
+    the longer path) are best at the wave's count (int8 B1 x 32k: 32 splits 25.9 us, 16 29.8).
 
     Decode (``tile_keys`` given) of an even batch whose unsplit blocks fill less than one wave
     takes the splits that fill the wave, ``slots // units``, as long as each split keeps at least
