@@ -96,7 +96,9 @@ def test_a_split_call_launches_the_tail_variant_with_its_fields(gpu, monkeypatch
     """On the fake driver (132 SMs, one attn_fwd_tma block an SM): a (1, 256, 99, 128) call over
     2048 keys (198 tiles, 66 in the last round) launches the q_tiles 3 variant on 132 blocks with
     its tail fields and their buffers; a call of whole rounds (66 heads) the row's own variant
-    with the fields zero (AttnFwdTmaParams packed as the kernel reads it)."""
+    with the fields zero (AttnFwdTmaParams packed as the kernel reads it). Each call loads only the
+    variant it launches (the split's decision is taken on the row's designed occupancy), so a first
+    call compiles one variant."""
     import struct
 
     import fake_driver
@@ -119,6 +121,7 @@ def test_a_split_call_launches_the_tail_variant_with_its_fields(gpu, monkeypatch
     bf16 = ml_dtypes.bfloat16
     for H, split in ((99, True), (66, False)):
         seen.clear()
+        before = set(gpu.kernel_names.values())
         pyattn.attention(_da((1, 256, H, 128), bf16), _da((1, 2048, H, 128), bf16), _da((1, 2048, H, 128), bf16))
         (kernel, grid, packed), = seen
         assert len(packed) == ATTN_FWD_TMA_PARAMS.size and grid == (132, 1, 1)
@@ -127,3 +130,24 @@ def test_a_split_call_launches_the_tail_variant_with_its_fields(gpu, monkeypatch
         assert tail == ((132, 66 * 16, 16, 2, 1) if split else (0,) * 5), tail
         assert all(f[n] for n in ("sk_part", "sk_lse", "sk_ctr")) == split
         assert gpu.kernel_names[int(kernel.handle)].endswith("pt") == split  # (entry suffix t: the split)
+        assert set(gpu.kernel_names.values()) - before == {gpu.kernel_names[int(kernel.handle)]}
+
+
+def test_a_driver_occupancy_off_the_design_retakes_the_split_decision(gpu, monkeypatch):
+    """Where the driver holds two blocks an SM of a row designed for one, the split is decided again
+    on the driver's 264 blocks: (1, 256, 99, 128) over 2048 keys, 198 tiles, is then one round and
+    launches the row's own variant, a block a tile (on the design's 132 it splits, test above)."""
+    import fake_driver
+    import ml_dtypes
+    from _host_path_helpers import _da
+
+    import pyattn
+
+    monkeypatch.setitem(fake_driver.OCCUPANCY, "attn_fwd_tma", 2)
+    gpu.record_launches = True
+    fake_driver.LAUNCHES.clear()
+    x = _da((1, 256, 99, 128), ml_dtypes.bfloat16)
+    k = _da((1, 2048, 99, 128), ml_dtypes.bfloat16)
+    pyattn.attention(x, k, k)
+    (name, grid, *_), = fake_driver.LAUNCHES
+    assert grid == (198, 1, 1) and "attn_fwd_tma" in name and not name.endswith("pt")

@@ -25,7 +25,7 @@ from ..runtime.tensormap import encode_tiled, rank4
 from ..validate.attention import FP8
 from ..validate.block_layout import band_limits
 from ..validate.options import LOG2E
-from ._fwd_tail import NO_TAIL, persistent_units, tail_fields, tail_split
+from ._fwd_tail import NO_TAIL, persistent_launch, persistent_units, tail_fields
 
 __all__ = ["FwdPlan", "MaskMap", "MaskBits", "VtPass", "TmaMaps", "SparseFwd", "build_fwd_plan", "mask_layout",
            "packed_mask_layout", "packed_map_layout", "persistent_slots", "run_fwd", "device_extras"]
@@ -142,7 +142,6 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
                                  keys=P.seqlen_k, mask_rows=P.mask is not None and P.mask.strides[2] == 0,
                                  causal=P.causal, queries=P.seqlen_q, batch_heads=P.batch * P.heads_q,
                                  sm_count=device.sm_count)
-    kernel = get_kernel(spec, device)
     out_shape = P.out_shape()
     out_elem = P.out_strides if P.out_strides is not None else c_strides(out_shape)
     qs, ks, vs, os_ = P.q_strides, P.k_strides, P.v_strides, _bsh(out_elem, P.layout)
@@ -186,11 +185,7 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         # a whole tile of rows (a key-padding mask is a "_row" kind, above)
         mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, tiles.block_m), swizzle)
-    # A persistent kernel's grid: the blocks the GPU holds at once (one an SM for its rows), or for
-    # some causal calls one work unit a block (persistent_slots); held blocks where the last round
-    # is split by keys (_fwd_tail: the rounding that a block a unit weighs is then gone)
-    held = device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes) if tiles.persistent else 0
-    tail = tail_split(P, spec, tiles, held) if held and not sparse and not empty else None
+    kernel, held, tail = persistent_launch(P, spec, tiles, device, not sparse and not empty)
     slots = held if tail is not None else persistent_slots(P, tiles, held) if held else 0
     maps_of = None
     if tma and not empty:  # the maps follow AttnFwdParams at a multiple of 64 bytes
@@ -201,7 +196,6 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
     vt = _vt_pass(P, device) if fp8 and not empty else None
     if tail is not None:  # the row's variant with the split (its tiles, shared memory and grid are the row's)
         spec = spec.replace(q_tiles=3)
-        kernel = get_kernel(spec, device)
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
                    spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("out", P.out_dtype)), layout(P.lse_shape(), _F32), empty,

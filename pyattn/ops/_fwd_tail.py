@@ -17,10 +17,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..kernels.families.tma import tma_tail_splits
+from ..kernels.registry import get_kernel
 from ..pipeline.device import output
 from ..runtime.memory import get_pool
 
-__all__ = ["TailSplit", "tail_split", "tail_fields", "persistent_units", "NO_TAIL"]
+__all__ = ["TailSplit", "tail_split", "persistent_launch", "tail_fields", "persistent_units", "NO_TAIL"]
 
 # What a split costs beyond its key tiles, in key-tile steps: a piece's start, its fp32 partial's
 # store and count, and the merge on the warp that completes a tile, which is the last of its pieces
@@ -138,3 +139,31 @@ def tail_fields(tail: TailSplit, device, s) -> tuple:
     lse = part.ptr + 4 * slots * tail.slot_floats
     raw = _FMT.pack(part.ptr, lse, counters, tail.first, tail.iters, tail.tiles, tail.slots, tail.pieces)
     return raw + bytes(-_FMT.size % 64), (part, keep)
+
+
+def persistent_launch(P, spec, tiles, device, may_split: bool) -> tuple:
+    """The kernel a call of ``spec`` launches, the blocks its GPU holds at once (0 unless persistent)
+    and its tail split (``may_split``: not sparse, not empty).
+
+    A persistent kernel's grid is the blocks the GPU holds at once (one an SM for its rows), or for
+    some causal calls one work unit a block (persistent_slots); held blocks where the last round is
+    split by keys (the rounding that a block a unit weighs is then gone: module docstring). Whether the
+    split pays depends on the blocks held, and the split is its own variant (q_tiles 3): so the
+    decision is taken on the row's designed occupancy (``min_blocks``: the setmaxnreg split fills
+    the register file at exactly that many blocks) and only the launched variant is loaded; the
+    driver's count of that variant is the grid, and where it differs from the design the decision
+    is taken again on it (a first call compiles one variant, not the row's as well).
+    """
+    if not tiles.persistent:
+        return get_kernel(spec, device), 0, None
+
+    def decide(held: int):
+        tail = tail_split(P, spec, tiles, held) if may_split else None
+        return tail, get_kernel(spec.replace(q_tiles=3) if tail is not None else spec, device)
+
+    designed = device.sm_count * tiles.min_blocks
+    tail, kernel = decide(designed)
+    held = device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)
+    if held != designed:
+        tail, kernel = decide(held)
+    return kernel, held, tail
