@@ -50,16 +50,17 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// The last-block hand-over's count (a split decode's combine, SparQ's stages), made as a grid
-// barrier makes it: one thread adds to `counter` between two block barriers and returns the count
+// The last-block hand-over's count (a split decode's combine, SparQ's stages, the prefill's tail
+// merge), made as a grid barrier makes it: one thread adds `amount` to `counter` between two
+// barriers of the threads whose writes it hands over (a block's, or a warp's) and returns the count
 // before its add. The release (cumulative) publishes device-wide every write the first barrier
-// ordered before it; the acquire, with the second barrier, orders the writes of the blocks counted
-// before ahead of this block's reads. ptxas: one MEMBAR.ALL.GPU in one warp and an L1 invalidate,
+// ordered before it; the acquire, with the second barrier, orders the writes of those counted
+// before ahead of these threads' reads. ptxas: one MEMBAR.ALL.GPU in one warp and an L1 invalidate,
 // where a __threadfence in every thread before and after the count cost a MEMBAR.SC.GPU a warp
 // each (0.2-0.4 us a B1 decode call on an H200: BENCHMARKS.md, fifty-ninth session).
-__device__ __forceinline__ unsigned count_acq_rel(void* counter) {
+__device__ __forceinline__ unsigned count_acq_rel(void* counter, unsigned amount = 1) {
   unsigned before;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(before) : "l"(counter), "r"(amount) : "memory");
   return before;
 }
 

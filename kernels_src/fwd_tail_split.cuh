@@ -89,16 +89,17 @@ __device__ __forceinline__ bool tail_piece(Mainloop& ml, const AttnFwdTmaParams&
           make_float2(ml.acc[4 * i + 2 * h] * inv, ml.acc[4 * i + 2 * h + 1] * inv);
     if (ml.t == 0) tp.sk_lse[mine * BM + r] = sum == 0.f ? -inf() : ml.row_max[h] * ml.sl2 + log2f(sum);
   }
-  // Release: each lane's stores are visible GPU-wide before lane 0 counts them (the classic
-  // fence-then-count of a last-block reduction); acquire below before the merge reads others'.
-  __threadfence();
+  // The warp's hand-over (count_acq_rel between two warp barriers): the barrier orders every
+  // lane's stores before lane 0's release; the second orders lane 0's acquire before every lane's
+  // reads of the other pieces. (A __threadfence in every lane before and after cost two
+  // MEMBAR.SC.GPU a warp.)
   __syncwarp();
   unsigned* ctr = static_cast<unsigned*>(tp.sk_ctr) + static_cast<long long>(tile) * WARPS + warp;
   unsigned before = 0;
-  if (lane == 0) before = atomicAdd(ctr, static_cast<unsigned>(done));
+  if (lane == 0) before = count_acq_rel(ctr, static_cast<unsigned>(done));
   before = __reduce_max_sync(kFullMask, before);  // to every lane, warp-uniform (the caller's `continue`)
   if (before + done != static_cast<unsigned>(count)) return false;
-  __threadfence();
+  __syncwarp();
   if (lane == 0) *ctr = 0u;  // the block stays zeroed for the stream's next kernel
   // Each row half in one pass over the slots, a slot's LSE and O rows loaded together: one L2
   // round trip a slot, where a max pass and then a weighted pass took two. The weights rescale
