@@ -147,3 +147,17 @@ def test_no_tail_split_where_rounds_are_whole_or_causal(launched):
         out, lse = pyattn.attention(*(pyattn.asarray(x) for x in (q, k, v)), causal=causal, return_lse=True)
         assert spec.entry_name in launched and spec.replace(q_tiles=3).entry_name not in launched, launched
         _check(out.numpy(), lse.numpy(), q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype, softcap", [("bfloat16", 0.0), ("float16", 0.0), ("float16", 60.0)])
+def test_split_rows_hold_their_designed_blocks(dtype, softcap):
+    """The plan decides the split on the row's designed blocks an SM (``min_blocks``: the setmaxnreg
+    split fills the register file at exactly that many) and loads only the launched variant
+    (ops/_fwd_tail.persistent_launch): the driver's occupancy of the row's variant and of its split
+    variant is that number here, so on this GPU the decision is never taken twice."""
+    from pyattn.kernels.registry import get_kernel
+
+    dev = pyattn.get_device()
+    spec = select_attention_spec(dtype, D, dev.arch, keys=SK, softcap=softcap)
+    for s in (spec, spec.replace(q_tiles=3)):
+        assert get_kernel(s, dev).max_active_blocks(s.threads, s.shared_bytes) == spec.tiles.min_blocks, s
