@@ -223,10 +223,10 @@ def test_plan_tile_stride_matches_the_lists(monkeypatch, arch, heads_in_layout, 
     import struct
 
     from _problems import problem
-    from pyattn.ops import _fwd
+    from pyattn.ops import _fwd, _fwd_tail
     from pyattn.ops.block_sparse import sparse_problem
 
-    monkeypatch.setattr(_fwd, "get_kernel", lambda spec, device: None)
+    monkeypatch.setattr(_fwd_tail, "get_kernel", lambda spec, device: None)  # (persistent_launch's)
     q, kv = np.zeros((1, 268, 4, 64), np.float16), np.zeros((1, 210, 2, 64), np.float16)
     P = problem(q, kv, kv, causal="top_left")
     R, C = block

@@ -151,8 +151,9 @@ def persistent_launch(P, spec, tiles, device, may_split: bool) -> tuple:
     split pays depends on the blocks held, and the split is its own variant (q_tiles 3): so the
     decision is taken on the row's designed occupancy (``min_blocks``: the setmaxnreg split fills
     the register file at exactly that many blocks) and only the launched variant is loaded; the
-    driver's count of that variant is the grid, and where it differs from the design the decision
-    is taken again on it (a first call compiles one variant, not the row's as well).
+    driver's count of that variant is the grid (both variants share threads, shared memory and
+    launch bounds), and where it differs from the design the decision is taken again on it (a
+    first call compiles one variant, not the row's as well).
     """
     if not tiles.persistent:
         return get_kernel(spec, device), 0, None
