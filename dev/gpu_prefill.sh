@@ -3,7 +3,7 @@
 #   PARTS=ab,tail,tests,bench bash dev/gpu_prefill.sh
 #   warm   `pyattn warmup` and dev/warm_issue13.py into /tmp/pc (a fresh machine: the tests' kernels)
 #   ab     dev/time_prefill.py on the A/B base tree (.ab/base, from `git archive`) and on this tree in
-#          ROUNDS (default 3) alternating processes, each tree with its own kernel cache, then SDPA
+#          ROUNDS (default 3) alternating processes (which tree goes first flips each round), each tree with its own kernel cache, then SDPA
 #          cuDNN on the same shapes (SHAPES: time_prefill's --shapes, default its own list)
 #   tail   dev/probe_tail.py (what the d = 64 short row's 64-row tail block costs)
 #   tests  the TMA prefill's GPU tests (test_gpu_tma_views, test_gpu_tma_masks, test_gpu_tma_persistent,
@@ -41,9 +41,12 @@ if has ab && [[ ! -d .ab/base ]]; then
   echo "ab: no .ab/base here (the run tool carries it only when asked: carry [\".ab\"])"
 elif has ab; then
   {
+    # the trees' order flips every round: the tree timed second read ~1% apart from the first on
+    # code neither changed (BENCHMARKS.md, sixtieth session)
+    base() { (cd .ab/base && PYTHONPATH=$PWD PYATTN_CACHE_DIR=/tmp/pc_base python "$here/dev/time_prefill.py" "base$1" "${shapes[@]}"); }
+    new() { PYTHONPATH=$here PYATTN_CACHE_DIR=/tmp/pc python dev/time_prefill.py "new$1" "${shapes[@]}"; }
     for r in $(seq "$ROUNDS"); do
-      (cd .ab/base && PYTHONPATH=$PWD PYATTN_CACHE_DIR=/tmp/pc_base python "$here/dev/time_prefill.py" "base$r" "${shapes[@]}")
-      PYTHONPATH=$here PYATTN_CACHE_DIR=/tmp/pc python dev/time_prefill.py "new$r" "${shapes[@]}"
+      if (( r % 2 )); then base "$r"; new "$r"; else new "$r"; base "$r"; fi
     done
     PYTHONPATH=$here python dev/time_prefill.py cudnn --cudnn "${shapes[@]}"
   } > "$OUT/ab.log" 2>&1
