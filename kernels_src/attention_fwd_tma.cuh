@@ -224,7 +224,9 @@ __device__ __forceinline__ void attn_fwd_tma_persistent(const AttnFwdTmaParams& 
         }
       }
     } else {
-      // the whole units, then (kTail) the pieces of the tail (fwd_tail_split.cuh)
+      // the whole units, then (kTail) the pieces of the tail (fwd_tail_split.cuh). `whole`, `end` and
+      // a tile's key-tile count are spelled again in the consumers' walk: helpers shared by the two
+      // moved the split variant's SASS and cost it 0.7-1.5% (BENCHMARKS.md, sixtieth session)
       const int whole = kTail && tp.sk_iters > 0 ? tp.sk_first : units.total;
       const int end = kTail ? tail_walk_end(tp, units.total) : units.total;
       for (int u = blockIdx.x; u < end; u += gridDim.x) {
