@@ -3,8 +3,9 @@
 #   PARTS=ab,tail,tests,bench bash dev/gpu_prefill.sh
 #   warm   `pyattn warmup` and dev/warm_issue13.py into /tmp/pc (a fresh machine: the tests' kernels)
 #   ab     dev/time_prefill.py on the A/B base tree (.ab/base, from `git archive`) and on this tree in
-#          ROUNDS (default 3) alternating processes (which tree goes first flips each round), each tree with its own kernel cache, then SDPA
-#          cuDNN on the same shapes (SHAPES: time_prefill's --shapes, default its own list)
+#          ROUNDS (default 3) alternating processes (which tree goes first flips each round), each
+#          tree with its own kernel cache, then SDPA cuDNN on the same shapes (SHAPES: time_prefill's
+#          --shapes, default its own list)
 #   tail   dev/probe_tail.py (what the d = 64 short row's 64-row tail block costs)
 #   tests  the TMA prefill's GPU tests (test_gpu_tma_views, test_gpu_tma_masks, test_gpu_tma_persistent,
 #          test_gpu_three_warpgroups, test_gpu_wgmma_ws, test_gpu_softcap_poly, test_gpu_masks; TESTS_K:

@@ -2,9 +2,9 @@
 scale with threads? One thread took 2.2 ms for 48 MiB plus 1.3 ms to unregister (BENCHMARKS.md,
 forty-seventh session), slower than staging; never timed a slice a thread. Here: 48 MiB (the q, k,
 v of (1, 4096, 16, 128) fp16) cut at 2 MiB boundaries into N slices, each registered (then
-unregistered) by a thread of its own, N = 1, 2, 4, 8, 16; the H2D from the registered array (a copy a slice: one copy spanning two registrations is
-refused, CUDA_ERROR_INVALID_VALUE); and
-the floor (pinned H2D) beside it. Medians of 5 fresh arrays a count (a first touch done before).
+unregistered) by a thread of its own, N = 1, 2, 4, 8, 16; the H2D from the registered array (a
+copy a slice: one copy spanning two registrations is refused, CUDA_ERROR_INVALID_VALUE); and the
+floor (pinned H2D) beside it. Medians of 5 fresh arrays a count (a first touch done before).
 
     PYTHONPATH=. python dev/probe_host_register.py
 """

@@ -185,7 +185,9 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         swizzle = min(128, tiles.block_n * size)  # one row of the swizzle: the tile's keys, or 128 bytes of them
         # a whole tile of rows (a key-padding mask is a "_row" kind, above)
         mask_map = MaskMap(kind, mask_map_layout, (swizzle // size, tiles.block_m), swizzle)
-    kernel, held, tail = persistent_launch(P, spec, tiles, device, not sparse and not empty)
+    # (spec becomes the launched variant: the row's split one, q_tiles 3, where the tail splits;
+    # its tiles, shared memory, grid and parameter struct are the row's)
+    spec, kernel, held, tail = persistent_launch(P, spec, tiles, device, not sparse and not empty)
     slots = held if tail is not None else persistent_slots(P, tiles, held) if held else 0
     maps_of = None
     if tma and not empty:  # the maps follow AttnFwdParams at a multiple of 64 bytes
@@ -194,8 +196,6 @@ def build_fwd_plan(problem, device, tma: bool = True) -> FwdPlan:
         boxes = ((inner, tiles.block_m), (inner, tiles.block_n), (128, spec.head_dim) if fp8 else (inner, tiles.block_n))
         maps_of = TmaMaps("u8" if fp8 else spec.dtype, maps, boxes, bytes(-spec.params.base.size % 64), mask_map)
     vt = _vt_pass(P, device) if fp8 and not empty else None
-    if tail is not None:  # the row's variant with the split (its tiles, shared memory and grid are the row's)
-        spec = spec.replace(q_tiles=3)
     return FwdPlan(spec, kernel, spec.grid(P.batch, P.heads_q, P.seqlen_q, slots), (spec.threads, 1, 1),
                    spec.shared_bytes,
                    packer, layout(out_shape, numpy_dtype("out", P.out_dtype)), layout(P.lse_shape(), _F32), empty,

@@ -142,8 +142,9 @@ def tail_fields(tail: TailSplit, device, s) -> tuple:
 
 
 def persistent_launch(P, spec, tiles, device, may_split: bool) -> tuple:
-    """The kernel a call of ``spec`` launches, the blocks its GPU holds at once (0 unless persistent)
-    and its tail split (``may_split``: not sparse, not empty).
+    """``(spec, kernel, held, tail)``: the variant a call of ``spec`` launches (the row's, or its
+    split variant, q_tiles 3) and its kernel, the blocks the GPU holds at once (0 unless
+    persistent) and the call's tail split (``may_split``: not sparse, not empty).
 
     A persistent kernel's grid is the blocks the GPU holds at once (one an SM for its rows), or for
     some causal calls one work unit a block (persistent_slots); held blocks where the last round is
@@ -156,15 +157,16 @@ def persistent_launch(P, spec, tiles, device, may_split: bool) -> tuple:
     first call compiles one variant, not the row's as well).
     """
     if not tiles.persistent:
-        return get_kernel(spec, device), 0, None
+        return spec, get_kernel(spec, device), 0, None
 
     def decide(held: int):
         tail = tail_split(P, spec, tiles, held) if may_split else None
-        return tail, get_kernel(spec.replace(q_tiles=3) if tail is not None else spec, device)
+        launched = spec.replace(q_tiles=3) if tail is not None else spec
+        return launched, get_kernel(launched, device), tail
 
     designed = device.sm_count * tiles.min_blocks
-    tail, kernel = decide(designed)
+    launched, kernel, tail = decide(designed)
     held = device.sm_count * kernel.max_active_blocks(spec.threads, spec.shared_bytes)
     if held != designed:
-        tail, kernel = decide(held)
-    return kernel, held, tail
+        launched, kernel, tail = decide(held)
+    return launched, kernel, held, tail
