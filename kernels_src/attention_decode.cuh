@@ -35,13 +35,16 @@ __device__ __forceinline__ void load_kv_stage(typename Tr::T* sK, typename Tr::T
   // Every pass's page-table entry first, then the copies: each entry's address waits on its load,
   // and issued pass by pass the loads ran one after another (a page-size-1 table, SparQ's chosen
   // keys, paid an L2 round trip per pass: 1024 keys a block took 100 us at B8, BENCHMARKS.md).
+  // The entries are clamped into the pool where they are used, not here: clamped as loaded, ptxas
+  // put each clamp right behind its load and loaded every entry into one register, one after
+  // another again (page-1 decode B8 x 32k 267 -> 319 us, B64 x 4k 282 -> 360; sixty-first session).
   int page[kPasses], slot[kPasses];
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int key = n0 + pass * kRowsPerPass + threadIdx.x / kTpr;
     page[pass] = 0;
     slot[pass] = 0;
-    if (key < n_end) page[pass] = static_cast<int>(key_page(p, pages, key, slot[pass]));  // never past the sequence
+    if (key < n_end) page[pass] = key_entry(p, pages, key, slot[pass]);  // never past the sequence
   }
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
@@ -50,8 +53,9 @@ __device__ __forceinline__ void load_kv_stage(typename Tr::T* sK, typename Tr::T
     const T* gv = static_cast<const T*>(p.v);
     const bool row_ok = key < n_end;
     if (row_ok) {
-      gk += page[pass] * p.k_stride_page + slot[pass] * p.k_stride_slot + k_head;
-      gv += page[pass] * p.v_stride_page + slot[pass] * p.v_stride_slot + v_head;
+      const long long pg = pool_page(page[pass], p.num_pages);
+      gk += pg * p.k_stride_page + slot[pass] * p.k_stride_slot + k_head;
+      gv += pg * p.v_stride_page + slot[pass] * p.v_stride_slot + v_head;
     }
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {

@@ -104,9 +104,9 @@ __device__ __forceinline__ void decode_sync() {
   }
 }
 
-// The pool page of key `key` of a sequence whose page list is `pages` (clamped: common.cuh
-// pool_page), and its slot in that page.
-__device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
+// The page-table entry of key `key` of a sequence whose page list is `pages`, as stored (not yet
+// clamped into the pool: key_page does that), and the key's slot in that page.
+__device__ __forceinline__ int key_entry(const DecodeParams& p, const int* pages, int key, int& slot) {
   int pi;
   if (p.page_shift >= 0) {  // power-of-two pages: no division
     pi = key >> p.page_shift;
@@ -115,7 +115,12 @@ __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* 
     pi = key / p.page_size;
     slot = key - pi * p.page_size;
   }
-  return pool_page(__ldg(pages + pi), p.num_pages);
+  return __ldg(pages + pi);
+}
+
+// The pool page of key `key` (its entry clamped: common.cuh pool_page), and its slot in that page.
+__device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
+  return pool_page(key_entry(p, pages, key, slot), p.num_pages);
 }
 
 // Where one decode block works: its (split, kv head, row block, sequence), its sequence's pages,
