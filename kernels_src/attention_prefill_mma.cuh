@@ -15,7 +15,9 @@ namespace pyattn {
 // K and V rows [first_row, first_row + ROWS) of one sequence's pages into sK / sV (rows padded
 // as load_tile's); rows past `row_end` and chunks past `head_dim` are zero-filled. Every page
 // lookup of the tile is issued before the first copy (one dependent load per copy, in turn, is
-// what held the wgmma version to half speed).
+// what held the wgmma version to half speed), and clamped into the pool only where its address is
+// made: clamped as loaded, ptxas loaded the lookups into one register one after another
+// (attention_decode.cuh's load_kv_stage met the same; sixty-first session).
 template <class Tr, int ROWS>
 __device__ __forceinline__ void load_kv_paged(typename Tr::T* dk, typename Tr::T* dv, const typename Tr::T* k,
                                               const typename Tr::T* v, const PagedFwdParams& pp, const int* pages,
@@ -27,9 +29,7 @@ __device__ __forceinline__ void load_kv_paged(typename Tr::T* dk, typename Tr::T
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int c = threadIdx.x + i * Tr::kThreads, key = first_row + c / CPR;
-    page[i] = (kChunks % Tr::kThreads == 0 || c < kChunks) && key < row_end
-                  ? static_cast<int>(pool_page(__ldg(pages + index_of(key)), pp.num_pages))
-                  : 0;
+    page[i] = (kChunks % Tr::kThreads == 0 || c < kChunks) && key < row_end ? __ldg(pages + index_of(key)) : 0;
   }
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
@@ -38,8 +38,9 @@ __device__ __forceinline__ void load_kv_paged(typename Tr::T* dk, typename Tr::T
       const int r = c / CPR, col = (c % CPR) * 8, key = first_row + r;
       const bool ok = key < row_end && col < head_dim;
       const long long slot = key - index_of(key) * pp.page_size;
-      const long long ko = static_cast<long long>(page[i]) * pp.k_stride_page + slot * pp.k_stride_slot + col;
-      const long long vo = static_cast<long long>(page[i]) * pp.v_stride_page + slot * pp.v_stride_slot + col;
+      const long long pg = pool_page(page[i], pp.num_pages);  // clamped here, not as loaded: see above
+      const long long ko = pg * pp.k_stride_page + slot * pp.k_stride_slot + col;
+      const long long vo = pg * pp.v_stride_page + slot * pp.v_stride_slot + col;
       cp_async_16(dk + r * Tr::kStride + col, ok ? k + ko : k, ok);
       cp_async_16(dv + r * Tr::kStride + col, ok ? v + vo : v, ok);
     }
