@@ -1,14 +1,16 @@
 """Dev probe (GPU): ``pyattn.decode`` over bf16 caches of small pages (the cp.async kernel, attn_decode).
 
     PYTHONPATH=. python dev/probe_small_pages.py [--points 8x32768,1x32768,64x4096] [--pages 1,8,16]
-                                                 [--rows 16x4x2x3,...] [--q-len 1]
+                                                 [--rows 16x4x2x3,...] [--q-len 1] [--cache int8]
 
 Hq 32, Hkv 8, D 128, random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
-caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V. Pages of
+caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V (of their codes and scales for an 8-bit cache). Pages of
 16 and more take the TMA kernel on sm_90a; smaller ones (and every page on other archs) attn_decode,
 whose per-row page-table reads this probe exists to time. ``--rows KEYSxWARPSxSTAGESxBLOCKS,...``:
 the same calls again with each of these in the d <= 128 row of attn_decode's table, alternating
-with the table as it is (two rounds); ``--q-len``: query tokens a sequence (speculative rows).
+with the table as it is (two rounds); ``--q-len``: query tokens a sequence (speculative rows);
+``--cache``: the cache's dtype (``int8`` or ``fp8_e4m3``: the 8-bit cp.async decode, whose pages
+below 16 take the same kernel; its own tile table, so not with ``--rows``).
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ def main() -> int:
     ap.add_argument("--pages", default="1,8,16")
     ap.add_argument("--rows", default="")
     ap.add_argument("--q-len", type=int, default=1)
+    ap.add_argument("--cache", default="bfloat16")
     args = ap.parse_args()
+    if args.rows and args.cache != "bfloat16":
+        ap.error("--rows tunes the 16-bit table: not with an 8-bit --cache")
     bench = harness.Bench(torch)
     variants = {"table": tile_table("attn_decode", "sm_90a"), **decode_rows(args.rows)}
     for B, L in args.points:
         q = pyattn.asarray(torch.randn(B, args.q_len, HQ, D, device="cuda", dtype=torch.bfloat16),
                            stream=bench.stream)
         cells = []
+        size = 2 if args.cache == "bfloat16" else 1  # bytes a K or V element
         for ps in (int(x) for x in args.pages.split(",")):
-            cache = pyattn.PagedKVCache(B * -(-L // ps) + 8, ps, HKV, D, "bfloat16")
+            cache = pyattn.PagedKVCache(B * -(-L // ps) + 8, ps, HKV, D, args.cache)
             ids = [cache.add_sequence() for _ in range(B)]
             for t0 in range(0, L, CHUNK):
                 k, v = (torch.randn(B, min(CHUNK, L - t0), HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +63,7 @@ def main() -> int:
                         best[name] = min(best.get(name, 1e9), bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3)
             for name, us in best.items():
                 cells.append(f"page {ps}{'' if len(variants) == 1 else ' ' + name}: {us:.1f} us "
-                             f"{B * L * HKV * D * 4 / us / 1e6:.2f} TB/s")
+                             f"{B * L * HKV * (D * 2 * size + (8 if size == 1 else 0)) / us / 1e6:.2f} TB/s")
             del cache
             torch.cuda.empty_cache()
         print(f"B{B} x {L}: " + " | ".join(cells), flush=True)

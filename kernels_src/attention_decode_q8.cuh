@@ -103,11 +103,23 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
   static_assert(CH % 4 == 0, "four threads per key row, whole chunks each");
   static_assert(!KC || (Tr::kBlockN % (16 * Tr::kWarps) == 0 && SegCopy<Tr>::kHalves <= kSegPasses),
                 "per-channel keys: whole segments per warp, each record copied in its segment's passes");
-  long long seg_page = 0;  // per-channel keys: the page of this warp's current segment, its first slot
-  int seg_slot0 = 0;
-  bool seg_ok = false;     // whether the segment has keys (else its page table entry is not read)
+  constexpr int kPasses = Tr::kBlockN / kRowsPerPass;
+  // Every lookup of the stage first (a row's entry a pass; per-channel keys: a 16-key segment's, its
+  // keys all in one page), then the copies, as attention_decode.cuh's load_kv_stage does and for its
+  // reason: looked up pass by pass, ptxas loaded the entries into 3-5 registers one after another (an
+  // L2 round trip each; sixty-second session). Entries stay raw until their address is made.
+  constexpr int kLookups = KC ? kSegsPerWarp : kPasses;
+  int entry[kLookups], eslot[kLookups];
 #pragma unroll
-  for (int pass = 0; pass < Tr::kBlockN / kRowsPerPass; ++pass) {
+  for (int i = 0; i < kLookups; ++i) {
+    // per-channel keys: segment i of this warp (rows 16 i' .. 16 i' + 15 of the stage)
+    const int key = n0 + (KC ? ((threadIdx.x / 32) * kSegsPerWarp + i) * 16 : i * kRowsPerPass + threadIdx.x / 4);
+    entry[i] = 0;
+    eslot[i] = 0;
+    if (key < n_end) entry[i] = key_entry(p, pages, key, eslot[i]);  // never past the sequence's pages
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
     // per-channel keys: rows 8 (pass % 2) .. +7 of this warp's segment pass / 2
     const int r = KC ? ((threadIdx.x / 32) * kSegsPerWarp + pass / kSegPasses) * 16 + (pass % kSegPasses) * 8 +
                            (threadIdx.x % 32) / 4
@@ -118,20 +130,12 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
     const float* gks = p.k_scale;
     const float* gvs = p.v_scale;
     const bool row_ok = key < n_end;
-    long long page = 0;
-    int slot = 0;
-    if constexpr (KC) {
-      if (pass % kSegPasses == 0) {  // one lookup per 16-key segment (all its keys lie in one page)
-        seg_ok = n0 + (r & ~15) < n_end;
-        seg_page = 0;
-        seg_slot0 = 0;
-        if (seg_ok) seg_page = key_page(p, pages, n0 + (r & ~15), seg_slot0);  // never reads past the pages
-      }
-      page = seg_page;
-      slot = seg_slot0 + (r & 15);
-    } else if (row_ok) {  // never reads a page-table entry past the sequence's pages
-      page = key_page(p, pages, key, slot);
-    }
+    // seg_ok: whether the segment has keys (else its entry was not read, and page / slot are 0)
+    const int li = KC ? pass / kSegPasses : pass;
+    const bool seg_ok = KC && n0 + (r & ~15) < n_end;
+    const int seg_slot0 = eslot[li];
+    const long long page = pool_page(entry[li], p.num_pages);
+    const int slot = KC ? seg_slot0 + (r & 15) : eslot[li];
     if (row_ok) {
       gk += page * p.k_stride_page + slot * p.k_stride_slot + kv_head * p.k_stride_h;
       gv += page * p.v_stride_page + slot * p.v_stride_slot + kv_head * p.v_stride_h;
