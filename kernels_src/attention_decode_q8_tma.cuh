@@ -94,6 +94,77 @@ __device__ __forceinline__ void decode_produce_q8(unsigned char* sK, unsigned ch
   });
 }
 
+// The producer warps' other mode (Traits::kGather), for pages that TMA boxes do not take (under 16
+// slots or not a power of two; no tensor maps then): the stage's rows gathered with cp.async into
+// the same ring layout, [D / 128][BLOCK_N][128] with the 128-byte swizzle (16-byte chunk c of ring
+// row r at chunk c ^ (r % 8): the ring starts on a 1024-byte boundary, as TMA's swizzle assumes),
+// completing on the stage's full barrier by each lane's cp.async arrival. Why producers and not the
+// cp.async kernel (attn_decode), whose consumers copy their own rows: there a warp's copies, lookups
+// and barrier wait in line with its MMAs, and the 8-bit kernel read pages of 1 and 8 slots at
+// 2.4 TB/s against this ring's 4.1 at page 16. One producer warp issuing every row's copies was
+// slower still (2.1 TB/s); the rows' producers (DecodeTile.gather: 4 warps of 16-key stages with
+// swapped roles, 2 with m16 rows) reach 3.6 (H200, int8 B8 x 32k; sixty-second session). Lane l looks
+// up the entries of the stage's rows l, l + 32, ... (in flight together, before the stage is free),
+// copies their scales, then each warp-wide copy takes 4 rows x 8 chunks, whole 128-byte lines, each
+// row's entry from the lane that looked it up. Per-token key scales only (per-channel ones need
+// pages of 16 slots).
+template <class Tr>
+__device__ __forceinline__ void decode_gather_q8(unsigned char* sK, unsigned char* sV, float* sKs, float* sVs,
+                                                 const DecodeParams& p, const DecodeBlock<Tr>& blk, unsigned full0,
+                                                 unsigned empty0) {
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 128, R = KB / 32;
+  static_assert(!Tr::kKeyChannel && KB % 32 == 0, "gathered rows: per-token scales, whole rows a lane");
+  const int lane = threadIdx.x % 32, first = Tr::kProducer > 1 ? threadIdx.x / 32 - Tr::kWarps : 0;
+  const long long head_k = static_cast<long long>(blk.kv_head) * p.ks_stride_h;
+  const long long head_v = static_cast<long long>(blk.kv_head) * p.vs_stride_h;
+  const unsigned char* gk = static_cast<const unsigned char*>(p.k) + blk.kv_head * p.k_stride_h + (lane % 8) * 16;
+  const unsigned char* gv = static_cast<const unsigned char*>(p.v) + blk.kv_head * p.v_stride_h + (lane % 8) * 16;
+  for (int j = first; j < blk.n_tiles; j += Tr::kProducer) {
+    const int st = j % S, n0 = blk.n_first + j * KB;
+    int entry[R], slot[R];  // raw entries: clamped where used (decode_common.cuh key_entry)
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      entry[m] = slot[m] = 0;
+      if (n0 + lane + 32 * m < blk.end) entry[m] = key_entry(p, blk.pages, n0 + lane + 32 * m, slot[m]);
+    }
+    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
+    const unsigned full = full0 + 8 * st;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int i = lane + 32 * m;
+      const bool ok = n0 + i < blk.end;
+      const long long pg = pool_page(entry[m], p.num_pages);
+      cp_async_4(sKs + st * KB + i, ok ? p.k_scale + pg * p.ks_stride_page + slot[m] * p.ks_stride_slot + head_k
+                                       : p.k_scale, ok);
+      cp_async_4(sVs + st * KB + i, ok ? p.v_scale + pg * p.vs_stride_page + slot[m] * p.vs_stride_slot + head_v
+                                       : p.v_scale, ok);
+    }
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      // Rows 32 m .. 32 m + 31, 4 a copy; not unrolled (unrolled, the stage's 32 copies added ~3000
+      // instructions and ~0.8 s of compile time to every 8-bit TMA variant).
+#pragma unroll 1
+      for (int q = 0; q < 8; ++q) {
+        const int from = 4 * q + lane / 8, r = 32 * m + from;  // the lane that looked ring row r up
+        const int e = __shfl_sync(kFullMask, entry[m], from), sl = __shfl_sync(kFullMask, slot[m], from);
+        const bool ok = n0 + r < blk.end;
+        const long long pg = pool_page(e, p.num_pages);
+        const long long ak = pg * p.k_stride_page + sl * p.k_stride_slot;
+        const long long av = pg * p.v_stride_page + sl * p.v_stride_slot;
+        const int dst = (st * H * KB + r) * 128 + (((lane % 8) ^ (r % 8)) << 4);
+#pragma unroll
+        for (int h = 0; h < H; ++h) {  // chunks past head_dim zero-filled (as the maps' bounds give them)
+          const bool in = ok && h * 128 + (lane % 8) * 16 < p.head_dim;
+          cp_async_16(sK + dst + h * KB * 128, in ? gk + ak + h * 128 : gk, in);
+          cp_async_16(sV + dst + h * KB * 128, in ? gv + av + h * 128 : gv, in);
+        }
+      }
+    }
+    pipe::cp_async_arrive(full);  // one arrival when this lane's copies have landed
+    pipe::arrive(full);           // and the one the TMA mode's expect-tx arrival makes
+  }
+}
+
 template <class Tr, bool SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   using T = typename Tr::T;
@@ -132,7 +203,11 @@ __device__ __forceinline__ void attn_decode_q8_tma(const DecodeParams& p) {
   }
   __syncthreads();  // the last block-wide barrier: a producer leaves when its copies are issued
   if (warp >= W) {
-    decode_produce_q8<Tr>(sK, sV, sKs, sVs, sSeg, p, blk, full0, empty0);
+    if constexpr (Tr::kGather) {  // pages of 1-8 slots, or not a power of two: no boxes (no maps either)
+      decode_gather_q8<Tr>(sK, sV, sKs, sVs, p, blk, full0, empty0);
+    } else {
+      decode_produce_q8<Tr>(sK, sV, sKs, sVs, sSeg, p, blk, full0, empty0);
+    }
     return;
   }
   if constexpr (Tr::kSwap) {  // blocks of 8 rows: keys on the MMAs' M side (decode_q8_swap.cuh)

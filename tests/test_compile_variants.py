@@ -164,7 +164,7 @@ def test_modifier_variants_compile_for_every_arch(arch, session_cache_dir, monke
 def _sparse_and_quant_specs(arch):
     """The block-sparse prefill variants (plain and with soft-cap, which runs on mma.sync) and the
     8-bit-cache decode kernels of ``arch`` (cp.async, and on sm_90a the TMA-fed one, with m16 row
-    tiles and with swapped roles), at the head-dim extremes of each."""
+    tiles and with swapped roles, page boxes or gathered rows), at the head-dim extremes of each."""
     from pyattn.kernels.specs import select_attention_spec
 
     specs = [select_attention_spec(dt, d, arch, softcap=cap, sparse=sp)
@@ -184,6 +184,12 @@ def _sparse_and_quant_specs(arch):
                              key_channel=kc)
                   for tag, d, kv, mods, kc in (("bf16", 128, "int8", False, False), ("f16", 128, "fp8e4m3", True, True),
                                                ("bf16", 256, "fp8e4m3", True, False), ("f16", 256, "int8", False, True))]
+        # pages TMA boxes do not take: the producers gather the rows (per-token keys)
+        specs += [KernelSpec(family, tag, d, arch, q_tiles=1, kv=kv, softcap=mods, alibi=mods, gather=True)
+                  for family, tag, d, kv, mods in (("attn_decode_swap", "bf16", 128, "int8", False),
+                                                   ("attn_decode_swap", "f16", 256, "fp8e4m3", True),
+                                                   ("attn_decode_tma", "f16", 128, "fp8e4m3", True),
+                                                   ("attn_decode_tma", "bf16", 256, "int8", False))]
     return specs
 
 

@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from pyattn.kernels.families import WGMMA_ARCHS, DecodeTile, override_tiles, tile_table
-from pyattn.kernels.families.decode import decode_row, tma_decode_serves
+from pyattn.kernels.families.decode import decode_row, tma_decode_serves, tma_gathers
 from pyattn.kernels.params import DECODE_PARAMS, KV_APPEND_PARAMS
 from pyattn.kernels.specs import HEAD_DIM_BUCKETS, KernelSpec, decode_max_q_tiles, decode_specs, tile_config
 
@@ -39,11 +39,11 @@ def test_decode_spec_rejected(kw, match):
         KernelSpec(**args)
 
 
-def _cuh_smem(d, kpw, warps, mt, stages, kv=0, producer=0, swap=0):
+def _cuh_smem(d, kpw, warps, mt, stages, kv=0, producer=0, swap=0, gather=0):
     """kPipeBytes / kMergeBytes evaluated from AttnDecodeTraits' own constexpr lines."""
     body = CUH.read_text().split("struct AttnDecodeTraits {")[1].split("};")[0]
     env = {"HEAD_DIM_": d, "KEYS_PER_WARP_": kpw, "WARPS_": warps, "M_TILES_": mt, "STAGES_": stages, "KV_": kv,
-           "PRODUCER_": producer, "SWAP_": swap}
+           "PRODUCER_": producer, "SWAP_": swap, "GATHER_": gather}
     for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
         if name != "kSmemBytes":
             # plain integer arithmetic on the names above; `c ? a : b` read as Python's `a if c else b`
@@ -217,19 +217,26 @@ def test_tma_decode_launch_bounds_follow_the_variants_own_ring(kv, d):
     ("sm_90a", 96, 16, "", False),    # not whole 64-column boxes
     ("sm_90a", 128, 16, "int8", True), ("sm_90a", 256, 64, "fp8e4m3", True),
     ("sm_90a", 64, 16, "int8", False),   # 8-bit: boxes of 128 columns (the 64 bucket keeps cp.async)
-    ("sm_90a", 128, 8, "fp8e4m3", False), ("sm_80", 128, 16, "int8", False),
-    ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
+    ("sm_90a", 128, 8, "fp8e4m3", "gather"), ("sm_90a", 256, 1, "int8", "gather"),  # rows by cp.async
+    ("sm_90a", 128, 48, "int8", "gather"), ("sm_90a", 64, 8, "int8", False), ("sm_80", 128, 16, "int8", False),
+    ("sm_80", 128, 8, "int8", False), ("sm_80", 128, 16, "", False), ("sm_89", 128, 16, "", False)])
 @pytest.mark.parametrize("key_channel", [False, True])
 def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
     """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies);
-    up to 8 rows take the TMA kernel's swapped-role blocks, 9 and more its m16 row tiles."""
+    up to 8 rows take the TMA kernel's swapped-role blocks, 9 and more its m16 row tiles. 8-bit
+    caches on pages TMA boxes do not take ("gather") take them too, their rows gathered by the
+    producers (no tensor maps), but per-channel keys there keep the cp.async kernel."""
     from pyattn.ops._decode import _spec
     kc = key_channel and bool(kv)
-    assert tma_decode_serves(arch, d, page, kv) is tma
+    if tma:  # boxes (True) or gathered rows
+        assert tma_gathers(kv, page) is (tma == "gather")
+    tma = tma is True or tma == "gather" and not kc
+    assert tma_decode_serves(arch, d, page, kv, kc) is tma
     for rows in (1, 4, 8, 9, 16):
         spec = _spec("bfloat16", d, arch, False, rows, False, False, kv, 0, kc, page)
         family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
         assert spec.family == family, rows
+        assert spec.gather is (tma and tma_gathers(kv, page)), rows
         assert spec.tiles.block_m == (8 if family == "attn_decode_swap" else 16), rows
 
 
@@ -258,6 +265,33 @@ def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
     assert spec.entry_name != tma.entry_name
     with pytest.raises(ValueError, match="q_tiles"):
         KernelSpec("attn_decode_swap", "bf16", d, "sm_90a", q_tiles=2, kv=kv)
+
+
+@pytest.mark.parametrize("family", ["attn_decode_tma", "attn_decode_swap"])
+@pytest.mark.parametrize("kv, num", [("int8", 1), ("fp8e4m3", 2)])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gathered_decode_specs_fit_and_match_traits(family, kv, num, d):
+    """gather: the family row's own (keys per warp, stages, producer warps), the TMA ring's layout
+    and shared memory (the traits' formula, GATHER_ set), its own entry name; refused for
+    per-channel keys, 16-bit caches and the cp.async family."""
+    swap = int(family == "attn_decode_swap")
+    row = next(r for r in tile_table(family, "sm_90a", "kv8") if r.max_head_dim >= d)
+    kpw, stages, producers = row.gather
+    spec = KernelSpec(family, "bf16", d, "sm_90a", q_tiles=1, kv=kv, gather=True)
+    st = spec.tiles
+    assert (st.block_n, st.stages, st.ws, st.warps) == (kpw * row.warps, stages, producers, row.warps + producers)
+    assert producers <= stages  # the traits' parity-wait rule
+    rows = 8 if swap else 16
+    ring = rows * (d + 8) * 2 + 1024 + stages * st.block_n * 2 * (d + 4)
+    merge = row.warps * rows * (d + (2 if swap else 8) + 2) * 4
+    assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, row.warps, 1, stages, num, producers, swap, 1)
+    assert spec.shared_bytes <= OPTIN_SMEM["sm_90a"]
+    assert spec.template_id.endswith(f"{num}, {producers}, {swap}, 1>, false, false>")
+    plain = KernelSpec(family, "bf16", d, "sm_90a", q_tiles=1, kv=kv)
+    assert spec.entry_name.endswith("_gather") and spec.entry_name != plain.entry_name
+    for bad in (dict(family=family, kv=kv, key_channel=True), dict(family=family), dict(family="attn_decode", kv=kv)):
+        with pytest.raises(ValueError, match="^gather: "):
+            KernelSpec(dtype="bf16", head_dim=d, arch="sm_90a", q_tiles=1, gather=True, **bad)
 
 
 def test_decode_shared_bytes_when_the_warp_merge_dominates():

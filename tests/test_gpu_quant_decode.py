@@ -99,9 +99,10 @@ def test_quantized_decode_matches_dequantized_reference(lengths, page_size, Hkv,
 
 @pytest.fixture(params=["tma", "cp.async"])
 def q8_loader(request, monkeypatch):
-    """Which 8-bit decode kernel runs: on sm_90a pages of 16+ slots at head dims 96..256 take the
-    TMA-fed one (attention_decode_q8_tma.cuh); "cp.async" turns it off (the kernel every other arch
-    runs). Yields a list that collects the families of the decode kernels loaded."""
+    """Which 8-bit decode kernel runs: on sm_90a head dims 96..256 take the TMA-fed one
+    (attention_decode_q8_tma.cuh; page boxes, or rows its producers gather on pages boxes do not
+    take, per-token keys); "cp.async" turns it off (the kernel every other arch
+    runs). Yields a list that collects the specs of the decode kernels loaded."""
     from pyattn.kernels.families import override_tiles, tile_table
     from pyattn.ops import _decode
 
@@ -110,12 +111,12 @@ def q8_loader(request, monkeypatch):
         pytest.skip(f"no TMA-fed decode on {arch}")
     if request.param == "cp.async":
         monkeypatch.setattr(_decode, "tma_decode_serves", lambda *a: False)
-    families = []
+    specs = []
     real = _decode.get_kernel
-    monkeypatch.setattr(_decode, "get_kernel", lambda spec, dev: families.append(spec.family) or real(spec, dev))
+    monkeypatch.setattr(_decode, "get_kernel", lambda spec, dev: specs.append(spec) or real(spec, dev))
     # a new registry generation: decode specs chosen before (memoised by generation) are chosen again
     with override_tiles("attn_decode", arch, tile_table("attn_decode", arch, "kv8"), table="kv8"):
-        yield request.param, families
+        yield request.param, specs
 
 
 def _outlier_data(rng, n, Hkv, D):
@@ -212,10 +213,28 @@ def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, g
     head dim 96 in the 128 bucket (the map's columns past 96 arrive as zeros; per-channel records
     hold 96 channel scales, the ring's rest is zeroed). Up to 8 rows (group x q_len) the TMA kernel
     runs with the keys on the MMAs' M side (attn_decode_swap), 9 and more on m16 row tiles."""
-    loader, families = q8_loader
+    _corners(q8_loader, key_scales, kind, group, q_len, D, page, mods)
+
+
+@pytest.mark.parametrize("kind, group, q_len, D, page, mods", [
+    ("int8", 4, 1, 128, 1, ""), ("fp8_e4m3", 8, 1, 128, 8, "softcap"), ("int8", 16, 2, 128, 4, "window"),
+    ("fp8_e4m3", 4, 2, 256, 1, "alibi"), ("int8", 1, 3, 96, 8, ""), ("int8", 4, 1, 128, 12, "softcap"),
+    ("fp8_e4m3", 16, 1, 256, 48, "")])
+def test_both_8_bit_kernels_on_small_and_odd_pages(q8_loader, kind, group, q_len, D, page, mods):
+    """Pages TMA boxes do not take (under 16 slots, or not a power of two), per-token scales: the
+    TMA kernel's producers gather the rows by cp.async (no tensor maps), swapped-role blocks and m16
+    rows alike; the same corners as the test above (ragged lengths, a fork, head dim 96 in the 128
+    bucket: the columns past 96 zero-filled, never read from the next head's codes)."""
+    _corners(q8_loader, "token", kind, group, q_len, D, page, mods)
+
+
+def _corners(q8_loader, key_scales, kind, group, q_len, D, page, mods):
+    loader, specs = q8_loader
     rng = np.random.default_rng(group * 100 + q_len + D)
     Hkv, lengths, t = 2, [1500, 37, 700], DTYPES["bfloat16"]
-    cache = pyattn.PagedKVCache(sum(-(-n // page) for n in lengths) + 8, page, Hkv, D, kind, key_scales=key_scales)
+    # spare pages for the fork's own tail (q_len + 20 tokens: up to 36 pages of one slot)
+    cache = pyattn.PagedKVCache(sum(-(-n // page) for n in lengths) + 8 + 64 // page, page, Hkv, D, kind,
+                                key_scales=key_scales)
     seqs = []
     for n in lengths:
         k = rng.standard_normal((n, Hkv, D))
@@ -235,7 +254,10 @@ def test_both_8_bit_kernels_on_pages_of_16_to_256(q8_loader, key_scales, kind, g
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(ids), Hkv * group)).astype(np.float32)
     out, lse = pyattn.decode(q, cache, ids, return_lse=True, **opts)
     tma = "attn_decode_swap" if group * q_len <= 8 else "attn_decode_tma"
-    assert {f for f in families if f.startswith("attn_decode")} == {tma if loader == "tma" else "attn_decode"}
+    decodes = [s for s in specs if s.family.startswith("attn_decode")]
+    assert {s.family for s in decodes} == {tma if loader == "tma" else "attn_decode"}
+    boxes = page >= 16 and page & (page - 1) == 0  # else the TMA kernel's producers gather the rows
+    assert {s.gather for s in decodes} == {loader == "tma" and not boxes}
     for b, (k, v) in enumerate(seqs):
         o = {**opts, "alibi_slopes": opts["alibi_slopes"][b:b + 1]} if mods == "alibi" else opts
         if key_scales == "token":

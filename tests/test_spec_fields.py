@@ -142,11 +142,13 @@ def test_cache_key_differs_for_every_field_and_toolchain():
                 base.replace(family="attn_decode", q_tiles=1),
                 base.replace(family="attn_decode", q_tiles=2),
                 base.replace(family="attn_decode", q_tiles=1, kv="int8"),
-                base.replace(family="attn_decode", q_tiles=1, kv="int8", key_channel=True)]
+                base.replace(family="attn_decode", q_tiles=1, kv="int8", key_channel=True),
+                base.replace(family="attn_decode_swap", head_dim=128, q_tiles=1, kv="int8"),
+                base.replace(family="attn_decode_swap", head_dim=128, q_tiles=1, kv="int8", gather=True)]
     # every field of the spec is covered above
     assert set(KernelSpec.FIELDS) == {"family", "dtype", "head_dim", "arch", "ptx",
                                                                  "mask", "softcap", "alibi", "q_tiles", "sparse", "kv",
-                                                                 "key_channel"}
+                                                                 "key_channel", "gather"}
     keys = {v.cache_key(TOOLCHAIN) for v in variants}
     keys |= {base.cache_key(TOOLCHAIN.replace("nvrtc=13.0", "nvrtc=13.1")),
              base.cache_key(TOOLCHAIN.replace("src=abc", "src=abd")),

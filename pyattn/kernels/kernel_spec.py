@@ -18,7 +18,7 @@ from .families.base import PDL_ARCHS, TileConfig
 __all__ = ["KernelSpec"]
 
 _FIELDS = ("family", "dtype", "head_dim", "arch", "ptx", "mask", "softcap", "alibi", "q_tiles", "sparse", "kv",
-           "key_channel")
+           "key_channel", "gather")
 
 
 class KernelSpec:
@@ -58,6 +58,10 @@ class KernelSpec:
     key_channel : bool
         attn_decode over an 8-bit cache only: the keys carry per-(page, channel) scales
         (``PagedKVCache(..., key_scales="channel")``) instead of one scale per token.
+    gather : bool
+        attn_decode_tma / attn_decode_swap over an 8-bit cache with per-token scales only: the
+        producer warps gather the ring's rows by cp.async (pages that TMA boxes do not take) instead
+        of loading page boxes; the family's row names its own keys, stages and producers for it.
     """
 
     # A read-only slotted class, not a frozen dataclass: the dataclass's generated methods cost
@@ -68,9 +72,9 @@ class KernelSpec:
 
     def __init__(self, family: str, dtype: str, head_dim: int, arch: str, ptx: bool = False, mask: str = "none",
                  softcap: int = 0, alibi: bool = False, q_tiles: int = 0, sparse: int = 0, kv: str = "",
-                 key_channel: bool = False):
+                 key_channel: bool = False, gather: bool = False):
         softcap = int(softcap) if isinstance(softcap, bool) else softcap
-        key = (family, dtype, head_dim, arch, ptx, mask, softcap, alibi, q_tiles, sparse, kv, key_channel)
+        key = (family, dtype, head_dim, arch, ptx, mask, softcap, alibi, q_tiles, sparse, kv, key_channel, gather)
         for name, value in zip(_FIELDS, key):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_key", key)
@@ -215,5 +219,6 @@ class KernelSpec:
                                                (f"q_tiles={self.q_tiles}", self.q_tiles),
                                                (f"sparse={self.sparse}", self.sparse),
                                                (f"kv={self.kv}", self.kv),
-                                               ("key_channel", self.key_channel)) if on)
+                                               ("key_channel", self.key_channel),
+                                               ("gather", self.gather)) if on)
         return f"{self.family}[{self.dtype}, d={self.head_dim}, {self.arch}{mods}{', ptx' if self.ptx else ''}]"

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..array import allocate, c_strides
 from ..kernels.registry import generation, get_kernel
-from ..kernels.families.decode import decode_row, tma_decode_serves
+from ..kernels.families.decode import decode_row, tma_decode_serves, tma_gathers
 from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KV_HEAD_DIM_BUCKETS, KernelSpec
 from ..pipeline.device import layout, output
 from ..pipeline.host import upload
@@ -44,16 +44,16 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
     replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales;
     ``page_size``: the pool's, which decides between attn_decode_tma (sm_90a, pages of 16 slots
-    and more) and attn_decode (cp.async rows, any page)."""
+    and more; 8-bit per-token caches at any page) and attn_decode (cp.async rows, any page)."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
-    tma = tma_decode_serves(arch, bucket, page_size, kv)
+    tma = tma_decode_serves(arch, bucket, page_size, kv, key_channel)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
     # Up to 8 rows: the keys on the MMAs' M side (attn_decode_swap), not an m16 row tile that is half
     # padding or more.
     family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
     return KernelSpec(family, tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
-                      key_channel=key_channel)
+                      key_channel=key_channel, gather=tma and tma_gathers(kv, page_size))
 
 
 def blocks_per_sm(spec, kernel) -> int:
@@ -95,7 +95,7 @@ class DecodePlan(NamedTuple):
     lse_layout: tuple
     n_rows: int  # batch x q_len x heads_q
     head_dim: int
-    tma_box: int  # attn_decode_tma: slots per page box of its maps; 0 for attn_decode
+    tma_box: int  # attn_decode_tma: slots per page box of its maps; 0 for attn_decode and gathered rows
     tma_heads: bool  # attn_decode_tma's maps per kv head (pool_maps' per_head)
 
 
@@ -143,9 +143,10 @@ def _build(P, device) -> DecodePlan:
     items = -(-min(t.block_m, rows) * (spec.head_dim // 4) // (32 * (t.warps - t.ws)))  # consumer threads
     # The TMA kernels' maps (kernels_src/attention_decode_tma.cuh): a 16-bit head_dim that is its
     # bucket (whole 64-column blocks) takes per-head maps, a page chunk a box; a narrower one the
-    # pools' maps in boxes of 16 slots; 8-bit codes the pools' maps, a page chunk a box.
+    # pools' maps in boxes of 16 slots; 8-bit codes the pools' maps, a page chunk a box, or none
+    # where the producers gather the rows (tma_gathers).
     heads = bool(t.ws) and not kv and P.head_dim == spec.head_dim
-    tma_box = (min(pool.page_size, t.block_n) if kv or heads else 16) if t.ws else 0
+    tma_box = (min(pool.page_size, t.block_n) if kv or heads else 16) if t.ws and not spec.gather else 0
     plan = DecodePlan(kernel, cspec, cspec.params.partial(cstatic), (-(-n_rows // cspec.tiles.warps), 1, 1),
                       (cspec.threads, 1, 1), items, (spec.threads, 1, 1), spec.shared_bytes,
                       (P.heads_kv * row_blocks, P.batch), packer, t.block_n, P.batch * P.heads_kv * row_blocks,

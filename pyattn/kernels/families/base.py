@@ -154,6 +154,7 @@ def entry_name(spec, t: TileConfig, stages: bool = False) -> str:
         + ("_alibi" if spec.alibi else "")
     mods += ("", "_sparse", "_sparse64")[spec.sparse] + (f"_kv{spec.kv}" if spec.kv else "")
     mods += "_kch" if spec.key_channel else ""
+    mods += "_gather" if spec.gather else ""
     ring = f"s{t.stages}" + ("tma" if t.ws else "") if stages else ""
     ring += "p" if t.persistent else ""
     ring += "kv" if t.split_kv else ""
@@ -219,11 +220,13 @@ class Family:
         Whether it reads block-sparse tile lists, 8-bit caches, and takes ``q_tiles``.
     key_channel : bool
         Whether it reads 8-bit caches whose keys have per-(page, channel) scales.
+    gather : bool
+        Whether its producer warps can gather an 8-bit cache's rows (``KernelSpec.gather``).
     """
 
     __slots__ = ("name", "label", "header", "params", "tables", "template_id", "dtypes", "mods", "alignment",
                  "traits", "smem_bytes", "table_for", "spec_tiles", "entry_name", "takes", "check", "sparse", "kv",
-                 "q_tiles", "key_channel")
+                 "q_tiles", "key_channel", "gather")
 
     def __init__(self, *, name: str, label: str, header: str, params, tables: Mapping[str, Mapping[str, tuple]],
                  template_id: Callable, dtypes: tuple = ("f32", "f16", "bf16"), mods: tuple = (),
@@ -231,13 +234,13 @@ class Family:
                  smem_bytes: Callable = no_shared_memory, table_for: Callable = dense_table,
                  spec_tiles: Callable = table_tiles, entry_name: Callable = entry_name, takes: str = "",
                  check: Callable | None = None, sparse: bool = False, kv: bool = False, q_tiles: bool = False,
-                 key_channel: bool = False):
+                 key_channel: bool = False, gather: bool = False):
         # Read-only views: a table changes through override_tiles only, never by patching.
         frozen = MappingProxyType({n: MappingProxyType(dict(by_arch)) for n, by_arch in tables.items()})
         values = dict(name=name, label=label, header=header, params=params, tables=frozen, template_id=template_id,
                       dtypes=dtypes, mods=mods, alignment=alignment, traits=traits, smem_bytes=smem_bytes,
                       table_for=table_for, spec_tiles=spec_tiles, entry_name=entry_name, takes=takes, check=check,
-                      sparse=sparse, kv=kv, q_tiles=q_tiles, key_channel=key_channel)
+                      sparse=sparse, kv=kv, q_tiles=q_tiles, key_channel=key_channel, gather=gather)
         for field, value in values.items():
             object.__setattr__(self, field, value)
 

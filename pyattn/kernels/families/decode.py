@@ -14,7 +14,7 @@ from .base import (CTYPES, KV_HEAD_DIM_BUCKETS, KV_KINDS, PAGED_ALIGNMENT, WGMMA
                    tma_page_boxes)
 
 __all__ = ["DecodeTile", "KV_HEAD_DIM_BUCKETS", "ATTN_DECODE", "ATTN_DECODE_TMA", "ATTN_DECODE_SWAP", "decode_row",
-           "tma_decode_serves", "PAGED_ALIGNMENT"]
+           "tma_decode_serves", "tma_gathers", "PAGED_ALIGNMENT"]
 
 
 class DecodeTile(NamedTuple):
@@ -35,6 +35,10 @@ class DecodeTile(NamedTuple):
     # registers; () takes the row's keys at no more than 2 stages (3, fitted to 2 blocks an SM by
     # dropping the unused K-scale ring, ran 9-13% slower: BENCHMARKS.md, thirty-second session).
     channel: tuple = ()
+    # attn_decode_tma / attn_decode_swap over 8-bit caches with per-token scales on pages TMA boxes
+    # do not take (KernelSpec.gather): (keys per warp, stages, producer warps) of that variant, whose
+    # producers gather every row by cp.async and so want more warps than the page boxes' one.
+    gather: tuple = ()
 
     def config(self) -> TileConfig:
         """The tile at one row tile (``KernelSpec.tiles`` sets the spec's ``q_tiles``)."""
@@ -108,8 +112,21 @@ _Q8_TMA_227K = (
                                     "1132 / 37.0; 16 keys x 4 warps x 4 stages 170 / 1248; 32 x 2 x 4: 212 / 1567; "
                                     "16 x 8 x 2: 253 / 1860; 3 blocks/SM (spills) 204 / 1601; the cp.async kernel "
                                     "237 / 1737 / 47.0 (fp8 alike, 2-6% faster); two producer warps: int8 B64 x 32k "
-                                    "1002 -> 1033 us, B8 137 -> 141 (dev/probe_q8_rows.py)", producer=1),
-    DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=1),
+                                    "1002 -> 1033 us, B8 137 -> 141 (dev/probe_q8_rows.py). Gathered rows (page 1, "
+                                    "int8, q_len 4 = m16 rows, B8 x 32k / B1 x 32k, dev/probe_small_pages.py): 2 "
+                                    "producers x 32 keys x 3 stages 185 / 44 us; 1 producer 284 / 55, 3 (156 bytes of "
+                                    "spill) 223 / 50, 4 x 16 x 4 211 / 47, 4 x 32 x 4 (1 block/SM) 204 / 40.5",
+               producer=1, gather=(32, 3, 2)),
+    DecodeTile(256, 16, 4, 2, 1, 1, "76 KiB at d=256; unmeasured", producer=1, gather=(16, 2, 2)),
+)
+# attn_decode_swap on 8-bit caches: the rows above but for their gathered rows (up to 8 query rows).
+_Q8_SWAP_227K = (
+    _Q8_TMA_227K[0]._replace(gather=(16, 4, 4), reason=(
+        "attn_decode_tma's row. Gathered rows (int8, q_len 1 at GQA 4, dev/probe_small_pages.py, page 1: B8 x 32k / "
+        "B1 x 32k / B64 x 4k): 4 producers x 16 keys x 4 stages 153.9 / 29.8 / 157.8 us (page 8 alike); 1 producer "
+        "x 32 x 3 264.8 / 41.5 / 267.8, 2: 175.8 / 31.7 / 178.8, 3: 162.1 / 31.3 / 164.1, 4 x 32 x 4 (1 block/SM) "
+        "185.0 / 32.7 / 198.2; attn_decode's cp.async rows 228 / 41.6 / 232")),
+    _Q8_TMA_227K[1]._replace(gather=(16, 4, 4), reason="76 KiB at d=256 (gathered: 138 KiB); unmeasured"),
 )
 
 
@@ -128,12 +145,25 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
     return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
 
 
-def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "") -> bool:
+def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False) -> bool:
     """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
     64-column boxes (128 bytes), or an 8-bit one at a bucket of whole 128-column boxes (the 64
-    bucket keeps the cp.async kernel), per-token or per-channel key scales alike; pages that
-    :func:`~.base.tma_page_boxes` takes."""
-    return arch in WGMMA_ARCHS and head_dim % (128 if kv else 64) == 0 and tma_page_boxes(page_size)
+    bucket keeps the cp.async kernel), per-token or per-channel key scales alike, on pages that
+    :func:`~.base.tma_page_boxes` takes. An 8-bit cache with per-token scales at any other page
+    size too: its producer warps then gather the rows by cp.async (:func:`tma_gathers`)."""
+    if arch not in WGMMA_ARCHS or head_dim % (128 if kv else 64):
+        return False
+    return tma_page_boxes(page_size) or bool(kv) and not key_channel
+
+
+def tma_gathers(kv: str, page_size: int) -> bool:
+    """Whether attn_decode_tma's producers gather an 8-bit cache's rows by cp.async instead of
+    loading page boxes by TMA (no tensor maps; ``KernelSpec.gather``): pages
+    :func:`~.base.tma_page_boxes` refuses (kernels_src/attention_decode_q8_tma.cuh,
+    ``decode_gather_q8``). The 8-bit cp.async kernel, whose warps copy their own rows, read pages of
+    1 and 8 slots at 2.4 TB/s on an H200, the gathered rows at 3.6 (sixty-second session). 16-bit
+    caches keep the cp.async kernel: 4.0 TB/s at page 1."""
+    return bool(kv) and not tma_page_boxes(page_size)
 
 
 # Shared memory an SM has for blocks (each block also reserves 1 KiB), per arch.
@@ -164,6 +194,10 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
         row = tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim)  # the family's own
         kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
         t = t._replace(block_n=kpw * row.warps, stages=stages)
+    if spec.gather:  # the row's gathered variant (its own keys, stages and producer warps)
+        row = tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim)
+        kpw, stages, producers = row.gather
+        t = t._replace(block_n=kpw * row.warps, stages=stages, warps=row.warps + producers, ws=producers)
     t = _spec_tiles(spec, t)
     return t._replace(min_blocks=1) if spec.q_tiles > 1 else t
 
@@ -171,9 +205,10 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
 def _traits(spec, t) -> str:
     kv = KV_KINDS[spec.kv] + (2 if spec.key_channel else 0)  # AttnDecodeTraits: 3 / 4 = per-channel key scales
     consumers = t.warps - t.ws  # the producer warps (ws) compute nothing
-    swap = ", 1" if spec.family == "attn_decode_swap" else ""  # SWAP_: 8 rows on the MMAs' N side
+    swap = int(spec.family == "attn_decode_swap")  # SWAP_: 8 rows on the MMAs' N side
+    tail = f", {swap}, 1" if spec.gather else f", {swap}" if swap else ""  # GATHER_: rows by cp.async
     return (f"pyattn::AttnDecodeTraits<{CTYPES[spec.dtype]}, {spec.head_dim}, {t.block_n // consumers}, {consumers}, "
-            f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}{swap}>")
+            f"{t.m_tiles}, {t.stages}, {kv}, {int(t.ws)}{tail}>")
 
 
 def _smem_bytes(spec, t) -> int:
@@ -222,20 +257,21 @@ ATTN_DECODE_TMA = Family(
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
-    key_channel=True,
+    key_channel=True, gather=True,
 )
 
 
 # The TMA-fed decode with the MMA roles swapped (kernels_src/decode_swap.cuh): blocks of at most 8
 # query rows (a GQA group of 4 or 8 at q_len 1) take the keys on the MMAs' M side and the rows on
 # N = 8, where attn_decode_tma's m16 row tile left half or more of its MMAs, accumulator and
-# softmax as padding. Its producer warp, ring and rows are attn_decode_tma's, 16- and 8-bit.
+# softmax as padding. Its producer warp, ring and rows are attn_decode_tma's, 16- and 8-bit, but for the
+# 8-bit rows' gathered variant (_Q8_SWAP_227K).
 ATTN_DECODE_SWAP = Family(
     name="attn_decode_swap", label="the TMA-fed decode on 8-row blocks", header="attention_decode.cuh",
     params=DECODE_PARAMS, tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS},
-                                  "kv8": {arch: _Q8_TMA_227K for arch in WGMMA_ARCHS}},
+                                  "kv8": {arch: _Q8_SWAP_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
     entry_name=lambda spec, t: entry_name(spec, t, stages=True), check=_check, kv=True, q_tiles=True,
-    key_channel=True,
+    key_channel=True, gather=True,
 )
