@@ -2,7 +2,8 @@
 //
 // The block of attn_decode16 (attention_decode.cuh) plus producer warps, the last. A stage of
 // BLOCK_N keys is copied in chunks of box_rows = min(page size, BLOCK_N) slots of one page, a power
-// of two >= 16 (the host sends smaller or odd pages to the cp.async kernel). Lane c of a producer
+// of two >= 16 (smaller or odd pages: decode_gather16's rows, up to 8 query rows a KV head, else the
+// cp.async kernel). Lane c of a producer
 // looks up chunk c's page and copies it; the bytes complete on the stage's "full" mbarrier, and
 // each consumer warp hands the stage back on its "empty" one. Shared memory: Q padded as in
 // attn_decode16, then per stage K and V as [BLOCK_N / 16][head_dim / 64][16][64] elements (16 keys'
@@ -128,6 +129,50 @@ __device__ __forceinline__ void decode_produce_tma(typename Tr::T* sK, typename 
     tma::arrive_expect(full, mine ? chunk_bytes : 0u);
     if (mine) pc.load16(smem_addr(sK), smem_addr(sV), st, full, slot, blk.kv_head, page, whole);
   });
+}
+
+// The producer warps' other mode (Traits::kGather): the stage's rows gathered with cp.async into the
+// same swizzled boxes, for pages TMA boxes do not take (as attention_decode_q8_tma.cuh's
+// decode_gather_q8 does for 8-bit rows; no tensor maps). Lane l looks up rows l, l + 32, ...; each
+// warp-wide copy takes 4 lines of 128 bytes (a row's column block: 8 lanes, a 16-byte chunk each),
+// the row's entry from the lane that looked it up; columns past head_dim are zero-filled. Each lane's
+// cp.async arrival is its one arrival on the stage's full barrier.
+template <class Tr>
+__device__ __forceinline__ void decode_gather16(typename Tr::T* sK, typename Tr::T* sV, const DecodeParams& p,
+                                                const DecodeBlock<Tr>& blk, unsigned full0, unsigned empty0) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim, KB = Tr::kBlockN, S = Tr::kStages, H = D / 64, R = KB / 32;
+  static_assert(KB % 32 == 0 && (32 * H) % 4 == 0, "gathered rows: whole rows a lane, 4 lines a copy");
+  const int lane = threadIdx.x % 32, chunk = lane % 8, first = Tr::kProducer > 1 ? threadIdx.x / 32 - Tr::kWarps : 0;
+  const T* gk = static_cast<const T*>(p.k) + blk.kv_head * p.k_stride_h + chunk * 8;
+  const T* gv = static_cast<const T*>(p.v) + blk.kv_head * p.v_stride_h + chunk * 8;
+  for (int j = first; j < blk.n_tiles; j += Tr::kProducer) {
+    const int st = j % S, n0 = blk.n_first + j * KB;
+    int entry[R], slot[R];  // raw entries: clamped where used (decode_common.cuh key_entry)
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      entry[m] = slot[m] = 0;
+      if (n0 + lane + 32 * m < blk.end) entry[m] = key_entry(p, blk.pages, n0 + lane + 32 * m, slot[m]);
+    }
+    if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+#pragma unroll 1
+      for (int q = 0; q < 8 * H; ++q) {  // lines (row, column block) of rows 32 m .. 32 m + 31, 4 a copy
+        const int line = 4 * q + lane / 8, from = line / H, h = line % H, r = 32 * m + from;
+        const int e = __shfl_sync(kFullMask, entry[m], from), sl = __shfl_sync(kFullMask, slot[m], from);
+        const bool ok = n0 + r < blk.end && h * 64 + chunk * 8 < p.head_dim;
+        const long long pg = pool_page(e, p.num_pages);
+        const long long ak = pg * p.k_stride_page + sl * p.k_stride_slot + h * 64;
+        const long long av = pg * p.v_stride_page + sl * p.v_stride_slot + h * 64;
+        // swizzled_box_at's element offset of (r, 64 h + 8 chunk) in stage st
+        const int dst = st * KB * D + (r >> 4) * (D * 16) + h * 1024 + (r & 15) * 64 + ((chunk ^ (r & 7)) << 3);
+        cp_async_16(sK + dst, ok ? gk + ak : gk, ok);
+        cp_async_16(sV + dst, ok ? gv + av : gv, ok);
+      }
+    }
+    pipe::cp_async_arrive(full0 + 8 * st);  // this lane's arrival, when its copies have landed
+  }
 }
 
 // Swapped roles (Traits::kSwap, decode_swap.cuh), one ring stage of one warp: S^T = K Q^T over its
@@ -256,7 +301,11 @@ __device__ __forceinline__ void attn_decode16_tma(const DecodeParams& p) {
   }
   __syncthreads();  // the last block-wide barrier: a producer leaves when its copies are issued
   if (warp >= W) {
-    decode_produce_tma<Tr>(sK, sV, p, blk, full0, empty0);
+    if constexpr (Tr::kGather) {  // pages TMA boxes do not take: no maps
+      decode_gather16<Tr>(sK, sV, p, blk, full0, empty0);
+    } else {
+      decode_produce_tma<Tr>(sK, sV, p, blk, full0, empty0);
+    }
     return;
   }
   if constexpr (Tr::kSwap) {  // blocks of 8 rows: keys on the MMAs' M side (decode_swap.cuh)

@@ -28,8 +28,8 @@ struct AttnDecodeTraits {
   // 1: the TMA kernels' consumers with the MMA roles swapped (decode_swap.cuh): blocks of 8 query
   // rows on the MMAs' N side.
   static constexpr int kSwap = SWAP_;
-  // 1: the 8-bit TMA kernels' producers gather the ring's rows by cp.async instead of loading page
-  // boxes (pages TMA boxes do not take; attention_decode_q8_tma.cuh decode_gather_q8).
+  // 1: the TMA kernels' producers gather the ring's rows by cp.async instead of loading page boxes
+  // (pages TMA boxes do not take; decode_gather16, attention_decode_q8_tma.cuh decode_gather_q8).
   static constexpr int kGather = GATHER_;
   static constexpr int kRows = SWAP_ ? 8 : 16 * M_TILES_;
   static constexpr int kBlockN = KEYS_PER_WARP_ * WARPS_;
@@ -65,7 +65,7 @@ struct AttnDecodeTraits {
                 "the producer warp fills 16-bit rings, or 8-bit ones in 128-column boxes");
   static_assert(kBlockN % (kThreads / 4) == 0, "whole rows per copy pass (4 threads per key row)");
   static_assert(SWAP_ == 0 || (PRODUCER_ && M_TILES_ == 1), "swapped roles: the TMA kernels, 8 rows");
-  static_assert(GATHER_ == 0 || (PRODUCER_ && (KV_ == 1 || KV_ == 2)), "gathered rows: 8-bit TMA kernels, per-token");
+  static_assert(GATHER_ == 0 || (PRODUCER_ && KV_ <= 2), "gathered rows: the TMA kernels, per-token scales");
   // A producer's wait for stage s to be free (ProducerChunks::each_tile) is a parity wait: it is
   // sound while the stage's previous phase is known complete, which the producer's own previous
   // wait ensures when no more producers take turns than there are stages.

@@ -212,8 +212,8 @@ def test_tma_decode_launch_bounds_follow_the_variants_own_ring(kv, d):
 
 @pytest.mark.parametrize("arch, d, page, kv, tma", [
     ("sm_90a", 128, 16, "", True), ("sm_90a", 64, 256, "", True), ("sm_90a", 256, 1024, "", True),
-    ("sm_90a", 128, 8, "", False),    # boxes of 8 slots: too small for TMA to pay
-    ("sm_90a", 128, 48, "", False),   # not a power of two: a box could straddle pages
+    ("sm_90a", 128, 8, "", "swap"),   # boxes of 8 slots, too small for TMA to pay: gathered up to 8 rows
+    ("sm_90a", 64, 48, "", "swap"),   # not a power of two (a box could straddle pages): likewise
     ("sm_90a", 96, 16, "", False),    # not whole 64-column boxes
     ("sm_90a", 128, 16, "int8", True), ("sm_90a", 256, 64, "fp8e4m3", True),
     ("sm_90a", 64, 16, "int8", False),   # 8-bit: boxes of 128 columns (the 64 bucket keeps cp.async)
@@ -225,18 +225,19 @@ def test_tma_decode_selection(arch, d, page, kv, tma, key_channel):
     """Per-channel key scales take the same kernel as per-token ones (page records by bulk copies);
     up to 8 rows take the TMA kernel's swapped-role blocks, 9 and more its m16 row tiles. 8-bit
     caches on pages TMA boxes do not take ("gather") take them too, their rows gathered by the
-    producers (no tensor maps), but per-channel keys there keep the cp.async kernel."""
+    producers (no tensor maps), but per-channel keys there keep the cp.async kernel; 16-bit caches
+    there ("swap") likewise, with swapped roles only (up to 8 rows)."""
     from pyattn.ops._decode import _spec
     kc = key_channel and bool(kv)
     if tma:  # boxes (True) or gathered rows
-        assert tma_gathers(kv, page) is (tma == "gather")
-    tma = tma is True or tma == "gather" and not kc
-    assert tma_decode_serves(arch, d, page, kv, kc) is tma
+        assert tma_gathers(page) is (tma != True)  # noqa: E712
     for rows in (1, 4, 8, 9, 16):
+        served = tma is True or tma == "gather" and not kc or tma == "swap" and rows <= 8
+        assert tma_decode_serves(arch, d, page, kv, kc, rows) is served, rows
         spec = _spec("bfloat16", d, arch, False, rows, False, False, kv, 0, kc, page)
-        family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
+        family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if served else "attn_decode"
         assert spec.family == family, rows
-        assert spec.gather is (tma and tma_gathers(kv, page)), rows
+        assert spec.gather is (served and tma_gathers(page)), rows
         assert spec.tiles.block_m == (8 if family == "attn_decode_swap" else 16), rows
 
 
@@ -268,30 +269,39 @@ def test_swapped_decode_specs_fit_and_match_traits(kv, num, d, kc):
 
 
 @pytest.mark.parametrize("family", ["attn_decode_tma", "attn_decode_swap"])
-@pytest.mark.parametrize("kv, num", [("int8", 1), ("fp8e4m3", 2)])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("kv, num", [("", 0), ("int8", 1), ("fp8e4m3", 2)])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gathered_decode_specs_fit_and_match_traits(family, kv, num, d):
     """gather: the family row's own (keys per warp, stages, producer warps), the TMA ring's layout
-    and shared memory (the traits' formula, GATHER_ set), its own entry name; refused for
-    per-channel keys, 16-bit caches and the cp.async family."""
+    and shared memory (the traits' formula, GATHER_ set), its own entry name; refused where the row
+    has no gathered variant (16-bit m16 rows), for per-channel keys and for the cp.async family."""
+    if kv and d == 64:  # 8-bit boxes are 128 columns
+        return
     swap = int(family == "attn_decode_swap")
-    row = next(r for r in tile_table(family, "sm_90a", "kv8") if r.max_head_dim >= d)
+    row = next(r for r in tile_table(family, "sm_90a", "kv8" if kv else "dense") if r.max_head_dim >= d)
+    if not row.gather:
+        assert not kv and not swap  # the measured exception: 16-bit m16 rows keep the cp.async kernel
+        with pytest.raises(ValueError, match="^gather: attn_decode_tma's row at head_dim"):
+            KernelSpec(family, "bf16", d, "sm_90a", q_tiles=1, gather=True)
+        return
     kpw, stages, producers = row.gather
     spec = KernelSpec(family, "bf16", d, "sm_90a", q_tiles=1, kv=kv, gather=True)
     st = spec.tiles
     assert (st.block_n, st.stages, st.ws, st.warps) == (kpw * row.warps, stages, producers, row.warps + producers)
     assert producers <= stages  # the traits' parity-wait rule
     rows = 8 if swap else 16
-    ring = rows * (d + 8) * 2 + 1024 + stages * st.block_n * 2 * (d + 4)
-    merge = row.warps * rows * (d + (2 if swap else 8) + 2) * 4
+    codes = stages * st.block_n * 2 * (d + 4) if kv else 2 * stages * st.block_n * d * 2
+    ring = rows * (d + 8) * 2 + 1024 + codes
+    merge = row.warps * rows * (d + ((2 if kv else 4) if swap else 8) + 2) * 4
     assert spec.shared_bytes == max(ring, merge) == _cuh_smem(d, kpw, row.warps, 1, stages, num, producers, swap, 1)
     assert spec.shared_bytes <= OPTIN_SMEM["sm_90a"]
     assert spec.template_id.endswith(f"{num}, {producers}, {swap}, 1>, false, false>")
     plain = KernelSpec(family, "bf16", d, "sm_90a", q_tiles=1, kv=kv)
     assert spec.entry_name.endswith("_gather") and spec.entry_name != plain.entry_name
-    for bad in (dict(family=family, kv=kv, key_channel=True), dict(family=family), dict(family="attn_decode", kv=kv)):
+    bad = [dict(family="attn_decode", kv=kv)] + [dict(family=family, kv=kv, key_channel=True)] * bool(kv)
+    for kw in bad:
         with pytest.raises(ValueError, match="^gather: "):
-            KernelSpec(dtype="bf16", head_dim=d, arch="sm_90a", q_tiles=1, gather=True, **bad)
+            KernelSpec(dtype="bf16", head_dim=d, arch="sm_90a", q_tiles=1, gather=True, **kw)
 
 
 def test_decode_shared_bytes_when_the_warp_merge_dominates():

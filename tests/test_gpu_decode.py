@@ -160,6 +160,40 @@ def test_groups_to_16_and_query_tokens_to_16(group, q_len, D, page, mods):
     _check_decode(out, lse, q, ks, vs, **opts)
 
 
+@pytest.mark.parametrize("group, q_len, D, page, mods", [
+    (4, 1, 128, 1, ""), (8, 1, 64, 8, "softcap"), (4, 2, 256, 3, "alibi"), (1, 5, 40, 1, "window"),
+    (2, 4, 128, 12, ""), (4, 4, 128, 1, "")])
+def test_small_and_odd_pages_on_gathered_rows(monkeypatch, group, q_len, D, page, mods):
+    """Pages TMA boxes do not take (under 16 slots, or not a power of two): on sm_90a up to 8 query
+    rows a KV head run the TMA kernel with swapped roles, its producers gathering the rows by
+    cp.async (KernelSpec.gather), more rows the cp.async kernel; ragged lengths, pool slots
+    outside the sequences NaN (a row read past a sequence's end shows), head dim 40 in the 64
+    bucket (the columns past 40 zero-filled, never read from the next head's)."""
+    from pyattn.ops import _decode
+
+    specs, real = [], _decode.get_kernel
+    monkeypatch.setattr(_decode, "get_kernel", lambda spec, dev: specs.append(spec) or real(spec, dev))
+    _decode._spec.cache_clear()  # (memoised: a spec chosen before would not be loaded again here)
+    rng = np.random.default_rng(group * 100 + q_len * 10 + page)
+    lengths = [1500, 37, 700]
+    kp, vp, pages, ks, vs = _pools(rng, lengths, page, 2, D, "bfloat16", "nhd", extra=2)
+    q = _rand(rng, (len(lengths), q_len, 2 * group, D), "bfloat16")
+    opts = dict(causal=True, window=(100, 0) if mods == "window" else None)
+    if mods == "softcap":
+        opts["softcap"] = 2.5
+    if mods == "alibi":
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(lengths), 2 * group)).astype(np.float32)
+    table = np.zeros((len(lengths), max(len(p) for p in pages)), np.int32)
+    for b, pg in enumerate(pages):
+        table[b, :len(pg)] = pg
+    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=table,
+                                   seq_lens=np.array(lengths, np.int32), return_lse=True, **opts)
+    decodes = [s for s in specs if s.family.startswith("attn_decode")]
+    swap = pyattn.get_device().arch == "sm_90a" and group * q_len <= 8
+    assert [(s.family, s.gather) for s in decodes] == [("attn_decode_swap", True) if swap else ("attn_decode", False)]
+    _check_decode(out, lse, q, ks, vs, **opts)
+
+
 def test_fused_combine_beyond_its_shared_weights():
     """A decode tile whose shared memory holds fewer split weights than the splits (the combine
     recomputes the rest from their LSEs), many splits empty, rows of two row tiles (GQA 8 x

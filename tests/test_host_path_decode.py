@@ -105,7 +105,9 @@ def test_every_kernel_waits_for_its_predecessor_and_launches_as_its_dependent_on
         ids = [c.add_sequence() for _ in range(2)]
         fake_driver.LAUNCHES.clear()
         fake_driver.PDL_LAUNCHES.clear()
-        pyattn.decode(_da((2, 1, 8, 64), ml_dtypes.bfloat16), c, ids)
+        # page 8: 16 query rows a KV head, which keep the cp.async kernel there (up to 8 would
+        # take the TMA kernel's gathered rows)
+        pyattn.decode(_da((2, 1 if page == 16 else 4, 8, 64), ml_dtypes.bfloat16), c, ids)
         kv = np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16)
         c.append(ids, kv, kv)  # a serving step's append follows the model's kernels alike
         pyattn.attention(*(_da((1, 64, 2, 64), ml_dtypes.bfloat16) for _ in range(3)))

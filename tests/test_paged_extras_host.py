@@ -79,7 +79,9 @@ def test_sparq_state_and_decode_launches(gpu):
     names = _launched()
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
-    assert [n for n, _ in names[1:]][:3] == ["sparq_score", "sparq_select", "attn_decode"]  # (the choice in score)
+    # (the choice in score; the chosen keys' decode over one-slot pages: on sm_90a with 4 rows a KV
+    # head the TMA kernel's gathered rows)
+    assert [n for n, _ in names[1:]][:3] == ["sparq_score", "sparq_select", "attn_decode_swap"]
     assert names[1][1] == names[2][1] == (2, rows, 1)  # 2500 keys: 2 chunks of 2048
     # the score blocks add into the rows' histograms (4096 bins) and counters: the stream's zeroed
     # counter block, zeroed once as it grows here (before the score stage) ...

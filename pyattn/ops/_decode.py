@@ -44,16 +44,16 @@ def _spec(dtype: str, head_dim: int, arch: str, ptx: bool, rows: int, softcap: b
     8-bit kind ("" for 16-bit caches); ``generation``: the registry's, so that a tile table
     replaced by ``override_tiles`` is read again; ``key_channel``: per-channel key scales;
     ``page_size``: the pool's, which decides between attn_decode_tma (sm_90a, pages of 16 slots
-    and more; 8-bit per-token caches at any page) and attn_decode (cp.async rows, any page)."""
+    and more; other pages where its row gathers them) and attn_decode (cp.async rows, any page)."""
     tag = DTYPES[dtype][0]
     bucket = next(b for b in (KV_HEAD_DIM_BUCKETS if kv else HEAD_DIM_BUCKETS) if b >= head_dim)
-    tma = tma_decode_serves(arch, bucket, page_size, kv, key_channel)
+    tma = tma_decode_serves(arch, bucket, page_size, kv, key_channel, rows)
     q_tiles = min(-(-rows // 16), decode_row(arch, bucket, kv, tma).max_q_tiles)
     # Up to 8 rows: the keys on the MMAs' M side (attn_decode_swap), not an m16 row tile that is half
     # padding or more.
     family = ("attn_decode_swap" if rows <= 8 else "attn_decode_tma") if tma else "attn_decode"
     return KernelSpec(family, tag, bucket, arch, ptx, softcap=softcap, alibi=alibi, q_tiles=q_tiles, kv=kv,
-                      key_channel=key_channel, gather=tma and tma_gathers(kv, page_size))
+                      key_channel=key_channel, gather=tma and tma_gathers(page_size))
 
 
 def blocks_per_sm(spec, kernel) -> int:

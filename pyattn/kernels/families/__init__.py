@@ -175,9 +175,9 @@ def check_spec(spec) -> None:
         raise ValueError(f"sparse: block-sparse tile lists are read by {_able('sparse')}, got {spec.family}")
     if spec.kv and not record.kv:
         raise ValueError(f"kv: only {_able('kv')} read quantized caches, got {spec.family}")
-    if spec.gather and not (record.gather and spec.kv and not spec.key_channel):
-        raise ValueError(f"gather: gathered rows are read by {_able('gather')} over an 8-bit cache with per-token "
-                         f"key scales, got {spec.family} with kv={spec.kv!r}, key_channel={spec.key_channel}")
+    if spec.gather and not (record.gather and not spec.key_channel):
+        raise ValueError(f"gather: gathered rows are read by {_able('gather')} (per-token key scales), got "
+                         f"{spec.family} with key_channel={spec.key_channel}")
     if spec.key_channel and not (record.key_channel and spec.kv):
         raise ValueError(f"key_channel: per-channel key scales are read by {_able('key_channel')} over an 8-bit "
                          f"cache (kv set), got {spec.family} with kv={spec.kv!r}")

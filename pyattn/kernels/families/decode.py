@@ -104,6 +104,22 @@ _TMA_227K = (
                producer=2),
     DecodeTile(256, 16, 4, 2, 1, 1, "141 KiB at d=256; unmeasured", producer=1),
 )
+# attn_decode_swap on 16-bit caches: the rows above, and their gathered rows for pages TMA boxes do
+# not take (KernelSpec.gather; attn_decode_tma's m16 rows keep the cp.async kernel there: level with
+# it, bf16 B8 x 32k q_len 4 page 1 269 / 267 us).
+_SWAP16_227K = (
+    _TMA_227K[0]._replace(gather=(16, 6, 6), reason=(
+        "attn_decode_tma's row. Gathered rows (bf16, q_len 1 at GQA 4, page 1, B8 x 32k / B1 x 32k / B64 x 4k, "
+        "dev/probe_small_pages.py's shapes): d 128 6 producers x 16 keys x 6 stages (1 block/SM) 241.2 / 40.4 / "
+        "254.6 us (page 8 241.2 at B8) against attn_decode's cp.async rows 260.7 / 44.4 / 281.2; 3 x 16 x 3 (2 "
+        "blocks/SM) 262.6 / 51.8 / 257.1, 4 x 16 x 4 306 / 45.6 / 307, 3 x 32 x 3 314 / 48 / 326; d 64 (16, 6, 6) "
+        "131.8 / 25.9 / 131.8 against 143.1 / 28.5 / 141.2, (16, 4, 4) 127.7 / 28.3 / 127.6; SparQ's chosen-key "
+        "decode (dev/profile_sparq.py) B8 x 32k 49.2 -> 48.1, B4 x 128k 83.1 -> 78.3")),
+    _TMA_227K[1]._replace(gather=(16, 3, 3), reason=(
+        "141 KiB at d=256. Gathered rows (bf16, q_len 1, page 1, B8 x 32k / B1 x 32k / B64 x 4k): 3 producers x 16 "
+        "keys x 3 stages 628.6 / 87.8 / 648.2 us against the cp.async rows 662.7 / 90.7 / 650.1; (16, 2, 2) 829 / "
+        "111 / 835")),
+)
 # attn_decode_tma on 8-bit caches: boxes of 128 columns (d = 128 / 256); ring = 16 q_tiles (d + 8) * 2
 # + 1024 + stages block_n 2 (d + 4) (codes, then the fp32 scales; per-channel keys add the records).
 _Q8_TMA_227K = (
@@ -145,25 +161,30 @@ def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> Dec
     return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
 
 
-def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False) -> bool:
-    """Whether attn_decode_tma takes a decode: sm_90a; a 16-bit cache at a head-dim bucket of whole
-    64-column boxes (128 bytes), or an 8-bit one at a bucket of whole 128-column boxes (the 64
-    bucket keeps the cp.async kernel), per-token or per-channel key scales alike, on pages that
-    :func:`~.base.tma_page_boxes` takes. An 8-bit cache with per-token scales at any other page
-    size too: its producer warps then gather the rows by cp.async (:func:`tma_gathers`)."""
+def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False,
+                      rows: int = 1) -> bool:
+    """Whether attn_decode_tma (or, up to 8 query ``rows`` a kv head, attn_decode_swap) takes a
+    decode: sm_90a; a 16-bit cache at a head-dim bucket of whole 64-column boxes (128 bytes), or an
+    8-bit one at a bucket of whole 128-column boxes (the 64 bucket keeps the cp.async kernel),
+    per-token or per-channel key scales alike, on pages that :func:`~.base.tma_page_boxes` takes.
+    On other pages, per-token scales, where that family's row has a gathered variant
+    (``DecodeTile.gather``: its producer warps gather the rows by cp.async, :func:`tma_gathers`)."""
     if arch not in WGMMA_ARCHS or head_dim % (128 if kv else 64):
         return False
-    return tma_page_boxes(page_size) or bool(kv) and not key_channel
+    if tma_page_boxes(page_size):
+        return True
+    family = ATTN_DECODE_SWAP if rows <= 8 else ATTN_DECODE_TMA
+    return not key_channel and bool(tables.row(family, _kv_table(kv, 0), arch, head_dim).gather)
 
 
-def tma_gathers(kv: str, page_size: int) -> bool:
-    """Whether attn_decode_tma's producers gather an 8-bit cache's rows by cp.async instead of
-    loading page boxes by TMA (no tensor maps; ``KernelSpec.gather``): pages
-    :func:`~.base.tma_page_boxes` refuses (kernels_src/attention_decode_q8_tma.cuh,
-    ``decode_gather_q8``). The 8-bit cp.async kernel, whose warps copy their own rows, read pages of
-    1 and 8 slots at 2.4 TB/s on an H200, the gathered rows at 3.6 (sixty-second session). 16-bit
-    caches keep the cp.async kernel: 4.0 TB/s at page 1."""
-    return bool(kv) and not tma_page_boxes(page_size)
+def tma_gathers(page_size: int) -> bool:
+    """Whether the TMA decodes' producers, where they take a decode (:func:`tma_decode_serves`),
+    gather its rows by cp.async instead of loading page boxes by TMA (no tensor maps;
+    ``KernelSpec.gather``): pages :func:`~.base.tma_page_boxes` refuses (``decode_gather16`` in
+    kernels_src/attention_decode_tma.cuh, ``decode_gather_q8`` in attention_decode_q8_tma.cuh). On an
+    H200 at pages of 1 and 8 slots the 8-bit cp.async kernel, whose warps copy their own rows, read
+    2.4 TB/s, the gathered rows 3.6; 16-bit, with swapped roles, 4.1 and 4.5 (sixty-second session)."""
+    return not tma_page_boxes(page_size)
 
 
 # Shared memory an SM has for blocks (each block also reserves 1 KiB), per arch.
@@ -232,6 +253,10 @@ def _check(spec) -> None:
     if spec.kv and spec.head_dim not in KV_HEAD_DIM_BUCKETS:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
+    if spec.gather and spec.family != "attn_decode" and not spec.key_channel:  # (else check_spec's message)
+        if not tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim).gather:
+            raise ValueError(f"gather: {spec.family}'s row at head_dim {spec.head_dim} on {spec.arch} has no gathered "
+                             f"variant for a {'8' if spec.kv else '16'}-bit cache (DecodeTile.gather)")
     most = 1 if spec.family == "attn_decode_swap" else decode_row(spec.arch, spec.head_dim, spec.kv,
                                                                       spec.family == "attn_decode_tma").max_q_tiles
     if not 1 <= spec.q_tiles <= most:
@@ -264,11 +289,11 @@ ATTN_DECODE_TMA = Family(
 # The TMA-fed decode with the MMA roles swapped (kernels_src/decode_swap.cuh): blocks of at most 8
 # query rows (a GQA group of 4 or 8 at q_len 1) take the keys on the MMAs' M side and the rows on
 # N = 8, where attn_decode_tma's m16 row tile left half or more of its MMAs, accumulator and
-# softmax as padding. Its producer warp, ring and rows are attn_decode_tma's, 16- and 8-bit, but for the
-# 8-bit rows' gathered variant (_Q8_SWAP_227K).
+# softmax as padding. Its producer warp, ring and rows are attn_decode_tma's, 16- and 8-bit, but for
+# their gathered variants (_SWAP16_227K, _Q8_SWAP_227K).
 ATTN_DECODE_SWAP = Family(
     name="attn_decode_swap", label="the TMA-fed decode on 8-row blocks", header="attention_decode.cuh",
-    params=DECODE_PARAMS, tables={"dense": {arch: _TMA_227K for arch in WGMMA_ARCHS},
+    params=DECODE_PARAMS, tables={"dense": {arch: _SWAP16_227K for arch in WGMMA_ARCHS},
                                   "kv8": {arch: _Q8_SWAP_227K for arch in WGMMA_ARCHS}},
     template_id=ATTN_DECODE.template_id, dtypes=("f16", "bf16"), mods=("softcap", "alibi"), alignment=PAGED_ALIGNMENT,
     traits=_traits, smem_bytes=_smem_bytes, table_for=_kv_table, spec_tiles=_tma_spec_tiles,
