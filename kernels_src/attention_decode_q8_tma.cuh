@@ -121,12 +121,8 @@ __device__ __forceinline__ void decode_gather_q8(unsigned char* sK, unsigned cha
   const unsigned char* gv = static_cast<const unsigned char*>(p.v) + blk.kv_head * p.v_stride_h + (lane % 8) * 16;
   for (int j = first; j < blk.n_tiles; j += Tr::kProducer) {
     const int st = j % S, n0 = blk.n_first + j * KB;
-    int entry[R], slot[R];  // raw entries: clamped where used (decode_common.cuh key_entry)
-#pragma unroll
-    for (int m = 0; m < R; ++m) {
-      entry[m] = slot[m] = 0;
-      if (n0 + lane + 32 * m < blk.end) entry[m] = key_entry(p, blk.pages, n0 + lane + 32 * m, slot[m]);
-    }
+    int entry[R], slot[R];
+    gather_entries<R>(p, blk.pages, n0, blk.end, lane, entry, slot);
     if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
     const unsigned full = full0 + 8 * st;
 #pragma unroll

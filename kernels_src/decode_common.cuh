@@ -122,6 +122,19 @@ __device__ __forceinline__ int key_entry(const DecodeParams& p, const int* pages
   return __ldg(pages + pi);
 }
 
+// The gathered-row producers' lookups (decode_gather16, decode_gather_q8): the entries of rows
+// n0 + lane + 32 m (m < R) of a stage, as stored (clamped where used), all in flight together; rows
+// at or past `end` read no entry (0, slot 0).
+template <int R>
+__device__ __forceinline__ void gather_entries(const DecodeParams& p, const int* pages, int n0, int end, int lane,
+                                               int (&entry)[R], int (&slot)[R]) {
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    entry[m] = slot[m] = 0;
+    if (n0 + lane + 32 * m < end) entry[m] = key_entry(p, pages, n0 + lane + 32 * m, slot[m]);
+  }
+}
+
 // The pool page of key `key` (its entry clamped: common.cuh pool_page), and its slot in that page.
 __device__ __forceinline__ long long key_page(const DecodeParams& p, const int* pages, int key, int& slot) {
   return pool_page(key_entry(p, pages, key, slot), p.num_pages);

@@ -143,7 +143,12 @@ def test_groups_to_16_and_query_tokens_to_16(group, q_len, D, page, mods):
     """The decode issue's corners that the fuzz above leaves out: GQA groups of 16 and up to 16
     query tokens (up to 256 rows: several row blocks), on pages of 16..256 (on sm_90a the TMA
     kernel's page boxes), ragged lengths ending mid-page, with soft-cap, ALiBi or a window."""
-    rng = np.random.default_rng(group * 100 + q_len)
+    _corner(np.random.default_rng(group * 100 + q_len), group, q_len, D, page, mods)
+
+
+def _corner(rng, group, q_len, D, page, mods):
+    """paged_decode over 3 ragged sequences (2 KV heads, bf16, NaN outside their slots) with
+    ``mods`` ("softcap", "alibi", "window" or ""), checked against the reference."""
     lengths = [1500, 37, 700]
     kp, vp, pages, ks, vs = _pools(rng, lengths, page, 2, D, "bfloat16", "nhd", extra=2)
     q = _rand(rng, (len(lengths), q_len, 2 * group, D), "bfloat16")
@@ -174,24 +179,10 @@ def test_small_and_odd_pages_on_gathered_rows(monkeypatch, group, q_len, D, page
     specs, real = [], _decode.get_kernel
     monkeypatch.setattr(_decode, "get_kernel", lambda spec, dev: specs.append(spec) or real(spec, dev))
     _decode._spec.cache_clear()  # (memoised: a spec chosen before would not be loaded again here)
-    rng = np.random.default_rng(group * 100 + q_len * 10 + page)
-    lengths = [1500, 37, 700]
-    kp, vp, pages, ks, vs = _pools(rng, lengths, page, 2, D, "bfloat16", "nhd", extra=2)
-    q = _rand(rng, (len(lengths), q_len, 2 * group, D), "bfloat16")
-    opts = dict(causal=True, window=(100, 0) if mods == "window" else None)
-    if mods == "softcap":
-        opts["softcap"] = 2.5
-    if mods == "alibi":
-        opts["alibi_slopes"] = rng.uniform(0.01, 0.3, (len(lengths), 2 * group)).astype(np.float32)
-    table = np.zeros((len(lengths), max(len(p) for p in pages)), np.int32)
-    for b, pg in enumerate(pages):
-        table[b, :len(pg)] = pg
-    out, lse = pyattn.paged_decode(q, pyattn.asarray(kp), pyattn.asarray(vp), block_table=table,
-                                   seq_lens=np.array(lengths, np.int32), return_lse=True, **opts)
+    _corner(np.random.default_rng(group * 100 + q_len * 10 + page), group, q_len, D, page, mods)
     decodes = [s for s in specs if s.family.startswith("attn_decode")]
     swap = pyattn.get_device().arch == "sm_90a" and group * q_len <= 8
     assert [(s.family, s.gather) for s in decodes] == [("attn_decode_swap", True) if swap else ("attn_decode", False)]
-    _check_decode(out, lse, q, ks, vs, **opts)
 
 
 def test_fused_combine_beyond_its_shared_weights():
