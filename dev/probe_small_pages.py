@@ -1,16 +1,18 @@
-"""Dev probe (GPU): ``pyattn.decode`` over bf16 caches of small pages (the cp.async kernel, attn_decode).
+"""Dev probe (GPU): ``pyattn.decode`` over caches of small pages (gathered rows or the cp.async kernel).
 
     PYTHONPATH=. python dev/probe_small_pages.py [--points 8x32768,1x32768,64x4096] [--pages 1,8,16]
                                                  [--rows 16x4x2x3,...] [--q-len 1] [--cache int8]
 
 Hq 32, Hkv 8, D 128, random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
-caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V (of their codes and scales for an 8-bit cache). Pages of
-16 and more take the TMA kernel on sm_90a; smaller ones (and every page on other archs) attn_decode,
-whose per-row page-table reads this probe exists to time. ``--rows KEYSxWARPSxSTAGESxBLOCKS,...``:
-the same calls again with each of these in the d <= 128 row of attn_decode's table, alternating
-with the table as it is (two rounds); ``--q-len``: query tokens a sequence (speculative rows);
-``--cache``: the cache's dtype (``int8`` or ``fp8_e4m3``: the 8-bit cp.async decode, whose pages
-below 16 take the same kernel; its own tile table, so not with ``--rows``).
+caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V (of their
+codes and scales for an 8-bit cache). On sm_90a pages of 16 and more take the TMA kernels' page
+boxes; smaller or odd pages the same kernels with their producers gathering the rows
+(``KernelSpec.gather``: 8-bit caches, and 16-bit ones up to 8 query rows a KV head), else (and on
+every other arch) attn_decode, the cp.async kernel; this probe times their page-table reads.
+``--rows KEYSxWARPSxSTAGESxBLOCKS,...``: the same calls again with each of these in the d <= 128
+row of attn_decode's 16-bit table (which takes small pages at more than 8 rows: ``--q-len 3`` and
+up), alternating with the table as it is (two rounds); ``--q-len``: query tokens a sequence
+(speculative rows); ``--cache``: the cache's dtype (``int8`` or ``fp8_e4m3``; not with ``--rows``).
 """
 
 from __future__ import annotations
