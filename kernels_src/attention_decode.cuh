@@ -32,20 +32,10 @@ __device__ __forceinline__ void load_kv_stage(typename Tr::T* sK, typename Tr::T
   constexpr int kRowsPerPass = Tr::kThreads / kTpr, kChunks = Tr::kChunksPerRow / kTpr;
   constexpr int kPasses = Tr::kBlockN / kRowsPerPass;
   static_assert(Tr::kBlockN % kRowsPerPass == 0, "whole rows per copy pass");
-  // Every pass's page-table entry first, then the copies: each entry's address waits on its load,
-  // and issued pass by pass the loads ran one after another (a page-size-1 table, SparQ's chosen
-  // keys, paid an L2 round trip per pass: 1024 keys a block took 100 us at B8, BENCHMARKS.md).
-  // The entries are clamped into the pool where they are used, not here: clamped as loaded, ptxas
-  // put each clamp right behind its load and loaded every entry into one register, one after
-  // another again (page-1 decode B8 x 32k 267 -> 319 us, B64 x 4k 282 -> 360; sixty-first session).
+  // Every pass's page-table entry first, then the copies (decode_common.cuh stage_entries says why).
   int page[kPasses], slot[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int key = n0 + pass * kRowsPerPass + threadIdx.x / kTpr;
-    page[pass] = 0;
-    slot[pass] = 0;
-    if (key < n_end) page[pass] = key_entry(p, pages, key, slot[pass]);  // never past the sequence
-  }
+  const int row = threadIdx.x / kTpr;
+  stage_entries(p, pages, n_end, [&](int pass) { return n0 + pass * kRowsPerPass + row; }, page, slot);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / kTpr, key = n0 + r, lane_r = threadIdx.x % kTpr;

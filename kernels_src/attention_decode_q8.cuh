@@ -105,19 +105,13 @@ __device__ __forceinline__ void load_kv_stage_q8(unsigned char* sK, unsigned cha
                 "per-channel keys: whole segments per warp, each record copied in its segment's passes");
   constexpr int kPasses = Tr::kBlockN / kRowsPerPass;
   // Every lookup of the stage first (a row's entry a pass; per-channel keys: a 16-key segment's, its
-  // keys all in one page), then the copies, as attention_decode.cuh's load_kv_stage does and for its
-  // reason: looked up pass by pass, ptxas loaded the entries into 3-5 registers one after another (an
-  // L2 round trip each; sixty-second session). Entries stay raw until their address is made.
+  // keys all in one page), then the copies (decode_common.cuh stage_entries; looked up pass by pass,
+  // ptxas loaded them into 3-5 registers one after another: sixty-second session).
   constexpr int kLookups = KC ? kSegsPerWarp : kPasses;
   int entry[kLookups], eslot[kLookups];
-#pragma unroll
-  for (int i = 0; i < kLookups; ++i) {
-    // per-channel keys: segment i of this warp (rows 16 i' .. 16 i' + 15 of the stage)
-    const int key = n0 + (KC ? ((threadIdx.x / 32) * kSegsPerWarp + i) * 16 : i * kRowsPerPass + threadIdx.x / 4);
-    entry[i] = 0;
-    eslot[i] = 0;
-    if (key < n_end) entry[i] = key_entry(p, pages, key, eslot[i]);  // never past the sequence's pages
-  }
+  stage_entries(p, pages, n_end, [&](int i) -> int {  // per-channel keys: segment i of this warp
+    return n0 + (KC ? ((threadIdx.x / 32) * kSegsPerWarp + i) * 16 : i * kRowsPerPass + threadIdx.x / 4);
+  }, entry, eslot);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     // per-channel keys: rows 8 (pass % 2) .. +7 of this warp's segment pass / 2

@@ -122,7 +122,7 @@ __device__ __forceinline__ void decode_gather_q8(unsigned char* sK, unsigned cha
   for (int j = first; j < blk.n_tiles; j += Tr::kProducer) {
     const int st = j % S, n0 = blk.n_first + j * KB;
     int entry[R], slot[R];
-    gather_entries<R>(p, blk.pages, n0, blk.end, lane, entry, slot);
+    stage_entries(p, blk.pages, blk.end, [&](int m) { return n0 + lane + 32 * m; }, entry, slot);
     if (j >= S) pipe::wait(empty0 + 8 * st, ((j / S) - 1) & 1);  // the consumers are done with tile j - S
     const unsigned full = full0 + 8 * st;
 #pragma unroll

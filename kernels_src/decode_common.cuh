@@ -122,16 +122,23 @@ __device__ __forceinline__ int key_entry(const DecodeParams& p, const int* pages
   return __ldg(pages + pi);
 }
 
-// The gathered-row producers' lookups (decode_gather16, decode_gather_q8): the entries of rows
-// n0 + lane + 32 m (m < R) of a stage, as stored (clamped where used), all in flight together; rows
-// at or past `end` read no entry (0, slot 0).
-template <int R>
-__device__ __forceinline__ void gather_entries(const DecodeParams& p, const int* pages, int n0, int end, int lane,
-                                               int (&entry)[R], int (&slot)[R]) {
+// A thread's page lookups for one ring stage (the cp.async decodes' copy passes, the gathered-row
+// producers): the entries of keys key_of(0 .. N - 1), as stored, and their slots; keys at or past
+// `end` read no entry (0, slot 0: never past the sequence's pages). All are issued before any copy:
+// each copy's address waits on its entry, and looked up pass by pass they ran one L2 round trip
+// after another (a page-size-1 table, SparQ's chosen keys: 1024 keys a block took 100 us at B8;
+// BENCHMARKS.md). The caller clamps an entry into the pool where it makes the address
+// (common.cuh pool_page), not here: clamped as loaded, ptxas put each clamp right behind its load
+// and loaded every entry into one register, one after another again (page-1 decode B8 x 32k 267 ->
+// 319 us, B64 x 4k 282 -> 360; sixty-first session).
+template <int N, class KeyOf>
+__device__ __forceinline__ void stage_entries(const DecodeParams& p, const int* pages, int end, KeyOf key_of,
+                                              int (&entry)[N], int (&slot)[N]) {
 #pragma unroll
-  for (int m = 0; m < R; ++m) {
-    entry[m] = slot[m] = 0;
-    if (n0 + lane + 32 * m < end) entry[m] = key_entry(p, pages, n0 + lane + 32 * m, slot[m]);
+  for (int i = 0; i < N; ++i) {
+    const int key = key_of(i);
+    entry[i] = slot[i] = 0;
+    if (key < end) entry[i] = key_entry(p, pages, key, slot[i]);
   }
 }
 

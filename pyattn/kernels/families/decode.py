@@ -155,10 +155,15 @@ def _kv_table(kv: str, sparse: int, mask: str = "none") -> str:
     return "kv8" if kv else "dense"
 
 
+def _row(record, arch: str, head_dim: int, kv: str) -> DecodeTile:
+    """``record``'s table row serving ``head_dim`` (a bucket) on ``arch`` for a ``kv`` cache."""
+    return tables.row(record, _kv_table(kv, 0), arch, head_dim)
+
+
 def decode_row(arch: str, head_dim: int, kv: str = "", tma: bool = False) -> DecodeTile:
     """The decode table row serving ``head_dim`` (a bucket) on ``arch``; ``kv``: the cache's kind;
     ``tma``: attn_decode_tma's."""
-    return tables.row(ATTN_DECODE_TMA if tma else ATTN_DECODE, _kv_table(kv, 0), arch, head_dim)
+    return _row(ATTN_DECODE_TMA if tma else ATTN_DECODE, arch, head_dim, kv)
 
 
 def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", key_channel: bool = False,
@@ -174,7 +179,7 @@ def tma_decode_serves(arch: str, head_dim: int, page_size: int, kv: str = "", ke
     if tma_page_boxes(page_size):
         return True
     family = ATTN_DECODE_SWAP if rows <= 8 else ATTN_DECODE_TMA
-    return not key_channel and bool(tables.row(family, _kv_table(kv, 0), arch, head_dim).gather)
+    return not key_channel and bool(_row(family, arch, head_dim, kv).gather)
 
 
 def tma_gathers(page_size: int) -> bool:
@@ -211,12 +216,11 @@ def _tma_spec_tiles(spec, t: TileConfig) -> TileConfig:
     how many blocks fit: asked of the per-token row's 3 stages plus the records, it launched the
     per-channel kernel bounded for one block (no register cap), which then ran one block an SM
     with half the splits, 1.46x slower at B8 x 32k (BENCHMARKS.md, thirty-first session)."""
-    if spec.key_channel:
-        row = tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim)  # the family's own
+    row = _row(spec.record, spec.arch, spec.head_dim, spec.kv) if spec.key_channel or spec.gather else None
+    if spec.key_channel:  # (the family's own row)
         kpw, stages = row.channel or (row.keys_per_warp, min(row.stages, 2))
         t = t._replace(block_n=kpw * row.warps, stages=stages)
     if spec.gather:  # the row's gathered variant (its own keys, stages and producer warps)
-        row = tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim)
         kpw, stages, producers = row.gather
         t = t._replace(block_n=kpw * row.warps, stages=stages, warps=row.warps + producers, ws=producers)
     t = _spec_tiles(spec, t)
@@ -254,7 +258,7 @@ def _check(spec) -> None:
         raise ValueError(f"head_dim: 8-bit caches decode at head-dim buckets {KV_HEAD_DIM_BUCKETS}, "
                          f"got {spec.head_dim}")
     if spec.gather and spec.family != "attn_decode" and not spec.key_channel:  # (else check_spec's message)
-        if not tables.row(spec.record, _kv_table(spec.kv, 0), spec.arch, spec.head_dim).gather:
+        if not _row(spec.record, spec.arch, spec.head_dim, spec.kv).gather:
             raise ValueError(f"gather: {spec.family}'s row at head_dim {spec.head_dim} on {spec.arch} has no gathered "
                              f"variant for a {'8' if spec.kv else '16'}-bit cache (DecodeTile.gather)")
     most = 1 if spec.family == "attn_decode_swap" else decode_row(spec.arch, spec.head_dim, spec.kv,
