@@ -23,7 +23,6 @@ import collections
 import inspect
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fake_driver  # noqa: E402
+import fake_torch  # noqa: E402
 
 import pyattn  # noqa: E402
 
@@ -197,7 +197,7 @@ def main() -> None:
     opts = ap.parse_args()
     n = opts.n
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "torch", fake_driver.fake_torch())
+        mp.setitem(sys.modules, "torch", fake_torch.fake_torch())
         fake_driver.install(mp)
         stub = per_call_us(lambda: fake_driver.driver.cuEventRecord(0, 0), n)
         print(f"fake driver call (counted stub): {stub:.2f} us each (included in the times below)")

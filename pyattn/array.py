@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .runtime.device import Device, get_device
+from .runtime.device import Device, get_device, keeps_context
 from .runtime.dlpack import KDL_CUDA, export_capsule
 from .runtime import memory
 from .runtime.memory import get_pool, memset_async, poison_alloc
@@ -144,6 +144,7 @@ class DeviceArray:
     def __dlpack_device__(self) -> tuple:
         return (KDL_CUDA, self.device.ordinal)
 
+    @keeps_context
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule, zero-copy, for any dtype (see :mod:`pyattn.runtime.dlpack`).
 
@@ -160,6 +161,8 @@ class DeviceArray:
         if not isinstance(consumer, int) or isinstance(consumer, bool):
             raise TypeError(f"stream: expected None or an int CUstream handle, got {type(stream).__name__}")
         if consumer != -1 and self.stream is not None:
+            if consumer <= 2:  # the legacy (0, 1) or per-thread (2) stream of the *current* context: ours
+                self.device.activate()
             waiter = borrowed(self.device, consumer)  # (a consumer's 0 is the legacy stream, as 1: see Stream)
             if waiter.ptr != self.stream.ptr:
                 order_after(waiter, self.stream.ptr)
@@ -225,6 +228,7 @@ class DeviceArray:
         return lo, hi + self.itemsize
 
     # -- host transfer ------------------------------------------------------------------------
+    @keeps_context
     def numpy(self, stream=None) -> np.ndarray:
         """Copy to a new NumPy array (blocks until the copy is done).
 
@@ -248,6 +252,7 @@ class DeviceArray:
         return np.ascontiguousarray(view)
 
 
+@keeps_context
 def empty(shape, dtype, *, device: Device | None = None, stream=None) -> DeviceArray:
     """Allocate an uninitialised C-contiguous device array from pyattn's memory pool.
 

@@ -30,6 +30,8 @@ from pyattn.ops import _contiguous, _decode, block_sparse
 from pyattn.pipeline import chunks, plans
 from pyattn.runtime import _resource, device, memory, pinned, stream, tensormap
 
+from fake_torch import fake_torch
+
 OK = driver.CUresult.CUDA_SUCCESS
 CALLS: collections.Counter = collections.Counter()  # driver entry point -> calls since the last reset
 LAUNCHES: list = []  # (kernel name, grid, stream handle, first 16 struct words) per launch, when recording
@@ -50,6 +52,15 @@ class _Fake:
         self.host = {}  # pinned address -> the NumPy block behind it
         self.host_flags = {}  # pinned address -> its cuMemHostAlloc flags
         self.current = 0
+        # Contexts (one a device: _CTX + ordinal), as far as the driver would hold pyattn to them: the
+        # context each stream, event, module and function was made in; each call on a
+        # context-relative stream handle (0 / 1: the legacy stream, 2: the per-thread one of the
+        # *current* context) with the context current then; and every call that mixed contexts
+        # (a launch outside its function's context or on another context's stream, an event
+        # recorded on another context's stream), which a real driver refuses or runs elsewhere.
+        self.ctx_of = {}  # handle -> context it was made in
+        self.relative = []  # (entry point, handle, current context)
+        self.mixed = []  # (entry point, what mixed, expected context, found context)
         self.kernel_names = {}
         self.record_launches = False
         # CUDA graph capture, as far as pyattn can tell it apart (begin_capture / end_capture): the
@@ -72,7 +83,21 @@ class _Fake:
     def end_capture(self, s) -> None:
         self.capturing.pop(int(getattr(s, "handle", s)))
 
+    def _stream_ctx(self, name, s):
+        """The context stream ``s`` belongs to (None for a foreign stream pyattn did not make); a
+        context-relative handle is noted under ``name`` (when given)."""
+        if int(s) in (0, 1, 2):
+            if name:
+                self.relative.append((name, int(s), self.current))
+            return self.current
+        return self.ctx_of.get(int(s))
+
+    def _same(self, name, what, expected, found):
+        if expected is not None and found is not None and expected != found:
+            self.mixed.append((name, what, expected, found))
+
     def _in_capture(self, name, s):
+        self._stream_ctx(name, s)
         cid = self.capturing.get(int(s), 0)
         if cid:
             self.captured.append((name, int(s)))
@@ -140,7 +165,9 @@ class _Fake:
         return (OK,)
 
     def cuStreamCreate(self, flags):
-        return OK, self._handle(driver.CUstream)
+        h = self._handle(driver.CUstream)
+        self.ctx_of[int(h)] = self.current
+        return OK, h
 
     def cuStreamSynchronize(self, s):
         if self._in_capture("cuStreamSynchronize", s):
@@ -157,9 +184,12 @@ class _Fake:
         return (OK,)
 
     def cuEventCreate(self, flags):
-        return OK, self._handle(driver.CUevent)
+        h = self._handle(driver.CUevent)
+        self.ctx_of[int(h)] = self.current
+        return OK, h
 
     def cuEventRecord(self, ev, s):
+        self._same("cuEventRecord", "event and stream", self.ctx_of.get(int(ev)), self._stream_ctx("", s))
         self.event_capture[int(ev)] = self._in_capture("cuEventRecord", s)
         return (OK,)
 
@@ -239,13 +269,16 @@ class _Fake:
         return (OK,)
 
     def cuModuleLoadData(self, image):
-        return OK, self._handle(driver.CUmodule)
+        h = self._handle(driver.CUmodule)
+        self.ctx_of[int(h)] = self.current
+        return OK, h
 
     def cuModuleUnload(self, module):
         return (OK,)
 
     def cuModuleGetFunction(self, module, name):
         fn = self._handle(driver.CUfunction)
+        self.ctx_of[int(fn)] = self.ctx_of.get(int(module))
         self.kernel_names[int(fn)] = name.decode()
         return OK, fn
 
@@ -269,6 +302,9 @@ class _Fake:
         return OK, types.SimpleNamespace(opaque=[int(ptr), next(self.ids)] + [0] * 14)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, s, argv, extra):
+        fn_ctx = self.ctx_of.get(int(fn))
+        self._same("cuLaunchKernel", "function and current context", fn_ctx, self.current)
+        self._same("cuLaunchKernel", "function and stream", fn_ctx, self._stream_ctx("", s))
         self._in_capture("cuLaunchKernel", s)
         if self.record_launches:  # the struct's leading pointers: argv -> [address of the struct]
             struct = ctypes.c_uint64.from_address(int(argv)).value
@@ -381,42 +417,3 @@ def installed(monkeypatch, *, torch: bool = False, record_launches: bool = False
     finally:
         uninstall(fake)
 
-
-def fake_torch(current_stream=0x7000):
-    """A stand-in for ``torch`` (install it as ``sys.modules["torch"]``): what pyattn reads of a CUDA
-    tensor. ``current_stream`` is torch's current stream handle (settable; a
-    non-default one by default); ``stream_reads`` counts how often pyattn asked for it."""
-    torch = types.ModuleType("torch")
-
-    class Dtype:
-        def __init__(self, name):
-            self.name = name
-
-        def __str__(self):
-            return f"torch.{self.name}"
-
-    dtypes = {}
-
-    class Tensor:
-        def __init__(self, shape, ptr, dtype="float16", stride=None, device=0):
-            self.shape, self._ptr, self.device = tuple(shape), ptr, device
-            self.dtype = dtypes.setdefault(dtype, Dtype(dtype))
-            self._stride = stride or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-
-        def data_ptr(self):
-            return self._ptr
-
-        def stride(self):
-            return self._stride
-
-        def get_device(self):
-            return self.device
-
-    def current(ordinal):
-        torch.stream_reads += 1
-        return torch.current_stream
-
-    torch.Tensor = Tensor
-    torch.current_stream, torch.stream_reads = current_stream, 0
-    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=current)
-    return torch

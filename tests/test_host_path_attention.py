@@ -4,7 +4,7 @@ and the repeat-call fast path (a changed shape, stride, dtype, device or option 
 per-call address checks run on it, before any driver call). Decode's repeat path is in
 test_host_path_decode.py, NumPy calls and pinned memory in test_host_path_numpy.py.
 
-torch is the stand-in ``fake_driver.fake_torch()`` installed as ``sys.modules["torch"]`` (the
+torch is the stand-in ``fake_torch.fake_torch()`` installed as ``sys.modules["torch"]`` (the
 ``gpu`` fixture, conftest.py).
 """
 

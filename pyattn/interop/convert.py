@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..array import DeviceArray, empty
-from ..runtime.device import Device, get_device
+from ..runtime.device import Device, get_device, keeps_context
 from ..runtime.errors import check
 from ..runtime.pinned import copy_to_device
 from .inputs import TORCH, read
@@ -28,6 +28,7 @@ def device_of(a) -> Device:
     return get_device(int(check(driver.cuPointerGetAttribute(attr, a.ptr), "cuPointerGetAttribute")))
 
 
+@keeps_context
 def asarray(x, *, device: Device | None = None, stream=None) -> DeviceArray:
     """Return ``x`` as a :class:`~pyattn.DeviceArray`.
 

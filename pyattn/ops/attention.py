@@ -14,6 +14,7 @@ from ..interop.inputs import read_args
 from ..interop.quick import quick_key
 from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.plans import Memo, get_plan, signature
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import check_addresses, check_pointers, make_problem
 from ..validate.options import check_bool
@@ -27,6 +28,7 @@ _memo = Memo()  # signature -> problem
 _quick = Memo()  # quick key -> pipeline.device.Bound
 
 
+@keeps_context
 def attention(q, k, v, *, causal=False, mask=None, window=None, softcap=None, alibi_slopes=None, scale=None,
               layout="bshd", return_lse=False, allow_tf32=False, out=None, stream=None, descale_q=None,
               descale_k=None, descale_v=None):

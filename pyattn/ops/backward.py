@@ -15,6 +15,7 @@ from ..interop.streams import order_inputs
 from ..pipeline import host
 from ..pipeline.device import fetch_values, finish, start
 from ..pipeline.plans import Memo, get_plan, signature
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import check_pointers
 from ..validate.backward import check_backward_addresses, make_backward_problem, make_varlen_backward_problem
@@ -28,6 +29,7 @@ _REQUIRED = ("dout", "q", "k", "v", "out", "lse")
 _memo = Memo()  # signature -> problem
 
 
+@keeps_context
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
                        scale=None, layout="bshd", dq=None, dk=None, dv=None, deterministic=False, stream=None):
     """Gradients of :func:`pyattn.attention` with respect to q, k and v (FlashAttention-2's backward).
@@ -96,6 +98,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     return _run(P, args, stream, ())
 
 
+@keeps_context
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
                               dq=None, dk=None, dv=None, deterministic=False, stream=None):

@@ -22,6 +22,7 @@ from ..pipeline import host
 from ..pipeline.device import finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import check_pointers, make_problem
 from ..validate.block_layout import check_block_layout, check_block_size, tile_lists
@@ -75,6 +76,7 @@ def _device_lists(mask, block, tiles, P, device, s):
     return hit
 
 
+@keeps_context
 def block_sparse_attention(q, k, v, layout, block_size, *, causal=False, window=None, softcap=None,
                            alibi_slopes=None, scale=None, tensor_layout="bshd", return_lse=False, out=None,
                            stream=None):

@@ -24,6 +24,7 @@ from ..paged.book import longest_first
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo
+from ..runtime.device import keeps_context
 from ..runtime.stream import capture_id, check_stream_arg, refuse_capture
 from ..validate.contiguous import check_caches, check_new_tokens, check_seqlens
 from ..validate.options import check_bool
@@ -48,6 +49,7 @@ class _Hit:
         self.bound, self.per, self.cols, self.max_len, self.append = bound, per, cols, max_len, append
 
 
+@keeps_context
 def contiguous_decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, layout="nhd", causal=True,
                       window=None, softcap=None, alibi_slopes=None, scale=None, num_splits=None, return_lse=False,
                       max_seqlen=None, stream=None):

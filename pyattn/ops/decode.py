@@ -18,6 +18,7 @@ from ..pipeline import host
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo, signature
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool
 from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_call_addresses, check_pools,
@@ -81,6 +82,7 @@ def _alibi_ptr(alibi, device, s):
     return d.ptr, d
 
 
+@keeps_context
 def paged_decode(q, k_pool, v_pool, *, block_table=None, seq_lens=None, indptr=None, indices=None,
                  last_page_len=None, layout="nhd", causal=True, window=None, softcap=None, alibi_slopes=None,
                  scale=None, num_splits=None, return_lse=False, max_seqlen=None, stream=None):
@@ -220,6 +222,7 @@ def _paged_repeat(hit, arrays, stream, return_lse, reads):
     return (out, lse) if return_lse else out
 
 
+@keeps_context
 def decode(q, cache, seq_ids, *, causal=True, window=None, softcap=None, alibi_slopes=None, scale=None,
            num_splits=None, return_lse=False, stream=None):
     """Decode attention of new query tokens over the sequences of a :class:`pyattn.PagedKVCache`.

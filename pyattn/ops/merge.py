@@ -21,6 +21,7 @@ from ..kernels.specs import DTYPES, HEAD_DIM_BUCKETS, KernelSpec
 from ..pipeline import host
 from ..pipeline.device import finish, output, start
 from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.device import keeps_context
 from ..runtime.launch import launch
 from ..runtime.stream import check_stream_arg
 from ..validate.merge import check_merge, lse_row_strides
@@ -125,6 +126,7 @@ def _run(req, device, s, os_, ls_, o_out, l_out):
     return o_new, l_new
 
 
+@keeps_context
 def merge_states(*args, layout="bshd", out=None, stream=None):
     """Merge partial attention states: ``lse = logaddexp_i(lse_i)``, ``o = sum_i exp(lse_i - lse) o_i``.
 

@@ -31,6 +31,7 @@ from ..pipeline import host
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.host import upload
 from ..pipeline.plans import Memo
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg, refuse_capture
 from ..validate.options import check_bool, check_int
 from ..validate.paged import (check_block_table, check_csr, check_max_seqlen, check_pool_call_addresses, check_pools,
@@ -142,6 +143,7 @@ def _check_tables(a, block_table, P, max_seqlen_q, max_seqlen_k) -> tuple:
     return cu, max_q, tables, max_len, rows
 
 
+@keeps_context
 def paged_prefill(q, k_pool, v_pool, cu_seqlens_q=None, *, block_table=None, seq_lens=None, indptr=None,
                   indices=None, last_page_len=None, layout="nhd", causal=True, window=None, softcap=None,
                   alibi_slopes=None, scale=None, num_splits=None, return_lse=False, max_seqlen_q=None,

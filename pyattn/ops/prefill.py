@@ -22,6 +22,7 @@ from ..paged.cache import PagedKVCache
 from ..pipeline import host
 from ..pipeline.device import fetch_values, finish, start
 from ..pipeline.host import upload
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg
 from ..validate.options import check_bool
 from ..validate.serving import (check_cu_seqlens_q, check_new_tokens, check_parents, check_prefill,
@@ -93,6 +94,7 @@ def _prepare(cache, seq_ids, q, cu_seqlens_q, alibi_slopes, options, tree: bool)
     return P, ids, a, cu
 
 
+@keeps_context
 def prefill(q, cache, seq_ids, cu_seqlens_q=None, *, causal=True, window=None, softcap=None, alibi_slopes=None,
             scale=None, num_splits=None, return_lse=False, stream=None):
     """Attention of each sequence's new tokens over its paged KV cache (chunked prefill).
@@ -147,6 +149,7 @@ def prefill(q, cache, seq_ids, cu_seqlens_q=None, *, causal=True, window=None, s
     return _run(P, cache, ids, a, cu, None, stream, return_lse)
 
 
+@keeps_context
 def verify_tree(q, cache, seq_ids, parents, cu_seqlens_q=None, *, softcap=None, scale=None, num_splits=None,
                 return_lse=False, stream=None):
     """Attention of draft-tree tokens over the cache before the tree and their tree ancestors.

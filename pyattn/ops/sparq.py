@@ -21,6 +21,7 @@ from ..paged.cache import PagedKVCache
 from ..pipeline.device import finish, output, start
 from ..pipeline import host
 from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.device import keeps_context
 from ..runtime.launch import launch
 from ..runtime.memory import get_pool
 from ..runtime.stream import check_stream_arg
@@ -134,6 +135,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     return out, pos
 
 
+@keeps_context
 def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, select="group", return_indices=False, stream=None):
     """SparQ attention (Ribar et al., 2024) of one new query token per sequence over a paged cache.
 

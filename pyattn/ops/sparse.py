@@ -21,6 +21,7 @@ from ..pipeline import host
 from ..pipeline.device import finish, output, start
 from ..pipeline.host import upload
 from ..pipeline.plans import get_plan, ptx_requested
+from ..runtime.device import keeps_context
 from ..runtime.launch import launch
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import make_problem
@@ -68,6 +69,7 @@ def _run(P, csr, device, s, dq, dk, dv, dout, return_lse: bool):
     return o, lse
 
 
+@keeps_context
 def sparse_attention(q, k, v, indices, offsets, *, scale=None, layout="bshd", return_lse=False, out=None,
                      stream=None):
     """Attention in which each query row attends to its own list of keys (CSR sparsity).

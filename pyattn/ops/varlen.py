@@ -10,6 +10,7 @@ from ..interop.streams import order_inputs
 from ..pipeline import host
 from ..pipeline.device import begin, bind, fetch_values, finish, start
 from ..pipeline.plans import Memo, get_plan
+from ..runtime.device import keeps_context
 from ..runtime.stream import check_stream_arg
 from ..validate.attention import check_addresses, check_pointers, make_varlen_problem
 from ..validate.options import check_bool
@@ -26,6 +27,7 @@ _REQUIRED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
 _quick = Memo()
 
 
+@keeps_context
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, allow_tf32=False,
                      out=None, stream=None):

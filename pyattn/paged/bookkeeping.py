@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.device import keeps_context
 from ..runtime.stream import order_after, refuse_capture
 
 __all__ = ["CacheBookkeeping"]
@@ -47,6 +48,7 @@ class CacheBookkeeping:
         """Start an empty sequence; returns its id."""
         return self.book.add_sequence()
 
+    @keeps_context
     def fork(self, seq_id, length=None) -> int:
         """A new sequence sharing the first ``length`` tokens (default all) of ``seq_id`` (a shared
         prefix, parallel sampling, beam search); pages are copied only when written."""

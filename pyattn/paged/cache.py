@@ -23,7 +23,7 @@ from ..interop.streams import note_use
 from ..pipeline.device import begin, bind, finish, start
 from ..pipeline.host import upload
 from ..quant import KEPT_CHANNELS, code_dtype, kind_of
-from ..runtime.device import Device, get_device
+from ..runtime.device import Device, get_device, keeps_context
 from ..runtime.stream import as_stream, check_stream_arg
 from ..validate.paged import (DECODE_DTYPES, PoolInfo, check_append, check_cache_options,
                               check_token_address, check_token_rows)
@@ -124,6 +124,7 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
     pages raises :class:`~pyattn.paged.book.OutOfPagesError` and changes nothing.
     """
 
+    @keeps_context
     def __init__(self, num_pages, page_size, num_kv_heads, head_dim, dtype, *, device=None, key_scales="token",
                  sparq=False):
         self.book = PageBook(num_pages, page_size)
@@ -195,6 +196,7 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         self._stream = self.k.stream  # the stream of the last op on the cache (see order)
 
     # -- data --------------------------------------------------------------------------------
+    @keeps_context
     def append(self, seq_ids, k, v, *, counts=None, stream=None) -> None:
         """Append new tokens' keys and values to several sequences in one kernel launch.
 
@@ -260,6 +262,7 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         self._appender.write(seq_ids, seqs, counts, total, s, rows, kernel, spec, dk)
         finish(s, [ki, vi])
 
+    @keeps_context
     def accept(self, seq_ids, paths, tree_sizes, *, stream=None) -> None:
         """Keep the accepted branch of each sequence's draft tree; drop the other draft tokens.
 

@@ -6,18 +6,20 @@ primary context are process-wide facts, like the driver's own).
 
 Thread safety: :func:`get_device` is safe to call from several threads; a :class:`Device`
 is immutable after construction, and :meth:`Device.activate` only sets the calling thread's
-current context.
+current context (put back at the end of the public call that changed it: :func:`keeps_context`).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 from dataclasses import dataclass
 
 from .errors import NoDeviceError, check, no_device_error
 
 __all__ = ["Device", "get_device", "device_count", "driver_version", "arch_for_capability", "SUPPORTED_ARCHS",
-           "ARCH_GPUS", "MIN_DRIVER_CUDA"]
+           "ARCH_GPUS", "MIN_DRIVER_CUDA", "keeps_context"]
 
 # Archs we compile for. The "a" suffix selects the arch-specific instruction set (wgmma,
 # setmaxnreg, tcgen05), which only runs on exactly that arch; cubins are never shared across archs.
@@ -35,6 +37,52 @@ _lock = threading.Lock()
 _devices: dict[int, "Device"] = {}
 _initialised = False
 _driver_module = None
+
+
+_put_back: dict = {}  # thread ident -> the context its outermost public call puts back as it ends
+_CALL_CODE = None  # the code of keeps_context's wrapper (one code object for every wrapped function)
+
+
+def keeps_context(fn):
+    """``fn`` (a public function or method that may do device work) made to leave the calling
+    thread's current CUDA context as it found it.
+
+    CUDA's runtime takes the thread's current context for its current device, so a call on arrays
+    of device 1 that left device 1's context current would move torch's (and CuPy's) current
+    device under their feet: ``torch.empty(n, device="cuda")`` would then land on ``cuda:1``.
+    torch's own ops put the device back (its ``DeviceGuard``); pyattn does the same: when
+    :meth:`Device.activate` replaces another context inside such a call, the outermost such call
+    on the thread puts that context back as it returns or raises. A thread with no context current
+    keeps pyattn's (as the runtime binds device 0's primary context on first use), so a loop of
+    calls on one device pays no switch.
+
+    The common case (no context replaced) costs the wrapper's frame and one dict test (~0.15 us a
+    call): no per-thread state is written. Only a call that did replace one walks the Python stack,
+    in :meth:`Device.activate` and here, to tell the outermost wrapped call from a nested one.
+    """
+    global _CALL_CODE
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _put_back:  # some thread replaced a context: is it this one, and is this its outermost call?
+                ident = threading.get_ident()
+                if ident in _put_back and not _in_public_call(sys._getframe(1)):
+                    check(_driver_module.cuCtxSetCurrent(_put_back.pop(ident)), "cuCtxSetCurrent")
+
+    _CALL_CODE = call.__code__
+    return call
+
+
+def _in_public_call(frame) -> bool:
+    """Whether ``frame`` or a caller of it is a :func:`keeps_context` wrapper's."""
+    while frame is not None:
+        if frame.f_code is _CALL_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -182,12 +230,19 @@ class Device:
         return arch
 
     def activate(self) -> None:
-        """Make this device's primary context current on the calling thread (cheap when it already is)."""
+        """Make this device's primary context current on the calling thread (cheap when it already
+        is). Inside a public call, another context it replaces is put back when the call ends
+        (:func:`keeps_context`)."""
         driver = _driver_module if _initialised else _driver()  # (the hot path skips a call)
         err, current = driver.cuCtxGetCurrent()
         if err or int(current) != self._context_ptr:
+            if not err and int(current):  # another context: put back at the end of the public call
+                ident = threading.get_ident()
+                if ident not in _put_back and _in_public_call(sys._getframe(1)):
+                    _put_back[ident] = current
             check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
+    @keeps_context
     def synchronize(self) -> None:
         """Wait for all work on this device. Prefer ``Stream.synchronize``; this is for tests and teardown."""
         self.activate()

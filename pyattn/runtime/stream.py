@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from .device import Device, get_device
+from .device import Device, get_device, keeps_context
 from ._resource import Closeable, off_staging_threads, per_device, release_quietly, watch_exit
 from .errors import CaptureError, check
 
@@ -57,6 +57,7 @@ class Stream(Closeable):
     a finalizer destroys a forgotten owned stream.
     """
 
+    @keeps_context
     def __init__(self, device: Device | None = None, *, handle: int | None = None, owner=None):
         driver = _drv()
         watch_exit()
@@ -122,6 +123,7 @@ class Event(Closeable):
         Enable timing (slightly more expensive); required for :meth:`elapsed_ms`.
     """
 
+    @keeps_context
     def __init__(self, device: Device | None = None, *, timing: bool = False):
         driver = _drv()
         self.device = device if device is not None else get_device()
