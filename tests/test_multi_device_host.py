@@ -88,6 +88,23 @@ def _prefill():
     return lambda: pyattn.prefill(q, cache, ids)
 
 
+class _LegacyCai:
+    """A CUDA array interface of device 1 with no stream (written on that device's legacy stream),
+    telling its device through ``__dlpack_device__``."""
+
+    def __init__(self, da):
+        self.__cuda_array_interface__ = {"shape": da.shape, "typestr": da.dtype.str, "data": (da.ptr, False),
+                                         "version": 2}
+
+    def __dlpack_device__(self):
+        return (2, 1)
+
+
+def _legacy_interface():
+    q = _LegacyCai(_d1())
+    return lambda: pyattn.attention(q, q, q)  # waits for device 1's legacy stream: 1 read in its context
+
+
 def _append():
     cache, ids = _cache1()
     kv = _d1((2, 1, 2, 64), ml_dtypes.bfloat16)
@@ -122,9 +139,12 @@ def _stream_event():
 CALLS = {"attention": _attention, "merge_states": _merge, "attention_varlen": _varlen, "attention_backward": _backward,
          "decode": _decode, "contiguous_decode": _contiguous, "PagedKVCache.append": _append,
          "paged_decode, NumPy tables": _paged_decode_numpy_tables, "contiguous_decode, ragged": _contiguous_ragged,
-         "prefill": _prefill,
+         "prefill": _prefill, "attention, interfaces without a stream": _legacy_interface,
          "PagedKVCache()": _cache_made, "asarray": _asarray, "DeviceArray.numpy": _numpy,
          "__dlpack__(stream=1)": _dlpack_legacy, "Stream, Event, synchronize": _stream_event}
+
+
+LEGACY = {"__dlpack__(stream=1)", "attention, interfaces without a stream"}  # (they read handle 1)
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
@@ -138,6 +158,7 @@ def test_a_call_on_device_1_works_there_and_puts_device_0_back(gpu, name):
         assert gpu.current == CTX0, f"{name} left device 1's context current"
         assert not gpu.mixed, gpu.mixed
         assert all(ctx == CTX1 for _, _, ctx in gpu.relative), gpu.relative
+        assert gpu.relative or name not in LEGACY, "the case no longer reaches a legacy-stream handle"
 
 
 def test_a_thread_without_a_context_keeps_pyattns(gpu):
