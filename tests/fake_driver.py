@@ -59,6 +59,7 @@ class _Fake:
         # (a launch outside its function's context or on another context's stream, an event
         # recorded on another context's stream), which a real driver refuses or runs elsewhere.
         self.ctx_of = {}  # handle -> context it was made in
+        self.ctx_stack = []  # cuCtxPushCurrent's
         self.relative = []  # (entry point, handle, current context)
         self.mixed = []  # (entry point, what mixed, expected context, found context)
         self.kernel_names = {}
@@ -158,6 +159,15 @@ class _Fake:
         self.current = int(ctx)
         return (OK,)
 
+    def cuCtxPushCurrent(self, ctx):
+        self.ctx_stack.append(self.current)
+        self.current = int(ctx)
+        return (OK,)
+
+    def cuCtxPopCurrent(self):
+        popped, self.current = self.current, self.ctx_stack.pop()
+        return OK, driver.CUcontext(popped)
+
     def cuCtxGetDevice(self):
         return OK, driver.CUdevice(max(self.current - _CTX, 0))
 
@@ -225,6 +235,7 @@ class _Fake:
         return OK, driver.CUdeviceptr(ptr)
 
     def cuMemFreeAsync(self, ptr, s):
+        self._same("cuMemFreeAsync", "stream and current context", self._stream_ctx("", s), self.current)
         self.free_modes.append(getattr(self, "capture_mode", driver.CUstreamCaptureMode(0)))
         cid = self._in_capture("cuMemFreeAsync", s)
         if cid and self.graph_blocks.get(int(ptr)) != cid:  # a block from outside the capture
@@ -274,6 +285,7 @@ class _Fake:
         return OK, h
 
     def cuModuleUnload(self, module):
+        self._same("cuModuleUnload", "module and current context", self.ctx_of.get(int(module)), self.current)
         return (OK,)
 
     def cuModuleGetFunction(self, module, name):

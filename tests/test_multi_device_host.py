@@ -216,3 +216,42 @@ def test_torch_tensors_on_cuda1_use_cuda1s_current_stream(gpu):
         assert out.device.ordinal == 1
         assert torch.stream_ordinals == [1]
         assert gpu.current == CTX0 and not gpu.mixed
+
+
+def test_a_device_1_block_freed_while_device_0_is_current(gpu):
+    """A result of device 1 dropped while device 0's context is current (a torch program on cuda:0
+    holding it): its free, and the event that orders it after another stream that used the block,
+    are made in device 1's context, and device 0's is current again afterwards."""
+    import gc
+
+    from pyattn.interop.streams import note_use
+
+    dev1 = pyattn.get_device(1)
+    a, b = pyattn.Stream(dev1), pyattn.Stream(dev1)
+    block = pyattn.empty((1 << 20,), np.uint8, device=dev1, stream=a)  # over the pool's spare size
+    note_use(b, [block])  # used on b too: the free waits for b (an event recorded on b)
+    pyattn.get_device(0).activate()
+    gpu.mixed.clear()
+    fake_driver.CALLS.clear()
+    del block
+    gc.collect()
+    pyattn.runtime._resource.run_deferred()  # (a free may be handed to the thread that owns the staging workers)
+    assert fake_driver.CALLS["cuMemFreeAsync"] == 1 and fake_driver.CALLS["cuEventRecord"] == 1
+    assert not gpu.mixed, gpu.mixed
+    assert gpu.current == CTX0
+
+
+def test_a_device_1_module_unloaded_while_device_0_is_current(gpu):
+    """``cuModuleUnload`` works on the current context: a module of device 1 dropped under device 0's
+    context is unloaded in its own, and device 0's is current again afterwards."""
+    from pyattn.runtime.module import Module
+
+    module = Module(pyattn.get_device(1), b"\0")
+    pyattn.get_device(0).activate()
+    gpu.mixed.clear()
+    fake_driver.CALLS.clear()
+    module.close()
+    pyattn.runtime._resource.run_deferred()
+    assert fake_driver.CALLS["cuModuleUnload"] == 1
+    assert not gpu.mixed, gpu.mixed
+    assert gpu.current == CTX0

@@ -242,6 +242,22 @@ class Device:
                     _put_back[ident] = current
             check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
+    def push(self) -> bool:
+        """Make this device's context current for a stretch of driver calls outside any public call
+        (a finalizer's free, which may run on any thread at any time): pushed only when another
+        context (or none) is current. Returns whether it was; then :meth:`pop` puts the thread's
+        context back."""
+        driver = _driver_module if _initialised else _driver()
+        err, current = driver.cuCtxGetCurrent()
+        if not err and int(current) == self._context_ptr:
+            return False
+        check(driver.cuCtxPushCurrent(self.context), "cuCtxPushCurrent")
+        return True
+
+    def pop(self) -> None:
+        """Undo a :meth:`push` that returned True."""
+        check(_driver_module.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
     @keeps_context
     def synchronize(self) -> None:
         """Wait for all work on this device. Prefer ``Stream.synchronize``; this is for tests and teardown."""

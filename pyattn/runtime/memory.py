@@ -126,6 +126,11 @@ def _free_async(ptr, stream, used_on, graph=0) -> None:
             _after_capture.append((ptr, stream, used_on, graph))
             return
         driver = _drv()
+        # The block's device's context, for the event made below (an event and the stream it is
+        # recorded on must share a context) and the free: a block of device 1 is often dropped
+        # while another device's context is current (a torch program on cuda:0 holding a pyattn
+        # result of cuda:1; public calls put the thread's context back as they end).
+        pushed = stream.device.push()
         # A free on a stream outside any capture is safe, but while a capture in the driver's global
         # mode runs (torch.cuda.graph's default), on any thread, the driver refuses it as "potentially
         # unsafe" and invalidates that capture (an eager block or an earlier graph's alike, H200:
@@ -141,6 +146,8 @@ def _free_async(ptr, stream, used_on, graph=0) -> None:
             driver.cuMemFreeAsync(driver.CUdeviceptr(ptr), stream.handle)
         finally:
             driver.cuThreadExchangeStreamCaptureMode(mode)
+            if pushed:
+                stream.device.pop()
     except Exception:  # interpreter shutdown: the context may already be gone
         pass
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from .device import Device
-from ._resource import Closeable, off_staging_threads, release_quietly, watch_exit
+from ._resource import Closeable, exiting, off_staging_threads, release_quietly, watch_exit
 from .errors import check
 
 __all__ = ["Module", "Kernel"]
@@ -40,7 +40,7 @@ class Module(Closeable):
         watch_exit()
         self.handle = check(_drv().cuModuleLoadData(image), "cuModuleLoadData")
         # Off the staging workers: unloading may wait for the device (see runtime._resource).
-        self._finalizer = weakref.finalize(self, off_staging_threads, release_quietly, "cuModuleUnload", self.handle)
+        self._finalizer = weakref.finalize(self, off_staging_threads, _unload, device, self.handle)
 
     def kernel(self, name: str) -> "Kernel":
         """Return the kernel with the (lowered) symbol ``name``."""
@@ -50,6 +50,23 @@ class Module(Closeable):
     def close(self) -> None:
         """Unload the module; kernels obtained from it become invalid."""
         self._finalizer()
+
+
+def _unload(device: Device, handle) -> None:
+    """``cuModuleUnload`` unloads "from the current context": the module's, made current for it
+    (whichever context the thread that drops the module has current), then put back."""
+    if exiting():
+        return
+    try:
+        pushed = device.push()
+    except Exception:  # (a finalizer has nobody to report to: see release_quietly)
+        return
+    release_quietly("cuModuleUnload", handle)
+    if pushed:
+        try:
+            device.pop()
+        except Exception:
+            pass
 
 
 class Kernel:
