@@ -182,3 +182,34 @@ def test_torch_tensors_on_cuda1_while_device_0_is_current():
         stale += not np.allclose(got, ref_new, atol=3e-2)
     assert stale == 0, f"{stale} of 20 calls read q before torch's write on cuda:1"
     _check(got.astype(DTYPES["bfloat16"]), None, q_new, k, v, causal=True)
+
+
+def test_results_of_device_1_freed_under_device_0():
+    """Results of device 1 dropped while device 0's context is current (the thread's own, put back
+    by every call) go back to device 1's pool: 40 results of 64 MiB, each freed before the next
+    call, leave device 1's free memory where one result left it."""
+    import gc
+
+    from cuda.bindings import driver
+
+    q = _on(np.zeros((1, 8192, 32, 128), np.float16), 1)  # 64 MiB a result
+    pyattn.get_device(0).activate()
+    out = pyattn.attention(q, q, q)
+    del out
+    gc.collect()
+
+    def free_on_1() -> int:
+        pyattn.get_device(1).synchronize()  # (puts device 0's context back)
+        dev1 = pyattn.get_device(1)
+        assert int(driver.cuCtxPushCurrent(dev1.context)[0]) == 0
+        free = int(driver.cuMemGetInfo()[1])
+        driver.cuCtxPopCurrent()
+        return free
+
+    before = free_on_1()
+    for _ in range(40):
+        out = pyattn.attention(q, q, q)
+        assert _current_context() == int(pyattn.get_device(0).context)
+        del out
+        gc.collect()
+    assert before - free_on_1() < 256 << 20, "device 1's results were not freed"
