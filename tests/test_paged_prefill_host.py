@@ -271,25 +271,3 @@ def test_grid_holds_the_batch_tiles_not_the_longest_sequence_tiles_for_each(gpu,
         assert p["num_splits"] == 1 and p["batch"] == n_dec + 1
         assert grid == (min((n_dec + 1) * longest, -(-total * rg // bm) + n_dec) * hk, 1, 1)
         assert grid[0] < (n_dec + 1) * longest * hk  # the old grid's (8 x the chunk's tiles, a kv head)
-
-
-def test_kept_tables_read_once_under_another_threads_call(gpu, cache, monkeypatch):
-    """Calls that read one cache from several threads (prefills, tree checks, SparQ over the same
-    pages) share its kept device tables: a call must return the tables of its own sequences even when
-    another thread's call replaces them meanwhile. Here that other call runs inside the first call's
-    hit path (where a thread switch may fall): the first still gets its own sequence's table."""
-    import pyattn.paged.cache as cache_mod
-
-    c, ids = cache
-    s = pyattn.Stream(pyattn.get_device())
-    own = c.device_tables([ids[0]], s)
-    real = cache_mod.note_use
-
-    def other_thread_meanwhile(stream, arrays):
-        monkeypatch.setattr(cache_mod, "note_use", real)
-        c.device_tables([ids[1]], s)  # replaces the kept tables
-        real(stream, arrays)
-
-    monkeypatch.setattr(cache_mod, "note_use", other_thread_meanwhile)
-    again = c.device_tables([ids[0]], s)
-    assert again[0][0] is own[0][0] and again[1:] == own[1:]

@@ -123,10 +123,10 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
     reference count; a shared page is copied when a sequence next writes into it. Running out of
     pages raises :class:`~pyattn.paged.book.OutOfPagesError` and changes nothing.
 
-    Threads: ops that only read a cache (``decode``, ``prefill``, ``verify_tree``, ``sparq_decode``)
-    may run on it from several threads at once; calls that change it (``append``, ``accept``,
-    ``fork``, ``truncate``, ``free``, ``add_sequence``) need the caller's own lock against every
-    other call on the same cache, as any container's writes do.
+    Threads: a cache is one serving loop's state, not a shared structure. Every call on it, reads
+    included, orders the cache's stream (:meth:`order`) and may keep tables or side state on it,
+    so calls on one cache from several threads need the caller's own lock; separate caches are
+    independent. (The ops themselves are thread-safe.)
     """
 
     @keeps_context
@@ -349,10 +349,9 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         sequence and of all together (the split choice of a ragged batch needs both).
         """
         key = (tuple(seq_ids), self.book.version)
-        kept = self._tables  # read once: another thread's call may replace it meanwhile (reads are thread-safe)
-        if kept is not None and kept[0] == key:
-            note_use(s, kept[1][:1])  # its block's free must wait for this stream's use too
-            return kept[1:]
+        if self._tables is not None and self._tables[0] == key:
+            note_use(s, self._tables[1][:1])  # its block's free must wait for this stream's use too
+            return self._tables[1:]
         indptr, indices, _ = self.book.csr(seq_ids)
         lens = self.book.lengths(seq_ids)
         order = longest_first(lens)
@@ -363,8 +362,8 @@ class PagedKVCache(CacheBookkeeping, SideStateMethods):
         views = [DeviceArray(d.ptr + 4 * off, (k,), np.int32, self.device, owner=d, stream=s)
                  for off, k in ((0, n + 1), (n + 1, n), (2 * n + 1, m), (2 * n + 1 + m, n))]
         tables = (views[2], views[0], 0, views[1], views[3] if order is not None else None)
-        kept = self._tables = (key, tables, int(lens.max(initial=0)), int(lens.sum(dtype=np.int64)))
-        return kept[1:]
+        self._tables = (key, tables, int(lens.max(initial=0)), int(lens.sum(dtype=np.int64)))
+        return self._tables[1:]
 
     def decode_tables(self, seq_ids, s) -> tuple:
         """The decode's device page table of ``seq_ids`` (block-table form), kept current by one-token
