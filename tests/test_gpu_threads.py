@@ -61,7 +61,8 @@ def test_decode_loops_from_four_threads():
     def work(i):
         rng = np.random.default_rng(200 + i)
         Hkv, D, group, dtype = 2, 128, 4, "bfloat16"
-        cache = pyattn.PagedKVCache(64, (16, 8, 1, 32)[i], Hkv, D, dtype)
+        page = (16, 8, 1, 32)[i]
+        cache = pyattn.PagedKVCache(2 * -(-(50 + 30 * i + 6) // page) + 2, page, Hkv, D, dtype)
         ids = [cache.add_sequence() for _ in range(2)]
         k0, v0 = _rand(rng, (2, 50 + 30 * i, Hkv, D), dtype), _rand(rng, (2, 50 + 30 * i, Hkv, D), dtype)
         cache.append(ids, k0, v0)
