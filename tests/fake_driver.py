@@ -190,6 +190,9 @@ class _Fake:
             return self._refuse("cuStreamWaitEvent", s, "ISOLATION")
         return (OK,)
 
+    def cuStreamGetCtx(self, s):  # a foreign handle (torch's, CuPy's): the current context's stream
+        return OK, driver.CUcontext(self.ctx_of.get(int(s), self.current))
+
     def cuStreamDestroy(self, s):
         return (OK,)
 

@@ -255,3 +255,23 @@ def test_a_device_1_module_unloaded_while_device_0_is_current(gpu):
     assert fake_driver.CALLS["cuModuleUnload"] == 1
     assert not gpu.mixed, gpu.mixed
     assert gpu.current == CTX0
+
+
+def test_a_stream_of_another_device_is_refused_before_any_work(gpu):
+    """``stream=`` of device 1 for arrays of device 0: a ValueError naming ``stream``, before the call
+    allocates or launches anything (a pyattn Stream, its raw handle, a ``__cuda_stream__`` object)."""
+
+    class Foreign:
+        def __init__(self, ptr):
+            self.__cuda_stream__ = (0, ptr)
+
+    q = _da()  # device 0
+    s1 = pyattn.Stream(pyattn.get_device(1))
+    pyattn.attention(q, q, q)  # (planned and loaded: the refused calls would otherwise get that far only)
+    for stream in (s1, s1.ptr, Foreign(s1.ptr)):
+        fake_driver.CALLS.clear()
+        with pytest.raises(ValueError, match="stream: expected a stream of device 0"):
+            pyattn.attention(q, q, q, stream=stream)
+        assert not fake_driver.CALLS["cuLaunchKernelEx"] and not fake_driver.CALLS["cuMemAllocFromPoolAsync"]
+    s0 = pyattn.Stream(pyattn.get_device(0))
+    pyattn.attention(q, q, q, stream=s0.ptr)  # its own device's: fine

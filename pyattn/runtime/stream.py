@@ -261,10 +261,29 @@ def as_stream(stream, device: Device) -> Stream:
     if stream is None:
         return default_stream(device)
     if isinstance(stream, Stream):
+        if stream.device.ordinal != device.ordinal:
+            raise ValueError(f"stream: expected a stream of device {device.ordinal} (the call's arrays are there), "
+                             f"got a pyattn.Stream of device {stream.device.ordinal}")
         return stream
     check_stream_arg(stream)
     if isinstance(stream, int):
-        return borrowed(device, stream)
+        return _same_device(borrowed(device, stream), device)
     proto = stream.__cuda_stream__
     _, ptr = proto() if callable(proto) else proto
-    return borrowed(device, int(ptr), owner=stream)
+    return _same_device(borrowed(device, int(ptr), owner=stream), device)
+
+
+def _same_device(s: Stream, device: Device) -> Stream:
+    """``s`` (a borrowed handle), once its context is known to be ``device``'s: a kernel loaded there
+    cannot run on another context's stream, which the driver would tell only at the launch, after
+    the call's allocations (its ``CUDA_ERROR_INVALID_HANDLE`` naming no argument). Asked of the driver
+    once a wrapper (``cuStreamGetCtx``); 0, 1 and 2 name the current context's legacy and per-thread
+    streams, which the call makes ``device``'s."""
+    if s.ptr > 2 and not s.__dict__.get("_on_device"):
+        driver = _drv()
+        err, ctx = driver.cuStreamGetCtx(driver.CUstream(s.ptr))
+        if not err and int(ctx) != int(device.context):
+            raise ValueError(f"stream: expected a stream of device {device.ordinal} (the call's arrays are there), "
+                             f"got the handle {s.ptr:#x} of another context")
+        s._on_device = True
+    return s
