@@ -161,15 +161,18 @@ def test_a_call_on_device_1_works_there_and_puts_device_0_back(gpu, name):
         assert gpu.relative or name not in LEGACY, "the case no longer reaches a legacy-stream handle"
 
 
-def test_a_thread_without_a_context_keeps_pyattns(gpu):
-    """No context current (nothing chose a device on this thread): the call's stays, so a loop of
-    calls pays no switch."""
-    q = _d1()
+def test_a_thread_without_a_context(gpu):
+    """No context current (nothing chose a device on this thread, which CUDA's runtime reads as
+    device 0): a call on device 1 leaves none current again; a call on device 0 leaves device 0's
+    (the same device to the runtime), so a one-GPU loop pays no switch a call."""
+    q1, q0 = _d1(), _da(device=pyattn.get_device(0))
     gpu.current = 0
-    pyattn.attention(q, q, q)
-    assert gpu.current == CTX1
+    pyattn.attention(q1, q1, q1)
+    assert gpu.current == 0
+    pyattn.attention(q0, q0, q0)
+    assert gpu.current == CTX0
     fake_driver.CALLS.clear()
-    pyattn.attention(q, q, q)
+    pyattn.attention(q0, q0, q0)
     assert fake_driver.CALLS["cuCtxSetCurrent"] == 0
 
 

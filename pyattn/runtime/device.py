@@ -53,8 +53,9 @@ def keeps_context(fn):
     torch's own ops put the device back (its ``DeviceGuard``); pyattn does the same: when
     :meth:`Device.activate` replaces another context inside such a call, the outermost such call
     on the thread puts that context back as it returns or raises. A thread with no context current
-    keeps pyattn's (as the runtime binds device 0's primary context on first use), so a loop of
-    calls on one device pays no switch.
+    gets none back, except after a call on device 0, whose context stays: to CUDA's runtime both
+    mean device 0 (it binds device 0's primary context on first use), and a one-GPU loop then pays
+    no switch a call.
 
     The common case (no context replaced) costs the wrapper's frame and one dict test (~0.15 us a
     call): no per-thread state is written. Only a call that did replace one walks the Python stack,
@@ -236,7 +237,10 @@ class Device:
         driver = _driver_module if _initialised else _driver()  # (the hot path skips a call)
         err, current = driver.cuCtxGetCurrent()
         if err or int(current) != self._context_ptr:
-            if not err and int(current):  # another context: put back at the end of the public call
+            # Another context, or none while this is not device 0: put back at the end of the public
+            # call (none and device 0 both read as "device 0" to CUDA's runtime: kept, so a one-GPU
+            # loop in a thread that chose no device pays no switch a call).
+            if not err and (int(current) or self.ordinal):
                 ident = threading.get_ident()
                 if ident not in _put_back and _in_public_call(sys._getframe(1)):
                     _put_back[ident] = current
