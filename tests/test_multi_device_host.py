@@ -278,3 +278,34 @@ def test_a_stream_of_another_device_is_refused_before_any_work(gpu):
         assert not fake_driver.CALLS["cuLaunchKernelEx"] and not fake_driver.CALLS["cuMemAllocFromPoolAsync"]
     s0 = pyattn.Stream(pyattn.get_device(0))
     pyattn.attention(q, q, q, stream=s0.ptr)  # its own device's: fine
+
+
+@pytest.mark.parametrize("kind", ["DeviceArray", "torch", "interface"])
+def test_repeat_calls_alternating_between_devices(gpu, kind):
+    """One signature on device 0 and on device 1 in turn (the repeat path's quick keys): each call
+    runs on its arrays' device, in its context, every input kind."""
+    def make(ordinal):
+        da = _da(device=pyattn.get_device(ordinal))
+        if kind == "torch":
+            return gpu.torch.Tensor(S, da.ptr, device=ordinal)
+        if kind == "interface":
+            return _Interface(da, ordinal)
+        return da
+
+    x = {0: make(0), 1: make(1)}
+    for ordinal in (0, 1, 0, 1, 1, 0):
+        gpu.mixed.clear()
+        out = pyattn.attention(x[ordinal], x[ordinal], x[ordinal])
+        assert out.device.ordinal == ordinal and not gpu.mixed, (ordinal, gpu.mixed)
+
+
+class _Interface:
+    """A CuPy-like array of device ``ordinal`` (a v3 interface with its stream, and its device)."""
+
+    def __init__(self, da, ordinal):
+        self.ordinal = ordinal
+        self.__cuda_array_interface__ = {"shape": da.shape, "typestr": da.dtype.str, "data": (da.ptr, False),
+                                         "version": 3, "stream": da.stream.ptr}
+
+    def __dlpack_device__(self):
+        return (2, self.ordinal)
