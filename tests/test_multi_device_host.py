@@ -188,9 +188,8 @@ def test_the_context_is_put_back_when_the_call_raises(gpu, monkeypatch):
 
 
 def test_nested_public_calls_put_it_back_once(gpu):
-    """A public call inside another (a cache's append inside a user's function doing more device
-    work, here: one public call made from within another's scope) leaves device 1 current until
-    the outermost returns."""
+    """Public calls made inside another wrapped call (as ``prefill`` calls its cache's wrapped
+    methods) leave device 1 current between them; the outermost call puts device 0 back."""
     from pyattn.runtime.device import keeps_context
 
     q = _d1()
