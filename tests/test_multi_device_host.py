@@ -20,6 +20,7 @@ import pytest
 import fake_driver
 import pyattn
 from _host_path_helpers import _da
+from test_foreign_repeat import _Dl
 
 CTX0, CTX1 = fake_driver._CTX, fake_driver._CTX + 1
 S = (1, 16, 2, 64)
@@ -279,7 +280,7 @@ def test_a_stream_of_another_device_is_refused_before_any_work(gpu):
     pyattn.attention(q, q, q, stream=s0.ptr)  # its own device's: fine
 
 
-@pytest.mark.parametrize("kind", ["DeviceArray", "torch", "interface"])
+@pytest.mark.parametrize("kind", ["DeviceArray", "torch", "interface", "dlpack"])
 def test_repeat_calls_alternating_between_devices(gpu, kind):
     """One signature on device 0 and on device 1 in turn (the repeat path's quick keys): each call
     runs on its arrays' device, in its context, every input kind."""
@@ -289,6 +290,8 @@ def test_repeat_calls_alternating_between_devices(gpu, kind):
             return gpu.torch.Tensor(S, da.ptr, device=ordinal)
         if kind == "interface":
             return _Interface(da, ordinal)
+        if kind == "dlpack":  # a JAX-like array: imported on the call's stream, its export ordering it
+            return _Dl(da)
         return da
 
     x = {0: make(0), 1: make(1)}
