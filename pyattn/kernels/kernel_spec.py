@@ -59,9 +59,10 @@ class KernelSpec:
         attn_decode over an 8-bit cache only: the keys carry per-(page, channel) scales
         (``PagedKVCache(..., key_scales="channel")``) instead of one scale per token.
     gather : bool
-        attn_decode_tma / attn_decode_swap over an 8-bit cache with per-token scales only: the
-        producer warps gather the ring's rows by cp.async (pages that TMA boxes do not take) instead
-        of loading page boxes; the family's row names its own keys, stages and producers for it.
+        attn_decode_tma / attn_decode_swap only, where the family's row has a gathered variant
+        (8-bit caches with per-token scales; 16-bit ones on attn_decode_swap): the producer warps
+        gather the ring's rows by cp.async (pages that TMA boxes do not take) instead of loading
+        page boxes; the row names its own keys, stages and producers for it.
     """
 
     # A read-only slotted class, not a frozen dataclass: the dataclass's generated methods cost

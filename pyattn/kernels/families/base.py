@@ -221,7 +221,7 @@ class Family:
     key_channel : bool
         Whether it reads 8-bit caches whose keys have per-(page, channel) scales.
     gather : bool
-        Whether its producer warps can gather an 8-bit cache's rows (``KernelSpec.gather``).
+        Whether its producer warps can gather a cache's rows by cp.async (``KernelSpec.gather``).
     """
 
     __slots__ = ("name", "label", "header", "params", "tables", "template_id", "dtypes", "mods", "alignment",

@@ -35,9 +35,10 @@ class DecodeTile(NamedTuple):
     # registers; () takes the row's keys at no more than 2 stages (3, fitted to 2 blocks an SM by
     # dropping the unused K-scale ring, ran 9-13% slower: BENCHMARKS.md, thirty-second session).
     channel: tuple = ()
-    # attn_decode_tma / attn_decode_swap over 8-bit caches with per-token scales on pages TMA boxes
-    # do not take (KernelSpec.gather): (keys per warp, stages, producer warps) of that variant, whose
-    # producers gather every row by cp.async and so want more warps than the page boxes' one.
+    # attn_decode_tma / attn_decode_swap on pages TMA boxes do not take (KernelSpec.gather; 8-bit
+    # caches with per-token scales, and 16-bit ones on attn_decode_swap): (keys per warp, stages,
+    # producer warps) of that variant, whose producers gather every row by cp.async and so want more
+    # warps than the page boxes' one.
     gather: tuple = ()
 
     def config(self) -> TileConfig:
