@@ -214,7 +214,12 @@ def order_after(consumer: Stream, producer_handle: int) -> None:
     its work so far was queued before the capture, and a graph's launch is ordered by the stream
     it is launched on, as for every other input of a graph (the driver refuses such a wait:
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION). A producer in the same capture (a stream forked from it)
-    is waited for, inside the graph."""
+    is waited for, inside the graph.
+
+    The caller has made ``consumer``'s device current: a handle of 0, 1 or 2 (either side) names a
+    stream of the *current* context (every op's ``begin`` / ``start`` activates it first, as
+    ``DeviceArray.__dlpack__`` does for a consumer's handle; asking here would add a driver call to
+    every wait)."""
     driver = _drv()
     capture = capture_id(consumer.handle)
     if capture and (capture < 0 or capture_id(driver.CUstream(producer_handle)) != capture):
