@@ -98,6 +98,7 @@ struct AttnFwdWgmmaMainloop {
   unsigned sMask;                  // shared address of stage 0's mask tile (stage s: + s * kMaskTileBytes)
   const unsigned char* mask_smem;  // the same as a generic pointer
   bool staged;                     // the mask tensor's tiles ride in the ring (else read in place)
+  bool mask_plain = true;          // kMaskInit: this warp's last mask tile was all +0 (its guess)
   int m0, n_tiles, sq, sk, head_dim;
   int wg_j1;                       // WG_BOUNDS: this warpgroup's key tiles are [0, wg_j1) of the block's
   int wg_row0, row_a, t;           // warpgroup's first row; this thread's rows row_a, row_a + 8; lane % 4
@@ -322,6 +323,19 @@ struct AttnFwdWgmmaMainloop {
 
   // gather_mask from the mask tensor itself (its tiles not staged).
   __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const;
+
+  // kMaskInit: the staged mask tile's terms as S's starting values (step(): the Q K^T GEMM
+  // accumulates onto them). Returns whether the tile was plain (all +0) for this warp;
+  // `plain_before`: whether the warp's previous tile was.
+  __device__ __forceinline__ bool init_mask_scores(float (&s)[S_REGS], bool plain_before) const;
+
+  // An f32 mask alone, its tiles in the TMA ring: its terms (m / scale) start S instead of being
+  // added after the GEMM, off the path from S to the softmax and with no mask value live beside S,
+  // P and O. (16-bit masks keep the terms after the GEMM: in one pass their conversions cost
+  // all-zero tiles 1.31x the dense time against 1.25x, and with the plain guess they came out
+  // level; BENCHMARKS.md, sixty-fourth session.)
+  static constexpr bool kMaskInit = Mods::kMask == kMaskF32 && FastMods<Mods>::kMaskOnly && Tr::kTma &&
+                                    Tr::kMaskBytes > 0;
 
   // Whether key 2 t + e of n8 block i in row half h is visible by a bool mask as gather_mask gave
   // it: a compile-time bit of a word (packed: bit 2 i + e of row half h's word).

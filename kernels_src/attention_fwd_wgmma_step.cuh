@@ -168,6 +168,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     if (j == 0) load_q_frags();  // the query tile landed with tile 0 (or before the walk: PERSIST)
   // -- S = Q K_j^T (raw scores, fp32), and O += P_{j-1} V_{j-1} right behind it
   float s[S_REGS];
+  // kMaskInit: the mask's terms start S, before the turn's barrier, whose wait hides their loads.
+  if constexpr (kMaskInit) mask_plain = init_mask_scores(s, mask_plain);
   if constexpr (Tr::kPingPong) pipe::bar_sync(1 + wgi, 256);  // our turn to issue GEMMs
   fence_acc();
   wg::fence();
@@ -176,10 +178,10 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   for (int kk = 0; kk < D / Tr::kK; ++kk) {
     const unsigned off = (kk % 4) * 32;  // k step inside the 128-byte column block kk / 4
     if constexpr (Tr::kQRegs)
-      wg::Mma<T, BN, 0>::rs(s, qf[kk], wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
+      wg::Mma<T, BN, 0>::rs(s, qf[kk], wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kMaskInit || kk > 0);
     else
       wg::Mma<T, BN, 0>::ss(s, wg::desc_add(q_desc, (kk / 4) * (BM * 128) + off),
-                            wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kk > 0);
+                            wg::desc_add(k_desc, (kk / 4) * (BN * 128) + off), kMaskInit || kk > 0);
   }
   wg::commit();
   if constexpr (WITH_PV) {
@@ -202,7 +204,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   // the like are mostly such tiles.
   // Tested on the raw bytes, so such a tile converts nothing either.
   bool plain = false;
-  if constexpr (Mods::kMask != kMaskNone) {
+  if constexpr (Mods::kMask != kMaskNone && !kMaskInit) {
     constexpr bool kF32 = Mods::kMask == kMaskF32;
     constexpr bool kBits = FastMods<Mods>::kBits;
     gather_mask(mt, mw, n0);
@@ -231,7 +233,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     full = band_tile_full<BN>(band, wg_tok0, wg_tok1, n0, sk) && (!TREE || n0 + BN <= tree_k0);
   else
     full = band_tile_full<BN>(band, wg_row0, wg_row0 + 63, n0, sk);
-  if constexpr (Mods::kAny) {
+  if constexpr (Mods::kAny && !kMaskInit) {  // (kMaskInit: S holds the final raw scores, as dense)
     // -- every score through the modifiers (FastMods::score: log2 units, or raw / tanh values
     // that the softmax's sl2 scales); masked -> -inf. Rows past the end get -inf and never read
     // the mask tensor, where a warpgroup's rows are partly so (the last path tests each row). A

@@ -87,6 +87,15 @@ __device__ __forceinline__ void ldmatrix_x4_at(unsigned (&r)[4], unsigned saddr)
 }
 // The same at a generic pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) { ldmatrix_x4_at(r, smem_addr(row)); }
+
+// The OR of the two 32-bit words at shared-memory pointer p (8-byte aligned), by a volatile load,
+// which the compiler neither merges with another load of the same bytes nor hoists (a test pass
+// before a second pass that reads the same words for their values).
+__device__ __forceinline__ unsigned lds_or_pair(const void* p) {
+  unsigned a, b;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(smem_addr(p)));
+  return a | b;
+}
 // Two 8x8 matrices; lanes 0-15 supply the row addresses.
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(row)));
