@@ -324,16 +324,13 @@ struct AttnFwdWgmmaMainloop {
   // gather_mask from the mask tensor itself (its tiles not staged).
   __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const;
 
-  // kMaskInit: the staged mask tile's terms as S's starting values (step(): the Q K^T GEMM
-  // accumulates onto them). Returns whether the tile was plain (all +0) for this warp;
-  // `plain_before`: whether the warp's previous tile was.
+  // kMaskInit: the staged tile's terms as S's starting values; returns whether the tile was plain
+  // (all +0) for this warp, `plain_before` whether its previous tile was.
   __device__ __forceinline__ bool init_mask_scores(float (&s)[S_REGS], bool plain_before) const;
 
-  // An f32 mask alone, its tiles in the TMA ring: its terms (m / scale) start S instead of being
-  // added after the GEMM, off the path from S to the softmax and with no mask value live beside S,
-  // P and O. (16-bit masks keep the terms after the GEMM: in one pass their conversions cost
-  // all-zero tiles 1.31x the dense time against 1.25x, and with the plain guess they came out
-  // level; BENCHMARKS.md, sixty-fourth session.)
+  // An f32 mask alone, staged by TMA: its terms (m / scale) start S, so they are off the path from
+  // S to the softmax and no mask value is live beside S, P and O. (16-bit masks: measured mixed,
+  // kept after the GEMM; BENCHMARKS.md, sixty-fourth session.)
   static constexpr bool kMaskInit = Mods::kMask == kMaskF32 && FastMods<Mods>::kMaskOnly && Tr::kTma &&
                                     Tr::kMaskBytes > 0;
 
