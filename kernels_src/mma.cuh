@@ -96,6 +96,7 @@ __device__ __forceinline__ unsigned lds_or_pair(const void* p) {
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(smem_addr(p)));
   return a | b;
 }
+
 // Two 8x8 matrices; lanes 0-15 supply the row addresses.
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(row)));
