@@ -8,8 +8,9 @@
 // the dense kernel.
 // This header declares AttnFwdWgmmaMainloop with its short members; the long ones are defined out
 // of class, included after the struct: the ring's fills and the mask gathers in
-// attention_fwd_wgmma_loads.cuh, the per-tile compute (step, the softmax's exponentials, P V) in
-// attention_fwd_wgmma_step.cuh.
+// attention_fwd_wgmma_loads.cuh, an f32 mask's terms as S's starting values in
+// attention_fwd_wgmma_mask_init.cuh, the per-tile compute (step, the softmax's exponentials, P V)
+// in attention_fwd_wgmma_step.cuh.
 // Requires pyattn::AttnFwdParams, common.cuh, mma.cuh (pack2, fast_exp2).
 #pragma once
 #include "attention_mask.cuh"
@@ -324,13 +325,10 @@ struct AttnFwdWgmmaMainloop {
   // gather_mask from the mask tensor itself (its tiles not staged).
   __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const;
 
-  // kMaskInit: the staged tile's terms as S's starting values; returns whether the tile was plain
-  // (all +0) for this warp, `plain_before` whether its previous tile was.
+  // An f32 mask alone, staged by TMA: its terms (m / scale) start S (init_mask_scores returns
+  // whether the tile was all +0 for this warp, `plain_before` whether its previous tile was).
+  // 16-bit masks: measured mixed, kept after the GEMM (BENCHMARKS.md, sixty-fourth session).
   __device__ __forceinline__ bool init_mask_scores(float (&s)[S_REGS], bool plain_before) const;
-
-  // An f32 mask alone, staged by TMA: its terms (m / scale) start S, so they are off the path from
-  // S to the softmax and no mask value is live beside S, P and O. (16-bit masks: measured mixed,
-  // kept after the GEMM; BENCHMARKS.md, sixty-fourth session.)
   static constexpr bool kMaskInit = Mods::kMask == kMaskF32 && FastMods<Mods>::kMaskOnly && Tr::kTma &&
                                     Tr::kMaskBytes > 0;
 
@@ -416,4 +414,5 @@ struct AttnFwdWgmmaMainloop {
 
 // The long member functions, defined out of class (the header comment says where).
 #include "attention_fwd_wgmma_loads.cuh"
+#include "attention_fwd_wgmma_mask_init.cuh"
 #include "attention_fwd_wgmma_step.cuh"
