@@ -325,12 +325,13 @@ struct AttnFwdWgmmaMainloop {
   // gather_mask from the mask tensor itself (its tiles not staged).
   __device__ __forceinline__ void gather_in_place(float (&mt)[S_REGS], unsigned (&mw)[BN / 4], int n0) const;
 
-  // An f32 mask alone, staged by TMA: its terms (m / scale) start S (init_mask_scores returns
-  // whether the tile was all +0 for this warp, `plain_before` whether its previous tile was).
-  // 16-bit masks: measured mixed, kept after the GEMM (BENCHMARKS.md, sixty-fourth session).
+  // A float mask alone, staged by TMA (f32, or 16-bit tiles of whole rows): its terms (m / scale)
+  // start S (init_mask_scores returns whether the tile was all +0 for this warp, `plain_before`
+  // whether its previous tile was). A 16-bit row broadcast over the rows stays after the GEMM: its
+  // plain-tile skip won there (BENCHMARKS.md, sixty-fifth session).
   __device__ __forceinline__ bool init_mask_scores(float (&s)[S_REGS], bool plain_before) const;
-  static constexpr bool kMaskInit = Mods::kMask == kMaskF32 && FastMods<Mods>::kMaskOnly && Tr::kTma &&
-                                    Tr::kMaskBytes > 0;
+  static constexpr bool kMaskInit = FastMods<Mods>::kFloatMask && FastMods<Mods>::kMaskOnly && Tr::kTma &&
+                                    (Tr::kMaskBytes == 4 || (Tr::kMaskBytes == 2 && !Tr::kMaskRowOnly));
 
   // Whether key 2 t + e of n8 block i in row half h is visible by a bool mask as gather_mask gave
   // it: a compile-time bit of a word (packed: bit 2 i + e of row half h's word).
