@@ -12,10 +12,10 @@ compile of a variant ranged 1.5-3.7 s from run to run: the fastest is the compil
 
 The variants: ``warmup_specs``, the modifier / block-sparse / 8-bit / backward lists of
 ``tests/test_compile_variants.py``, every 8-bit decode variant (int8 / fp8, per-token /
-per-channel, every head-dim bucket and q_tiles), and the serving and issue-13 warm lists of
-``dev/warm_serving.py`` / ``dev/warm_issue13.py``. Each is compiled once with NVRTC
-(``pyattn.jit.compile_spec``, no cache), one at a time, and timed: the JIT promise is <= 2 s for
-any variant on a 2-core machine.
+per-channel, every head-dim bucket and q_tiles), the serving and issue-13 warm lists of
+``dev/warm_serving.py`` / ``dev/warm_issue13.py``, and the TMA prefill's mask-table rows (sm_90a).
+Each is compiled once with NVRTC (``pyattn.jit.compile_spec``, no cache), one at a time, and
+timed: the JIT promise is <= 2 s for any variant on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import test_compile_variants  # noqa: E402
 import warm_issue13  # noqa: E402
 import warm_serving  # noqa: E402
 from pyattn import jit  # noqa: E402
+from pyattn.kernels.families import tile_table  # noqa: E402
 from pyattn.kernels.specs import KernelSpec, backward_specs, decode_max_q_tiles, warmup_specs  # noqa: E402
 from pyattn.runtime.device import SUPPORTED_ARCHS  # noqa: E402
 
@@ -43,6 +44,12 @@ def variants(arch: str) -> list:
     specs += [KernelSpec("attn_decode", "bf16", d, arch, q_tiles=mt, kv=kv, key_channel=kch)
               for kv in ("int8", "fp8e4m3") for kch in (False, True) for d in (64, 128, 256)
               for mt in range(1, decode_max_q_tiles(arch, d, kv) + 1)]
+    if arch == "sm_90a":  # the TMA prefill's mask-table rows (test_tma_variants_with_modifiers_compile's)
+        specs += [KernelSpec("attn_fwd_tma", tag, r.max_head_dim, arch, mask=mask, **mods)
+                  for mask, table in (("bits", "dense"), ("f16", "mask2"), ("bf16", "mask2"), ("f32", "mask4"),
+                                      ("bf16_row", "dense"), ("f32_row", "dense"))
+                  for r in tile_table("attn_fwd_tma", arch, table=table) for tag in ("f16", "bf16")
+                  for mods in ({}, {"softcap": True, "alibi": True})]
     return list(dict.fromkeys(specs))
 
 

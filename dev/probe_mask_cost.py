@@ -12,7 +12,8 @@ bucket's row taken out of attn_fwd_tma's table with ``override_tiles``, so the c
 copies the tiles), each against the dense (or causal) time timed again right after it (the clock
 drifts down as the GPU heats: 10% over a run). ``--row`` adds a column per row given: the float-mask
 call on attn_fwd_tma with that row in its table (e.g. ``128,128,2,2,0,0`` for 2 stages without
-overlap; a seventh field 1: persistent blocks); ``--no-cp`` drops the cp.async column;
+overlap; a seventh field 1: persistent blocks, an eighth 1: Q in registers, q_regs); ``--no-cp``
+drops the cp.async column;
 ``--mods-warpgroups N`` adds a bool-mask column with the dense row's ``warpgroups_mods`` set to N
 (the warpgroups of its variants with a mask tensor or ALiBi: 2 at d = 64, where 3 spilled);
 ``--flip-stage-bits`` adds a bool-mask column with the dense row's ``stage_bits`` flipped (the
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=["bool", "bf16", "f32"])
     ap.add_argument("--no-cp", action="store_true", help="skip the attn_fwd_wgmma (cp.async) column")
     ap.add_argument("--row", nargs="*", default=[], help="float-mask rows to time as well: D,BLOCK_N,WARPGROUPS,"
-                    "STAGES,OVERLAP,SPLIT_KV[,PERSISTENT] (warp-specialized)")
+                    "STAGES,OVERLAP,SPLIT_KV[,PERSISTENT[,Q_REGS]] (warp-specialized)")
     ap.add_argument("--mods-warpgroups", type=int, default=0, help="bool masks also with the dense row's "
                     "warpgroups_mods set to this (0: not)")
     ap.add_argument("--flip-stage-bits", action="store_true", help="bool masks also with the dense row's "
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--softcap", type=float, default=None, help="every call soft-capped so")
     ap.add_argument("--alibi", action="store_true", help="every call with ALiBi slopes")
     args = ap.parse_args()
-    rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]))
+    rows = [WgmmaTile(d, n, w, st, bool(ov), 1, "probe", ws=True, split_kv=bool(sp), persistent=bool(pe and pe[0]),
+                      q_regs=bool(pe[1:] and pe[1]))
             for d, n, w, st, ov, sp, *pe in (map(int, r.split(",")) for r in args.row)]
     bench = harness.open_bench()
     for D in args.dims:
