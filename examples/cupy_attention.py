@@ -3,15 +3,15 @@
 1. CuPy float16 (and bfloat16, where this CuPy supports ``ml_dtypes.bfloat16``: CuPy >= 14 with
    NumPy >= 2.1.2) arrays go into ``pyattn.attention`` as they are; the result, a
    ``pyattn.DeviceArray``, comes back with ``cupy.from_dlpack(out)`` without a copy (same pointer),
-   ordered after pyattn's stream on the device. (``cupy.asarray(out)`` also works, but CuPy then
+   ordered after the call on the device. (``cupy.asarray(out)`` also works, but CuPy then
    synchronizes the host with the stream the array interface names: the host waits for the call.)
    Checked against the float64 reference ``pyattn.reference.attention_ref`` with the tolerance
    rule ``pyattn.reference.error_bound`` (2x a naive same-precision attention, plus a floor).
 2. Streams: inputs written on a non-blocking ``cupy.cuda.Stream`` and ``pyattn.attention(...,
    stream=s)`` (any object with ``__cuda_stream__``, or the raw handle ``s.ptr``) run in order on
    that stream; ``s.synchronize()`` then waits for all of it. Without ``stream=``, pyattn runs on
-   its own stream after waiting (on the device) for the stream CuPy names in the arrays'
-   ``__cuda_array_interface__``.
+   CuPy's current stream (the one CuPy names in the arrays' ``__cuda_array_interface__``), in
+   order with CuPy's own kernels before and after it.
 
 Run (pyattn and cupy-cuda13x installed): ``python examples/cupy_attention.py``.
 Exit status 0 on success (or ``skipped: ...`` without CuPy or a GPU), 1 with ``FAILED: ...``.
@@ -64,8 +64,8 @@ def main():
     for dt in dtypes:
         host = [rng.standard_normal((B, S, h, D), dtype=np.float32).astype(dt) for h in (HQ, HKV, HKV)]
         q, k, v = (cupy.asarray(x) for x in host)  # copied on CuPy's current stream
-        out = pyattn.attention(q, k, v, causal=True)  # stream=None: pyattn's stream, after CuPy's copies
-        o = cupy.from_dlpack(out)  # zero-copy; CuPy's current stream waits for pyattn's on the device
+        out = pyattn.attention(q, k, v, causal=True)  # stream=None: CuPy's current stream, after its copies
+        o = cupy.from_dlpack(out)  # zero-copy; on the same stream, so nothing to wait for
         check(isinstance(out, pyattn.DeviceArray) and o.data.ptr == out.ptr and o.dtype == dt,
               f"{dt.name:8s} {o.shape} result imported zero-copy (ptr 0x{out.ptr:x})")
         check_against_reference(o, host, f"{dt.name:8s} causal GQA attention")

@@ -7,6 +7,9 @@ error (hypothesis fuzzes of interface dicts and of DLPack-only arrays).
 
 from __future__ import annotations
 
+import sys
+import types
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -77,6 +80,72 @@ def test_cai_repeat_calls_take_the_fast_path(gpu, full):
     out = _Cai(_da())
     pyattn.attention(a, a, a, out=out)
     assert pyattn.attention(a, a, a, out=out) is out and len(full) == 2
+
+
+class _CupyLike(_Cai):
+    """A CuPy array as pyattn tells one: its type's module is CuPy's. Its interface names CuPy's
+    current stream (the legacy stream as 1), as CuPy's does."""
+
+    __module__ = "cupy._core.core"
+
+
+def _fake_cupy(monkeypatch, ptr):
+    """``sys.modules["cupy"]`` with a current stream of handle ``ptr``; returns that stream object."""
+    current = types.SimpleNamespace(ptr=ptr)
+    devices = []
+
+    def get_current_stream(device_id=-1):
+        devices.append(device_id)
+        return current
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(get_current_stream=get_current_stream)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    current.devices = devices
+    return current
+
+
+def test_cupy_arrays_run_on_cupys_current_stream(gpu, full, monkeypatch):
+    """Stream rule 2 for CuPy: a call with CuPy inputs runs on CuPy's current stream of the arrays'
+    device (the stream their interface names), with no event and no wait, on the full path and the
+    repeat path alike; its result lives on that stream and keeps CuPy's stream object alive."""
+    gpu.record_launches = True
+    current = _fake_cupy(monkeypatch, 0x5000)
+    a = _CupyLike(_da(), stream=0x5000)
+    fake_driver.CALLS.clear()
+    o = pyattn.attention(a, a, a)
+    assert len(full) == 1 and "cuStreamWaitEvent" not in fake_driver.CALLS
+    assert o.stream.ptr == 0x5000 and o.stream._owner is current and current.devices[-1] == 0
+    del o
+    fake_driver.LAUNCHES.clear()
+    calls = _repeat_calls(lambda: pyattn.attention(a, a, a))
+    assert len(full) == 1 and "cuStreamWaitEvent" not in calls and "cuEventRecord" not in calls
+    assert {launch[2] for launch in fake_driver.LAUNCHES} == {0x5000}
+    current.ptr = a.stream = 0  # CuPy's null stream: the legacy stream, which its interface names 1
+    a.stream = 1
+    fake_driver.CALLS.clear()
+    o = pyattn.attention(a, a, a)
+    assert o.stream.ptr == 1 and "cuStreamWaitEvent" not in fake_driver.CALLS
+    # rule 1 first: an explicit stream waits for the interface's stream
+    s = pyattn.Stream()
+    fake_driver.CALLS.clear()
+    assert pyattn.attention(a, a, a, stream=s).stream is s
+    assert fake_driver.CALLS["cuStreamWaitEvent"] == 1
+    # a torch tensor among the inputs: torch's current stream, which waits for CuPy's
+    t = gpu.torch.Tensor(a.da.shape, a.da.ptr)
+    fake_driver.CALLS.clear()
+    o = pyattn.attention(t, a, a)
+    assert o.stream.ptr != 1 and fake_driver.CALLS["cuStreamWaitEvent"] == 1
+    # pyattn.asarray of a CuPy array: a view ordered on CuPy's stream
+    assert pyattn.asarray(a).stream.ptr == 1
+
+
+def test_cupy_is_told_by_its_types_module():
+    from pyattn.interop.streams import is_cupy
+
+    assert is_cupy(_CupyLike(types.SimpleNamespace(shape=(1,), dtype=np.dtype(np.float16), ptr=0)))
+    assert not is_cupy(_Cai(types.SimpleNamespace(shape=(1,), dtype=np.dtype(np.float16), ptr=0)))
+    assert not is_cupy(np.zeros(2)) and not is_cupy(types.SimpleNamespace(__module__="cupy"))
 
 
 @pytest.mark.parametrize("what", ["shape", "strides", "typestr", "device", "type"])

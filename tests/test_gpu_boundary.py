@@ -3,7 +3,7 @@
 - The late-write race: a producer writes ``q`` on its stream right after a long device wait, then
   pyattn reads it at once. For every producer kind (torch tensors as they are, with and without an
   explicit pyattn stream; torch seen only through its CUDA array interface, only through DLPack; CuPy
-  on its own stream) and dtype, 0 stale reads in 100 trials. A control that hides the producer
+  on a stream of its own and on its null stream) and dtype, 0 stale reads in 100 trials. A control that hides the producer
   (a bare pointer, pyattn's own stream) must read stale data, or the test proves nothing.
 - Export: results and 8-bit cache pools go to torch and CuPy zero-copy in every dtype.
 - A fresh process compiles kernels first and imports torch afterwards; one that only compiled leaves
@@ -105,7 +105,11 @@ def test_the_race_is_real_without_ordering():
     assert _stale_reads("float16", bare, trials=20) >= 18
 
 
-def test_no_stale_reads_of_cupy_arrays_on_their_stream():
+@pytest.mark.parametrize("where", ["own stream", "null stream", "explicit pyattn stream"])
+def test_no_stale_reads_of_cupy_arrays_on_their_stream(where):
+    """CuPy writes ``q`` on its current stream (a stream of its own, or the null stream, CuPy's
+    default) after a long device wait; pyattn runs on that stream (rule 2), or with an explicit
+    pyattn stream waits for the stream CuPy's interface names."""
     cupy = pytest.importorskip("cupy")
     spin = cupy.RawKernel(r'''
     extern "C" __global__ void spin(long long cycles) {
@@ -113,7 +117,8 @@ def test_no_stale_reads_of_cupy_arrays_on_their_stream():
     }''', "spin")
     q_old, q_new, k, v, ref_old, ref_new = _fixtures("float16")
     ck, cv = cupy.asarray(k), cupy.asarray(v)
-    with cupy.cuda.Stream(non_blocking=True) as producer:
+    explicit = pyattn.Stream() if where == "explicit pyattn stream" else None
+    with (cupy.cuda.Stream(non_blocking=True) if where == "own stream" else cupy.cuda.Stream.null) as producer:
         q = cupy.empty(SHAPE_Q, np.float16)
         stale = 0
         for _ in range(TRIALS):
@@ -121,7 +126,8 @@ def test_no_stale_reads_of_cupy_arrays_on_their_stream():
             producer.synchronize()
             spin((1,), (1,), (np.int64(2_000_000),))  # on the producer stream
             q.set(q_new, stream=producer)  # the late write
-            out = pyattn.attention(q, ck, cv)  # CAI v3 names the producer stream: waited on
+            out = pyattn.attention(q, ck, cv, stream=explicit)
+            assert out.__cuda_array_interface__["stream"] == (explicit.ptr if explicit else producer.ptr or 1)
             got = np.asarray(out.numpy(), np.float64)
             stale += np.abs(got - ref_old).max() < np.abs(got - ref_new).max()
         producer.synchronize()

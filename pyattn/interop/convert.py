@@ -8,8 +8,8 @@ from ..array import DeviceArray, empty
 from ..runtime.device import Device, get_device, keeps_context
 from ..runtime.errors import check
 from ..runtime.pinned import copy_to_device
-from .inputs import TORCH, read
-from .streams import choose_stream, order_inputs
+from .inputs import CAI, TORCH, read
+from .streams import choose_stream, is_cupy, order_inputs
 
 __all__ = ["asarray", "device_of"]
 
@@ -43,7 +43,8 @@ def asarray(x, *, device: Device | None = None, stream=None) -> DeviceArray:
         Target device for host data (default: the current device).
     stream : optional
         Stream for the copy, or the stream the view is ordered on (pyattn's stream-order rule:
-        torch tensors default to torch's current stream; the view waits for the array's producer).
+        torch tensors default to torch's current stream, CuPy arrays to CuPy's; the view waits for the
+        array's producer).
 
     Returns
     -------
@@ -60,7 +61,7 @@ def asarray(x, *, device: Device | None = None, stream=None) -> DeviceArray:
         return out
     dev = device_of(a)
     dev.activate()
-    s, torch_now = choose_stream(stream, dev, a.kind == TORCH)
+    s, torch_now = choose_stream(stream, dev, a.kind == TORCH, a.kind == CAI and is_cupy(a.obj))
     (a,) = order_inputs(s, dev, [a], torch_now)
     return DeviceArray(a.ptr, a.shape, a.dtype, dev, strides=tuple(st * a.dtype.itemsize for st in a.strides),
                        owner=a.obj, stream=s)

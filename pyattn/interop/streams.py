@@ -5,7 +5,11 @@ The rule (documented in the README, tested on the GPU with a late write by every
 1. ``stream=`` given: the op runs on it.
 2. ``stream=None`` and any input is a torch tensor: the op runs on torch's current stream of that
    device, as Triton kernels do, so it is ordered with the torch work that wrote its inputs and
-   with the torch work that will read its outputs.
+   with the torch work that will read its outputs. Otherwise, when any input is a CuPy array:
+   CuPy's current stream of that device, where CuPy's own kernels run (its array interface names
+   that same stream, and the interface allows consuming by queuing work on it). Waiting on it from
+   pyattn's stream instead cost an event record and a wait a call (5.2 us of a 32.7 us tiny call on
+   an H200 host; BENCHMARKS.md, sixty-fifth session).
 3. Otherwise pyattn's own stream of the device.
 
 Whatever stream the op runs on, before its first launch it waits (an event, never a host block)
@@ -27,7 +31,8 @@ from ..runtime.memory import Allocation
 from ..runtime.stream import LEGACY_STREAM, Stream, as_stream, borrowed, default_stream, order_after
 from .inputs import DLPACK, HOST, LEGACY_PRODUCER, TORCH_PRODUCER, Arg
 
-__all__ = ["choose_stream", "wait_for", "order_inputs", "import_dlpack", "note_use", "torch_current_stream"]
+__all__ = ["choose_stream", "wait_for", "order_inputs", "import_dlpack", "note_use", "torch_current_stream",
+           "cupy_current_stream", "is_cupy"]
 
 
 def torch_current_stream(device) -> Stream:
@@ -38,15 +43,41 @@ def torch_current_stream(device) -> Stream:
     return borrowed(device, int(handle))
 
 
-def choose_stream(stream, device, torch_in: bool) -> tuple:
+def cupy_current_stream(device) -> Stream:
+    """CuPy's current stream on ``device``, as a borrowed :class:`Stream` that keeps CuPy's stream
+    object alive (results allocated on it are freed on it, so its handle must outlive them: CuPy
+    destroys a ``cupy.cuda.Stream`` when the object goes)."""
+    current = sys.modules["cupy"].cuda.get_current_stream
+    try:
+        cs = current(device.ordinal)
+    except TypeError:  # a CuPy without the device argument: the device was made current first
+        cs = current()
+    return borrowed(device, int(cs.ptr), owner=cs)
+
+
+_cupy_types: dict = {}  # type -> whether it is CuPy's (its module's top package)
+
+
+def is_cupy(x) -> bool:
+    """Whether ``x`` is a CuPy array, told by its type's module (CuPy is never imported here)."""
+    tp = type(x)
+    hit = _cupy_types.get(tp)
+    if hit is None:
+        hit = _cupy_types[tp] = str(getattr(tp, "__module__", "")).partition(".")[0] == "cupy"
+    return hit
+
+
+def choose_stream(stream, device, torch_in: bool, cupy_in: bool = False) -> tuple:
     """The stream the op runs on (rules 1-3 above), and torch's current stream handle if that was
     read on the way (rule 2; else None), for :func:`wait_for`: read once per call.
-    ``torch_in``: whether any input is a torch tensor."""
+    ``torch_in``: whether any input is a torch tensor; ``cupy_in``: a CuPy array."""
     if stream is not None:
         return as_stream(stream, device), None
     if torch_in:
         s = torch_current_stream(device)
         return s, s.ptr
+    if cupy_in:
+        return cupy_current_stream(device), None
     return default_stream(device), None
 
 

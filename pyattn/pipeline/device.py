@@ -19,7 +19,7 @@ import numpy as np
 from ..array import DeviceArray, allocate, c_strides
 from ..interop.convert import device_of
 from ..interop.inputs import CAI, DEVICE, DLPACK, HOST, TORCH, TORCH_PRODUCER
-from ..interop.streams import choose_stream, import_dlpack, note_use, order_inputs, wait_for
+from ..interop.streams import choose_stream, import_dlpack, is_cupy, note_use, order_inputs, wait_for
 from ..runtime.stream import default_stream, refuse_capture
 
 __all__ = ["start", "Bound", "bind", "begin", "layout", "output", "finish", "fetch_values"]
@@ -44,11 +44,16 @@ def start(stream, args, recheck=None):
             dlpack = dlpack or a.kind == DLPACK
             torch_in = torch_in or a.kind == TORCH
     device.activate()
-    s, torch_now = choose_stream(stream, device, torch_in)
+    s, torch_now = choose_stream(stream, device, torch_in, _cupy_in(args))
     ordered = order_inputs(s, device, args, torch_now)
     if recheck is not None and dlpack:
         recheck(ordered)
     return device, s, ordered
+
+
+def _cupy_in(args) -> bool:
+    """Whether a CuPy array is among ``args`` (stream rule 2; read through its array interface)."""
+    return any(a is not None and a.kind == CAI and is_cupy(a.obj) for a in args)
 
 
 class Bound(NamedTuple):
@@ -66,6 +71,7 @@ class Bound(NamedTuple):
     torch_in: bool  # a torch tensor among them (stream rule 2)
     own: object  # pyattn's own stream of the device (rule 3), looked up once
     dlpack: bool  # a DLPack-only array among them: imported per call, on the call's stream
+    cupy_in: bool  # a CuPy array among them (rule 2 when no torch tensor is)
 
 
 def bind(problem, device, args, check):
@@ -80,7 +86,7 @@ def bind(problem, device, args, check):
     names = tuple(None if a is None else a.name for a in args)
     layouts = tuple((a.shape, a.strides) if a is not None and a.kind == DLPACK else None for a in args)
     return Bound(problem, device, tuple(kinds), names, layouts, check, TORCH in kinds, default_stream(device),
-                 DLPACK in kinds)
+                 DLPACK in kinds, _cupy_in(args))
 
 
 def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
@@ -113,10 +119,10 @@ def begin(bound: Bound, stream, arrays, reads=None) -> tuple:
         bound.check(bound.problem, ptrs)
     device = bound.device
     device.activate()
-    if stream is None and not bound.torch_in:
+    if stream is None and not bound.torch_in and not bound.cupy_in:
         s, torch_now = bound.own, None  # rule 3, as choose_stream would say
     else:
-        s, torch_now = choose_stream(stream, device, bound.torch_in)
+        s, torch_now = choose_stream(stream, device, bound.torch_in, bound.cupy_in)
     if bound.dlpack:
         views = reads["views"] = []
         for i, (kind, x, name, layout) in enumerate(zip(bound.kinds, arrays, bound.names, bound.layouts)):
