@@ -203,11 +203,16 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   // float mask all +0), so its per-score work is skipped: padding masks, document masks and
   // the like are mostly such tiles.
   // Tested on the raw bytes, so such a tile converts nothing either.
+  // An f32 mask with soft-cap or ALiBi (kF32Fused) takes no such test: its terms are ready to add
+  // (one FMA a score), so the test's OR of 64 values and vote cost more than they skip; its tiles
+  // all take the per-score path (d = 128 all-zero mask: 1.38-1.45x the time without the mask with
+  // the test, 1.20-1.22x without: BENCHMARKS.md, sixty-sixth session).
+  constexpr bool kF32Fused = Mods::kMask == kMaskF32 && !FastMods<Mods>::kMaskOnly;
   bool plain = false;
-  if constexpr (Mods::kMask != kMaskNone && !kMaskInit) {
+  if constexpr (Mods::kMask != kMaskNone && !kMaskInit) gather_mask(mt, mw, n0);
+  if constexpr (Mods::kMask != kMaskNone && !kMaskInit && !kF32Fused) {
     constexpr bool kF32 = Mods::kMask == kMaskF32;
     constexpr bool kBits = FastMods<Mods>::kBits;
-    gather_mask(mt, mw, n0);
     // packed bits: this thread's BN / 4 keys of each row half (gather_mask), bits 2 i + e
     constexpr unsigned kAllVisible = kBits ? (BN == 128 ? ~0u : (1u << BN / 4) - 1u) : 0x0101u;
     unsigned all = FastMods<Mods>::kBool ? kAllVisible : 0u;
@@ -242,7 +247,15 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     // (192 rows, 64 of them in at 16k keys) took 2.8x a whole block's time with a bool mask, and
     // the kernel's tail waited on it (BENCHMARKS.md, forty-second session).
     const bool rows_in = wg_row0 + 63 < sq || wg_row0 >= sq;
-    if constexpr (FastMods<Mods>::kFloatMask)  // the raw pairs as terms, where they are added
+    // A bool or 16-bit mask with soft-cap or ALiBi (kSplitMask): a whole tile's scores go through
+    // the other modifiers in one loop, and the mask follows in a second one that plain tiles skip
+    // (a bool's -inf, a 16-bit term added last, as score() would: the same result; the pair
+    // converted there, so that its terms are not live through the first loop). The loop with both
+    // in each score, beside the plain tile's own copy, made these the largest variants (d = 128
+    // bits: 7624 SASS instructions against 5320 for the bits alone) and the slowest to compile,
+    // and cost up to 1.47x the time without the mask (d = 128 bf16; 1.14x split).
+    constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused;
+    if constexpr (FastMods<Mods>::kFloatMask && !kSplitMask)  // the raw pairs as terms, added to S
       if (!(full && rows_in && plain))
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
@@ -250,13 +263,31 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
           for (int h = 0; h < 2; ++h)
             mods.terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h],
                        s[4 * i + 2 * h + 1]);
-    if (full && rows_in && plain) {  // as without the mask: raw scores, or the other modifiers'
+    if (full && rows_in && (kSplitMask || plain)) {  // plain: as without the mask
       if constexpr (!FastMods<Mods>::kMaskOnly)
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[4 * i + e] = mods.score(s[4 * i + e], token(e >> 1), n0 + i * 8 + 2 * t + (e & 1), 0.f);
-    } else if (full && rows_in) {  // every position visible: no per-element band or bounds tests
+      if constexpr (kSplitMask)
+        if (!plain)
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float& s0 = s[4 * i + 2 * h];
+              float& s1 = s[4 * i + 2 * h + 1];
+              if constexpr (FastMods<Mods>::kBool) {
+                s0 = mask_visible(mw, i, h, 0) ? s0 : -inf();
+                s1 = mask_visible(mw, i, h, 1) ? s1 : -inf();
+              } else {
+                float a, b;
+                mods.pair_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], a, b);
+                s0 = fmaf(a, mods.mscale, s0);
+                s1 = fmaf(b, mods.mscale, s1);
+              }
+            }
+    } else if (!kSplitMask && full && rows_in) {  // every position visible: no per-element band or bounds tests
       // Packed bits alone: one row half's scores after the other (HO = 2), so that the word's bits
       // are tested in order and ptxas turns them into predicates a byte at a time (R2P of 7 bits,
       // where key blocks outermost gave 2): 86 instructions a masked d = 64 tile instead of 110.
@@ -291,8 +322,12 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
         }
         float& s0 = s[4 * i + 2 * h];
         float& s1 = s[4 * i + 2 * h + 1];
-        s0 = ok0 ? mods.score(s0, row, key, mt[4 * i + 2 * h]) : -inf();
-        s1 = ok1 ? mods.score(s1, row, key + 1, mt[4 * i + 2 * h + 1]) : -inf();
+        // a float mask's terms (kMaskOnly: on S already, unused here; kSplitMask: still raw)
+        float m0 = mt[4 * i + 2 * h], m1 = mt[4 * i + 2 * h + 1];
+        if constexpr (kSplitMask && FastMods<Mods>::kFloatMask)
+          mods.pair_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], m0, m1);
+        s0 = ok0 ? mods.score(s0, row, key, m0) : -inf();
+        s1 = ok1 ? mods.score(s1, row, key + 1, m1) : -inf();
       }
   } else if (!full) {  // -- mask keys past the end and outside the band (boundary tiles only)
 #pragma unroll

@@ -294,14 +294,22 @@ struct FastMods {
   // them: SASS). Otherwise score() adds them after the other modifiers.
   // A 16-bit pair by pair_to_float2 (common.cuh: a bf16 by its bits, one instruction a term).
   __device__ __forceinline__ void terms(unsigned word, float& a, float& b, float& s0, float& s1) const {
+    pair_terms(word, a, b, a, b);
+    if constexpr (kMaskOnly) s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
+  }
+
+  // A float mask's pair of terms (a, b) as gathered: a 16-bit pair's `word` converted, an f32
+  // pair's raw values (f0, f1) as they are.
+  __device__ __forceinline__ static void pair_terms(unsigned word, float f0, float f1, float& a, float& b) {
     if constexpr (Mods::kMask == kMaskF16) {
       const float2 f = pair_to_float2<__half>(word);
       a = f.x, b = f.y;
     } else if constexpr (Mods::kMask == kMaskBF16) {
       const float2 f = pair_to_float2<__nv_bfloat16>(word);
       a = f.x, b = f.y;
+    } else {
+      a = f0, b = f1;
     }
-    if constexpr (kMaskOnly) s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
   }
 
   // The score of a visible (row, key) from its raw dot product and a float mask's term `m`: final
