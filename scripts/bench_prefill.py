@@ -138,7 +138,8 @@ def bench_skipping(bench) -> dict:
     (the score modifiers, each against the dense time: a bool mask of all True, a bf16 additive
     mask of zeros, the same two with random values, key-padding masks (1, 1, 1, S), bool and bf16,
     hiding the last 10% of the keys, a soft-cap, ALiBi, and soft-cap or a bool mask, all True or
-    random, with causal against causal).
+    random, with causal against causal; a random bool or bf16 mask with the soft-cap against the
+    soft-cap alone).
     Masks that hide nothing on a tile skip their per-score work there; the random ones show the
     cost where every tile does it."""
     S, H, D = 16384, 16, 128
@@ -167,7 +168,11 @@ def bench_skipping(bench) -> dict:
               ("causal + bool mask (random 50%)", {"causal": True, "mask": coin}, 0.25, "causal"),
               ("softcap 30", {"softcap": 30.0}, 1.0, "dense"), ("alibi", {"alibi_slopes": slopes}, 1.0, "dense"),
               ("causal + softcap 30", {"causal": True, "softcap": 30.0}, 0.5, "causal"),
-              ("causal + bool mask", {"causal": True, "mask": ones}, 0.5, "causal")]
+              ("causal + bool mask", {"causal": True, "mask": ones}, 0.5, "causal"),
+              # a mask beside soft-cap (Gemma 2 with padding or document masks): the mask's own cost,
+              # against the soft-cap alone
+              ("softcap 30 + bool mask (random 50%)", {"softcap": 30.0, "mask": coin}, 0.5, "softcap 30"),
+              ("softcap 30 + bf16 additive mask (random)", {"softcap": 30.0, "mask": bias}, 1.0, "softcap 30")]
     rows, ms = [], {}
     by_name = {name: opts for name, opts, *_ in cases}
 
