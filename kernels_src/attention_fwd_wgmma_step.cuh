@@ -253,8 +253,11 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     // converted there, so that its terms are not live through the first loop). The loop with both
     // in each score, beside the plain tile's own copy, made these the largest variants (d = 128
     // bits: 7624 SASS instructions against 5320 for the bits alone) and the slowest to compile,
-    // and cost up to 1.47x the time without the mask (d = 128 bf16; 1.14x split).
-    constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused;
+    // and cost up to 1.47x the time without the mask (d = 128 bf16; 1.14x split). A bool mask with
+    // the soft-cap alone keeps the fused loop: split, it ran 5-7% slower on every tile kind
+    // (BENCHMARKS.md, sixty-sixth session).
+    constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused &&
+                                (FastMods<Mods>::kFloatMask || Mods::kAlibi);
     if constexpr (FastMods<Mods>::kFloatMask && !kSplitMask)  // the raw pairs as terms, added to S
       if (!(full && rows_in && plain))
 #pragma unroll
