@@ -206,7 +206,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
   // An f32 mask with soft-cap or ALiBi (kF32Fused) takes no such test: its terms are ready to add
   // (one FMA a score), so the test's OR of 64 values and vote cost more than they skip; its tiles
   // all take the per-score path (d = 128 all-zero mask: 1.38-1.45x the time without the mask with
-  // the test, 1.20-1.22x without: BENCHMARKS.md, sixty-sixth session).
+  // the test, 1.21-1.25x without: BENCHMARKS.md, sixty-sixth session).
   constexpr bool kF32Fused = Mods::kMask == kMaskF32 && !FastMods<Mods>::kMaskOnly;
   bool plain = false;
   if constexpr (Mods::kMask != kMaskNone && !kMaskInit) gather_mask(mt, mw, n0);
@@ -253,7 +253,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     // converted there, so that its terms are not live through the first loop). The loop with both
     // in each score, beside the plain tile's own copy, made these the largest variants (d = 128
     // bits: 7624 SASS instructions against 5320 for the bits alone) and the slowest to compile,
-    // and cost up to 1.47x the time without the mask (d = 128 bf16; 1.14x split). A bool mask with
+    // and cost up to 1.47x the time without the mask (d = 128 bf16; 1.14-1.17x split). A bool mask with
     // the soft-cap alone keeps the fused loop: split, it ran 5-7% slower on every tile kind
     // (BENCHMARKS.md, sixty-sixth session).
     constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused &&
