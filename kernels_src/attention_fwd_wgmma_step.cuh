@@ -258,14 +258,14 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     // (BENCHMARKS.md, sixty-sixth session).
     constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused &&
                                 (FastMods<Mods>::kFloatMask || Mods::kAlibi);
-    if constexpr (FastMods<Mods>::kFloatMask && !kSplitMask)  // the raw pairs as terms, added to S
+    if constexpr (FastMods<Mods>::kFloatMask && FastMods<Mods>::kMaskOnly)  // the terms onto raw S
       if (!(full && rows_in && plain))
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            mods.terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h],
-                       s[4 * i + 2 * h + 1]);
+            mods.add_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h],
+                           s[4 * i + 2 * h + 1]);
     if (full && rows_in && (kSplitMask || plain)) {  // plain: as without the mask
       if constexpr (!FastMods<Mods>::kMaskOnly)
 #pragma unroll
@@ -284,10 +284,7 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
                 s0 = mask_visible(mw, i, h, 0) ? s0 : -inf();
                 s1 = mask_visible(mw, i, h, 1) ? s1 : -inf();
               } else {
-                float a, b;
-                mods.pair_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], a, b);
-                s0 = fmaf(a, mods.mscale, s0);
-                s1 = fmaf(b, mods.mscale, s1);
+                mods.add_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s0, s1);
               }
             }
     } else if (!kSplitMask && full && rows_in) {  // every position visible: no per-element band or bounds tests
@@ -325,10 +322,8 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
         }
         float& s0 = s[4 * i + 2 * h];
         float& s1 = s[4 * i + 2 * h + 1];
-        // a float mask's terms (kMaskOnly: on S already, unused here; kSplitMask: still raw)
-        float m0 = mt[4 * i + 2 * h], m1 = mt[4 * i + 2 * h + 1];
-        if constexpr (kSplitMask && FastMods<Mods>::kFloatMask)
-          mods.pair_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], m0, m1);
+        float m0, m1;  // a float mask's terms (unused by score() with the mask alone: on S already)
+        mods.pair_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], m0, m1);
         s0 = ok0 ? mods.score(s0, row, key, m0) : -inf();
         s1 = ok1 ? mods.score(s1, row, key + 1, m1) : -inf();
       }

@@ -288,14 +288,16 @@ struct FastMods {
     }
   }
 
-  // A float mask's raw pair as fp32 terms (a, b). With the mask alone (kMaskOnly) they go onto
-  // the raw scores s0, s1 here, times mscale: one fma a score in place, before the main loop's
-  // branches on the tile (an fma in score(), inside them, cost a register move a score to merge
-  // them: SASS). Otherwise score() adds them after the other modifiers.
+  // A float mask's raw pair (a 16-bit pair's `word`, or an f32 pair's f0, f1) onto the scores s0,
+  // s1, times mscale. With the mask alone (kMaskOnly) on the raw scores, in place, before the main
+  // loop's branches on the tile (an fma in score(), inside them, cost a register move a score to
+  // merge them: SASS); with ALiBi or soft-cap on the final scores of a tile that went through
+  // score() without it (kSplitMask in the wgmma step). Otherwise score() adds the term itself.
   // A 16-bit pair by pair_to_float2 (common.cuh: a bf16 by its bits, one instruction a term).
-  __device__ __forceinline__ void terms(unsigned word, float& a, float& b, float& s0, float& s1) const {
-    pair_terms(word, a, b, a, b);
-    if constexpr (kMaskOnly) s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
+  __device__ __forceinline__ void add_terms(unsigned word, float f0, float f1, float& s0, float& s1) const {
+    float a, b;
+    pair_terms(word, f0, f1, a, b);
+    s0 = fmaf(a, mscale, s0), s1 = fmaf(b, mscale, s1);
   }
 
   // A float mask's pair of terms (a, b) as gathered: a 16-bit pair's `word` converted, an f32
