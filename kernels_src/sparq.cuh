@@ -7,8 +7,9 @@
 // head is a row (G = 1, kv head rh / kv_div), the paper's algorithm for each head
 // (pyattn/reference_sparq.py defines both, and why):
 //
-//  1 score  (grid blocks x rows; a block takes chunk_steps steps of kSparqChunk keys, 8 a thread:
-//           one 16-byte load per chosen kt row; the host sizes the grid to about one wave). Each
+//  1 score  (grid blocks x rows; a block takes chunk_steps steps of kSparqChunk keys, 8 a quad
+//           of lanes: 16-byte loads of the chosen kt rows, summed on the tensor cores; the host
+//           sizes the grid to about one wave). Each
 //           block first makes its row's choice (sparq_choose; every block of a row alike): the r
 //           channels with the largest sum over the group of |q| (ties: lower channel first); per
 //           head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|); q~_h = round_T(q_h *
@@ -37,7 +38,9 @@
 // now 55 and 23. The score stage's reads alone (dev/probe_kt_layout.py) run at 3.7-4.0 TB/s, 3.25
 // at its occupancy (2 blocks an SM, by registers): 41 us there. Until the fiftieth session its
 // instructions bounded it (55 us with no loads at all); now its warps wait mostly on those reads,
-// 8 rows in flight a thread. The choice of channels was a stage of its own (0, prep) until the
+// 8 rows in flight a thread. Its sums moved to the tensor cores in the sixty-seventh session
+// (sparq_score.cuh): 51.6-52.0 -> 50.1-50.3 us, bound by the reads in flight (BENCHMARKS.md).
+// The choice of channels was a stage of its own (0, prep) until the
 // forty-ninth session (sparq_score.cuh says why it is not).
 // The stages' sizes and shared helpers are in sparq_common.cuh, the score stage in sparq_score.cuh;
 // select, finish and the entry point follow here.

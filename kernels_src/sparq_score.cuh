@@ -13,8 +13,8 @@ namespace pyattn {
 // The score stage's prologue, run by every score block of a row alike (they all reach the same
 // choice): the row's r channels with the largest sum over the group of |q| (ties: lower channel
 // first), per head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|), and q~_h =
-// round_T(q_h * t_h) on the chosen channels into qt_s [R][Gp] (heads past G zero), with the chosen
-// kt rows' offsets in a page into off_s [R]. The row's block 0 also writes the decode's query rows
+// round_T(q_h * t_h) on the chosen channels into qt_s as the scoring's B operand (qb below), with
+// the chosen kt rows' offsets in a page into off_s [16 R16]. The row's block 0 also writes the decode's query rows
 // qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}) (q~ zero off the chosen channels).
 // Why in every block rather than a stage of its own: at small batches a launch of its own cost more
 // than the work (prep 7.8 us of a 69 us call at B1 x 32k, forty-ninth session), and the choice is a
@@ -24,7 +24,7 @@ namespace pyattn {
 template <typename T, class P>
 __device__ __forceinline__ void sparq_choose(const P& p, int row, float* qs, int* sc, float* qt_s, int* off_s) {
   const int b = row / p.row_heads, rh = row % p.row_heads;
-  const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x, Gp = (G + 3) & ~3;
+  const int G = p.group, D = p.head_dim, R = p.r, tid = threadIdx.x;
   float* w = reinterpret_cast<float*>(sc);             // [D]
   int* flag = sc + kSparqMaxDim;                       // [D]
   int* chan_s = flag + kSparqMaxDim;                   // [R] (first the partial ranks)
@@ -99,13 +99,16 @@ __device__ __forceinline__ void sparq_choose(const P& p, int row, float* qs, int
       qx[hh * D + tid] = from_float<T>(x);
     }
   }
-  // -- q~ on the chosen channels as the scoring reads it, and the chosen kt rows' offsets
-  if (tid < R) {
-    const int c = chan_s[tid];
-    off_s[tid] = c * p.page_size;
+  // -- q~ on the chosen channels as the scoring's B operand, and the chosen kt rows' offsets: qb
+  // [R16][2][8][16] of T (k16 step, 8-head block, head, position in the step), positions past R
+  // and heads past G zero; their rows' offsets name channel 0 (read, weighed by 0).
+  const int R16 = (R + 15) / 16;
+  if (tid < 16 * R16) off_s[tid] = tid < R ? chan_s[tid] * p.page_size : 0;
+  T* qb = reinterpret_cast<T*>(qt_s);
 #pragma unroll 1
-    for (int h = 0; h < Gp; ++h)
-      qt_s[tid * Gp + h] = h < G ? to_float(from_float<T>(qs[h * D + c] * th[h])) : 0.f;
+  for (int i = tid; i < R16 * 256; i += kSparqThreads) {
+    const int j = (i / 256) * 16 + i % 16, h = (i / 16) % 16;
+    qb[i] = from_float<T>(j < R && h < G ? qs[h * D + chan_s[j]] * th[h] : 0.f);
   }
   __syncthreads();  // (qs, the caller's histogram space, is free again)
 }
@@ -116,8 +119,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const int n = p.kv_len[b], c0 = blockIdx.x * kSparqChunk * p.chunk_steps;
   if (c0 >= n) return;  // block-uniform; such blocks are not counted below
   const int G = p.group, R = p.r, tid = threadIdx.x, ps = p.page_size, warp = tid / 32, lane = tid % 32;
-  const int Gp = (G + 3) & ~3;
-  float* qt_s = reinterpret_cast<float*>(smem);                           // [R][Gp]
+  float* qt_s = reinterpret_cast<float*>(smem);                           // q~ as qb (sparq_choose)
   int* off_s = reinterpret_cast<int*>(qt_s + kSparqMaxGroup * kSparqMaxDim);  // [R] chosen kt rows' page offsets
   unsigned* hist_s = reinterpret_cast<unsigned*>(off_s + kSparqMaxDim);  // [bins]
   float* red = reinterpret_cast<float*>(hist_s + kSparqBins);             // [warps][G][2]: a warp's running state
@@ -130,104 +132,141 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const T* kt = static_cast<const T*>(p.kt) + kvh * p.kt_stride_h;
   const int* pages = sparq_pages(p, b);
 
-  // This thread's running (max, sum exp2) of the approximate logits (log2 units) of heads hc ..
-  // hc + 3, kept across the steps when G <= 4 and reduced over the warp once at the end (else at
-  // the end of each 4-head pass). A warp reduction for every step and head made the steps' ends
-  // a quarter of the stage's instructions, with their shuffle chains' waits (Nsight Compute, H200,
-  // B8 x 32k; BENCHMARKS.md, fiftieth session).
-  float tm[4], tz[4];
-  auto restart = [&] {
+  // The scores on the tensor cores (mma.m16n8k16, fp32 sums of exact 16-bit products, as the FMAs
+  // they replace): keys on M, the chosen channels on K, the row's heads on N (8 a block, zero past
+  // G). Quad g of a warp takes 8 keys (one page: page_size % 8 == 0), lane t of the quad the
+  // positions 4t .. 4t + 3 of each k16 step, a 16-byte load of each of those kt rows; the k order
+  // inside a step is free as long as A and B agree (qb lists the positions in the same order), and
+  // the quad's keys 2i / 2i + 1 are rows g / g + 8 of m16 tile i, so a PRMT a register makes the A
+  // fragments from the loads. A warp takes 4 such 64-key groups a step (the 256 keys its 32 threads
+  // took as 8 each): 4 loads, 16 PRMT, 1 shared load and 4 MMA a k16 step of a warp's 64 keys. Why
+  // (H200, B8 x 32k, Nsight Compute): the FMA form issued 348 instructions a key (128 FFMA of them)
+  // at 0.6 a scheduler a cycle, and was no faster without its loads (fiftieth session).
+  const int g = lane / 4, t = lane % 4, NB = (G + 7) / 8, R16 = (R + 15) / 16;
+  const uint2* qb = reinterpret_cast<const uint2*>(qt_s);  // [R16][2][8][4]: lane (g, t)'s B fragment at [..][g][t]
+  // This thread's running (max, sum exp2) of the approximate logits (log2 units) of heads
+  // 8 hb + 2t + hh, kept across the groups and steps and reduced over the lanes of its t once at the
+  // end: a reduction a step made the steps' ends a quarter of the stage's instructions, with their
+  // shuffle chains' waits (Nsight Compute, H200, B8 x 32k; BENCHMARKS.md, fiftieth session).
+  float tm[2][2], tz[2][2];
 #pragma unroll
-    for (int hh = 0; hh < 4; ++hh) tm[hh] = -inf(), tz[hh] = 0.f;
+  for (int hb = 0; hb < 2; ++hb)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) tm[hb][hh] = -inf(), tz[hb][hh] = 0.f;
+
+  // The warp's 64-key groups in order: group gi is step gi / 4's keys warp * 256 + (gi % 4) * 64
+  // on. A quad past the sequence's end reads the sequence's first keys instead and never uses what
+  // it sums, so the loads take no predicate (slots past the end inside the last page are read
+  // alike, never counted). The next group's first kPre k16 steps (all of them at r <= 32) are
+  // loaded before this group's softmax terms, shuffles and histogram, so that those reads are in
+  // flight under them. With the tensor cores the stage is bound by how many reads are in flight:
+  // H200, B8 x 32k (dev/profile_sparq.py), none ahead 61.6 us (80 registers at 3 blocks an SM
+  // 58.3), one step 54.5, two 50.1 (127 registers), the FMA form 51.6-52.0.
+  auto group_key = [&](int gi) { return c0 + (gi / 4) * kSparqChunk + warp * (32 * kSparqKeys) + (gi % 4) * 64; };
+  auto group_live = [&](int gi) { return gi / 4 < p.chunk_steps && group_key(gi) < n; };  // (warp-uniform)
+  auto quad_base = [&](int i0) {
+    const int at = i0 < n ? i0 : 0;
+    return kt + pages[at / ps] * p.kt_stride_page + at % ps;
   };
-  // the warp's (max, sum) of heads hc .., merged into the warp's entries of red by lane 0
-  auto flush = [&](int hc) {
+  auto load_step = [&](const T* base, int ks, uint4 (&l)[4]) {  // positions 4t + c of step ks: keys (2w, 2w + 1) in word w
 #pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      const float m = warp_max(tm[hh]);
-      float z = 0.f;
-      if (m != -inf()) z = warp_sum(tm[hh] == -inf() ? 0.f : tz[hh] * fast_exp2(tm[hh] - m));  // (warp-uniform)
-      if (lane == 0 && hc + hh < G) {
-        float* r2 = red + (warp * kSparqMaxGroup + hc + hh) * 2;
+    for (int c = 0; c < 4; ++c) l[c] = *reinterpret_cast<const uint4*>(base + off_s[ks * 16 + 4 * t + c]);
+  };
+  constexpr int kPre = 2;
+  uint4 pre[kPre][4];  // the current group's first k steps, loaded during the previous group
+  const T* base = quad_base(group_key(0) + g * 8);
+  if (group_live(0)) {
+#pragma unroll
+    for (int ks = 0; ks < kPre; ++ks) if (ks < R16) load_step(base, ks, pre[ks]);
+  }
+  for (int gi = 0; group_live(gi); ++gi) {
+    const int i0 = group_key(gi) + g * 8, nv = max(0, min(8, n - i0));
+    float v[8];  // this thread's heads' share of key k's selection score (heads past G weigh 0)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = 0.f;
+    // 8 heads a pass; a second (G > 8) loads the group's rows again (from L1)
+#pragma unroll
+    for (int hb = 0; hb < 2; ++hb) {
+      if (hb >= NB) break;
+      float d[4][4];  // [m16 tile i][C fragment]: keys 2i (rows g) / 2i + 1 (rows g + 8), heads 8 hb + 2t (+ 1)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+      auto mma_step = [&](int ks, const uint4 (&l)[4]) {
+        const unsigned w[4][4] = {{l[0].x, l[0].y, l[0].z, l[0].w}, {l[1].x, l[1].y, l[1].z, l[1].w},
+                                  {l[2].x, l[2].y, l[2].z, l[2].w}, {l[3].x, l[3].y, l[3].z, l[3].w}};
+        const uint2 bq = qb[((ks * 2 + hb) * 8 + g) * 4 + t];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const unsigned a[4] = {__byte_perm(w[0][i], w[1][i], 0x5410), __byte_perm(w[0][i], w[1][i], 0x7632),
+                                 __byte_perm(w[2][i], w[3][i], 0x5410), __byte_perm(w[2][i], w[3][i], 0x7632)};
+          mma_16816<T>(d[i], a, bq.x, bq.y);
+        }
+      };
+      if (hb == 0) {
+#pragma unroll
+        for (int ks = 0; ks < kPre; ++ks) if (ks < R16) mma_step(ks, pre[ks]);
+      }
+#pragma unroll 1
+      for (int ks = hb == 0 ? kPre : 0; ks < R16; ++ks) {
+        uint4 l[4];
+        load_step(base, ks, l);
+        mma_step(ks, l);
+      }
+      if (hb + 1 == NB && group_live(gi + 1)) {  // the next group's first kPre steps
+        base = quad_base(group_key(gi + 1) + g * 8);
+#pragma unroll
+        for (int ks = 0; ks < kPre; ++ks) if (ks < R16) load_step(base, ks, pre[ks]);
+      }
+      // -- per head (max, sum exp2) of the scaled logits of this quad's keys < nv
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float m = tm[hb][hh];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float x = d[k / 2][2 * (k % 2) + hh];
+          v[k] += x;
+          if (k < nv) m = fmaxf(m, x * p.scale_log2);
+        }
+        float z = tm[hb][hh] == -inf() ? 0.f : tz[hb][hh] * fast_exp2(tm[hb][hh] - m);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) z += k < nv ? fast_exp2(d[k / 2][2 * (k % 2) + hh] * p.scale_log2 - m) : 0.f;
+        tm[hb][hh] = m, tz[hb][hh] = z;
+      }
+    }
+    // -- the quad's sums, scattered: lane t keeps keys 2t, 2t + 1 (three shuffles a key pair)
+    const bool hi2 = t & 2, hi1 = t & 1;
+    float v4[4], sel[2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      v4[j] = (hi2 ? v[4 + j] : v[j]) + __shfl_xor_sync(kFullMask, hi2 ? v[j] : v[4 + j], 2);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      sel[j] = (hi1 ? v4[2 + j] : v4[j]) + __shfl_xor_sync(kFullMask, hi1 ? v4[j] : v4[2 + j], 1);
+    // -- selection scores (order keys) and their histogram; both keys stored when any of the
+    // quad's is real (those past the end are never read as scores: the row's stride lpad has room)
+    const unsigned u0 = sparq_order(sel[0]), u1 = sparq_order(sel[1]);
+    if (nv > 0) *reinterpret_cast<uint2*>(score + i0 + 2 * t) = make_uint2(u0, u1);
+    if (2 * t < nv) atomicAdd(&hist_s[u0 >> 20], 1u);
+    if (2 * t + 1 < nv) atomicAdd(&hist_s[u1 >> 20], 1u);
+  }
+  // -- each head's (max, sum) over the warp (the lanes of one t hold the same heads), merged into
+  // the warp's entries of red by lanes 0 .. 3
+#pragma unroll
+  for (int hb = 0; hb < 2; ++hb)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float m = tm[hb][hh];
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+      float z = tm[hb][hh] == -inf() ? 0.f : tz[hb][hh] * fast_exp2(tm[hb][hh] - m);
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) z += __shfl_xor_sync(kFullMask, z, o);
+      const int h = 8 * hb + 2 * t + hh;
+      if (g == 0 && h < G) {
+        float* r2 = red + (warp * kSparqMaxGroup + h) * 2;
         sparq_merge(r2[0], r2[1], m, z);
       }
     }
-  };
-  restart();
-
-  // Steps of kSparqChunk keys; a thread's 8 keys lie in one page (page_size % 8 == 0): 16 bytes of
-  // each chosen kt row. A thread past the sequence's end reads the sequence's first keys instead
-  // and never uses what it sums, so the loads take no predicate and no zeroed registers (slots past
-  // the end inside the last page are read alike, never counted).
-  for (int step = 0; step < p.chunk_steps && c0 + step * kSparqChunk < n; ++step) {
-    const int i0 = c0 + step * kSparqChunk + kSparqKeys * tid, nv = max(0, min(kSparqKeys, n - i0));
-    const int at = nv > 0 ? i0 : 0;
-    const T* base = kt + pages[at / ps] * p.kt_stride_page + at % ps;
-    float sel[kSparqKeys];
-#pragma unroll
-    for (int e = 0; e < kSparqKeys; ++e) sel[e] = 0.f;
-    for (int hc = 0; hc < G; hc += 4) {  // 4 query heads at a time; later passes re-read kt from L1
-      float acc[4][kSparqKeys];
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh)
-#pragma unroll
-        for (int e = 0; e < kSparqKeys; ++e) acc[hh][e] = 0.f;
-#pragma unroll 8
-      for (int j = 0; j < R; ++j) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(base + off_s[j]);
-        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-        float k8[kSparqKeys];
-#pragma unroll
-        for (int e = 0; e < kSparqKeys; e += 2) {
-          const float2 f = pair_to_float2<T>(words[e / 2]);
-          k8[e] = f.x, k8[e + 1] = f.y;
-        }
-        const float4 qv = *reinterpret_cast<const float4*>(qt_s + j * Gp + hc);
-#pragma unroll
-        for (int e = 0; e < kSparqKeys; ++e) {
-          const float k = k8[e];
-          acc[0][e] = fmaf(qv.x, k, acc[0][e]);
-          acc[1][e] = fmaf(qv.y, k, acc[1][e]);
-          acc[2][e] = fmaf(qv.z, k, acc[2][e]);
-          acc[3][e] = fmaf(qv.w, k, acc[3][e]);
-        }
-      }
-      // -- the selection score (heads past G have q~ = 0), and this thread's running (max, sum)
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        float m = tm[hh];
-#pragma unroll
-        for (int e = 0; e < kSparqKeys; ++e) {
-          sel[e] += acc[hh][e];
-          acc[hh][e] *= p.scale_log2;
-          if (e < nv) m = fmaxf(m, acc[hh][e]);
-        }
-        float z = tm[hh] == -inf() ? 0.f : tz[hh] * fast_exp2(tm[hh] - m);
-#pragma unroll
-        for (int e = 0; e < kSparqKeys; ++e) z += e < nv ? fast_exp2(acc[hh][e] - m) : 0.f;
-        tm[hh] = m, tz[hh] = z;
-      }
-      if (G > 4) {
-        flush(hc);
-        restart();
-      }
-    }
-    // -- selection scores (order keys) and their histogram
-    unsigned u[kSparqKeys];
-#pragma unroll
-    for (int e = 0; e < kSparqKeys; ++e) u[e] = sparq_order(sel[e]);
-    // All 8 when any is real: those past the end inside the last octet are never read as scores
-    // (the row's stride lpad has room). The element loop this replaces cost the stage ~5 us at
-    // B8 x 32k (73 -> 68 us, forty-ninth session; 240 SASS instructions fewer).
-    if (nv > 0) {
-      *reinterpret_cast<uint4*>(score + i0) = make_uint4(u[0], u[1], u[2], u[3]);
-      *reinterpret_cast<uint4*>(score + i0 + 4) = make_uint4(u[4], u[5], u[6], u[7]);
-    }
-#pragma unroll
-    for (int e = 0; e < kSparqKeys; ++e)
-      if (e < nv) atomicAdd(&hist_s[u[e] >> 20], 1u);
-  }
-  if (G <= 4) flush(0);
   __syncthreads();
   unsigned* hist = sparq_hist(p, row);
   for (int i = tid; i < kSparqBins; i += kSparqThreads)

@@ -100,6 +100,24 @@ def test_sparq_matches_its_reference(lengths, page_size, Hkv, group, D, dtype, r
     _check(q, seqs, out, pos, r, k, dtype, select)
 
 
+@pytest.mark.parametrize("group, D, r", [(16, 128, 32), (12, 64, 20), (16, 64, 64), (5, 128, 72)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_large_groups_and_uneven_channel_counts(group, D, r, dtype):
+    """The score stage's tensor-core sums take 8 heads a pass and 16 channels a k step: groups past
+    8 (a second pass, 12 a partly empty one), r not a multiple of 16 (zero-weighted positions) and
+    more than the two k steps it loads ahead (r 64 / 72), each against the reference."""
+    rng = np.random.default_rng(group * 1000 + D + r)
+    t, Hkv = DTYPES[dtype], 2
+    lengths = (1, 777, 3000)
+    q = rng.standard_normal((len(lengths), 1, Hkv * group, D)).astype(t)
+    seqs = [_structured(rng, n, Hkv, D, q[b, 0].astype(np.float64).reshape(Hkv, group, D))
+            for b, n in enumerate(lengths)]
+    cache = pyattn.PagedKVCache(sum(-(-n // 16) for n in lengths) + 4, 16, Hkv, D, dtype, sparq=True)
+    ids = _fill(cache, seqs, t)
+    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=300, return_indices=True)
+    _check(q, seqs, out, pos, r, 300, dtype)
+
+
 def test_calls_leave_their_histograms_and_counters_zero():
     """The score and select stages count in the stream's zeroed counter block and leave it zero (no
     memset a call): a call repeated on one stream, after calls that choose every key (k >= length:

@@ -19,11 +19,13 @@ _PAGES = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                reason="memory-bound, one warp per (page, kv head) or (slot, kv head): 256 threads, "
                                       "grid-stride; unmeasured"),))
 _SPARQ_SCORE = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=2,
-                                     reason="2048 keys a block step (8 per thread: one 16-byte read per chosen kt "
-                                            "row), 35 KiB of static shared memory; 2 blocks an SM (109 registers "
+                                     reason="2048 keys a block step (8 a quad of lanes: 16-byte reads of the chosen "
+                                            "kt rows), 35 KiB of static shared memory; 2 blocks an SM (109 registers "
                                             "then, 127 since the fiftieth session; 8 reads in flight a thread): H200 "
                                             "B8 x 32k score stage 63.5 us against 71.8 at 3 blocks (80 registers); "
-                                            "BENCHMARKS.md 'SparQ selection'"),))
+                                            "the tensor-core sums (127 registers) 50.1 us against 58.3 at 3 blocks "
+                                            "with no reads ahead; BENCHMARKS.md 'SparQ selection', sixty-seventh "
+                                            "session"),))
 _SPARQ_SELECT = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, warps=8, min_blocks=4,
                                       reason="2048 keys a block step, like the score stage's; 4 blocks an SM (60 "
                                              "registers, 36 KiB of static shared memory), its grid sized to them: "
