@@ -14,8 +14,8 @@ namespace pyattn {
 // choice): the row's r channels with the largest sum over the group of |q| (ties: lower channel
 // first), per head the temperature t_h = 1 / sqrt(sum_chosen |q_h| / sum |q_h|), and q~_h =
 // round_T(q_h * t_h) on the chosen channels into qt_s as the scoring's B operand (qb below), with
-// the chosen kt rows' offsets in a page into off_s [16 R16]. The row's block 0 also writes the decode's query rows
-// qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}) (q~ zero off the chosen channels).
+// the chosen kt rows' offsets in a page into off_s [16 R16]. The row's block 0 also writes the
+// decode's query rows qx[row] = (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}) (q~ zero off the chosen channels).
 // Why in every block rather than a stage of its own: at small batches a launch of its own cost more
 // than the work (prep 7.8 us of a 69 us call at B1 x 32k, forty-ninth session), and the choice is a
 // few hundred loads and compares. Its loops are kept short in code (a thread a channel, no runtime
@@ -143,7 +143,8 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   // (H200, B8 x 32k, Nsight Compute): the FMA form issued 348 instructions a key (128 FFMA of them)
   // at 0.6 a scheduler a cycle, and was no faster without its loads (fiftieth session).
   const int g = lane / 4, t = lane % 4, NB = (G + 7) / 8, R16 = (R + 15) / 16;
-  const uint2* qb = reinterpret_cast<const uint2*>(qt_s);  // [R16][2][8][4]: lane (g, t)'s B fragment at [..][g][t]
+  // q~ as [R16][2][8][4] uint2: lane (g, t)'s B fragment of k step ks, 8-head block hb at [ks][hb][g][t]
+  const uint2* qb = reinterpret_cast<const uint2*>(qt_s);
   // This thread's running (max, sum exp2) of the approximate logits (log2 units) of heads
   // 8 hb + 2t + hh, kept across the groups and steps and reduced over the lanes of its t once at the
   // end: a reduction a step made the steps' ends a quarter of the stage's instructions, with their
@@ -168,7 +169,8 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
     const int at = i0 < n ? i0 : 0;
     return kt + pages[at / ps] * p.kt_stride_page + at % ps;
   };
-  auto load_step = [&](const T* base, int ks, uint4 (&l)[4]) {  // positions 4t + c of step ks: keys (2w, 2w + 1) in word w
+  // l[c]: position 4t + c of step ks, keys (2w, 2w + 1) of the quad's 8 in word w
+  auto load_step = [&](const T* base, int ks, uint4 (&l)[4]) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) l[c] = *reinterpret_cast<const uint4*>(base + off_s[ks * 16 + 4 * t + c]);
   };
