@@ -239,31 +239,28 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   if (tid >= 1 && tid < 4) ctr[tid] = 0;  // left zero for the next call (sparq_ctr)
 }
 
+// Every thread takes its outputs' heads' alpha itself (a few L1 hits a head) rather than one
+// thread a head behind a barrier: the loads that do not depend on each other (the length, the V
+// sum's row, the score stage's (max, sum), the decode's LSE and output) then go out together, and
+// only the V sums wait for their row, two round trips where the barrier's form took four.
 template <typename T, class P>
-__device__ __forceinline__ void sparq_finish(const P& p, unsigned char* smem) {
+__device__ __forceinline__ void sparq_finish(const P& p) {
   const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
-  const int G = p.group, D = p.head_dim, tid = threadIdx.x, n = p.kv_len[b], k_eff = min(p.k, n);
-  float* alpha = reinterpret_cast<float*>(smem);
-  if (tid < G) {
-    // the row's (max, sum) of the approximate logits: the score stage's last block left it in chunk 0
-    const float* part = sparq_f(p, p.off_part) + static_cast<long long>(row) * p.n_chunks * G * 2;
-    const float m = part[tid * 2], z = part[tid * 2 + 1];
-    float a = 1.f;
-    if (k_eff < n) {
-      const float l2 = p.dlse[static_cast<long long>(row) * 2 * G + G + tid] * kLog2e;
-      a = (m == -inf() || !(z > 0.f)) ? 0.f : fminf(fmaxf(exp2f(l2 - (m + log2f(z))), 0.f), 1.f);
-    }
-    alpha[tid] = a;
-  }
-  __syncthreads();
+  const int G = p.group, D = p.head_dim, tid = threadIdx.x, n = p.kv_len[b];
+  // the row's (max, sum) of the approximate logits a head: the score stage's last block left them in chunk 0
+  const float* part = sparq_f(p, p.off_part) + static_cast<long long>(row) * p.n_chunks * G * 2;
+  const float* lse = p.dlse + static_cast<long long>(row) * 2 * G + G;  // q~ rows' LSE over the chosen keys
   const float* vs = p.vsum + p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * D;
   const T* o = static_cast<const T*>(p.o) + static_cast<long long>(row) * 2 * G * D;
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + static_cast<long long>(rh) * G * p.out_stride_h;
+  const bool every = min(p.k, n) >= n;  // every key chosen: alpha 1
   const float len = static_cast<float>(n);
   for (int e = tid; e < G * D; e += kSparqThreads) {
     const int h = e / D, c = e % D;
-    const float a = alpha[h], mean = vs[c] / len;
-    out[h * p.out_stride_h + c] = from_float<T>(a * to_float(o[e]) + (1.f - a) * mean);
+    const float m = part[h * 2], z = part[h * 2 + 1], l2 = lse[h] * kLog2e;
+    const float a = every ? 1.f
+                          : (m == -inf() || !(z > 0.f)) ? 0.f : fminf(fmaxf(exp2f(l2 - (m + log2f(z))), 0.f), 1.f);
+    out[h * p.out_stride_h + c] = from_float<T>(a * to_float(o[e]) + (1.f - a) * (vs[c] / len));
   }
 }
 
@@ -286,8 +283,7 @@ __device__ __forceinline__ void sparq_select_stage(const P& p) {
 }
 template <typename T, class P>
 __device__ __forceinline__ void sparq_finish_stage(const P& p) {
-  __shared__ __align__(16) unsigned char smem[4 * kSparqMaxGroup];  // alpha per head
-  sparq_finish<T>(p, smem);
+  sparq_finish<T>(p);
 }
 
 }  // namespace pyattn
