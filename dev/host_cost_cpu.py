@@ -9,7 +9,8 @@ host time per repeat call, Python function calls and C calls per call (``sys.set
 driver calls per call. Kinds: ``attention`` on DeviceArrays, on (fake) torch tensors with
 ``stream=None`` (torch's current stream, rule 2), on CuPy-like CUDA-array-interface objects with a
 stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
-``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``contiguous_decode`` with one int
+``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``sparq_decode`` with a torch q,
+``contiguous_decode`` with one int
 length, with ragged NumPy lengths (an upload a call) and with an int length and one new token a
 sequence (k_new / v_new: an append launch too), ``attention_varlen`` with torch offsets and both
 maxima, and ``paged_prefill`` over torch pools and tables under its bounds. The per-stage times of the attention
@@ -116,6 +117,9 @@ def calls():
     ids = [cache.add_sequence() for _ in range(2)]
     kv = np.zeros((2, 256, 2, 64), ml_dtypes.bfloat16)
     cache.append(ids, kv, kv)
+    sq = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16", sparq=True)
+    sq_ids = [sq.add_sequence() for _ in range(2)]
+    sq.append(sq_ids, kv, kv)
     qd = pyattn.empty((2, 1, 8, 64), ml_dtypes.bfloat16)
     tq = torch.Tensor(qd.shape, qd.ptr, "bfloat16")
     kc = pyattn.empty((2, 256, 2, 64), ml_dtypes.bfloat16)  # contiguous caches (batch, max_len, Hkv, D)
@@ -140,6 +144,7 @@ def calls():
         "attention DLPack only": run(lambda: pyattn.attention(j, j, j)),
         "decode DeviceArray q": run(lambda: pyattn.decode(qd, cache, ids)),
         "decode torch q": run(lambda: pyattn.decode(tq, cache, ids)),
+        "sparq_decode torch q": run(lambda: pyattn.sparq_decode(tq, sq, sq_ids, r=16, k=64)),
         "contiguous_decode, int length": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200)),
         "contiguous_decode, NumPy ragged": run(lambda: pyattn.contiguous_decode(qd, kc, kc, ragged)),
         "contiguous_decode, int + k_new": run(lambda: pyattn.contiguous_decode(qd, kc, kc, 200, k_new=kn, v_new=kn)),

@@ -154,6 +154,34 @@ def test_packed_append_counts_may_be_any_iterable_of_ints(gpu):
     assert [c.length(s) for s in ids] == [6, 6, 6]
 
 
+def test_sparq_repeat_calls_skip_validation_and_read_new_pointers(gpu, monkeypatch):
+    """A repeat ``sparq_decode`` on a device q (its quick key seen) is not read into Args or validated
+    again, launches with the new q's address, and still refuses an empty sequence (lengths are per
+    call, not in the key); a changed r misses the key and is validated."""
+    from pyattn.ops import sparq as op
+
+    checks = []
+    real = op.check_sparq
+    monkeypatch.setattr(op, "check_sparq", lambda *a, **kw: checks.append(kw["r"]) or real(*a, **kw))
+    cache = pyattn.PagedKVCache(64, 16, 2, 64, "bfloat16", sparq=True)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k = np.ones((2, 100, 2, 64), ml_dtypes.bfloat16)
+    cache.append([a, b], k, k)
+    q1, q2 = (pyattn.asarray(np.ones((2, 1, 8, 64), ml_dtypes.bfloat16)) for _ in range(2))
+    pyattn.sparq_decode(q1, cache, [a, b], r=16, k=50)
+    _launched()
+    out = pyattn.sparq_decode(q2, cache, [a, b], r=16, k=50)
+    assert checks == [16] and out.shape == (2, 1, 8, 64)
+    assert fake_driver.LAUNCHES[0][3][0] == q2.ptr  # the score stage's SparqParams.q
+    assert [n for n, _ in _launched()] == ["sparq_score", "sparq_select", "attn_decode_swap", "sparq_finish"]
+    c = cache.add_sequence()
+    with pytest.raises(ValueError, match=r"^seq_ids: SparQ needs at least one cached token per sequence; empty"):
+        pyattn.sparq_decode(q2, cache, [a, c], r=16, k=50)
+    assert not _launched() and checks == [16]
+    pyattn.sparq_decode(q2, cache, [a, b], r=8, k=50)
+    assert checks == [16, 8]
+
+
 def test_sparq_select_grid_follows_its_own_occupancy(gpu, monkeypatch):
     # The score and select stages are kernels of their own: each grid is about one wave of its own
     # kernel (2048 keys a step). 132 SMs; score 1 block an SM, select 4: 16 rows x 9 chunks = 144
