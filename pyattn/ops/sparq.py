@@ -210,7 +210,7 @@ def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, select="group", return_
     # The problem depends on the cache's layout and on how many sequences, not which (a copy: the
     # frame's own locals() must not change, and keys must not hold the cache alive). A repeat call
     # on a device q (its quick key seen) reads only q's pointer and producer, as decode does: the
-    # full path's reading and validation were ~a quarter of the call's host time (dev/host_cost_cpu.py).
+    # full path's reading and validation were a fifth of the call's host time (dev/host_cost_cpu.py).
     keyed = dict(params, cache=cache.layout_key, seq_ids=len(ids))
     reads = {}
     qkey = quick_key(keyed, reads)
