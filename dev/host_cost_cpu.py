@@ -12,9 +12,9 @@ stream, on JAX-like DLPack-only objects (their export is pyattn's own here), and
 ``decode(q, cache, ids)`` with a DeviceArray q or a torch q, ``sparq_decode`` with a torch q,
 ``contiguous_decode`` with one int length, with ragged NumPy lengths (an upload a call) and with an
 int length and one new token a sequence (k_new / v_new: an append launch too), ``attention_varlen``
-with torch offsets and both
-maxima, and ``paged_prefill`` over torch pools and tables under its bounds. The per-stage times of the attention
-call come after (each stage timed alone, as ``dev/prof_paths.py`` does on the GPU host).
+with torch offsets and both maxima, and ``paged_prefill`` over torch pools and tables under its
+bounds. The per-stage times of the attention call come after (each stage timed alone, as
+``dev/prof_paths.py`` does on the GPU host).
 """
 
 from __future__ import annotations
