@@ -1,10 +1,89 @@
 // The end of a decode block, for every decode kernel (decode_common.cuh includes it): the merge of
 // the warps' online-softmax states through shared memory, the stores of the block's rows (output or
-// split partial) and their LSE, and the fused split combine of a unit's last block.
+// split partial) and their LSE, and the fused split combine of a unit's last block; for SparQ's
+// chosen-key decode, its finish.
 // Requires decode_common.cuh (AttnDecodeTraits, decode_sync), common.cuh and mma.cuh.
 #pragma once
 
 namespace pyattn {
+
+// SparQ's finish (kernels_src/sparq.cuh), folded into the last step of its chosen-key decode. That
+// decode's units are SparQ rows of 2G query rows each: the exact queries q_0 .. q_{G-1}, then the
+// approximate q~_0 .. q~_{G-1} (pyattn/ops/sparq.py), all in one block (2G <= its rows:
+// validate/sparq.py). With p.sparq_fin set (16-bit caches only), row h < G is stored as
+// alpha_h o_h + (1 - alpha_h) mean(V), alpha_h = exp2(lse2(q~_h) - lz_h) clamped to [0, 1], into
+// p.o as (units, G, head_dim), contiguous; the q~ rows are only read for their LSE and nothing else
+// of theirs is stored. The score stage's record of the unit (sparq_score.cuh) holds each lz_h (-inf:
+// every key chosen, alpha 1), then the unit's mean of V, so that every load of this step goes out at
+// once. As a launch of its own this step took 5-6 us a call, mostly hidden behind the decode's tail
+// (BENCHMARKS.md, sixty-eighth session).
+template <class Tr>
+__device__ __forceinline__ bool sparq_fold(const DecodeParams& p) {
+  if constexpr (Tr::kKv == 0) {
+    return p.sparq_fin != nullptr;
+  } else {
+    return false;
+  }
+}
+
+// The unit's record: lz_0 .. lz_{G-1}, then mean(V)[head_dim].
+__device__ __forceinline__ const float* sparq_record(const DecodeParams& p, int unit) {
+  return p.sparq_fin + static_cast<long long>(unit) * (p.group / 2 + p.head_dim);
+}
+
+__device__ __forceinline__ float sparq_alpha(float lse2, float lz) {
+  return lz == -inf() ? 1.f : fminf(fmaxf(exp2f(lse2 - lz), 0.f), 1.f);
+}
+
+// (m, l) += (m2, l2): pairs of (max, sum of exp(x - max)) in natural-log units; (-inf, 0) is empty.
+__device__ __forceinline__ void sparq_lse_merge(float& m, float& l, float m2, float l2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -inf()) return;
+  l = (m == -inf() ? 0.f : l * fast_exp2((m - mn) * kLog2e)) + (m2 == -inf() ? 0.f : l2 * fast_exp2((m2 - mn) * kLog2e));
+  m = mn;
+}
+
+// Row h's N (2 or 4) outputs from column d on: o's first N (normalised, fp32) blended with mean's
+// by alpha, stored.
+template <class Tr, int N>
+__device__ __forceinline__ void sparq_store(const DecodeParams& p, int unit, int h, int d, float alpha, float4 o,
+                                            float4 mean) {
+  using T = typename Tr::T;
+  const float v[4] = {o.x, o.y, o.z, o.w}, mv[4] = {mean.x, mean.y, mean.z, mean.w};
+  T* out = static_cast<T*>(p.o) + (static_cast<long long>(unit) * (p.group / 2) + h) * p.head_dim + d;
+#pragma unroll
+  for (int i = 0; i < N; i += 2)
+    reinterpret_cast<unsigned*>(out)[i / 2] = pack2<T>(alpha * v[i] + (1.f - alpha) * mv[i],
+                                                       alpha * v[i + 1] + (1.f - alpha) * mv[i + 1]);
+}
+
+// The fold's end in the fused combine, for lane g of a row's group of kW lanes (decode_combine_last):
+// the q~ row's partial LSEs (from lse_t, a split_step apart; lane g takes splits g, g + kW, ...),
+// merged over the group, give alpha; column d's four outputs o (normalised; d < 0: a lane past
+// head_dim, which only shuffles) are blended and stored. Not inlined, and the q~ LSEs not read
+// with the row's first partials, so that the fold adds little to the decodes' registers (ptxas,
+// NVRTC 13.5, sm_90a bf16; before the fold -> inlined -> as here): the swapped-role d = 128 decode
+// 128 -> 138 -> 127 registers (gathered rows; with a thread merging all the q~ LSEs itself, 16 more
+// loads a round, 168 and a spill), the m16 one 162 -> 162; the gathered d = 64 swapped-role decode,
+// capped at 96, spilled 56 / 108 bytes (stores / loads) -> 112 / 152 -> 76 / 124.
+template <class Tr, int kW>
+__device__ __noinline__ void sparq_combine_end(const DecodeParams& p, int unit, int h, int d, const float* lse_t,
+                                               long long split_step, int g, float4 o) {
+  const float* rec = sparq_record(p, unit);
+  const float lz = rec[h];
+  float4 mean = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (d >= 0) mean = make_float4(rec[p.group / 2 + d], rec[p.group / 2 + d + 1], rec[p.group / 2 + d + 2],
+                                 rec[p.group / 2 + d + 3]);
+  float mt = -inf(), lt = 0.f;  // this lane's (max, sum of exp(lse_s - max))
+  for (int s = g; s < p.num_splits; s += kW) sparq_lse_merge(mt, lt, __ldcg(lse_t + s * split_step), 1.f);
+  const unsigned lanes = kW == 32 ? kFullMask : ((1u << kW) - 1u) << (threadIdx.x % 32 / kW * kW);
+#pragma unroll
+  for (int o2 = kW / 2; o2 > 0; o2 /= 2) {
+    const float m2 = __shfl_xor_sync(lanes, mt, o2, kW), l2 = __shfl_xor_sync(lanes, lt, o2, kW);
+    sparq_lse_merge(mt, lt, m2, l2);
+  }
+  if (d >= 0) sparq_store<Tr, 4>(p, unit, h, d, sparq_alpha(lt == 0.f ? -inf() : mt * kLog2e + log2f(lt), lz), o, mean);
+}
 
 // Fused split combine. Each of a unit's num_splits blocks (a unit: one kv head, row block and
 // sequence) stores its normalised fp32 partial and LSE, fences, and counts itself in
@@ -29,16 +108,22 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int k
   // weights and a block sync preceded the partials' first load: three round trips more at 32
   // splits, the tail of a split decode (BENCHMARKS.md, forty-first session). U loads in flight:
   // with one at a time, 33 splits and 2 warps cost the B=1 x 32k decode ~17 us on an H200.
-  const int S = p.num_splits, n_valid = min(ROWS, n_rows - r0);
+  // SparQ's fold: only the G exact rows. The lanes of a row (a group of kW = min(32, D / 4), whole
+  // and aligned: D / 4 items a row) also merge its q~ row's LSEs, G rows further on, a share each
+  // (sparq_combine_end, which says why so).
+  const bool fold = sparq_fold<Tr>(p);
+  constexpr int kW = D / 4 < 32 ? D / 4 : 32;
+  const int S = p.num_splits, n_valid = fold ? p.group / 2 : min(ROWS, n_rows - r0), g = threadIdx.x % kW;
   const long long split_step = static_cast<long long>(p.batch) * p.q_len * p.heads_q;
   const long long step4 = split_step * p.head_dim / 4;  // one split's stride in float4s (head_dim % 8 == 0)
   for (int e = threadIdx.x; e < n_valid * (D / 4); e += Tr::kThreads) {
     const int r = e / (D / 4), d = 4 * (e % (D / 4)), gr = r0 + r;
-    if (d >= p.head_dim) continue;
+    const bool live = d < p.head_dim;
+    if (!live && !fold) continue;  // (the fold's lanes stay for the group's shuffles)
     const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
     const long long row0 = (static_cast<long long>(b) * p.q_len + qi) * p.heads_q + hq;
     // Every split block wrote its rows' partials (zeros and LSE -inf for a split that saw no key).
-    const float4* src = reinterpret_cast<const float4*>(p.o_part + row0 * p.head_dim + d);
+    const float4* src = reinterpret_cast<const float4*>(p.o_part + row0 * p.head_dim + (live ? d : 0));
     const float* lse = p.lse_part + row0;
     float m = -inf(), l = 0.f;  // running max of the LSEs read, sum of exp(lse_s - m)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -74,6 +159,11 @@ __device__ __forceinline__ void decode_combine_last(const DecodeParams& p, int k
       m = mc;
     }
     const float inv = l == 0.f ? 0.f : 1.f / l;  // 0: no key seen (output 0, LSE -inf)
+    if (fold) {
+      sparq_combine_end<Tr, kW>(p, b, gr, live ? d : -1, lse + p.group / 2, split_step, g,
+                                make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+      continue;
+    }
     if (d == 0 && p.lse != nullptr)
       p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = l == 0.f ? -inf() : m + logf(l);
     T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
@@ -94,6 +184,10 @@ __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned cha
   float* sAcc = reinterpret_cast<float*>(smem_raw);
   float* sM = sAcc + W * ROWS * AS;
   float* sL = sM + W * ROWS;
+  // SparQ's fold, one split: q~ row G + h leaves alpha_h in row h's first padding column of sAcc
+  // (warp 0's rows; no thread reads a padding column), which row h's stores read.
+  static_assert(AS > D, "a padding column of sAcc's rows");
+  const bool fold = p.num_splits == 1 && sparq_fold<Tr>(p);
   decode_sync<Tr>();
   if (threadIdx.x < ROWS) {
     const int r = threadIdx.x, gr = r0 + r;
@@ -113,7 +207,10 @@ __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned cha
     if (gr < n_rows) {  // a row that saw no key: output 0, LSE -inf
       const float lse = l == 0.f ? -inf() : (m + log2f(l)) * kLn2;
       const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
-      if (p.num_splits == 1) {
+      if (fold) {
+        if (gr >= p.group / 2)
+          sAcc[(gr - p.group / 2) * AS + D] = sparq_alpha(m + log2f(l), sparq_record(p, b)[gr - p.group / 2]);
+      } else if (p.num_splits == 1) {
         if (p.lse != nullptr) p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse;
       } else {
         p.lse_part[((static_cast<long long>(split) * p.batch + b) * p.q_len + qi) * p.heads_q + hq] = lse;
@@ -124,6 +221,7 @@ __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned cha
   for (int e = threadIdx.x; e < ROWS * (D / 2); e += Tr::kThreads) {
     const int r = e / (D / 2), d = 2 * (e % (D / 2)), gr = r0 + r;
     if (gr >= n_rows || d >= p.head_dim) continue;
+    if (sparq_fold<Tr>(p) && gr >= p.group / 2) continue;  // a q~ row: its LSE is all that is read
     float ox = 0.f, oy = 0.f;
 #pragma unroll
     for (int w = 0; w < W; ++w) {
@@ -133,7 +231,11 @@ __device__ __forceinline__ void decode_merge(const DecodeParams& p, unsigned cha
       oy = fmaf(wt, a.y, oy);
     }
     const int qi = gr / p.group, hq = kv_head * p.group + gr % p.group;
-    if (p.num_splits == 1) {
+    if (fold) {
+      const float* mean = sparq_record(p, b) + p.group / 2 + d;
+      sparq_store<Tr, 2>(p, b, gr, d, sAcc[gr * AS + D], make_float4(ox, oy, 0.f, 0.f),
+                         make_float4(mean[0], mean[1], 0.f, 0.f));
+    } else if (p.num_splits == 1) {
       T* o = static_cast<T*>(p.o) + b * p.o_stride_b + qi * p.o_stride_s + hq * p.o_stride_h + d;
       *reinterpret_cast<unsigned*>(o) = pack2<T>(ox, oy);
     } else {

@@ -1,7 +1,7 @@
 // SparQ attention (Ribar et al., "SparQ Attention: Bandwidth-Efficient LLM Inference") over a paged
 // 16-bit KV cache that keeps a transposed key copy kt (page, kv head, channel, slot) and running V
 // sums (PagedKVCache(..., sparq=True)). A kernel per stage (the entries at the end); the attention
-// over the chosen keys in between is the paged decode kernel (attention_decode.cuh).
+// over the chosen keys, with the finish as its last step, is the paged decode kernel after them.
 // A "row" is one (sequence b, row head rh) whose G query heads share the row's choices: with
 // select="group" the row heads are the kv heads and G the GQA group; with select="head" every query
 // head is a row (G = 1, kv head rh / kv_div), the paper's algorithm for each head
@@ -20,17 +20,18 @@
 //           zeroed counter block, which the stages leave zero: sparq_hist); per head the block's
 //           (max, sum exp2) of the approximate logits scale*log2e * q~_h . k_i. The row's last
 //           block (threadfence pattern) finds the bin holding the k-th largest key and merges the
-//           blocks' (max, sum) per head.
+//           blocks' (max, sum) per head into the row's finish record (with the row's mean of V).
 //  2 select (grid chunks x rows): keys above that bin are chosen, keys in it become candidates
 //           (one counter claim per block, positions in order inside it); the row's last block picks
 //           the remaining ones among the candidates exactly (radix select on (score, -index): ties
 //           go to the lower position; in shared memory when they fit) and writes the row's count.
 //           Chosen keys are written as decode "pages": (pool slot * heads_kv + kv head), each one
 //           row of the NHD pool (page size 1), plus their positions.
-//  (decode  over the chosen keys: rows q (exact attention) and q~ (the log-sum-exp of the chosen
-//           keys' approximate logits, for alpha).)
-//  4 finish (grid rows): alpha_h = exp(lse_chosen(q~_h) - lse_all(q~_h)) (1 when every key is
-//           chosen), out = alpha * o + (1 - alpha) * mean(V).
+//  3 decode over the chosen keys (the paged decode kernel): rows q (exact attention) and q~ (the
+//           log-sum-exp of the chosen keys' approximate logits), then, as its last step (the
+//           finish, decode_merge.cuh's sparq_fold): alpha_h = exp(lse_chosen(q~_h) - lse_all(q~_h))
+//           (1 when every key is chosen), out = alpha * o + (1 - alpha) * mean(V). A kernel of its
+//           own until the sixty-eighth session.
 //
 // Why the shape (H200, B8 x 32k, BENCHMARKS.md "SparQ selection"): with 4 keys and 8-byte loads a
 // thread, 1024-key blocks, a counter claim a warp and a per-row refinement reading its candidates
@@ -43,7 +44,7 @@
 // The choice of channels was a stage of its own (0, prep) until the
 // forty-ninth session (sparq_score.cuh says why it is not).
 // The stages' sizes and shared helpers are in sparq_common.cuh, the score stage in sparq_score.cuh;
-// select, finish and the entry point follow here.
+// select and the entry points follow here.
 // Requires pyattn::SparqParams and common.cuh.
 #pragma once
 #include "sparq_common.cuh"
@@ -239,36 +240,10 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   if (tid >= 1 && tid < 4) ctr[tid] = 0;  // left zero for the next call (sparq_ctr)
 }
 
-// Every thread takes its outputs' heads' alpha itself (a few L1 hits a head) rather than one
-// thread a head behind a barrier: the loads that do not depend on each other (the length, the V
-// sum's row, the score stage's (max, sum), the decode's LSE and output) then go out together, and
-// only the V sums wait for their row, two round trips where the barrier's form took four.
-template <typename T, class P>
-__device__ __forceinline__ void sparq_finish(const P& p) {
-  const int row = blockIdx.x, b = row / p.row_heads, rh = row % p.row_heads, kvh = rh / p.kv_div;
-  const int G = p.group, D = p.head_dim, tid = threadIdx.x, n = p.kv_len[b];
-  // the row's (max, sum) of the approximate logits a head: the score stage's last block left them in chunk 0
-  const float* part = sparq_f(p, p.off_part) + static_cast<long long>(row) * p.n_chunks * G * 2;
-  const float* lse = p.dlse + static_cast<long long>(row) * 2 * G + G;  // q~ rows' LSE over the chosen keys
-  const float* vs = p.vsum + p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * D;
-  const T* o = static_cast<const T*>(p.o) + static_cast<long long>(row) * 2 * G * D;
-  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + static_cast<long long>(rh) * G * p.out_stride_h;
-  const bool every = min(p.k, n) >= n;  // every key chosen: alpha 1
-  const float len = static_cast<float>(n);
-  for (int e = tid; e < G * D; e += kSparqThreads) {
-    const int h = e / D, c = e % D;
-    const float m = part[h * 2], z = part[h * 2 + 1], l2 = lse[h] * kLog2e;
-    const float a = every ? 1.f
-                          : (m == -inf() || !(z > 0.f)) ? 0.f : fminf(fmaxf(exp2f(l2 - (m + log2f(z))), 0.f), 1.f);
-    out[h * p.out_stride_h + c] = from_float<T>(a * to_float(o[e]) + (1.f - a) * (vs[c] / len));
-  }
-}
-
-// The stages' entries (families sparq_score, sparq_select, sparq_finish; P: SparqParams). Each is a
-// kernel of its own, so that each gets its own registers and launch bounds: as one kernel switching
-// on the stage, the select and finish stages ran with the score stage's 127 registers (2 blocks an
-// SM), and a change to one stage's code moved another's time (BENCHMARKS.md, forty-ninth and
-// fiftieth sessions). Like every pyattn kernel, each entry waits first for the stream's previous
+// The stages' entries (families sparq_score, sparq_select; P: SparqParams). Each is a kernel of its
+// own, so that each gets its own registers and launch bounds: as one kernel switching on the stage,
+// the select stage ran with the score stage's 127 registers (2 blocks an SM), and a change to one
+// stage's code moved another's time (BENCHMARKS.md, forty-ninth and fiftieth sessions). Like every pyattn kernel, each entry waits first for the stream's previous
 // kernel (pdl.cuh), so on sm_90+ every stage and the decode between them launch as their
 // predecessor's programmatic dependents, each launch overlapping the last one's tail.
 template <typename T, class P>
@@ -280,10 +255,6 @@ template <typename T, class P>
 __device__ __forceinline__ void sparq_select_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqSelectBytes];
   sparq_select<T>(p, smem);
-}
-template <typename T, class P>
-__device__ __forceinline__ void sparq_finish_stage(const P& p) {
-  sparq_finish<T>(p);
 }
 
 }  // namespace pyattn

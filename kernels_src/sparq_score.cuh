@@ -287,15 +287,23 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   const int n_blocks = (n + kSparqChunk * p.chunk_steps - 1) / (kSparqChunk * p.chunk_steps);
   if (!sparq_last(ctr, n_blocks, flag)) return;
   if (tid == 0) ctr[0] = 0;  // every block has counted (the next call's score stage finds it zero)
+  // The row's finish record, which the chosen-key decode's last step reads (decode_merge.cuh,
+  // sparq_fold): per head the log2 of the approximate logits' total mass (-inf where every key is
+  // chosen: alpha 1; +inf where no logit is finite: alpha 0), then the mean of the row's values
+  // (its V sums over the length; their loads go out with the partials').
+  const int k_eff = min(p.k, n);
+  float* fin = sparq_f(p, p.off_fin) + static_cast<long long>(row) * (G + p.head_dim);
+  const float vs = tid < p.head_dim ? p.vsum[p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * p.head_dim + tid]
+                                    : 0.f;
   for (int h = warp; h < G; h += kSparqWarps) {
     float m = -inf(), z = 0.f;
     for (int c = lane; c < n_blocks; c += 32)
       sparq_merge(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
     sparq_warp_merge(m, z);
-    if (lane == 0) part[h * 2] = m, part[h * 2 + 1] = z;
+    if (lane == 0) fin[h] = k_eff >= n ? -inf() : (m == -inf() || !(z > 0.f)) ? inf() : m + log2f(z);
   }
+  if (tid < p.head_dim) fin[G + tid] = vs / static_cast<float>(n);
   int* info = sparq_i(p, p.off_info) + row * 4;
-  const int k_eff = min(p.k, n);
   if (k_eff >= n) {  // every key is chosen
     if (tid == 0) info[0] = -1, info[1] = n, info[2] = k_eff;
     for (int i = tid; i < kSparqBins; i += kSparqThreads) hist[i] = 0u;

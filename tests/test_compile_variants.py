@@ -231,10 +231,10 @@ def _issue13_specs(arch):
     specs = [KernelSpec("kv_key_pages", "bf16", 32, arch, kv="int8"), KernelSpec("kv_key_pages", "f16", 32, arch,
                                                                                  kv="fp8e4m3"),
              KernelSpec("kv_sparq", "f16" if fp8 else "bf16", 32, arch),
-             *(KernelSpec(f"sparq_{st}", "bf16", 32, arch) for st in ("score", "select", "finish")),
+             *(KernelSpec(f"sparq_{st}", "bf16", 32, arch) for st in ("score", "select")),
              KernelSpec("attn_decode", "bf16", 128, arch, q_tiles=1, kv="fp8e4m3" if fp8 else "int8", key_channel=True)]
     if arch == "sm_80":
-        specs += [KernelSpec(f"sparq_{st}", "f16", 32, arch) for st in ("score", "select", "finish")]
+        specs += [KernelSpec(f"sparq_{st}", "f16", 32, arch) for st in ("score", "select")]
     if arch == "sm_90a":
         specs += [KernelSpec("attn_decode", "f16", 64, arch, q_tiles=1, kv="fp8e4m3", key_channel=True, softcap=True,
                              alibi=True),
@@ -245,7 +245,6 @@ def _issue13_specs(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_per_channel_and_sparq_variants_compile_for_every_arch(arch, session_cache_dir, monkeypatch):
     specs = _issue13_specs(arch)
-    assert {s.family for s in specs} == {"kv_key_pages", "kv_sparq", "sparq_score", "sparq_select", "sparq_finish",
-                                         "attn_decode"}
+    assert {s.family for s in specs} == {"kv_key_pages", "kv_sparq", "sparq_score", "sparq_select", "attn_decode"}
     for spec in _cubins(specs, session_cache_dir, monkeypatch):
         assert not spec.key_channel or spec.entry_name.endswith("_kch")

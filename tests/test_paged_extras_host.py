@@ -76,6 +76,7 @@ def test_sparq_state_and_decode_launches(gpu):
     # on sm_90a every kernel launches as the kernel before's programmatic dependent: each entry
     # waits for it first (kernels_src/pdl.cuh)
     pdl = [_family(n) for n in fake_driver.PDL_LAUNCHES]
+    dec_words = fake_driver.LAUNCHES[-1][3]  # the decode's first DecodeParams words
     names = _launched()
     rows = 3 * 2
     assert names[0] == ("kv_sparq", names[0][1])  # c's and d's sums rebuilt first
@@ -87,7 +88,8 @@ def test_sparq_state_and_decode_launches(gpu):
     # counter block, zeroed once as it grows here (before the score stage) ...
     (before, _, byte, n), = fake_driver.MEMSETS
     assert before == 1 and byte == 0 and n >= rows * (4096 + 4) * 4
-    assert names[-1] == ("sparq_finish", (rows, 1, 1))
+    # the decode ends the call, its finish folded in: SparQ's output is its output, no LSE asked
+    assert len(names) == 4 and dec_words[3] == out.ptr and dec_words[4] == 0
     assert pdl == [n for n, _ in names]
     fake_driver.MEMSETS.clear()  # ... and left zero by the stages: no memset in a call once it has grown
     pyattn.sparq_decode(q, cache, [a, c, d], r=16, k=100)
@@ -173,7 +175,7 @@ def test_sparq_repeat_calls_skip_validation_and_read_new_pointers(gpu, monkeypat
     out = pyattn.sparq_decode(q2, cache, [a, b], r=16, k=50)
     assert checks == [16] and out.shape == (2, 1, 8, 64)
     assert fake_driver.LAUNCHES[0][3][0] == q2.ptr  # the score stage's SparqParams.q
-    assert [n for n, _ in _launched()] == ["sparq_score", "sparq_select", "attn_decode_swap", "sparq_finish"]
+    assert [n for n, _ in _launched()] == ["sparq_score", "sparq_select", "attn_decode_swap"]
     c = cache.add_sequence()
     with pytest.raises(ValueError, match=r"^seq_ids: SparQ needs at least one cached token per sequence; empty"):
         pyattn.sparq_decode(q2, cache, [a, c], r=16, k=50)

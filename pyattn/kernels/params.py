@@ -84,7 +84,10 @@ MERGE_STATES_PARAMS = ParamStruct(
 # one fp32 scale per (page, slot, kv head) in k_scale / v_scale (strides ks_* / vs_*): the value of
 # an element is its stored code times that scale. Null for 16-bit pools. tmaps: the TMA decode
 # (sm_90a, attention_decode_tma.cuh) only, two CUtensorMaps (K pool, V pool) in device memory
-# (pyattn.ops._decode.pool_maps); null for the other decode kernels.
+# (pyattn.ops._decode.pool_maps); null for the other decode kernels. sparq_fin: SparQ's
+# chosen-key decode only (null otherwise), the records of its finish, which its last step does: o
+# then holds the blended exact rows, (units, group / 2, head_dim) contiguous
+# (kernels_src/decode_merge.cuh).
 def _pool_strides(prefix: str):
     return tuple((f"{prefix}_stride_{axis}", "i64") for axis in ("page", "slot", "h"))
 
@@ -95,7 +98,7 @@ DECODE_PARAMS = ParamStruct(
      ("lse_part", "f32_ptr"), ("split_counters", "mut_ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("batch_order", "i32_cptr"), ("alibi", "f32_cptr"), ("k_scale", "f32_cptr"),
      ("v_scale", "f32_cptr"), ("tmaps", "ptr"), ("num_splits", "i32"), ("uniform_len", "i32"),
-     ("table_stride", "i64"))  # per call; the rest per plan
+     ("table_stride", "i64"), ("sparq_fin", "f32_cptr"))  # per call; the rest per plan
     + _strides("q") + _strides("o") + _pool_strides("k") + _pool_strides("v")
     + _pool_strides("ks") + _pool_strides("vs")
     + (("lse_stride_b", "i64"), ("lse_stride_h", "i64"))
@@ -246,22 +249,22 @@ KV_SPARQ_PARAMS = ParamStruct(
 # SparQ decode stages (sparq.cuh). Rows are (sequence, row head): row_heads per sequence, each with
 # `group` query heads (q heads rh * group ...), reading kv head rh / kv_div. ws: one workspace;
 # off_*: byte offsets of its parts (per-block softmax partials at 0, then order-key scores,
-# thresholds, candidate keys and positions), laid out by pyattn.ops.sparq. zeroed: the rows'
+# thresholds, candidate keys and positions, and the rows' finish records that the chosen-key
+# decode reads with vsum: DecodeParams.sparq_fin), laid out by pyattn.ops.sparq. zeroed: the rows'
 # histograms (4096 words a row) then their counters (4 a row), in the stream's zeroed counter
 # block (MemoryPool.counters): zero when the score stage starts, left zero by the select stage.
 # The page table is the cache's CSR (page_indices, page_indptr, kv_len); sel / sel_pos / dec_len are
-# the decode's block table (k_max entries a row), the chosen positions and counts; o / dlse the
-# decode's output and LSE over rows (q_0..q_{G-1}, q~_0..q~_{G-1}).
+# the decode's block table (k_max entries a row), the chosen positions and counts; vrow each
+# sequence's row of the cache's V sums (of vsum_stride_row elements).
 SPARQ_PARAMS = ParamStruct(
     "SparqParams",
     (("q", "ptr"), ("qx", "mut_ptr"), ("kt", "ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("ws", "mut_ptr"), ("sel", "mut_ptr"), ("sel_pos", "mut_ptr"), ("dec_len", "mut_ptr"),
-     ("o", "ptr"), ("dlse", "f32_cptr"), ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("out", "mut_ptr"),
-     ("zeroed", "mut_ptr"), ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"), ("off_info", "i64"),
-     ("off_cand_u", "i64"), ("off_cand_i", "i64"),
+     ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("zeroed", "mut_ptr"), ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"),
+     ("off_info", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"), ("off_fin", "i64"),
      ("n_chunks", "i32"), ("chunk_steps", "i32"), ("k_max", "i32"))  # per call; the rest per plan
-    + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("out_stride_b", "i64"), ("out_stride_h", "i64"),
-       ("kt_stride_page", "i64"), ("kt_stride_h", "i64"), ("vsum_stride_row", "i64"))
+    + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("kt_stride_page", "i64"), ("kt_stride_h", "i64"),
+       ("vsum_stride_row", "i64"))
     + (("batch", "i32"), ("heads_kv", "i32"), ("group", "i32"), ("head_dim", "i32"), ("page_size", "i32"),
        ("r", "i32"), ("k", "i32"), ("scale_log2", "f32"), ("row_heads", "i32"), ("kv_div", "i32")),
 )

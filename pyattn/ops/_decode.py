@@ -172,7 +172,7 @@ def fused_combine(items: int, splits: int) -> bool:
 
 
 def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_ptr: int, s, return_lse: bool,
-               scales=(0, 0), total_len: int | None = None, capture: int | None = None):
+               scales=(0, 0), total_len: int | None = None, capture: int | None = None, sparq=None):
     """Launch decode (and its split combine, fused in or a second launch) for a validated problem.
 
     Parameters
@@ -199,10 +199,15 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     capture : int, optional
         ``s``'s :func:`~pyattn.runtime.stream.capture_id` if the caller asked in this call already,
         for the allocations (None: asked here, once).
+    sparq : (int, DeviceArray), optional
+        SparQ's chosen-key decode (:mod:`pyattn.ops.sparq`): the address of its finish records and
+        the output its blended rows go to (the first half of each sequence's query heads;
+        ``kernels_src/decode_merge.cuh``'s ``sparq_fold``). Its splits are then always combined in
+        the decode's own launch, which does the finish.
 
     Returns
     -------
-    (out, lse or None) as DeviceArrays
+    (out, lse or None) as DeviceArrays; with ``sparq``, that output and None
     """
     plan = get_plan(_build, P, device)
     capture = capture_id(s.handle) if capture is None else capture  # (once: every allocation below takes it)
@@ -220,7 +225,11 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
                              plan.sm_slots)
     n_rows, D = plan.n_rows, plan.head_dim
     part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
-    if 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
+    if sparq is not None:  # the caller's output
+        out = sparq[1]
+        part = output(device, s, (part_bytes // 4,), _F32, capture) if part_bytes else None  # (kept to the launch)
+        part_ptr = part.ptr if part_bytes else 0
+    elif 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
         shape, dtype, strides, elem_strides, nbytes = plan.out_layout
         offset = -(-nbytes // 256) * 256
         out = allocate(device, s, shape, dtype, strides, elem_strides, offset + part_bytes, capture)
@@ -232,7 +241,7 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
     lse = allocate(device, s, *plan.lse_layout, capture) if return_lse else None
     lse_ptr = lse.ptr if lse is not None else 0
-    fused = splits > 1 and fused_combine(plan.combine_items, splits)
+    fused = splits > 1 and (sparq is not None or fused_combine(plan.combine_items, splits))
     # 0: the kernel leaves the merge; ckeep: a graph capture's own counters, freed in it after the launch
     counters, ckeep = get_pool(device).counters(plan.units, s, capture) if fused else (0, None)
     indices, indptr, table_stride, kv_len, order = tables
@@ -240,7 +249,8 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
     params = plan.packer.pack(q, k, v, out.ptr, lse_ptr, part_ptr, lpart_ptr, counters, indices.ptr,
                               indptr.ptr if indptr is not None else 0, 0 if uniform else kv_len.ptr,
                               order.ptr if order is not None else 0, alibi_ptr, scales[0], scales[1], tmaps, splits,
-                              kv_len if uniform else max_len, table_stride)  # (the lengths' bound: DecodeParams)
+                              kv_len if uniform else max_len, table_stride,  # (the lengths' bound: DecodeParams)
+                              sparq[0] if sparq is not None else 0)
     launch(plan.kernel, (splits, *plan.grid_yz), plan.block, plan.shared_bytes, s, params)
     if splits > 1 and not fused:
         cparams = plan.cpacker.pack(part_ptr, lpart_ptr, part_ptr + 4 * n_rows * D, lpart_ptr + 4 * n_rows, out.ptr,

@@ -2,8 +2,8 @@
 
 The plan and launches: the ``sparq_score`` and ``sparq_select`` kernels choose each (sequence, kv
 head)'s keys reading only r of the transposed keys' channels; the paged decode kernel attends over
-the chosen keys (each a one-slot "page" of the pools) for the queries and, in the m16 tile's spare
-rows, for q~ (whose log-sum-exp gives alpha); ``sparq_finish`` blends in the mean of V. See
+the chosen keys (each a one-slot "page" of the pools) for the queries and, in the tile's spare
+rows, for q~ (whose log-sum-exp gives alpha), and as its last step blends in the mean of V. See
 ``kernels_src/sparq.cuh`` and :mod:`pyattn.reference_sparq`. A repeat call on a device q is found by
 its quick key and reads only q's pointer and producer, as ``decode`` does.
 """
@@ -41,7 +41,7 @@ _quick = Memo()  # quick key -> pipeline.device.Bound of a call on a device q
 
 
 class _Plan(NamedTuple):
-    kernels: tuple  # score, select, finish
+    kernels: tuple  # score, select
     packer: object  # PartialPack: the per-call fields -> SparqParams bytes
     threads: int
     decode: DecodeProblem  # the attention over the chosen keys
@@ -51,33 +51,34 @@ class _Plan(NamedTuple):
 
 def _build(P, device) -> _Plan:
     specs = [KernelSpec(f"sparq_{stage}", DTYPES[P.dtype.name][0], 32, device.arch, ptx_requested())
-             for stage in ("score", "select", "finish")]
+             for stage in ("score", "select")]
     spec = specs[0]
     pool, D, G = P.pool, P.head_dim, P.row_group
     H = pool.heads_kv
     kt = (H * D * pool.page_size, D * pool.page_size)  # the cache's kt pool, C-contiguous
     packer = spec.params.partial({
-        "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "out_stride_b": P.heads_q * D, "out_stride_h": D,
-        "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
+        "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
         "batch": P.batch, "heads_kv": H, "group": G, "head_dim": D, "page_size": pool.page_size, "r": P.r, "k": P.k,
         "scale_log2": P.scale * LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
-    # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools.
+    # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools. The
+    # decode's rows are (q_0 .. q_{G-1}, q~_0 .. q~_{G-1}), and its output SparQ's: (rows, G, D).
     rows_pool = PoolInfo(pool.num_pages * pool.page_size * H, 1, 1, D, pool.dtype, (D, D, D), (D, D, D))
     rows = P.batch * P.row_heads
     dec = DecodeProblem(rows, 1, 2 * G, 1, D, P.dtype, (2 * G * D, 2 * G * D, D), True, 0, (-1, -1), 0.0,
                         P.scale, None, None, rows_pool)
     kernels = tuple(get_kernel(sp, device) for sp in specs)
-    slots = tuple(device.sm_count * blocks_per_sm(sp, k) for sp, k in zip(specs[:2], kernels))
+    slots = tuple(device.sm_count * blocks_per_sm(sp, k) for sp, k in zip(specs, kernels))
     return _Plan(kernels, packer, spec.threads, dec, rows, slots)
 
 
-def _workspace(rows: int, G: int, n_chunks: int, steps: int) -> tuple:
+def _workspace(rows: int, G: int, D: int, n_chunks: int, steps: int) -> tuple:
     """Byte offsets of the workspace's parts (``SparqParams.off_*``), in order, and the row stride
-    ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row."""
+    ``lpad`` of its per-key arrays; ``offs["end"]`` is its size. ``n_chunks``: blocks a row; the
+    rows' finish records hold a float a head and ``D``, the mean of the row's values."""
     lpad = n_chunks * steps * _CHUNK
     # (The histograms and counters are not here: they live in the stream's zeroed counter block.)
     parts = [("part", rows * n_chunks * G * 2), ("score", rows * lpad), ("info", rows * 4), ("cand_u", rows * lpad),
-             ("cand_i", rows * lpad)]
+             ("cand_i", rows * lpad), ("fin", rows * (G + D))]
     offs, at = {}, 0
     for name, words in parts:  # 4-byte words, each part 256-byte aligned
         offs[name] = at
@@ -100,7 +101,7 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     steps, steps_sel = (max(1, min(chunks, _MAX_STEPS, -(-rows * chunks // slots))) for slots in plan.slots)
     n_chunks, n_sel = -(-chunks // steps), -(-chunks // steps_sel)
     k_max = min(P.k, max_len)
-    offs, lpad = _workspace(rows, G, n_chunks, steps)
+    offs, lpad = _workspace(rows, G, D, n_chunks, steps)
     isz = P.dtype.itemsize
     qx_bytes = -(-rows * 2 * G * D * isz // 256) * 256
     idx_bytes = -(-rows * k_max * 4 // 256) * 256
@@ -109,11 +110,10 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     sel_pos, dec_len = sel + idx_bytes, sel + 2 * idx_bytes
     out = output(device, s, (P.batch, 1, P.heads_q, D), P.dtype, capture)
 
-    def go(kernel, grid, block_steps, o=0, dlse=0):
+    def go(kernel, grid, block_steps):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
-                                  dec_len, o, dlse, cache.v_sum.ptr, vrow.ptr, out.ptr, zeroed, lpad, offs["part"],
-                                  offs["score"], offs["info"], offs["cand_u"], offs["cand_i"], n_chunks,
-                                  block_steps, k_max)
+                                  dec_len, cache.v_sum.ptr, vrow.ptr, zeroed, lpad, offs["part"], offs["score"], offs["info"],
+                                  offs["cand_u"], offs["cand_i"], offs["fin"], n_chunks, block_steps, k_max)
         launch(kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     # The rows' histograms and counters (the score blocks add into them): the stream's counter
@@ -123,16 +123,16 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
     # grows, its memset comes right before the score stage: the driver lets a programmatic launch
     # overlap only a previous kernel that asks for it, so the score stage still follows the memset.)
     zeroed, _ = get_pool(device).counters(rows * (_BINS + 4), s, capture)  # (no capture: nothing to keep)
-    score_k, select_k, finish_k = plan.kernels
+    score_k, select_k = plan.kernels
     # On sm_90+ every stage and the decode launch as the kernel before's programmatic dependent
     # (each entry waits for it: kernels_src/pdl.cuh), so that each launch overlaps that kernel's tail.
     go(score_k, (n_chunks, rows, 1), steps)
     go(select_k, (n_sel, rows, 1), steps_sel)
     tables = (DeviceArray(sel, (rows * k_max,), np.int32, device, owner=ws, stream=s), None, k_max,
               DeviceArray(dec_len, (rows,), np.int32, device, owner=ws, stream=s), None)
-    o, lse = run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, True, capture=capture)
-    go(finish_k, (rows, 1, 1), steps, o.ptr, lse.ptr)
-    finish(s, [ws, o, lse, vrow])
+    run_decode(plan.decode, device, qx, cache.k.ptr, cache.v.ptr, tables, k_max, 0, s, False, capture=capture,
+               sparq=(ws.ptr + offs["fin"], out))
+    finish(s, [ws, vrow])
     pos = DeviceArray(sel_pos, (P.batch, P.row_heads, k_max), np.int32, device, owner=ws, stream=s) \
         if return_indices else None
     return out, pos

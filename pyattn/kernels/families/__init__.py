@@ -59,7 +59,6 @@ _WHERE = {
     "kv_sparq": ("paged", "KV_SPARQ"),
     "sparq_score": ("paged", "SPARQ_SCORE"),
     "sparq_select": ("paged", "SPARQ_SELECT"),
-    "sparq_finish": ("paged", "SPARQ_FINISH"),
 }
 # Names this package re-exports from the family modules, imported on first access (PEP 562).
 _LAZY = {"MmaTile": "mma", "WgmmaTile": "wgmma", "DecodeTile": "decode", "decode_row": "decode",

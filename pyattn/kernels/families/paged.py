@@ -1,9 +1,9 @@
 """Kernel families of the paged cache's optional state: per-channel key scales and SparQ.
 
 kv_key_pages (re)quantizes the keys of the pages an append wrote with per-(page, channel) scales;
-kv_sparq keeps SparQ's transposed key copy and running V sums; sparq_score, sparq_select and
-sparq_finish are SparQ's decode, a kernel a stage, launched around the paged decode kernel. All
-take the head dim as a launch parameter (one variant, bucket 32, serves every head dim) and have
+kv_sparq keeps SparQ's transposed key copy and running V sums; sparq_score and sparq_select are
+SparQ's first stages, a kernel each, before the paged decode kernel that ends it (its finish folded
+in). All take the head dim as a launch parameter (one variant, bucket 32, serves every head dim) and have
 no dynamic shared memory.
 """
 
@@ -13,7 +13,7 @@ from ..params import KV_PAGES_PARAMS, KV_SPARQ_PARAMS, SPARQ_PARAMS
 from .base import CTYPES, KV_KINDS, MAX_HEAD_DIM, Family, FixedTile, every_arch
 from .decode import PAGED_ALIGNMENT
 
-__all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ_SCORE", "SPARQ_SELECT", "SPARQ_FINISH"]
+__all__ = ["KV_KEY_PAGES", "KV_SPARQ", "SPARQ_SCORE", "SPARQ_SELECT"]
 
 _PAGES = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8,
                                reason="memory-bound, one warp per (page, kv head) or (slot, kv head): 256 threads, "
@@ -31,8 +31,6 @@ _SPARQ_SELECT = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=2048, war
                                              "registers, 36 KiB of static shared memory), its grid sized to them: "
                                              "H200 B8 x 32k select stage 23.2 -> 21.2 us against 2 blocks in a "
                                              "kernel shared with the score stage; BENCHMARKS.md, fiftieth session"),))
-_SPARQ_FINISH = every_arch((FixedTile(MAX_HEAD_DIM, block_m=0, block_n=0, warps=8, min_blocks=1,
-                                      reason="a block a row, 256 threads over its G x D outputs; unmeasured"),))
 
 
 def _needs_kv(spec) -> None:
@@ -66,4 +64,3 @@ def _sparq(stage: str, table) -> Family:
 
 SPARQ_SCORE = _sparq("score", _SPARQ_SCORE)
 SPARQ_SELECT = _sparq("select", _SPARQ_SELECT)
-SPARQ_FINISH = _sparq("finish", _SPARQ_FINISH)
