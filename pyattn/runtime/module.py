@@ -91,7 +91,8 @@ class Kernel:
         self.max_threads_per_block = self._get(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
         self.static_shared_bytes = self._get(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         self.local_bytes = self._get(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
-        self._max_dynamic_shared = 48 * 1024
+        # Without the opt-in, static and dynamic shared memory together stay within 48 KiB.
+        self._max_dynamic_shared = 48 * 1024 - self.static_shared_bytes
         self.dependent_launch = False
 
     def _get(self, attr) -> int:
