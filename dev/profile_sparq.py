@@ -72,7 +72,8 @@ def gathers(bench, cache, ids, call, run_decode, splits, select, rows="") -> Non
         cells = []
         for n in splits:
             P = dataclasses.replace(Pd, num_splits=n or None)
-            fn = lambda P=P, tab=tab: run_decode(P, device, qx, kp, vp, tab, k_max, alibi, s, ret, sparq=fold)  # noqa: E731
+            fn = lambda P=P, tab=tab: run_decode(  # noqa: E731
+                P, device, qx, kp, vp, tab, k_max, alibi, s, ret, sparq=fold)
             cells.append(f"{n or 'rule'}: {bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3:.1f}")
         print(f"  decode alone, {name:9s} splits " + " | ".join(cells), flush=True)
     for spec, new in decode_rows(rows).items():
@@ -80,7 +81,8 @@ def gathers(bench, cache, ids, call, run_decode, splits, select, rows="") -> Non
         with override_tiles("attn_decode", "sm_90a", new):
             for n in splits:
                 P = dataclasses.replace(Pd, num_splits=n or None)
-                fn = lambda P=P: run_decode(P, device, qx, kp, vp, tables, k_max, alibi, s, ret, sparq=fold)  # noqa: E731
+                fn = lambda P=P: run_decode(  # noqa: E731
+                    P, device, qx, kp, vp, tables, k_max, alibi, s, ret, sparq=fold)
                 try:
                     cells.append(f"{n or 'rule'}: {bench.gpu_ms([fn], loop=10, reps=5).ms * 1e3:.1f}")
                 except Exception as exc:  # noqa: BLE001 - a row that does not fit is reported, not fatal

@@ -39,7 +39,8 @@ __device__ __forceinline__ float sparq_alpha(float lse2, float lz) {
 __device__ __forceinline__ void sparq_lse_merge(float& m, float& l, float m2, float l2) {
   const float mn = fmaxf(m, m2);
   if (mn == -inf()) return;
-  l = (m == -inf() ? 0.f : l * fast_exp2((m - mn) * kLog2e)) + (m2 == -inf() ? 0.f : l2 * fast_exp2((m2 - mn) * kLog2e));
+  l = (m == -inf() ? 0.f : l * fast_exp2((m - mn) * kLog2e)) +
+      (m2 == -inf() ? 0.f : l2 * fast_exp2((m2 - mn) * kLog2e));
   m = mn;
 }
 

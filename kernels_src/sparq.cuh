@@ -243,9 +243,10 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
 // The stages' entries (families sparq_score, sparq_select; P: SparqParams). Each is a kernel of its
 // own, so that each gets its own registers and launch bounds: as one kernel switching on the stage,
 // the select stage ran with the score stage's 127 registers (2 blocks an SM), and a change to one
-// stage's code moved another's time (BENCHMARKS.md, forty-ninth and fiftieth sessions). Like every pyattn kernel, each entry waits first for the stream's previous
-// kernel (pdl.cuh), so on sm_90+ every stage and the decode between them launch as their
-// predecessor's programmatic dependents, each launch overlapping the last one's tail.
+// stage's code moved another's time (BENCHMARKS.md, forty-ninth and fiftieth sessions). Like every
+// pyattn kernel, each entry waits first for the stream's previous kernel (pdl.cuh), so on sm_90+
+// every stage and the decode after them launch as their predecessor's programmatic dependents, each
+// launch overlapping the last one's tail.
 template <typename T, class P>
 __device__ __forceinline__ void sparq_score_stage(const P& p) {
   __shared__ __align__(16) unsigned char smem[kSparqScoreBytes];

@@ -293,8 +293,8 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   // (its V sums over the length; their loads go out with the partials').
   const int k_eff = min(p.k, n);
   float* fin = sparq_f(p, p.off_fin) + static_cast<long long>(row) * (G + p.head_dim);
-  const float vs = tid < p.head_dim ? p.vsum[p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * p.head_dim + tid]
-                                    : 0.f;
+  const long long vrow = p.vrow[b] * p.vsum_stride_row + static_cast<long long>(kvh) * p.head_dim;
+  const float vs = tid < p.head_dim ? p.vsum[vrow + tid] : 0.f;
   for (int h = warp; h < G; h += kSparqWarps) {
     float m = -inf(), z = 0.f;
     for (int c = lane; c < n_blocks; c += 32)

@@ -260,8 +260,8 @@ SPARQ_PARAMS = ParamStruct(
     "SparqParams",
     (("q", "ptr"), ("qx", "mut_ptr"), ("kt", "ptr"), ("page_indices", "i32_cptr"), ("page_indptr", "i32_cptr"),
      ("kv_len", "i32_cptr"), ("ws", "mut_ptr"), ("sel", "mut_ptr"), ("sel_pos", "mut_ptr"), ("dec_len", "mut_ptr"),
-     ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("zeroed", "mut_ptr"), ("lpad", "i64"), ("off_part", "i64"), ("off_score", "i64"),
-     ("off_info", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"), ("off_fin", "i64"),
+     ("vsum", "f32_cptr"), ("vrow", "i32_cptr"), ("zeroed", "mut_ptr"), ("lpad", "i64"), ("off_part", "i64"),
+     ("off_score", "i64"), ("off_info", "i64"), ("off_cand_u", "i64"), ("off_cand_i", "i64"), ("off_fin", "i64"),
      ("n_chunks", "i32"), ("chunk_steps", "i32"), ("k_max", "i32"))  # per call; the rest per plan
     + (("q_stride_b", "i64"), ("q_stride_h", "i64"), ("kt_stride_page", "i64"), ("kt_stride_h", "i64"),
        ("vsum_stride_row", "i64"))

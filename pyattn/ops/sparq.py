@@ -57,7 +57,8 @@ def _build(P, device) -> _Plan:
     H = pool.heads_kv
     kt = (H * D * pool.page_size, D * pool.page_size)  # the cache's kt pool, C-contiguous
     packer = spec.params.partial({
-        "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "kt_stride_page": kt[0], "kt_stride_h": kt[1], "vsum_stride_row": H * D,
+        "q_stride_b": P.q_strides[0], "q_stride_h": P.q_strides[1], "kt_stride_page": kt[0], "kt_stride_h": kt[1],
+        "vsum_stride_row": H * D,
         "batch": P.batch, "heads_kv": H, "group": G, "head_dim": D, "page_size": pool.page_size, "r": P.r, "k": P.k,
         "scale_log2": P.scale * LOG2E, "row_heads": P.row_heads, "kv_div": P.group if P.per_head else 1})
     # Each chosen key is its own page of one slot: row (slot * H + kv head) of the NHD pools. The
@@ -112,8 +113,9 @@ def _run(P, plan, cache, ids, q_ptr, s, return_indices):
 
     def go(kernel, grid, block_steps):
         params = plan.packer.pack(q_ptr, qx, cache.kt.ptr, indices.ptr, indptr.ptr, kv_len.ptr, ws.ptr, sel, sel_pos,
-                                  dec_len, cache.v_sum.ptr, vrow.ptr, zeroed, lpad, offs["part"], offs["score"], offs["info"],
-                                  offs["cand_u"], offs["cand_i"], offs["fin"], n_chunks, block_steps, k_max)
+                                  dec_len, cache.v_sum.ptr, vrow.ptr, zeroed, lpad, offs["part"], offs["score"],
+                                  offs["info"], offs["cand_u"], offs["cand_i"], offs["fin"], n_chunks, block_steps,
+                                  k_max)
         launch(kernel, grid, (plan.threads, 1, 1), 0, s, params)
 
     # The rows' histograms and counters (the score blocks add into them): the stream's counter

@@ -3,8 +3,8 @@
 kv_key_pages (re)quantizes the keys of the pages an append wrote with per-(page, channel) scales;
 kv_sparq keeps SparQ's transposed key copy and running V sums; sparq_score and sparq_select are
 SparQ's first stages, a kernel each, before the paged decode kernel that ends it (its finish folded
-in). All take the head dim as a launch parameter (one variant, bucket 32, serves every head dim) and have
-no dynamic shared memory.
+in). All take the head dim as a launch parameter (one variant, bucket 32, serves every head dim)
+and have no dynamic shared memory.
 """
 
 from __future__ import annotations
