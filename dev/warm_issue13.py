@@ -22,7 +22,7 @@ def specs(arch: str) -> list:
         out += [KernelSpec("kv_append", tag, 32, arch, kv=kv) for kv in ("", "int8", "fp8e4m3")]
         out += [KernelSpec("kv_key_pages", tag, 32, arch, kv=kv) for kv in ("int8", "fp8e4m3")]
         out += [KernelSpec("kv_sparq", tag, 32, arch)]
-        out += [KernelSpec(f"sparq_{st}", tag, 32, arch) for st in ("score", "select", "finish")]
+        out += [KernelSpec(f"sparq_{st}", tag, 32, arch) for st in ("score", "select")]
         for d in (64, 128, 256):
             out.append(KernelSpec("split_combine", tag, d, arch))
             for kv in ("int8", "fp8e4m3"):
