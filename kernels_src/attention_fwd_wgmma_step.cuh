@@ -12,6 +12,18 @@
 
 namespace pyattn {
 
+// A 16-bit or f32 mask's terms added to a whole tile's scores s (FastMods::add_terms, a pair of
+// keys a call; mw / mt as gather_mask leaves them): the mask-only loop and the second loop of a
+// mask split from the other modifiers (kSplitMask in step) both take it.
+template <int BN, class M>
+__device__ __forceinline__ void add_tile_terms(const M& mods, const unsigned* mw, const float* mt, float* s) {
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      mods.add_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
+}
+
 // P_j (S after the softmax) as the A fragments of P V.
 // 16-bit: n8 blocks 2kk and 2kk+1 of S form k16 step kk (the mma.m16n8k16 A layout, wgmma.cuh).
 // FP8: a k32 A fragment holds row g's k 4t..4t+3 (register 0) and 16+4t..16+4t+3 (register 2),
@@ -259,34 +271,27 @@ AttnFwdWgmmaMainloop<Tr, Mods, SPARSE, PAGED, TREE>::step(const int j) {
     constexpr bool kSplitMask = Mods::kMask != kMaskNone && !FastMods<Mods>::kMaskOnly && !kF32Fused &&
                                 (FastMods<Mods>::kFloatMask || Mods::kAlibi);
     if constexpr (FastMods<Mods>::kFloatMask && FastMods<Mods>::kMaskOnly)  // the terms onto raw S
-      if (!(full && rows_in && plain))
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            mods.add_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s[4 * i + 2 * h],
-                           s[4 * i + 2 * h + 1]);
+      if (!(full && rows_in && plain)) add_tile_terms<BN>(mods, mw, mt, s);
     if (full && rows_in && (kSplitMask || plain)) {  // plain: as without the mask
       if constexpr (!FastMods<Mods>::kMaskOnly)
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[4 * i + e] = mods.score(s[4 * i + e], token(e >> 1), n0 + i * 8 + 2 * t + (e & 1), 0.f);
-      if constexpr (kSplitMask)
-        if (!plain)
+      if constexpr (kSplitMask) {
+        if constexpr (FastMods<Mods>::kBool) {
+          if (!plain)
 #pragma unroll
-          for (int i = 0; i < BN / 8; ++i)
+            for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float& s0 = s[4 * i + 2 * h];
-              float& s1 = s[4 * i + 2 * h + 1];
-              if constexpr (FastMods<Mods>::kBool) {
-                s0 = mask_visible(mw, i, h, 0) ? s0 : -inf();
-                s1 = mask_visible(mw, i, h, 1) ? s1 : -inf();
-              } else {
-                mods.add_terms(mw[2 * i + h], mt[4 * i + 2 * h], mt[4 * i + 2 * h + 1], s0, s1);
+              for (int h = 0; h < 2; ++h) {
+                s[4 * i + 2 * h] = mask_visible(mw, i, h, 0) ? s[4 * i + 2 * h] : -inf();
+                s[4 * i + 2 * h + 1] = mask_visible(mw, i, h, 1) ? s[4 * i + 2 * h + 1] : -inf();
               }
-            }
+        } else {
+          if (!plain) add_tile_terms<BN>(mods, mw, mt, s);
+        }
+      }
     } else if (!kSplitMask && full && rows_in) {  // every position visible: no per-element band or bounds tests
       // Packed bits alone: one row half's scores after the other (HO = 2), so that the word's bits
       // are tested in order and ptxas turns them into predicates a byte at a time (R2P of 7 bits,
