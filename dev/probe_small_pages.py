@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python dev/probe_small_pages.py [--points 8x32768,1x32768,64x4096] [--pages 1,8,16]
                                                  [--rows 16x4x2x3,...] [--q-len 1] [--cache int8]
+                                                 [--head-dim 128]
 
-Hq 32, Hkv 8, D 128, random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
+Hq 32, Hkv 8, D 128 (``--head-dim``), random bf16 K/V appended from torch (as ``scripts/bench_quant.py`` fills its
 caches); GPU us per call behind a pre-roll (``harness.Bench.gpu_ms``) and TB/s of K + V (of their
 codes and scales for an 8-bit cache). On sm_90a pages of 16 and more take the TMA kernels' page
 boxes; smaller or odd pages the same kernels with their producers gathering the rows
@@ -29,7 +30,7 @@ import pyattn  # noqa: E402
 from _rows import decode_rows  # noqa: E402
 from pyattn.kernels.families import override_tiles, tile_table  # noqa: E402
 
-HQ, HKV, D, CHUNK = 32, 8, 128, 2048
+HQ, HKV, CHUNK = 32, 8, 2048
 
 
 def main() -> int:
@@ -39,7 +40,9 @@ def main() -> int:
     ap.add_argument("--rows", default="")
     ap.add_argument("--q-len", type=int, default=1)
     ap.add_argument("--cache", default="bfloat16")
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
+    D = args.head_dim
     if args.rows and args.cache != "bfloat16":
         ap.error("--rows tunes the 16-bit table: not with an 8-bit --cache")
     bench = harness.Bench(torch)
