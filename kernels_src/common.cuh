@@ -29,6 +29,14 @@ template <> struct OutOf<fp8e4m3> {
 // +inf without <cmath> (NVRTC has no INFINITY macro without the host headers).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 
+// Merge two online-softmax states (max, sum of exp2(x - max)), log2 units; an empty state is (-inf, 0).
+__device__ __forceinline__ void merge_exp2_state(float& m, float& z, float m2, float z2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -inf()) return;
+  z = (m == -inf() ? 0.f : z * exp2f(m - mn)) + (m2 == -inf() ? 0.f : z2 * exp2f(m2 - mn));
+  m = mn;
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

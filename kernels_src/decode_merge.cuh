@@ -35,15 +35,6 @@ __device__ __forceinline__ float sparq_alpha(float lse2, float lz) {
   return lz == -inf() ? 1.f : fminf(fmaxf(exp2f(lse2 - lz), 0.f), 1.f);
 }
 
-// (m, l) += (m2, l2): pairs of (max, sum of exp(x - max)) in natural-log units; (-inf, 0) is empty.
-__device__ __forceinline__ void sparq_lse_merge(float& m, float& l, float m2, float l2) {
-  const float mn = fmaxf(m, m2);
-  if (mn == -inf()) return;
-  l = (m == -inf() ? 0.f : l * fast_exp2((m - mn) * kLog2e)) +
-      (m2 == -inf() ? 0.f : l2 * fast_exp2((m2 - mn) * kLog2e));
-  m = mn;
-}
-
 // Row h's N (2 or 4) outputs from column d on: o's first N (normalised, fp32) blended with mean's
 // by alpha, stored.
 template <class Tr, int N>
@@ -75,15 +66,15 @@ __device__ __noinline__ void sparq_combine_end(const DecodeParams& p, int unit, 
   float4 mean = make_float4(0.f, 0.f, 0.f, 0.f);
   if (d >= 0) mean = make_float4(rec[p.group / 2 + d], rec[p.group / 2 + d + 1], rec[p.group / 2 + d + 2],
                                  rec[p.group / 2 + d + 3]);
-  float mt = -inf(), lt = 0.f;  // this lane's (max, sum of exp(lse_s - max))
-  for (int s = g; s < p.num_splits; s += kW) sparq_lse_merge(mt, lt, __ldcg(lse_t + s * split_step), 1.f);
+  float mt = -inf(), lt = 0.f;  // this lane's (max, sum of exp2(lse2_s - max)), log2 units
+  for (int s = g; s < p.num_splits; s += kW) merge_exp2_state(mt, lt, __ldcg(lse_t + s * split_step) * kLog2e, 1.f);
   const unsigned lanes = kW == 32 ? kFullMask : ((1u << kW) - 1u) << (threadIdx.x % 32 / kW * kW);
 #pragma unroll
   for (int o2 = kW / 2; o2 > 0; o2 /= 2) {
     const float m2 = __shfl_xor_sync(lanes, mt, o2, kW), l2 = __shfl_xor_sync(lanes, lt, o2, kW);
-    sparq_lse_merge(mt, lt, m2, l2);
+    merge_exp2_state(mt, lt, m2, l2);
   }
-  if (d >= 0) sparq_store<Tr, 4>(p, unit, h, d, sparq_alpha(lt == 0.f ? -inf() : mt * kLog2e + log2f(lt), lz), o, mean);
+  if (d >= 0) sparq_store<Tr, 4>(p, unit, h, d, sparq_alpha(lt == 0.f ? -inf() : mt + log2f(lt), lz), o, mean);
 }
 
 // Fused split combine. Each of a unit's num_splits blocks (a unit: one kv head, row block and

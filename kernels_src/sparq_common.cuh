@@ -72,19 +72,11 @@ __device__ __forceinline__ const int* sparq_pages(const P& p, int b) {
   return p.page_indices + p.page_indptr[b];
 }
 
-// Merge (max, sum of exp2(x - max)) pairs; an empty state is (-inf, 0).
-__device__ __forceinline__ void sparq_merge(float& m, float& z, float m2, float z2) {
-  const float mn = fmaxf(m, m2);
-  if (mn == -inf()) return;
-  z = (m == -inf() ? 0.f : z * exp2f(m - mn)) + (m2 == -inf() ? 0.f : z2 * exp2f(m2 - mn));
-  m = mn;
-}
-
 __device__ __forceinline__ void sparq_warp_merge(float& m, float& z) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(kFullMask, m, o), z2 = __shfl_xor_sync(kFullMask, z, o);
-    sparq_merge(m, z, m2, z2);
+    merge_exp2_state(m, z, m2, z2);
   }
 }
 

@@ -266,7 +266,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
       const int h = 8 * hb + 2 * t + hh;
       if (g == 0 && h < G) {
         float* r2 = red + (warp * kSparqMaxGroup + h) * 2;
-        sparq_merge(r2[0], r2[1], m, z);
+        merge_exp2_state(r2[0], r2[1], m, z);
       }
     }
   __syncthreads();
@@ -277,7 +277,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   if (tid < G) {
     float m = -inf(), z = 0.f;
     for (int w = 0; w < kSparqWarps; ++w)
-      sparq_merge(m, z, red[(w * kSparqMaxGroup + tid) * 2], red[(w * kSparqMaxGroup + tid) * 2 + 1]);
+      merge_exp2_state(m, z, red[(w * kSparqMaxGroup + tid) * 2], red[(w * kSparqMaxGroup + tid) * 2 + 1]);
     part[(blockIdx.x * G + tid) * 2] = m;
     part[(blockIdx.x * G + tid) * 2 + 1] = z;
   }
@@ -298,7 +298,7 @@ __device__ __forceinline__ void sparq_score(const P& p, unsigned char* smem) {
   for (int h = warp; h < G; h += kSparqWarps) {
     float m = -inf(), z = 0.f;
     for (int c = lane; c < n_blocks; c += 32)
-      sparq_merge(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
+      merge_exp2_state(m, z, __ldcg(part + (c * G + h) * 2), __ldcg(part + (c * G + h) * 2 + 1));
     sparq_warp_merge(m, z);
     if (lane == 0) fin[h] = k_eff >= n ? -inf() : (m == -inf() || !(z > 0.f)) ? inf() : m + log2f(z);
   }

@@ -225,17 +225,13 @@ def run_decode(P, device, q: int, k: int, v: int, tables, max_len: int, alibi_pt
                              plan.sm_slots)
     n_rows, D = plan.n_rows, plan.head_dim
     part_bytes = 4 * splits * n_rows * (D + 1) if splits > 1 else 0  # fp32 partials and their LSEs
-    if sparq is not None:  # the caller's output
-        out = sparq[1]
-        part = output(device, s, (part_bytes // 4,), _F32, capture) if part_bytes else None  # (kept to the launch)
-        part_ptr = part.ptr if part_bytes else 0
-    elif 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
+    if sparq is None and 0 < part_bytes <= _PART_IN_OUT:  # small: behind out in out's block (one allocation, one free)
         shape, dtype, strides, elem_strides, nbytes = plan.out_layout
         offset = -(-nbytes // 256) * 256
         out = allocate(device, s, shape, dtype, strides, elem_strides, offset + part_bytes, capture)
         part_ptr = out.ptr + offset
-    else:
-        out = allocate(device, s, *plan.out_layout, capture)
+    else:  # (SparQ's decode writes the caller's output)
+        out = allocate(device, s, *plan.out_layout, capture) if sparq is None else sparq[1]
         part = output(device, s, (part_bytes // 4,), _F32, capture) if part_bytes else None  # (kept to the launch)
         part_ptr = part.ptr if part_bytes else 0
     lpart_ptr = part_ptr + 4 * splits * n_rows * D if part_bytes else 0
