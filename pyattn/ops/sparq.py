@@ -198,7 +198,10 @@ def sparq_decode(q, cache, seq_ids, *, r, k, scale=None, select="group", return_
     -----
     Bytes read per (sequence, kv head) and step: ``r`` of the ``head_dim`` channels of the keys,
     ``k`` full key and value rows, and small per-key scores (8 bytes); at ``r = head_dim / 4`` and
-    ``k = L / 8``, about a quarter of exact decode's. The chosen set depends on the approximate
+    ``k = L / 8``, about a quarter of exact decode's. The scoring reads the transposed keys a
+    page's channel row at a time (``2 * page_size`` bytes), so pages of 64 tokens or more serve it
+    best: on an H200 at batch 8 x 32k the scoring takes 1.6x as long at page 16 as at page 64, a
+    call 1.25x (BENCHMARKS.md, sixty-ninth session). The chosen set depends on the approximate
     scores' float32 rounding, so keys whose scores tie within that rounding may be swapped against
     the float64 reference.
     """
