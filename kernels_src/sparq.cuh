@@ -214,7 +214,7 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
   const int n_blocks = (n + kSparqChunk * p.chunk_steps - 1) / (kSparqChunk * p.chunk_steps);
   if (!sparq_last(ctr + 3, n_blocks, flag)) return;
   if (tbin >= 0) {
-    const int n_cand = __ldcg(ctr + 2), remaining = k_eff - __ldcg(ctr + 1);
+    const int n_cand = __ldcg(ctr + 2), chosen = __ldcg(ctr + 1), remaining = k_eff - chosen;
     const bool in_smem = n_cand <= kSparqCandMax;
     if (in_smem) {
       for (int j = tid; j < n_cand; j += kSparqThreads) cand_s[j] = sparq_cand(cu, ci, cand_s, false, j);
@@ -222,11 +222,13 @@ __device__ __forceinline__ void sparq_select(const P& p, unsigned char* smem) {
     }
     const unsigned long long prefix = sparq_refine(cu, ci, n_cand, remaining, tbin, in_smem, cand_s, h256,
                                                    sm + 2 * kSparqWarps + 2, cmp_s);
-    // every candidate whose key is >= prefix: count this thread's, claim once, write
+    // every candidate whose key is >= prefix: count this thread's, place them after the chosen keys
+    // (every other block of the row is done, so their count is final: a prefix sum, no claim; the
+    // claim this replaced packed the take into 16 bits, and 65536 keys or more taken here overlapped),
+    // write
     int take = 0;
     for (int j = tid; j < n_cand; j += kSparqThreads) take += sparq_cand(cu, ci, cand_s, in_smem, j) >= prefix;
-    int pos, unused;
-    sparq_block_claim(ctr + 1, ctr + 1, take, 0, sm, pos, unused);
+    int pos = chosen + sparq_block_offset(take, sm);
     for (int j = tid; j < n_cand && take > 0; j += kSparqThreads) {
       const unsigned long long key = sparq_cand(cu, ci, cand_s, in_smem, j);
       if (key < prefix) continue;

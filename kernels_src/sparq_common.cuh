@@ -112,6 +112,26 @@ __device__ __forceinline__ void sparq_block_claim(int* ctr_a, int* ctr_b, int na
   __syncthreads();  // sm is free again
 }
 
+// Block-wide exclusive prefix sum of one count a thread (every thread calls it), in 32 bits and
+// with no counter: the select stage's last block places its take after the row's chosen keys, whose
+// number it knows; its take can pass sparq_block_claim's 16-bit lists (up to k keys).
+// `sm`: kSparqWarps ints of shared memory.
+__device__ __forceinline__ int sparq_block_offset(int n, int* sm) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sm[warp] = incl;
+  __syncthreads();
+  int before = incl - n;
+  for (int w = 0; w < warp; ++w) before += sm[w];
+  __syncthreads();  // sm is free again
+  return before;
+}
+
 // Warp 0's search over 256 counts c[0..255] (called by a whole warp): the largest t with
 // c[t] + ... + c[255] >= need (need <= the total), and above = c[t + 1] + ... + c[255]. Lane l sums
 // the 8 counts c[248 - 8l .. 255 - 8l], so the lanes' inclusive scan runs from the top down.

@@ -240,6 +240,22 @@ def test_selection_among_tied_scores(n, tied, where):
     assert tied_taken == same[:want].tolist(), (len(tied_taken), want)
 
 
+def test_more_than_65535_keys_taken_from_the_threshold_bin():
+    """Every key alike (all scores 0: one bin holds all 135,000 candidates, none chosen above it) and
+    k = 70,000: the select stage's last block takes 70,000 candidates, past the 16-bit counts a
+    block's claim packs (that packing had its writes overlap here). Ties go to the lowest positions,
+    so the choice is exactly positions 0 .. k - 1, and the output is SparQ over them."""
+    rng = np.random.default_rng(11)
+    n, k, Hkv, G, D, r, bf16 = 135_000, 70_000, 1, 4, 64, 16, ml_dtypes.bfloat16
+    keys, v = np.zeros((n, Hkv, D)), rng.standard_normal((n, Hkv, D))
+    q = rng.standard_normal((1, 1, Hkv * G, D)).astype(bf16)
+    cache = pyattn.PagedKVCache(n // 16 + 4, 16, Hkv, D, "bfloat16", sparq=True)
+    ids = _fill(cache, [(keys, v)], bf16)
+    out, pos = pyattn.sparq_decode(q, cache, ids, r=r, k=k, return_indices=True)
+    assert np.array_equal(np.sort(pos[0, 0, :k]), np.arange(k))
+    _check(q, [(keys, v)], out, pos, r, k, "bfloat16")
+
+
 def test_torch_query_and_the_mean_blend():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(9)
