@@ -80,20 +80,28 @@ __device__ __forceinline__ void sparq_warp_merge(float& m, float& z) {
   }
 }
 
-// Block-wide append (every thread calls it): each thread adds `na` entries to list A and `nb` to
-// list B (each < 65536 a block); one atomicAdd per list and block. Returns this thread's first
-// positions. `sm`: 2 * kSparqWarps + 2 ints of shared memory.
-__device__ __forceinline__ void sparq_block_claim(int* ctr_a, int* ctr_b, int na, int nb, int* sm, int& a, int& b) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int mine = na | (nb << 16);
-  int incl = mine;
+// A warp's inclusive prefix sum of x (every thread of the block calls it), each warp's total left
+// in sm[warp] and the block past a barrier: the first half of the block-wide sums below.
+__device__ __forceinline__ int sparq_warp_totals(int x, int* sm) {
+  const int lane = threadIdx.x % 32;
+  int incl = x;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const int y = __shfl_up_sync(kFullMask, incl, o);
     if (lane >= o) incl += y;
   }
-  if (lane == 31) sm[warp] = incl;
+  if (lane == 31) sm[threadIdx.x / 32] = incl;
   __syncthreads();
+  return incl;
+}
+
+// Block-wide append (every thread calls it): each thread adds `na` entries to list A and `nb` to
+// list B (each < 65536 a block); one atomicAdd per list and block. Returns this thread's first
+// positions. `sm`: 2 * kSparqWarps + 2 ints of shared memory.
+__device__ __forceinline__ void sparq_block_claim(int* ctr_a, int* ctr_b, int na, int nb, int* sm, int& a, int& b) {
+  const int warp = threadIdx.x / 32;
+  const int mine = na | (nb << 16);
+  const int incl = sparq_warp_totals(mine, sm);
   if (threadIdx.x == 0) {
     int run = 0;
     for (int w = 0; w < kSparqWarps; ++w) {
@@ -117,15 +125,8 @@ __device__ __forceinline__ void sparq_block_claim(int* ctr_a, int* ctr_b, int na
 // number it knows; its take can pass sparq_block_claim's 16-bit lists (up to k keys).
 // `sm`: kSparqWarps ints of shared memory.
 __device__ __forceinline__ int sparq_block_offset(int n, int* sm) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFullMask, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) sm[warp] = incl;
-  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const int incl = sparq_warp_totals(n, sm);
   int before = incl - n;
   for (int w = 0; w < warp; ++w) before += sm[w];
   __syncthreads();  // sm is free again
